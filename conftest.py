@@ -1,0 +1,62 @@
+"""Markers, platform selection, device detection and hypothesis profiles.
+
+- ``--platform NAME`` (repeatable; default all three): the platforms whose fp8 formats the
+  ``platform`` fixture runs over. ``cuda`` is native on NVIDIA; ``rocm-ocp`` and
+  ``rocm-fnuz`` are emulated through the kernels' explicit storage-format argument.
+- Tests marked ``gpu`` are skipped with a reason when no CUDA device is present.
+- Hypothesis profiles: ``ci`` (derandomized, bounded, chosen when CI=true), ``dev``
+  (the default), ``nightly`` (long). Pick one with ``--hypothesis-profile``.
+"""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from reference.platforms import PLATFORMS
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=60,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", max_examples=100, deadline=None, print_blob=True)
+settings.register_profile(
+    "nightly", max_examples=5000, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("ci" if os.environ.get("CI", "").lower() == "true" else "dev")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--platform",
+        action="append",
+        choices=PLATFORMS,
+        help="platform(s) whose fp8 formats to test (default: all, emulated where not native)",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    if "platform" in metafunc.fixturenames:
+        metafunc.parametrize("platform", metafunc.config.getoption("platform") or PLATFORMS)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,1 @@
+"""Production kernels (Triton, and the Python side of csrc/), registered as torch custom ops."""

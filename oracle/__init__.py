@@ -1,0 +1,1 @@
+"""The oracle: cases, implementations, tolerance models, reports and the CLI."""

@@ -1,0 +1,217 @@
+"""Bit-exact codecs for the fp8 formats (and bf16/fp16) in float64 NumPy.
+
+One table (``FORMATS``) defines every format by its bit split, bias and special-value
+conventions; ``decode`` and ``encode`` are derived from it and nothing else.
+
+Encoding is round-to-nearest-even onto the format's finite grid (subnormals included),
+then one of two overflow policies (SPEC.md section 1):
+
+``satfinite``      NVIDIA ``cvt.rn.satfinite`` / vLLM KV writes: overflow and +-Inf become
+                   +-max finite; NaN becomes the format's canonical NaN code.
+``nonsaturating``  OCP "overflow" mode, what ml_dtypes ``astype`` does: overflow and Inf
+                   become Inf where the format has one (e5m2, bf16, fp16), else NaN.
+
+Rounding happens before the overflow decision, so a value within half a step above max
+may still round down to max (464 -> 448 in e4m3fn) and a tie past max rounds to even,
+which can be the first value past max (61440 -> Inf in e5m2).
+
+The optional ``scale`` divides first (``value / scale`` in float64). For float32 values
+and scales this is as good as an exact quotient: an inexact quotient lies at least
+~2^-30 (relative) from any fp8 grid point or midpoint, far beyond float64's 2^-53, so the
+second rounding can never cross a midpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+POLICIES = ("satfinite", "nonsaturating")
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A binary floating-point format of at most 16 bits.
+
+    ``specials`` names the convention of the special values:
+      ``ieee``  top exponent reserved: mantissa 0 is +-Inf, others NaN (e5m2, bf16, fp16)
+      ``fn``    no Inf; only the all-ones code (both signs) is NaN (e4m3fn)
+      ``fnuz``  no Inf, no -0; the single code 1000...0 is NaN (e4m3fnuz, e5m2fnuz)
+    """
+
+    name: str
+    exp_bits: int
+    man_bits: int
+    bias: int
+    specials: str
+    nan_code: int  # the canonical NaN a writer emits
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exp_bits + self.man_bits
+
+    @property
+    def sign_bit(self) -> int:
+        return 1 << (self.bits - 1)
+
+    @property
+    def code_dtype(self):
+        return np.uint8 if self.bits == 8 else np.uint16
+
+    @property
+    def max_code(self) -> int:
+        """The positive code of the largest finite value."""
+        top = self.sign_bit - 1
+        if self.specials == "ieee":
+            return ((1 << self.exp_bits) - 1 << self.man_bits) - 1
+        return top - 1 if self.specials == "fn" else top
+
+    @property
+    def inf_code(self) -> int | None:
+        return ((1 << self.exp_bits) - 1) << self.man_bits if self.specials == "ieee" else None
+
+    @property
+    def negative_zero_code(self) -> int | None:
+        return None if self.specials == "fnuz" else self.sign_bit
+
+    @cached_property
+    def values(self) -> np.ndarray:
+        """float64 value of every code 0 .. 2^bits - 1 (the decode table)."""
+        code = np.arange(1 << self.bits, dtype=np.int64)
+        sign = np.where(code & self.sign_bit, -1.0, 1.0)
+        e = (code >> self.man_bits) & ((1 << self.exp_bits) - 1)
+        f = code & ((1 << self.man_bits) - 1)
+        frac = f / float(1 << self.man_bits)
+        magnitude = np.where(
+            e == 0,
+            np.ldexp(frac, 1 - self.bias),
+            np.ldexp(1.0 + frac, (e - self.bias).astype(np.int32)),
+        )
+        value = sign * magnitude
+        top_e = e == (1 << self.exp_bits) - 1
+        if self.specials == "ieee":
+            value = np.where(top_e & (f == 0), sign * np.inf, value)
+            value = np.where(top_e & (f != 0), np.nan, value)
+        elif self.specials == "fn":
+            value = np.where(top_e & (f == (1 << self.man_bits) - 1), np.nan, value)
+        else:
+            value = np.where(code == self.sign_bit, np.nan, value)
+        return value
+
+    @property
+    def max_finite(self) -> float:
+        return float(self.values[self.max_code])
+
+    @property
+    def min_normal(self) -> float:
+        return float(self.values[1 << self.man_bits])
+
+    @property
+    def min_subnormal(self) -> float:
+        return float(self.values[1])
+
+    @cached_property
+    def _grid(self) -> np.ndarray:
+        """Finite magnitudes of codes 0..max_code, plus the first value past max (what the
+        code max_code + 1 would be worth if the exponent range went on): the overflow
+        threshold is the midpoint to it, and tie-to-even decides that midpoint."""
+        finite = self.values[: self.max_code + 1]
+        return np.append(finite, 2 * finite[-1] - finite[-2])
+
+
+FORMATS: dict[str, FloatFormat] = {
+    f.name: f
+    for f in (
+        FloatFormat("e4m3fn", 4, 3, 7, "fn", 0x7F),
+        FloatFormat("e5m2", 5, 2, 15, "ieee", 0x7F),
+        FloatFormat("e4m3fnuz", 4, 3, 8, "fnuz", 0x80),
+        FloatFormat("e5m2fnuz", 5, 2, 16, "fnuz", 0x80),
+        FloatFormat("bfloat16", 8, 7, 127, "ieee", 0x7FC0),
+        FloatFormat("float16", 5, 10, 15, "ieee", 0x7E00),
+    )
+}
+FP8_FORMATS = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
+
+
+def get_format(fmt: str | FloatFormat) -> FloatFormat:
+    if isinstance(fmt, FloatFormat):
+        return fmt
+    try:
+        return FORMATS[fmt]
+    except (KeyError, TypeError):
+        raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}") from None
+
+
+def as_float64(x, name: str = "x") -> np.ndarray:
+    """float64 copy of a floating-point array (bf16 via ml_dtypes included); every
+    narrower float converts exactly. Integers and other kinds are rejected."""
+    a = np.asarray(x)
+    ml_float = a.dtype.name == "bfloat16" or a.dtype.name.startswith("float8")
+    if a.dtype.kind != "f" and not ml_float:
+        raise ValueError(f"{name} must be a floating-point array, got dtype {a.dtype}")
+    with np.errstate(invalid="ignore"):  # signalling NaNs convert to quiet NaNs, as meant
+        return a.astype(np.float64)
+
+
+def check_scale(scale, name: str = "scale") -> np.ndarray:
+    s = np.asarray(scale, dtype=np.float64)
+    if s.size and not (np.all(np.isfinite(s)) and np.all(s > 0)):
+        raise ValueError(f"{name} must be finite and > 0 everywhere, got {s.ravel()[:8]}")
+    return s
+
+
+def decode(codes, fmt: str | FloatFormat) -> np.ndarray:
+    """float64 value of each code (exact; NaN/Inf codes give NaN/Inf)."""
+    f = get_format(fmt)
+    c = np.asarray(codes)
+    if c.dtype.kind not in "ui":
+        raise ValueError(f"codes must be an integer array, got dtype {c.dtype}")
+    if c.size and (c.min() < 0 or c.max() >= 1 << f.bits):
+        raise ValueError(f"codes must lie in [0, {(1 << f.bits) - 1}] for {f.name}")
+    return f.values[c.astype(np.int64)]
+
+
+def encode(x, fmt: str | FloatFormat, policy: str = "satfinite", scale=None) -> np.ndarray:
+    """Codes of ``x / scale`` rounded to nearest-even, with the given overflow policy."""
+    f = get_format(fmt)
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    v = as_float64(x)
+    if scale is not None:
+        v = v / check_scale(scale)
+    finite = np.isfinite(v)
+    mag = np.where(finite, np.abs(v), 0.0)
+    grid = f._grid
+    hi = np.clip(np.searchsorted(grid, mag, side="left"), 1, len(grid) - 1)
+    lo = hi - 1
+    d_lo, d_hi = mag - grid[lo], grid[hi] - mag
+    # Tie: the even code wins (the code's LSB is the mantissa's LSB).
+    code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    overflow = ~finite | (code > f.max_code)
+    if policy == "satfinite":
+        code = np.where(overflow, f.max_code, code)
+    elif f.inf_code is not None:
+        code = np.where(overflow, f.inf_code, code)
+    negative = np.signbit(v)
+    if f.specials == "fnuz":
+        negative &= code != 0  # no -0: it encodes as +0
+    code = code | np.where(negative, f.sign_bit, 0)
+    if policy == "nonsaturating" and f.inf_code is None:
+        code = np.where(overflow, f.nan_code, code)
+    code = np.where(np.isnan(v), f.nan_code, code)
+    return code.astype(f.code_dtype)
+
+
+def round_to(x, fmt: str | FloatFormat) -> np.ndarray:
+    """float64 values of x rounded (RNE, non-saturating) to a format, e.g. bf16 or fp16."""
+    return decode(encode(x, fmt, "nonsaturating"), fmt)
+
+
+def to_bf16(x) -> np.ndarray:
+    return round_to(x, "bfloat16")
+
+
+def to_fp16(x) -> np.ndarray:
+    return round_to(x, "float16")

@@ -1,0 +1,71 @@
+"""Which storage format a ``kv_cache_dtype`` string means on each platform (SPEC.md s.2).
+
+Platforms: ``cuda`` (NVIDIA sm89+), ``rocm-ocp`` (gfx950) and ``rocm-fnuz`` (gfx942, MI300).
+The OCP platforms store fp8 as e4m3fn / e5m2; MI300 stores e4m3fnuz / e5m2fnuz. A format
+name here is a key of ``reference.codec.FORMATS``; the unquantised strings resolve to the
+model (activation) dtype, ``bfloat16`` or ``float16``.
+
+vLLM's fused insert on MI300 rejects ``fp8_e5m2``; mapping it to e5m2fnuz there is this
+project's generalisation (tested by emulation), so ``OPS_FORMATS`` allows it for every op.
+Index caches in fp8 always use the platform's e4m3 format.
+"""
+
+from __future__ import annotations
+
+PLATFORMS = ("cuda", "rocm-ocp", "rocm-fnuz")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+MODEL_DTYPES = ("bfloat16", "float16")
+
+_FP8 = {
+    "cuda": {"e4m3": "e4m3fn", "e5m2": "e5m2"},
+    "rocm-ocp": {"e4m3": "e4m3fn", "e5m2": "e5m2"},
+    "rocm-fnuz": {"e4m3": "e4m3fnuz", "e5m2": "e5m2fnuz"},
+}
+_KV_KIND = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
+
+# The platform a machine would run natively; the others are emulated through the
+# storage-format argument of the kernels.
+NATIVE_PLATFORM = {"cuda": "cuda", "hip-gfx950": "rocm-ocp", "hip-gfx942": "rocm-fnuz"}
+
+
+def check_platform(platform: str) -> str:
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {list(PLATFORMS)}, got {platform!r}")
+    return platform
+
+
+def check_model_dtype(model_dtype: str) -> str:
+    if model_dtype not in MODEL_DTYPES:
+        raise ValueError(f"model_dtype must be one of {list(MODEL_DTYPES)}, got {model_dtype!r}")
+    return model_dtype
+
+
+def kv_cache_format(kv_cache_dtype: str, platform: str, model_dtype: str = "bfloat16") -> str:
+    """Storage format of the main KV cache: an fp8 format name or the model dtype."""
+    check_platform(platform)
+    check_model_dtype(model_dtype)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in MODEL_DTYPES:
+        return kv_cache_dtype
+    return _FP8[platform][_KV_KIND[kv_cache_dtype]]
+
+
+def index_cache_format(fp8: bool, platform: str, model_dtype: str = "bfloat16") -> str:
+    """Storage format of the index cache: the platform's e4m3, or the model dtype."""
+    check_platform(platform)
+    return _FP8[platform]["e4m3"] if fp8 else check_model_dtype(model_dtype)
+
+
+def platform_formats(platform: str, model_dtype: str = "bfloat16") -> tuple[str, ...]:
+    """Every distinct KV storage format a test on this platform must exercise."""
+    seen = dict.fromkeys(kv_cache_format(s, platform, model_dtype) for s in KV_CACHE_DTYPES)
+    return tuple(seen)
+
+
+def is_fp8(fmt: str) -> bool:
+    return fmt not in MODEL_DTYPES
