@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.codec import FORMATS, check_scale, decode, encode, get_format, round_to
+from reference.codec import as_float64, check_scale, decode, encode, get_format, round_to
 from reference.platforms import is_fp8
 
 LAYOUTS = ("HND", "NHD")
@@ -103,14 +103,15 @@ def insert_kv(cache, fmt, k, v, slot_mapping, k_scale=None, v_scale=None,
     model dtype (reshape_and_cache: two roundings). V is always model-dtype valued already.
     """
     num_pages, hkv, page, two_d = cache.shape
-    n = k.shape[0]
+    k, v = as_float64(k, "k"), as_float64(v, "v")
+    n = k.shape[0] if k.ndim else 0
     if k.shape != (n, hkv, two_d // 2) or v.shape != k.shape:
         raise ValueError(f"k and v must have shape [N, Hkv, D] = [{n}, {hkv}, {two_d // 2}], "
                          f"got {k.shape} and {v.shape}")
     if quantize_from not in ("value", "model_dtype"):
         raise ValueError(f"quantize_from must be 'value' or 'model_dtype', got {quantize_from!r}")
-    if cache.dtype != FORMATS[fmt].code_dtype:
-        raise ValueError(f"cache must hold {FORMATS[fmt].code_dtype.__name__} codes for {fmt}")
+    if cache.dtype != get_format(fmt).code_dtype:
+        raise ValueError(f"cache must hold {get_format(fmt).code_dtype.__name__} codes for {fmt}")
     num_slots = num_pages * page
     slots = check_slots(slot_mapping, num_slots, n)
     ks = check_scales(k_scale, "k_scale", fmt, hkv, num_slots)
@@ -129,7 +130,11 @@ def insert_kv(cache, fmt, k, v, slot_mapping, k_scale=None, v_scale=None,
 def insert_index_k(index_cache, fmt, index_k, index_slot_mapping):
     """Write each token's index key ``[N, D]`` (float64 values) at its slot (unit scale)."""
     num_pages, page, d = index_cache.shape
-    n = index_k.shape[0]
+    if index_cache.dtype != get_format(fmt).code_dtype:
+        raise ValueError(f"index_cache must hold {get_format(fmt).code_dtype.__name__} codes "
+                         f"for {fmt}, got {index_cache.dtype}")
+    index_k = as_float64(index_k, "index_k")
+    n = index_k.shape[0] if index_k.ndim else 0
     if index_k.shape != (n, d):
         raise ValueError(f"index_k must have shape [N, D] = [{n}, {d}], got {index_k.shape}")
     slots = check_slots(index_slot_mapping, num_pages * page, n, "index_slot_mapping")
