@@ -1,19 +1,47 @@
 """``python -m oracle VERB``: the command line of the framework.
 
-Verbs: ``report`` (the main job: today the fp8 conformance summary) and ``conformance``.
+  report       the main job: the tolerance report on the default case set (JSON + Markdown
+               + PNG); on a CUDA machine every registered implementation, else the CPU ones
+  render       Markdown and PNG from a report JSON
+  diff         compare two reports of the same case set; exit 1 if a cell got worse
+  replay       re-run one case by its id (printed by every failure)
+  fuzz         hypothesis-driven search for failing cases within a time budget
+  conformance  the fp8 codec against ml_dtypes, and which policy torch's casts follow
+
 Errors in the user's input print one line and exit 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 
-def _conformance(args) -> int:
+def _device() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _split(value):
+    return [v for v in value.split(",") if v] if value else None
+
+
+def _check_names(kind, values, valid):
+    bad = [v for v in values or [] if v not in valid]
+    if bad:
+        raise ValueError(f"{kind} must be among {list(valid)}, got {bad}")
+    return values
+
+
+# ------------------------------------------------------------------------------ verbs
+
+
+def cmd_conformance(args) -> int:
     import torch
 
     from oracle import conformance
@@ -27,38 +55,164 @@ def _conformance(args) -> int:
     failures = sum(r.mismatches for r in rows)
     print(f"\n{len(rows)} reference rows, {failures} mismatches; {time.perf_counter() - t0:.1f} s")
     if args.out:
+        import json
+
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "schema": "conformance/1",
-            "torch": torch.__version__,
-            "reference": [r.__dict__ for r in rows],
-            "torch_casts": [dict(r.__dict__, policy=r.policy) for r in trows],
-        }
+        doc = {"schema": "conformance/1", "torch": torch.__version__,
+               "reference": [r.__dict__ for r in rows],
+               "torch_casts": [dict(r.__dict__, policy=r.policy) for r in trows]}
         out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
         out.with_suffix(".md").write_text(text + "\n")
         print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     return 1 if failures else 0
 
 
+def cmd_report(args) -> int:
+    from oracle import render, report
+    from oracle.cases import OPS, SHAPE_CLASSES
+    from oracle.registry import known_names
+    from reference.platforms import PLATFORMS
+
+    ops = _check_names("ops", _split(args.ops), OPS) or list(OPS)
+    platforms = _check_names("platforms", _split(args.platforms), PLATFORMS) or list(PLATFORMS)
+    impls = _check_names("impls", _split(args.impls), sorted(known_names()))
+    device = _device()
+    default_classes = ["tiny", "small", "model"] if device == "cuda" else ["tiny", "small"]
+    classes = _check_names("shape-classes", _split(args.shape_classes),
+                           SHAPE_CLASSES) or default_classes
+    if args.budget < 1:
+        raise ValueError(f"budget must be >= 1, got {args.budget}")
+    cases = report.default_cases(ops, platforms, classes, args.budget)
+    print(f"{len(cases)} cases on {device}: ops {','.join(ops)}; platforms "
+          f"{','.join(platforms)}; shape classes {','.join(classes)}", flush=True)
+    doc = report.run_report(cases, impls, device=device, progress=not args.quiet)
+    out = Path(args.out or f"reports/{device}")
+    path = report.write_json(doc, out.with_suffix(".json"))
+    files = [path, *render.render(doc, out)]
+    print(_summary_table(doc))
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 1 if doc["failures"] else 0
+
+
+def _summary_table(doc) -> str:
+    from collections import defaultdict
+
+    agg = defaultdict(lambda: [0, 0, 0, 0.0])
+    for c in doc["cells"]:
+        a = agg[(c["op"], c["impl"])]
+        a[0] += c["cases"]
+        a[1] += c["passed"]
+        a[2] += c["violations"]
+        a[3] = max(a[3], c["max_err_over_bound"])
+    lines = ["", "| op | impl | cases | passed | violations | max err/bound |",
+             "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {op} | {impl} | {a[0]} | {a[1]} | {a[2]} | {a[3]:.3g} |"
+              for (op, impl), a in sorted(agg.items())]
+    return "\n".join(lines)
+
+
+def cmd_render(args) -> int:
+    from oracle import render, report
+
+    doc = report.load(args.report)
+    out = Path(args.out) if args.out else Path(args.report).with_suffix("")
+    print("wrote " + ", ".join(str(p) for p in render.render(doc, out)))
+    return 0
+
+
+def cmd_diff(args) -> int:
+    from oracle import diff, report
+
+    text, worse = diff.diff_reports(report.load(args.old), report.load(args.new))
+    print(text)
+    return 1 if worse else 0
+
+
+def cmd_replay(args) -> int:
+    from oracle.cases import Case, input_hash, make_inputs
+    from oracle.checks import run_check
+    from oracle.registry import implementations
+
+    case = Case.from_id(args.case)
+    x = make_inputs(case)
+    print(f"case {case.id}\ninput hash {input_hash(x)}")
+    if args.hash and args.hash != input_hash(x):
+        print(f"input hash differs from the recorded {args.hash}: not the same inputs")
+        return 1
+    impls = implementations(case.op, [args.impl] if args.impl else None, _device())
+    failed = 0
+    for impl in impls:
+        ok, why = impl.supports(case)
+        if not ok:
+            print(f"{impl.name}: does not claim this case ({why})")
+            continue
+        r = run_check(case, impl, x)
+        print(r.summary())
+        failed += not r.passed
+    return 1 if failed else 0
+
+
+def cmd_fuzz(args) -> int:
+    from oracle import fuzz
+
+    return fuzz.run(seconds=args.seconds, ops=_split(args.ops), impls=_split(args.impls),
+                    out_dir=Path(args.out), device=_device())
+
+
+# ------------------------------------------------------------------------------- parser
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m oracle", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m oracle", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="verb")
-    for verb, help_ in (
-        ("report", "the main job: conformance summary (grows into the tolerance report)"),
-        ("conformance", "fp8 codec vs ml_dtypes, and which policy torch's casts follow"),
-    ):
-        s = sub.add_parser(verb, help=help_, description=help_)
-        s.add_argument("--out", help="write OUT.json and OUT.md (e.g. reports/conformance)")
-        s.set_defaults(func=_conformance)
+
+    s = sub.add_parser("report", help="the tolerance report on the default case set")
+    s.add_argument("--ops", help="comma-separated ops (default: all)")
+    s.add_argument("--impls", help="comma-separated implementation names (default: all)")
+    s.add_argument("--platforms", help="comma-separated platforms (default: all three)")
+    s.add_argument("--shape-classes", help="tiny,small[,model] (default: model on CUDA only)")
+    s.add_argument("--budget", type=int, default=1, help="seeds per cell (default 1)")
+    s.add_argument("--out", help="output prefix (default reports/cpu or reports/cuda)")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("render", help="Markdown and PNG from a report JSON")
+    s.add_argument("report")
+    s.add_argument("--out", help="output prefix (default: the report's path without .json)")
+    s.set_defaults(func=cmd_render)
+
+    s = sub.add_parser("diff", help="flag cells whose numerics got worse; exit 1 if any")
+    s.add_argument("old")
+    s.add_argument("new")
+    s.set_defaults(func=cmd_diff)
+
+    s = sub.add_parser("replay", help="re-run one case by its id")
+    s.add_argument("case", help="op:shape_class:dist:platform:kv_cache_dtype:model_dtype:"
+                                "scales:seed")
+    s.add_argument("--impl", help="only this implementation")
+    s.add_argument("--hash", help="the input hash recorded with the failure, to verify")
+    s.set_defaults(func=cmd_replay)
+
+    s = sub.add_parser("fuzz", help="hypothesis search for failing cases")
+    s.add_argument("--seconds", type=float, default=60.0, help="time budget")
+    s.add_argument("--ops", help="comma-separated ops (default: all)")
+    s.add_argument("--impls", help="comma-separated implementation names (default: all)")
+    s.add_argument("--out", default="fuzz-failures", help="folder for shrunk failing cases")
+    s.set_defaults(func=cmd_fuzz)
+
+    s = sub.add_parser("conformance", help="fp8 codec vs ml_dtypes; torch's cast policies")
+    s.add_argument("--out", help="write OUT.json and OUT.md")
+    s.set_defaults(func=cmd_conformance)
     return p
 
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.verb is None:
-        args = parser.parse_args(["report", *(argv or sys.argv[1:])])
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv or ["report"])
     try:
         return args.func(args)
     except ValueError as e:

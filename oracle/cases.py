@@ -1,0 +1,437 @@
+"""Cases: an op, a shape class, a value distribution, a platform, a cache dtype, scales and a
+seed; the inputs are a pure function of these, made on the CPU from raw bit-generator
+output (``oracle.rand``), so a case id replays bit for bit on any machine.
+
+A case id reads ``op:shape_class:dist:platform:kv_cache_dtype:model_dtype:scales:seed``
+(``Case.id`` / ``Case.from_id``); ``python -m oracle replay ID`` re-runs it. Every input set
+carries the sha256 of its arrays (``input_hash``), recorded in reports and checked on replay.
+
+Shapes are drawn from the seed within the shape class: ``tiny`` (interpreter-sized),
+``small`` (the domain of SPEC.md s.7 at CPU-friendly sizes) and ``model`` (the model's
+numbers: Hq 64, Hkv 4, D 128, R 64, P 128, K 16; contexts of thousands of tokens).
+
+Distributions (values before rounding to their storage dtype):
+  normal         N(0, 1); attention queries 2.5 N(0, 1) (NOTES.md's accuracy setup)
+  outliers       N(0, 1) plus N(0, 10^2) on 0.1% of entries (FlashAttention-3's fp8 setup)
+  near_overflow  V around the fp8 format's max on both sides; K and index keys pushed there
+                 by small k scales and large norm weights
+  tiny           magnitudes around the fp8 format's min subnormal
+  ties           indexer only: blocks whose keys are copies of another block's (exact ties)
+                 or copies plus a one-ulp change (near ties)
+Content a query must not see (other pages, keys past seq_len, unselected blocks) is
+poisoned with NaN codes and max codes, so a leak is catastrophic, not a 2e-4 wobble.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from oracle import rand
+from reference.codec import FORMATS, encode
+from reference.domain import MODEL, check_choice
+from reference.kv_cache import empty_cache, empty_index_cache, quantize
+from reference.norm_rope import QKVLayout, rope_table
+from reference.platforms import (
+    KV_CACHE_DTYPES,
+    MODEL_DTYPES,
+    PLATFORMS,
+    index_cache_format,
+    is_fp8,
+    kv_cache_format,
+)
+
+OPS = (
+    "norm_rope_insert",
+    "reshape_and_cache",
+    "indexer_prefill",
+    "indexer_decode",
+    "attention_prefill",
+    "attention_decode",
+)
+SHAPE_CLASSES = ("tiny", "small", "model")
+DISTRIBUTIONS = ("normal", "outliers", "near_overflow", "tiny", "ties")
+SCALES = ("none", "tensor", "slot")
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    shape_class: str = "small"
+    dist: str = "normal"
+    platform: str = "cuda"
+    kv_cache_dtype: str = "auto"
+    model_dtype: str = "bfloat16"
+    scales: str = "none"
+    seed: int = 0
+
+    def __post_init__(self):
+        check_choice("op", self.op, OPS)
+        check_choice("shape_class", self.shape_class, SHAPE_CLASSES)
+        check_choice("dist", self.dist, DISTRIBUTIONS)
+        check_choice("platform", self.platform, PLATFORMS)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("model_dtype", self.model_dtype, MODEL_DTYPES)
+        check_choice("scales", self.scales, SCALES)
+        if self.dist == "ties" and not self.op.startswith("indexer"):
+            raise ValueError(f"dist 'ties' applies to the indexer ops only, not {self.op}")
+        if self.scales != "none" and not is_fp8(self.kv_fmt):
+            raise ValueError(f"scales must be 'none' for a {self.kv_fmt} cache, got {self.scales}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def id(self) -> str:
+        return ":".join(str(getattr(self, f.name)) for f in fields(self))
+
+    @classmethod
+    def from_id(cls, case_id: str) -> Case:
+        parts = case_id.split(":")
+        names = [f.name for f in fields(cls)]
+        if len(parts) != len(names):
+            raise ValueError(f"case id must read {':'.join(names)}, got {case_id!r}")
+        try:
+            seed = int(parts[-1])
+        except ValueError:
+            raise ValueError(f"seed must be an integer, got {parts[-1]!r}") from None
+        return cls(*parts[:-1], seed=seed)
+
+    @property
+    def kv_fmt(self) -> str:
+        return kv_cache_format(self.kv_cache_dtype, self.platform, self.model_dtype)
+
+    @property
+    def index_fmt(self) -> str:
+        """fp8 KV caches come with an fp8 (the platform's e4m3) index cache."""
+        return index_cache_format(is_fp8(self.kv_fmt), self.platform, self.model_dtype)
+
+    def replay_command(self, impl: str | None = None) -> str:
+        suffix = f" --impl {impl}" if impl else ""
+        return f"python -m oracle replay {self.id}{suffix}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def input_hash(inputs: dict) -> str:
+    """sha256 over every array and scalar of an input set, in key order."""
+    h = hashlib.sha256()
+    for key in sorted(inputs):
+        value = inputs[key]
+        h.update(key.encode())
+        if isinstance(value, np.ndarray):
+            a = np.ascontiguousarray(value)
+            h.update(str((a.dtype.str, a.shape)).encode())
+            h.update(a.tobytes())
+        else:
+            h.update(repr(value).encode())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------- values
+
+
+def draw_values(bg, dist: str, shape, fmt: str | None = None, std: float = 1.0) -> np.ndarray:
+    """float64 values of a distribution (not yet rounded). ``fmt``: the fp8 format whose
+    max / min subnormal the near_overflow / tiny distributions aim at."""
+    if dist in ("normal", "ties"):
+        return std * rand.normal(bg, shape)
+    if dist == "outliers":
+        base = std * rand.normal(bg, shape)
+        hit = rand.uniform(bg, shape) < 1e-3
+        return base + np.where(hit, 10.0 * rand.normal(bg, shape), 0.0)
+    f = FORMATS[fmt if fmt is not None and is_fp8(fmt) else "e4m3fn"]
+    sign = np.where(rand.integers(bg, 0, 2, shape) == 1, -1.0, 1.0)
+    if dist == "near_overflow":
+        return sign * f.max_finite * (0.85 + 0.3 * rand.uniform(bg, shape))
+    return sign * f.min_subnormal * np.exp2(6 * rand.uniform(bg, shape) - 2)  # tiny
+
+
+def to_model(values, model_dtype: str) -> np.ndarray:
+    """Values rounded to the model dtype, returned as float64 (the reference's activations)."""
+    from reference.codec import round_to
+
+    return round_to(values, model_dtype)
+
+
+def draw_scales(bg, kind: str, fmt: str, num_kv_heads: int, num_slots: int, small=False):
+    """None, a random float32 scalar, or a random float32 ``[Hkv, num_slots]`` array. Random
+    values, never powers of two: exactly representable scales hide re-rounding errors."""
+    if kind == "none":
+        return None
+    lo, hi = (2.0**-6, 2.0**-3) if small else (0.25, 4.0)
+    shape = () if kind == "tensor" else (num_kv_heads, num_slots)
+    s = np.exp(np.log(lo) + (np.log(hi) - np.log(lo)) * rand.uniform(bg, shape))
+    return np.float32(s) if kind == "tensor" else s.astype(np.float32)
+
+
+def poison_code(fmt: str) -> int:
+    """The NaN code a cache is poisoned with (fp8: 0x7F OCP / 0x80 fnuz; bf16/fp16 qNaN)."""
+    return FORMATS[fmt].nan_code
+
+
+# ------------------------------------------------------------------------------ shapes
+
+
+def _pick(bg, options):
+    return options[int(rand.integers(bg, 0, len(options), ())[()])]
+
+
+def _between(bg, lo, hi) -> int:
+    """Integer uniform on [lo, hi]."""
+    return int(rand.integers(bg, lo, hi + 1, ())[()])
+
+
+def head_shape(bg, shape_class: str) -> dict:
+    """Hkv, G (Hq = G * Hkv), D, P for a shape class."""
+    if shape_class == "model":
+        return dict(num_kv_heads=MODEL.num_kv_heads, group=MODEL.num_q_heads // MODEL.num_kv_heads,
+                    head_dim=MODEL.head_dim, page_size=MODEL.page_size)
+    if shape_class == "tiny":
+        return dict(num_kv_heads=_between(bg, 1, 2), group=_pick(bg, (1, 2, 4)), head_dim=64,
+                    page_size=16)
+    return dict(num_kv_heads=_between(bg, 1, 8), group=_pick(bg, (1, 2, 3, 8, 16)),
+                head_dim=_pick(bg, (64, 128, 128, 256)), page_size=_pick(bg, (16, 32, 64, 128)))
+
+
+def _random_pages(bg, num_pages: int, count: int) -> np.ndarray:
+    """``count`` distinct physical pages out of ``num_pages``, in random order."""
+    return rand.permutation(bg, num_pages)[:count].astype(np.int32)
+
+
+def _layout(bg, shape_class):
+    if shape_class == "model":
+        return "HND", 0
+    return _pick(bg, ("HND", "NHD")), _pick(bg, (0, 0, 8))
+
+
+# -------------------------------------------------------------------------- op inputs
+
+
+def _insert_inputs(case: Case, bg, fused: bool) -> dict:
+    hs = head_shape(bg, case.shape_class)
+    hkv, g, d, page = hs["num_kv_heads"], hs["group"], hs["head_dim"], hs["page_size"]
+    n = {"tiny": _between(bg, 1, 8), "small": _between(bg, 1, 64), "model": 256}[case.shape_class]
+    num_pages = -(-n // page) + 2
+    num_slots = num_pages * page
+    slots = rand.permutation(bg, num_slots)[:n].astype(np.int64)
+    slots[rand.uniform(bg, (n,)) < 0.1] = -1  # padding tokens are skipped
+    layout_name, pad = _layout(bg, case.shape_class)
+    kv_fmt = case.kv_fmt
+    cache = empty_cache(num_pages, hkv, page, d, kv_fmt, layout_name, pad,
+                        fill_code=poison_code(kv_fmt))
+    out = dict(slot_mapping=slots, kv_cache=cache, kv_fmt=kv_fmt, model_dtype=case.model_dtype,
+               cache_layout=layout_name)
+    near = case.dist == "near_overflow"
+    out["k_scale"] = draw_scales(bg, case.scales, kv_fmt, hkv, num_slots, small=near)
+    out["v_scale"] = draw_scales(bg, case.scales, kv_fmt, hkv, num_slots)
+    if not fused:
+        k = to_model(draw_values(bg, case.dist, (n, hkv, d), kv_fmt), case.model_dtype)
+        v = to_model(draw_values(bg, case.dist, (n, hkv, d), kv_fmt), case.model_dtype)
+        out.update(k=k, v=v)
+        return out
+    dense = case.shape_class != "model" and rand.uniform(bg, ())[()] < 0.2
+    hi = 0 if dense else hkv
+    layout = QKVLayout(g * hkv, hkv, d, num_index_heads=hi, has_index_k=not dense)
+    rotary = MODEL.rotary_dim if case.shape_class == "model" else 2 * _between(bg, 1, d // 2)
+    # Positions up to 2^14 keep the table cheap to build; large positions are the
+    # fp32-angle problem of the table builder, which is an input here.
+    max_pos = 1 << 14
+    positions = rand.integers(bg, 0, max_pos, (n,))
+    # Rows arrive as a column slice of a wider buffer (the server's packed qkv view).
+    width = layout.row_width
+    values = draw_values(bg, "normal" if case.dist == "near_overflow" else case.dist,
+                         (n, width + 16), kv_fmt)
+    rows = to_model(values, case.model_dtype)[:, 8 : 8 + width]
+    w_std = 4.0 if near else 0.3
+    weights = {kind: to_model(w_std * rand.normal(bg, (d,)), case.model_dtype)
+               for kind in ("q", "k", "index_q", "index_k")}
+    index_cache = None
+    if not dense:
+        index_cache = empty_index_cache(num_pages, page, d, case.index_fmt,
+                                        fill_code=poison_code(case.index_fmt))
+    out.update(rows=rows, positions=positions, num_q_heads=g * hkv, num_kv_heads=hkv,
+               head_dim=d, num_index_heads=hi, has_index_k=not dense, rotary_dim=rotary,
+               eps=MODEL.eps, weights_q=weights["q"], weights_k=weights["k"],
+               weights_index_q=weights["index_q"], weights_index_k=weights["index_k"],
+               rope_table=rope_table(max_pos, rotary, MODEL.rope_base, case.model_dtype),
+               index_cache=index_cache, index_fmt=case.index_fmt if not dense else None)
+    return out
+
+
+def _requests(bg, shape_class: str, page: int, decode: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(seq_lens, query_lens): contexts not multiples of P; decode rows share one count."""
+    b = {"tiny": _between(bg, 1, 2), "small": _between(bg, 1, 4), "model": 4}[shape_class]
+    max_blocks = {"tiny": 4, "small": 24, "model": 64}[shape_class]
+    seq = rand.integers(bg, 1, max_blocks * page, (b,))
+    if decode:
+        rows = _between(bg, 1, 4)
+        seq = np.maximum(seq, rows)
+        if b > 1 and shape_class != "model":
+            seq[rand.uniform(bg, (b,)) < 0.25] = 0  # graph padding rows
+        return seq, np.where(seq > 0, rows, rows)
+    new = np.minimum(seq, rand.integers(bg, 1, {"tiny": 24, "small": 96, "model": 2048}[
+        shape_class] + 1, (b,)))
+    return seq, new
+
+
+def _paged_layout(bg, seq_lens, page, extra_pages=2):
+    """A block table with shuffled distinct pages per request; unused entries -1."""
+    blocks = -(-seq_lens // page)
+    num_pages = int(blocks.sum()) + extra_pages
+    perm = rand.permutation(bg, num_pages).astype(np.int32)
+    width = max(1, int(blocks.max()))
+    table = np.full((len(seq_lens), width), -1, np.int32)
+    used = 0
+    for r, nb in enumerate(blocks):
+        table[r, :nb] = perm[used : used + nb]
+        used += nb
+    return table, num_pages
+
+
+def _index_inputs(case: Case, bg, decode: bool) -> dict:
+    hs = head_shape(bg, case.shape_class)
+    hi, d, page = hs["num_kv_heads"], hs["head_dim"], hs["page_size"]
+    seq, qlens = _requests(bg, case.shape_class, page, decode)
+    table, num_pages = _paged_layout(bg, seq, page)
+    fmt = case.index_fmt
+    cache = empty_index_cache(num_pages, page, d, fmt, fill_code=poison_code(fmt))
+    keys = draw_values(bg, case.dist, (num_pages, page, d), fmt)
+    if case.dist == "ties":
+        keys = _with_ties(bg, keys, table, seq, page)
+    codes = quantize(to_model(keys, case.model_dtype), fmt)
+    # Only visible slots hold keys; everything else stays poisoned.
+    for r, s in enumerate(seq):
+        pos = np.arange(s)
+        pages, offs = table[r, pos // page], pos % page
+        cache[pages, offs] = codes[pages, offs]
+    total = int(qlens.sum()) if not decode else len(seq) * int(qlens[0])
+    q = to_model(draw_values(bg, "normal" if case.dist == "ties" else case.dist,
+                             (total, hi, d), fmt), case.model_dtype)
+    if is_fp8(fmt):
+        from reference.codec import decode as dec
+
+        q = dec(encode(q, fmt, "satfinite"), fmt)
+    topk = {"tiny": _between(bg, 1, 4), "small": _between(bg, 1, 64), "model": MODEL.topk}[
+        case.shape_class]
+    local = MODEL.local_blocks if case.shape_class == "model" else _between(bg, 0, 2)
+    initial = MODEL.initial_blocks if case.shape_class == "model" else _between(bg, 0, 2)
+    out = dict(index_q=q, index_cache=cache, index_fmt=fmt, block_table=table, seq_lens=seq,
+               topk=topk, local_blocks=local, initial_blocks=initial,
+               model_dtype=case.model_dtype)
+    if decode:
+        out["rows_per_request"] = int(qlens[0])
+    else:
+        out["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    return out
+
+
+def _with_ties(bg, keys, table, seq, page):
+    """Copy whole blocks onto others (exact ties), some with one element nudged by a relative
+    2^-9 (near ties within bf16/e4m3 resolution)."""
+    keys = keys.copy()
+    for r, s in enumerate(seq):
+        nb = -(-int(s) // page)
+        if nb < 2:
+            continue
+        for _ in range(max(1, nb // 2)):
+            src, dst = rand.integers(bg, 0, nb, (2,))
+            keys[table[r, dst]] = keys[table[r, src]]
+            if rand.uniform(bg, ())[()] < 0.5:
+                keys[table[r, dst], 0, 0] *= 1 + 2.0**-9
+    return keys
+
+
+def _scale_rows(scale, head, slots):
+    """Scale of each slot of one head as a column (or the scalar, or 1.0)."""
+    if scale is None:
+        return 1.0
+    return scale if np.ndim(scale) == 0 else scale[head, slots][:, None].astype(np.float64)
+
+
+def random_selections(bg, positions, page: int, num_heads: int, k: int, local: int = 1):
+    """``[num_heads, T, K]`` selections: for each row at position p (or -1: padding, all -1) a
+    random set of n = min(K, p//P + 1) visible blocks, the last ``local`` visible blocks
+    always in, in random order with the -1 padding scattered anywhere."""
+    positions = np.asarray(positions)
+    t = len(positions)
+    visible = np.where(positions >= 0, positions // page + 1, 0)
+    width = max(1, int(visible.max(initial=0)))
+    b = np.arange(width)
+    key = rand.uniform(bg, (num_heads, t, width))
+    key = np.where(b >= visible[:, None] - local, 2.0, key)  # forced local blocks first
+    key = np.where(b < visible[:, None], key, -1.0)  # invisible blocks never
+    order = np.argsort(-key, axis=-1, kind="stable")[..., :k]
+    if order.shape[-1] < k:
+        order = np.concatenate([order, np.full(order.shape[:-1] + (k - order.shape[-1],),
+                                               width)], axis=-1)
+    n = np.minimum(k, visible)[None, :, None]
+    sel = np.where(np.arange(k) < n, order, -1).astype(np.int32)
+    shuffle = np.argsort(rand.uniform(bg, sel.shape), axis=-1)
+    return np.take_along_axis(sel, shuffle, axis=-1)
+
+
+def _attention_inputs(case: Case, bg, decode: bool) -> dict:
+    hs = head_shape(bg, case.shape_class)
+    hkv, g, d, page = hs["num_kv_heads"], hs["group"], hs["head_dim"], hs["page_size"]
+    seq, qlens = _requests(bg, case.shape_class, page, decode)
+    table, num_pages = _paged_layout(bg, seq, page)
+    fmt = case.kv_fmt
+    layout_name, pad = _layout(bg, case.shape_class)
+    cache = empty_cache(num_pages, hkv, page, d, fmt, layout_name, pad,
+                        fill_code=poison_code(fmt))
+    num_slots = num_pages * page
+    near = case.dist == "near_overflow"
+    k_scale = draw_scales(bg, case.scales, fmt, hkv, num_slots)
+    v_scale = draw_scales(bg, case.scales, fmt, hkv, num_slots)
+    k_all = draw_values(bg, "normal" if near else case.dist, (num_pages, hkv, page, d), fmt)
+    v_all = draw_values(bg, case.dist, (num_pages, hkv, page, d), fmt)
+    for r, s in enumerate(seq):
+        pos = np.arange(s)
+        pages, offs = table[r, pos // page], pos % page
+        slots = pages.astype(np.int64) * page + offs
+        for h in range(hkv):
+            ks = _scale_rows(k_scale, h, slots)
+            vs = _scale_rows(v_scale, h, slots)
+            # near_overflow: V / v_scale lands around the format's max, as the writer sees it.
+            k_vals = to_model(k_all[pages, h, offs], case.model_dtype)
+            v_vals = to_model(v_all[pages, h, offs] * (vs if near else 1.0), case.model_dtype)
+            cache[pages, h, offs, :d] = quantize(k_vals, fmt, ks)
+            cache[pages, h, offs, d:] = quantize(v_vals, fmt, vs)
+    if decode:
+        rows = int(qlens[0])
+        positions = np.concatenate([np.arange(s - rows, s) if s else np.full(rows, -1)
+                                    for s in seq])
+    else:
+        positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq, qlens)])
+    t = len(positions)
+    k = {"tiny": _between(bg, 1, 4), "small": _between(bg, 1, 64), "model": MODEL.topk}[
+        case.shape_class]
+    topk = random_selections(bg, positions, page, hkv, k)
+    std = 2.5 if case.dist == "normal" else 1.0
+    q = to_model(draw_values(bg, case.dist if case.dist != "near_overflow" else "normal",
+                             (t, g * hkv, d), fmt, std=std), case.model_dtype)
+    out = dict(q=q, kv_cache=cache, kv_fmt=fmt, block_table=table, seq_lens=seq, topk=topk,
+               k_scale=k_scale, v_scale=v_scale, model_dtype=case.model_dtype,
+               cache_layout=layout_name)
+    if decode:
+        out["rows_per_request"] = int(qlens[0])
+    else:
+        out["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    return out
+
+
+def make_inputs(case: Case) -> dict:
+    """The input set of a case (numpy arrays and scalars), a pure function of the case."""
+    bg = rand.generator(int(hashlib.sha256(case.id.encode()).hexdigest()[:15], 16))
+    makers = {
+        "norm_rope_insert": lambda: _insert_inputs(case, bg, fused=True),
+        "reshape_and_cache": lambda: _insert_inputs(case, bg, fused=False),
+        "indexer_prefill": lambda: _index_inputs(case, bg, decode=False),
+        "indexer_decode": lambda: _index_inputs(case, bg, decode=True),
+        "attention_prefill": lambda: _attention_inputs(case, bg, decode=False),
+        "attention_decode": lambda: _attention_inputs(case, bg, decode=True),
+    }
+    return makers[case.op]()

@@ -1,0 +1,325 @@
+"""One differential check: an implementation's outputs on a case against the reference, by
+the op's tolerance model, summarised as a ``CheckResult``.
+
+Only rigorous models decide pass/fail (``passed``):
+- rounded outputs (bf16/fp16 values, fp8 codes): the rounding-interval oracle
+  (``oracle.intervals``) with the fp32 error bound of ``oracle.bounds``; the fused insert's
+  model-dtype K and fp8 K code jointly (one fp32 value must explain both);
+- caches: every slot the op must not write is bit-identical to its input (the inputs are
+  poisoned with NaN codes, so a stray write or a skipped slot shows);
+- selections: set equality up to near-ties within the score-error bound
+  (``reference.indexer.selection_admissible``);
+- attention: the reference run with the implementation's own rounding schedule plus a
+  rigorous bound on what is left (``oracle.attention_bound``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from oracle import impl_reference as ref_impl
+from oracle.bounds import gamma, norm_rope_bound
+from oracle.cases import Case, input_hash, make_inputs
+from oracle.intervals import classify, joint_value_exists, preimage
+from reference import norm_rope
+from reference.codec import decode
+from reference.kv_cache import scale_at
+from reference.platforms import is_fp8
+
+ULP_BINS = (-3, -2, -1, 0, 1, 2, 3)  # signed distance from the nearest rounding; tails clipped
+
+
+@dataclass
+class Tally:
+    """Statistics of one tensor's rounded outputs (merged across tensors of a case)."""
+
+    elements: int = 0
+    exact: int = 0  # equal to the nearest rounding of the exact value
+    within_one: int = 0  # at most one ULP (one code) from it
+    admissible_not_nearest: int = 0
+    violations: int = 0
+    width_1: int = 0  # admissible sets of a single code
+    width_2: int = 0
+    width_more: int = 0
+    ulp_hist: dict = field(default_factory=lambda: {str(b): 0 for b in ULP_BINS})
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    max_err_over_bound: float = 0.0  # least pre-rounding error explaining an output / bound
+    sum_sq_err: float = 0.0
+    worst: dict | None = None
+
+    def add(self, name, got_codes, exact, bound, fmt, scale=None):
+        c = classify(got_codes, exact, bound, fmt, scale)
+        ok, ulps, width = c["ok"].ravel(), c["ulps"].ravel(), c["width"].ravel()
+        got = decode(got_codes, fmt).ravel()
+        e = np.asarray(exact, dtype=np.float64).ravel()
+        if scale is not None:
+            got = got * np.broadcast_to(np.asarray(scale, np.float64), np.shape(exact)).ravel()
+        b = np.broadcast_to(np.asarray(bound, np.float64), np.shape(exact)).ravel()
+        finite = np.isfinite(e) & np.isfinite(got)
+        err = np.where(finite, np.abs(got - e), np.where(ok, 0.0, np.inf))
+        self.elements += ok.size
+        self.exact += int(np.count_nonzero(ulps == 0))
+        self.within_one += int(np.count_nonzero(np.abs(ulps) <= 1))
+        self.admissible_not_nearest += int(np.count_nonzero(ok & (ulps != 0)))
+        self.violations += int(np.count_nonzero(~ok))
+        self.width_1 += int(np.count_nonzero(width == 1))
+        self.width_2 += int(np.count_nonzero(width == 2))
+        self.width_more += int(np.count_nonzero(width > 2))
+        clipped = np.clip(ulps, ULP_BINS[0], ULP_BINS[-1])
+        for v, n in zip(*np.unique(clipped, return_counts=True)):
+            self.ulp_hist[str(int(v))] += int(n)
+        if not ok.size:
+            return
+        self.max_abs_err = max(self.max_abs_err, float(err.max()))
+        # The smallest pre-rounding error that yields this output (0 when the output is
+        # the nearest rounding), over the bound: <= 1 exactly when admissible.
+        lo, hi = preimage(got_codes, fmt, 1.0 if scale is None else scale)
+        lo, hi = np.ravel(lo), np.ravel(hi)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.maximum(0.0, np.maximum(lo - e, e - hi))
+            over = np.where(finite, np.where(need == 0, 0.0, need / b), np.where(ok, 0.0, np.inf))
+            rel = np.where(e != 0, err / np.abs(e), np.where(err == 0, 0.0, np.inf))
+        self.max_rel_err = max(self.max_rel_err, float(rel.max()))
+        self.sum_sq_err += float(np.sum(np.where(np.isfinite(err), err, 0.0) ** 2))
+        # The worst element: a violation if any, else the largest error/bound.
+        key = np.where(ok, np.nan_to_num(over, posinf=1e300), 1e308)
+        i = int(np.argmax(key))
+        if self.worst is None or key[i] > self.worst["key"]:
+            self.worst = {"tensor": name, "index": np.unravel_index(i, np.shape(exact)),
+                          "got": float(got[i]), "exact": float(e[i]), "bound": float(b[i]),
+                          "ulps": int(ulps[i]), "key": float(key[i])}
+        if np.any(ok):
+            self.max_err_over_bound = max(self.max_err_over_bound, float(np.max(over[ok])))
+
+
+@dataclass
+class CheckResult:
+    op: str
+    impl: str
+    case: str
+    input_hash: str
+    passed: bool
+    replay: str
+    seconds: float
+    tally: Tally
+    failures: list = field(default_factory=list)  # non-numeric failures, one line each
+    extra: dict = field(default_factory=dict)  # op-specific statistics
+
+    @property
+    def rmse(self) -> float:
+        n = max(self.tally.elements, 1)
+        return float(np.sqrt(self.tally.sum_sq_err / n))
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["rmse"] = self.rmse
+        if d["tally"]["worst"] is not None:
+            d["tally"]["worst"]["index"] = [int(i) for i in d["tally"]["worst"]["index"]]
+        return d
+
+    def summary(self) -> str:
+        t = self.tally
+        verdict = "PASS" if self.passed else "FAIL"
+        head = (f"{verdict} {self.op} [{self.impl}] {self.case}: {t.elements} elements, "
+                f"{t.violations} violations, max err/bound {t.max_err_over_bound:.3g}")
+        lines = [head, *self.failures]
+        if t.violations and t.worst:
+            lines.append(f"worst: {t.worst}")
+        if not self.passed:
+            lines.append(f"replay: {self.replay}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def written_slots(slot_mapping) -> np.ndarray:
+    s = np.asarray(slot_mapping, dtype=np.int64)
+    return s[s >= 0]
+
+
+def untouched_failures(name, before, after, slots, page) -> list[str]:
+    """Everything but the written slots must be bit-identical (NaN codes included)."""
+    if after.shape != before.shape:
+        return [f"{name}: shape {after.shape} != {before.shape}"]
+    mask = np.ones(before.shape, bool)
+    if before.ndim == 4:  # [num_pages, Hkv, P, 2D]
+        mask[slots // page, :, slots % page] = False
+    else:  # [num_pages, P, D]
+        mask[slots // page, slots % page] = False
+    changed = np.count_nonzero((np.asarray(after) != np.asarray(before)) & mask)
+    return [f"{name}: {changed} codes outside the written slots changed"] if changed else []
+
+
+def _scale_columns(scale, head, slots):
+    return None if scale is None else np.reshape(scale_at(scale, head, slots), (-1, 1))
+
+
+# ------------------------------------------------------------------------------ ops
+
+
+def check_norm_rope_insert(x, out, impl) -> tuple[Tally, list, dict]:
+    layout = ref_impl.layout_of(x)
+    weights = ref_impl.weights_of(x)
+    md, r, eps = x["model_dtype"], x["rotary_dim"], x["eps"]
+    parts = layout.split(x["rows"])
+    cos_sin = x["rope_table"][np.asarray(x["positions"])]
+    t, failures = Tally(), []
+    exact, bounds = {}, {}
+    for kind in norm_rope.KINDS:
+        if kind not in parts:
+            continue
+        cs = cos_sin if kind == "index_k" else cos_sin[:, None, :]
+        w = weights[kind]
+        exact[kind] = norm_rope.apply_rope_neox(
+            norm_rope.rms_norm_gemma(parts[kind], w, eps), x["positions"],
+            x["rope_table"], r)
+        bounds[kind] = norm_rope_bound(parts[kind], w, eps, cs, r, impl.arith)
+        fmt = md
+        if kind == "index_q" and x["index_fmt"] is not None and is_fp8(x["index_fmt"]):
+            fmt = x["index_fmt"]
+        if kind not in out:
+            failures.append(f"output {kind} missing")
+            continue
+        t.add(kind, out[kind], exact[kind], bounds[kind], fmt)
+    slots = written_slots(x["slot_mapping"])
+    page = x["kv_cache"].shape[2]
+    failures += untouched_failures("kv_cache", x["kv_cache"], out["kv_cache"], slots, page)
+    failures += _check_kv_writes(x, out, exact["k"], bounds["k"], parts["v"], impl)
+    if x.get("index_cache") is not None and "index_k" in exact:
+        failures += untouched_failures("index_cache", x["index_cache"], out["index_cache"],
+                                       slots, x["index_cache"].shape[1])
+        failures += _check_index_writes(x, out, exact["index_k"], bounds["index_k"])
+    return t, failures, {}
+
+
+def _check_kv_writes(x, out, k_exact, k_bound, v, impl) -> list[str]:
+    """K codes: one value in k_exact +- bound must explain both the model-dtype K output and
+    the cache code (through the fp32 division by the scale). V codes: the rounding of
+    v / scale, the fp32 division allowed its declared error."""
+    s = np.asarray(x["slot_mapping"], np.int64)
+    tok = np.flatnonzero(s >= 0)
+    page, d = x["kv_cache"].shape[2], x["kv_cache"].shape[3] // 2
+    fmt, cache = x["kv_fmt"], out["kv_cache"]
+    bad_k = bad_v = 0
+    for h in range(x["num_kv_heads"]):
+        slots = s[tok]
+        codes = cache[slots // page, h, slots % page]
+        ks = _scale_columns(x["k_scale"], h, slots)
+        vs = _scale_columns(x["v_scale"], h, slots)
+        q_rel = impl.arith.div_rel if x["k_scale"] is not None else 0.0
+        ok_k = joint_value_exists(k_exact[tok, h], k_bound[tok, h], out["k"][tok, h],
+                                  x["model_dtype"], codes[:, :d], fmt,
+                                  1.0 if ks is None else ks, q_rel)
+        bad_k += int(np.count_nonzero(~ok_k))
+        v_val = v[tok, h] / (1.0 if vs is None else vs)
+        v_bound = np.abs(v_val) * (impl.arith.div_rel if vs is not None else 0.0)
+        with np.errstate(invalid="ignore"):
+            c = classify(codes[:, d:], np.where(np.isinf(v_val), np.sign(v_val) * 1e300, v_val),
+                         np.nan_to_num(v_bound), fmt)
+        bad_v += int(np.count_nonzero(~c["ok"]))
+    out_lines = []
+    if bad_k:
+        out_lines.append(f"kv_cache K: {bad_k} codes not explained jointly with the K output")
+    if bad_v:
+        out_lines.append(f"kv_cache V: {bad_v} codes outside the admissible rounding of v/scale")
+    return out_lines
+
+
+def _check_index_writes(x, out, exact, bound) -> list[str]:
+    s = np.asarray(x["slot_mapping"], np.int64)
+    tok = np.flatnonzero(s >= 0)
+    page = x["index_cache"].shape[1]
+    codes = out["index_cache"][s[tok] // page, s[tok] % page]
+    ok = joint_value_exists(exact[tok], bound[tok], out["index_k"][tok], x["model_dtype"],
+                            codes, x["index_fmt"])
+    bad = int(np.count_nonzero(~ok))
+    return [f"index_cache: {bad} codes not explained jointly with index_k"] if bad else []
+
+
+def check_reshape_and_cache(x, out, impl) -> tuple[Tally, list, dict]:
+    """The two-rounding path: codes are the rounding of k/scale and v/scale (k, v already
+    model-dtype values), the fp32 division allowed its declared error."""
+    t = Tally()
+    s = np.asarray(x["slot_mapping"], np.int64)
+    tok = np.flatnonzero(s >= 0)
+    page, d = x["kv_cache"].shape[2], x["kv_cache"].shape[3] // 2
+    fmt = x["kv_fmt"]
+    failures = untouched_failures("kv_cache", x["kv_cache"], out["kv_cache"], s[tok], page)
+    for h in range(x["kv_cache"].shape[1]):
+        slots = s[tok]
+        codes = out["kv_cache"][slots // page, h, slots % page]
+        for part, values, scale in (("k", x["k"], x["k_scale"]), ("v", x["v"], x["v_scale"])):
+            sc = _scale_columns(scale, h, slots)
+            val = values[tok, h] / (1.0 if sc is None else sc)
+            bound = np.abs(val) * (impl.arith.div_rel if sc is not None else 0.0)
+            t.add(f"kv_cache.{part}", codes[:, :d] if part == "k" else codes[:, d:], val,
+                  bound, fmt)
+    return t, failures, {}
+
+
+def check_indexer(x, out, impl) -> tuple[Tally, list, dict]:
+    """Selections as sets, up to swaps of blocks whose exact scores are within the score
+    error bound: fp32 accumulation of D products (gamma(D) * magnitude) plus the
+    implementation's declared extra relative error, plus the reference's own float64
+    error (D * 2^-53 * magnitude)."""
+    run = ref_impl.indexer_decode if "rows_per_request" in x else ref_impl.indexer_prefill
+    res = run(x, return_scores=True)
+    d = x["index_q"].shape[-1]
+    bound = res.magnitudes * (gamma(d) + impl.score_rel + d * 2.0**-53) * 1.000001
+    sel = np.asarray(out["topk"])
+    if sel.shape != res.topk.shape:
+        return Tally(), [f"topk: shape {sel.shape} != {res.topk.shape}"], {}
+    ok, details = res.admits(sel, bound)
+    t = Tally(elements=details["rows"], violations=details["rows_failed"])
+    differing = np.any(np.sort(sel, axis=-1) != np.sort(res.topk, axis=-1), axis=-1)
+    t.exact = int(np.count_nonzero(~differing))  # rows selecting the reference's set
+    t.admissible_not_nearest = int(np.count_nonzero(differing)) - t.violations
+    failures = [] if ok else [f"topk: {details['rows_failed']} rows not admissible, first: "
+                              f"{details['failures']}"]
+    return t, failures, {"needed_bound": details["needed_bound"]}
+
+
+def check_attention(x, out, impl) -> tuple[Tally, list, dict]:
+    from oracle.attention_bound import attention_bound
+
+    sched = impl.schedule(x["model_dtype"]) if callable(impl.schedule) else impl.schedule
+    res = ref_impl.attention_call(x, schedule=sched, return_details=True)
+    bound = attention_bound(x, sched, impl.arith)
+    t = Tally()
+    t.add("out", out["out"], res.unrounded, bound, x["model_dtype"])
+    return t, [], {}
+
+
+CHECKS = {
+    "norm_rope_insert": check_norm_rope_insert,
+    "reshape_and_cache": check_reshape_and_cache,
+    "indexer_prefill": check_indexer,
+    "indexer_decode": check_indexer,
+    "attention_prefill": check_attention,
+    "attention_decode": check_attention,
+}
+
+
+def run_check(case: Case, impl, inputs: dict | None = None) -> CheckResult:
+    """Run one implementation on one case and judge it."""
+    t0 = time.perf_counter()
+    x = make_inputs(case) if inputs is None else inputs
+    h = input_hash(x)
+    failures: list[str] = []
+    try:
+        out = impl.run(x)
+        tally, fails, extra = CHECKS[case.op](x, out, impl)
+        failures += fails
+    except Exception as e:  # a crash is a failed check, reported with its replay
+        tally, extra = Tally(), {}
+        failures.append(f"raised {type(e).__name__}: {e}")
+    if input_hash(x) != h:
+        failures.append("the implementation modified its inputs")
+    passed = not failures and tally.violations == 0
+    return CheckResult(case.op, impl.name, case.id, h, passed, case.replay_command(impl.name),
+                       time.perf_counter() - t0, tally, failures, extra)

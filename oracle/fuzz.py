@@ -1,0 +1,103 @@
+"""Hypothesis-driven fuzzing over cases: draw (op, shape class, distribution, platform,
+cache dtype, model dtype, scales, seed), run every implementation that claims the case,
+and on a failure let hypothesis shrink it (toward simpler fields and smaller seeds).
+Each shrunk failure is written as ``OUT/<case id>.txt`` holding the replay command.
+
+The time budget is met by running hypothesis in rounds of a few examples until the budget
+is spent; a failure ends the search.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from oracle.cases import DISTRIBUTIONS, OPS, SCALES, Case
+from oracle.checks import run_check
+from oracle.registry import implementations
+from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
+
+
+def _valid(fields) -> Case | None:
+    try:
+        return Case(**fields)
+    except ValueError:
+        return None
+
+
+def case_strategy(ops=OPS, shape_classes=("tiny", "small")) -> st.SearchStrategy[Case]:
+    fields = st.fixed_dictionaries({
+        "op": st.sampled_from(list(ops)),
+        "shape_class": st.sampled_from(list(shape_classes)),
+        "dist": st.sampled_from(list(DISTRIBUTIONS)),
+        "platform": st.sampled_from(list(PLATFORMS)),
+        "kv_cache_dtype": st.sampled_from(list(KV_CACHE_DTYPES)),
+        "model_dtype": st.sampled_from(list(MODEL_DTYPES)),
+        "scales": st.sampled_from(list(SCALES)),
+        "seed": st.integers(0, 2**31 - 1),
+    })
+    return fields.map(_valid).filter(lambda c: c is not None)
+
+
+class CaseFailed(AssertionError):
+    pass
+
+
+def check_case(case: Case, impl_names=None, device: str = "cpu") -> list:
+    """Results of every implementation claiming the case; raises CaseFailed on a failure."""
+    results = []
+    for impl in implementations(case.op, impl_names, device):
+        if impl.supports(case)[0]:
+            r = run_check(case, impl)
+            results.append(r)
+            if not r.passed:
+                raise CaseFailed(r.summary())
+    return results
+
+
+def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failures"),
+        device: str = "cpu") -> int:
+    from tqdm import tqdm
+
+    ops = ops or list(OPS)
+    deadline = time.monotonic() + seconds
+    failures: list[Case] = []
+    n = 0
+    bar = tqdm(total=int(seconds), desc="fuzz (s)", unit="s")
+
+    @settings(max_examples=10, deadline=None, database=None, derandomize=False,
+              phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False,
+              suppress_health_check=list(HealthCheck))
+    @given(case_strategy(ops))
+    def one(case):
+        nonlocal n
+        n += 1
+        try:
+            check_case(case, impls, device)
+        except CaseFailed:
+            failures.append(case)  # the last one recorded is hypothesis's shrunk example
+            raise
+
+    start = time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            one()
+        except CaseFailed:
+            break
+        finally:
+            bar.n = int(time.monotonic() - start)
+            bar.refresh()
+    bar.close()
+    if not failures:
+        print(f"fuzz: {n} cases, no failure in {seconds:.0f} s")
+        return 0
+    case = failures[-1]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{case.id.replace(':', '_')}.txt"
+    path.write_text(case.replay_command() + "\n")
+    print(f"fuzz: failure after {n} cases; shrunk to {case.id}\nreplay: {case.replay_command()}"
+          f"\nwritten to {path}")
+    return 1

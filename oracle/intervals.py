@@ -1,0 +1,93 @@
+"""The rounding-interval oracle: which rounded outputs a correct implementation may return.
+
+An implementation computes some value y_hat in fp32 and rounds it once to a storage
+format (bf16/fp16 values, fp8 codes). The reference supplies the exact value e (float64)
+and a rigorous bound d with |y_hat - e| <= d. Rounding is monotone, so the admissible
+outputs are exactly the roundings of the values in [e - d, e + d]: every code between
+round(e - d) and round(e + d) in value order (+0 and -0 counting as one value).
+
+Codes are compared by *ordinal*: a sign-magnitude code maps to a signed integer that grows
+with the value (+-0 -> 0), so "one ULP away" is an ordinal difference of one in every
+format, fp8 included.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reference.codec import decode, encode, get_format
+
+
+def ordinal(codes, fmt) -> np.ndarray:
+    """Signed integer growing with the value of each code; +0 and -0 both map to 0."""
+    f = get_format(fmt)
+    c = np.asarray(codes).astype(np.int64)
+    magnitude = c & (f.sign_bit - 1)
+    return np.where(c & f.sign_bit, -magnitude, magnitude)
+
+
+def round_codes(values, fmt, scale=None) -> np.ndarray:
+    """RNE codes: satfinite for fp8 (the kernels' conversion), nonsaturating for bf16/fp16."""
+    policy = "satfinite" if get_format(fmt).bits == 8 else "nonsaturating"
+    return encode(values, fmt, policy, scale=scale)
+
+
+def admissible_range(exact, bound, fmt, scale=None) -> tuple[np.ndarray, np.ndarray]:
+    """Ordinals (lo, hi) of the roundings of e - d and e + d: the admissible codes."""
+    e = np.asarray(exact, dtype=np.float64)
+    d = np.broadcast_to(np.asarray(bound, dtype=np.float64), e.shape)
+    lo = ordinal(round_codes(e - d, fmt, scale), fmt)
+    hi = ordinal(round_codes(e + d, fmt, scale), fmt)
+    return lo, hi
+
+
+def preimage(codes, fmt, scale=1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Closed interval [lo, hi] of real values whose RNE rounding (of value/scale) gives the
+    code: from the midpoint with the previous value to the midpoint with the next (ties
+    counted on both sides: a measure-zero over-approximation). Under satfinite the max
+    codes extend to +-inf; zero codes cover both signs."""
+    f = get_format(fmt)
+    c = np.asarray(codes).astype(np.int64)
+    grid = f._grid  # magnitudes of codes 0..max_code, then the first value past max
+    m = np.minimum(c & (f.sign_bit - 1), f.max_code)  # non-finite codes: no preimage
+    below = np.where(m > 0, (grid[m - 1] + grid[m]) / 2, -grid[1] / 2)
+    above = (grid[m] + grid[m + 1]) / 2
+    if f.bits == 8:  # satfinite: everything past max rounds to max
+        above = np.where(m == f.max_code, np.inf, above)
+    negative = (c & f.sign_bit) != 0
+    lo = np.where(negative, -above, below)
+    hi = np.where(negative, -below, above)
+    s = np.asarray(scale, dtype=np.float64)
+    return lo * s, hi * s
+
+
+def joint_value_exists(exact, bound, out_codes, out_fmt, q_codes, q_fmt, q_scale=1.0,
+                       q_rel=0.0) -> np.ndarray:
+    """True where one value y in [e - d, e + d] explains both outputs: out = RNE(y) in
+    out_fmt and q = satfinite RNE(y / q_scale * (1 + t)) in q_fmt for some |t| <= q_rel
+    (the relative error of the kernel's fp32 division by the scale)."""
+    e = np.asarray(exact, dtype=np.float64)
+    d = np.asarray(bound, dtype=np.float64)
+    o_lo, o_hi = preimage(out_codes, out_fmt)
+    q_lo, q_hi = preimage(q_codes, q_fmt, q_scale)
+    # y * (1 + t) in [q_lo, q_hi]  <=>  y in [q_lo, q_hi] widened by the factor's range.
+    q_lo = np.where(q_lo > 0, q_lo / (1 + q_rel), q_lo / (1 - q_rel))
+    q_hi = np.where(q_hi > 0, q_hi / (1 - q_rel), q_hi / (1 + q_rel))
+    lo = np.maximum.reduce([e - d, o_lo, q_lo])
+    hi = np.minimum.reduce([e + d, o_hi, q_hi])
+    return lo <= hi
+
+
+def classify(out_codes, exact, bound, fmt, scale=None) -> dict:
+    """Per-element verdict of rounded outputs against (exact, bound).
+
+    Returns arrays: ``ok`` (inside the admissible range), ``ulps`` (signed ordinal distance
+    from the nearest rounding of e), ``width`` (number of admissible codes), plus
+    ``nearest`` ordinals. NaN outputs are violations unless e itself is NaN."""
+    e = np.asarray(exact, dtype=np.float64)
+    got = ordinal(out_codes, fmt)
+    nearest = ordinal(round_codes(e, fmt, scale), fmt)
+    lo, hi = admissible_range(e, bound, fmt, scale)
+    got_nan = np.isnan(decode(out_codes, fmt))
+    ok = np.where(np.isnan(e), got_nan, ~got_nan & (lo <= got) & (got <= hi))
+    return {"ok": ok, "ulps": got - nearest, "width": hi - lo + 1, "nearest": nearest}

@@ -1,0 +1,107 @@
+"""The implementation registry: op -> every implementation of it, with its capabilities and
+its declared numerics. Tests and reports iterate over the registry; they never name kernels.
+
+An implementation is a function ``run(inputs) -> outputs`` over the numpy input set of a case
+(``oracle.cases.make_inputs``); it moves data to its device itself and returns numpy.
+Outputs, per op (rounded outputs as *codes* of their format, so comparisons are exact):
+
+  norm_rope_insert   q [N,Hq,D], k [N,Hkv,D], index_k [N,D] (model-dtype codes), index_q
+                     [N,Hi,D] (codes in the index cache's format), kv_cache and index_cache
+                     (logical views of the caches after the call)
+  reshape_and_cache  kv_cache
+  indexer_*          topk int32 [Hi,T,K]
+  attention_*        out [T,Hq,D] (model-dtype codes)
+
+Declared numerics: ``arith`` (fp32 special-function errors, ``oracle.bounds.Fp32Arith``);
+``schedule`` (attention: where it rounds, ``reference.attention.Schedule``); ``score_rel``
+(indexer: relative error of its block scores beyond fp32 summation, e.g. reduced-precision
+fp8 MMA accumulation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from oracle.bounds import Fp32Arith
+from reference.platforms import PLATFORMS
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str
+    op: str
+    run: Callable[[dict], dict]
+    devices: tuple[str, ...] = ("cpu",)
+    platforms: tuple[str, ...] = PLATFORMS
+    formats: tuple[str, ...] | None = None  # storage formats it handles; None: all
+    model_dtypes: tuple[str, ...] = ("bfloat16", "float16")
+    shape_classes: tuple[str, ...] = ("tiny", "small", "model")
+    arith: Fp32Arith = field(default_factory=Fp32Arith)
+    schedule: object = None
+    score_rel: float = 0.0
+    quantize_from: str = "value"
+    notes: str = ""
+
+    @property
+    def needs_cuda(self) -> bool:
+        return "cpu" not in self.devices
+
+    def supports(self, case) -> tuple[bool, str]:
+        """Whether this implementation claims the case, and if not, why."""
+        if case.platform not in self.platforms:
+            return False, f"platform {case.platform}"
+        fmt = case.kv_fmt if not case.op.startswith("indexer") else case.index_fmt
+        if self.formats is not None and fmt not in self.formats:
+            return False, f"format {fmt}"
+        if case.model_dtype not in self.model_dtypes:
+            return False, f"model dtype {case.model_dtype}"
+        if case.shape_class not in self.shape_classes:
+            return False, f"shape class {case.shape_class}"
+        return True, ""
+
+
+REGISTRY: dict[str, dict[str, Implementation]] = {}
+
+
+def register(impl: Implementation) -> Implementation:
+    REGISTRY.setdefault(impl.op, {})[impl.name] = impl
+    return impl
+
+
+def implementations(op: str, names=None, device: str | None = None) -> list[Implementation]:
+    """Registered implementations of an op (all known ones loaded first), optionally only
+    the named ones or those that run on a device."""
+    load_all()
+    found = list(REGISTRY.get(op, {}).values())
+    if names:
+        unknown = set(names) - {i.name for impls in REGISTRY.values() for i in impls.values()}
+        if unknown:
+            raise ValueError(f"impls must be among {sorted(known_names())}, got {sorted(unknown)}")
+        found = [i for i in found if i.name in names]
+    if device is not None:
+        found = [i for i in found if device in i.devices]
+    return found
+
+
+def known_names() -> set[str]:
+    load_all()
+    return {i.name for impls in REGISTRY.values() for i in impls.values()}
+
+
+_LOADED = False
+
+
+def load_all() -> None:
+    """Import every module that registers implementations (kernels register only where
+    their toolchain imports)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    from oracle import impl_reference  # noqa: F401
+
+    try:
+        from oracle import impl_torch  # noqa: F401
+    except ImportError:  # torch not installed: the reference alone
+        pass

@@ -1,0 +1,192 @@
+"""Tolerance reports: run a seeded case set through every selected implementation, aggregate
+the check results per cell, write one JSON (schema ``oracle-report/1``).
+
+A cell is (op, implementation, platform, storage format, shape class, distribution). Each
+cell keeps its per-case rows (case id, input hash, pass, exact rate, max error/bound, RMSE)
+so that ``oracle.diff`` can pair cases across two reports of the same case set.
+Markdown and PNG are rendered from the JSON by ``oracle.render`` (a GPU run only needs to
+bring back the JSON and a log).
+"""
+
+from __future__ import annotations
+
+import json
+import platform as host_platform
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from oracle.cases import OPS, Case
+from oracle.checks import ULP_BINS, CheckResult, run_check
+from oracle.registry import implementations
+from reference.platforms import KV_CACHE_DTYPES, PLATFORMS, kv_cache_format
+
+SCHEMA = "oracle-report/1"
+DISTS_BY_OP = {
+    "indexer_prefill": ("normal", "outliers", "tiny", "ties"),
+    "indexer_decode": ("normal", "outliers", "tiny", "ties"),
+}
+DEFAULT_DISTS = ("normal", "outliers", "near_overflow", "tiny")
+
+
+def default_cases(ops=OPS, platforms=PLATFORMS, shape_classes=("tiny", "small"),
+                  budget: int = 1, model_dtypes=("bfloat16",)) -> list[Case]:
+    """The standard case set: every op x platform x distinct storage format x distribution x
+    shape class, ``budget`` seeds each; fp8 formats rotate through no/tensor/slot scales
+    (by seed) and fp16 runs on the first distribution only, to keep the set small."""
+    cases = []
+    for op in ops:
+        for plat in platforms:
+            seen = set()
+            for kv in KV_CACHE_DTYPES:
+                for md in model_dtypes:
+                    fmt = kv_cache_format(kv, plat, md)
+                    if (fmt, md) in seen:
+                        continue
+                    seen.add((fmt, md))
+                    for dist in DISTS_BY_OP.get(op, DEFAULT_DISTS):
+                        for sc in shape_classes:
+                            for seed in range(budget):
+                                scales = "none"
+                                if fmt not in ("bfloat16", "float16") and not op.startswith(
+                                        "indexer"):
+                                    scales = ("slot", "tensor", "none")[seed % 3]
+                                cases.append(Case(op, sc, dist, plat, kv, md, scales, seed))
+    return cases
+
+
+def cell_key(result: CheckResult, case: Case) -> tuple:
+    fmt = case.index_fmt if case.op.startswith("indexer") else case.kv_fmt
+    return (case.op, result.impl, case.platform, fmt, case.shape_class, case.dist)
+
+
+def _new_cell(key) -> dict:
+    op, impl, plat, fmt, sc, dist = key
+    return {"op": op, "impl": impl, "platform": plat, "format": fmt, "shape_class": sc,
+            "dist": dist, "cases": 0, "passed": 0, "elements": 0, "exact": 0,
+            "within_one": 0, "admissible_not_nearest": 0, "violations": 0,
+            "width_1": 0, "width_2": 0, "width_more": 0,
+            "ulp_hist": {str(b): 0 for b in ULP_BINS}, "max_abs_err": 0.0,
+            "max_rel_err": 0.0, "max_err_over_bound": 0.0, "sum_sq_err": 0.0,
+            "worst_case": None, "per_case": []}
+
+
+def add_result(cells: dict, case: Case, r: CheckResult) -> None:
+    key = cell_key(r, case)
+    c = cells.setdefault(key, _new_cell(key))
+    t = r.tally
+    c["cases"] += 1
+    c["passed"] += int(r.passed)
+    for name in ("elements", "exact", "within_one", "admissible_not_nearest", "violations",
+                 "width_1", "width_2", "width_more"):
+        c[name] += getattr(t, name)
+    for b, n in t.ulp_hist.items():
+        c["ulp_hist"][b] += n
+    c["sum_sq_err"] += t.sum_sq_err
+    for name in ("max_abs_err", "max_rel_err"):
+        c[name] = max(c[name], getattr(t, name))
+    if t.max_err_over_bound >= c["max_err_over_bound"] or not r.passed:
+        c["max_err_over_bound"] = max(c["max_err_over_bound"], t.max_err_over_bound)
+        if c["worst_case"] is None or not r.passed or c["worst_case"]["passed"]:
+            c["worst_case"] = {"case": r.case, "replay": r.replay, "passed": r.passed,
+                               "max_err_over_bound": t.max_err_over_bound,
+                               "failures": r.failures[:3]}
+    c["per_case"].append({
+        "case": r.case, "hash": r.input_hash, "passed": r.passed,
+        "exact_rate": t.exact / t.elements if t.elements else 1.0,
+        "max_err_over_bound": t.max_err_over_bound, "rmse": r.rmse,
+        "violations": t.violations, "seconds": round(r.seconds, 4)})
+
+
+def machine_info() -> dict:
+    info = {"host": host_platform.node(), "python": host_platform.python_version(),
+            "numpy": np.__version__}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        info["device"] = "cpu"
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def run_report(cases: list[Case], impl_names=None, device: str | None = None,
+               progress=True, log=print) -> dict:
+    """Run every case through every selected implementation that claims it."""
+    cells: dict = {}
+    failures = []
+    skipped = defaultdict(int)
+    t0 = time.perf_counter()
+    iterator = cases
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(cases, desc="cases", unit="case", mininterval=2.0)
+    for case in iterator:
+        impls = implementations(case.op, impl_names, device)
+        inputs = None
+        for impl in impls:
+            ok, why = impl.supports(case)
+            if not ok:
+                skipped[f"{impl.name}: {why}"] += 1
+                continue
+            if inputs is None:
+                from oracle.cases import make_inputs
+
+                inputs = make_inputs(case)
+            r = run_check(case, impl, inputs)
+            add_result(cells, case, r)
+            if not r.passed:
+                failures.append({"case": r.case, "impl": r.impl, "summary": r.summary(),
+                                 "replay": r.replay})
+                log(r.summary())
+    for c in cells.values():
+        c["rmse"] = float(np.sqrt(c["sum_sq_err"] / max(c["elements"], 1)))
+    return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": machine_info(), "seconds": round(time.perf_counter() - t0, 2),
+            "cases": len(cases), "cells": sorted(cells.values(), key=_cell_sort),
+            "failures": failures, "skipped": dict(skipped)}
+
+
+def _cell_sort(c):
+    return (c["op"], c["impl"], c["platform"], c["format"], c["shape_class"], c["dist"])
+
+
+def write_json(report: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=_json_default))
+    return path
+
+
+def _json_default(o):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def load(path: str | Path) -> dict:
+    """A report from disk, checked for the schema; ValueError with a clear message else."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"report file {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"report file {path} is not JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(
+            doc.get("cells"), list):
+        raise ValueError(f"report file {path} is not an {SCHEMA} report")
+    return doc
