@@ -10,10 +10,14 @@
 
 import os
 
-import pytest
-from hypothesis import HealthCheck, settings
+# The reference's matrix products are skinny: one BLAS thread is as fast as two, and
+# OpenBLAS's spinning workers slow down badly when another process holds a core.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from reference.platforms import PLATFORMS
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from reference.platforms import PLATFORMS  # noqa: E402
 
 settings.register_profile(
     "ci",

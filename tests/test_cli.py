@@ -1,4 +1,4 @@
-"""The command line: the main job runs and bad input exits non-zero with one line."""
+"""The command line: each verb runs, and bad input exits non-zero with one line."""
 
 import json
 import subprocess
@@ -12,18 +12,59 @@ def _run(*args):
 
 
 @pytest.mark.slow
-def test_report_prints_the_conformance_table_with_zero_mismatches(tmp_path):
-    """`python -m oracle report` prints every format x policy x source row, all 0."""
-    r = _run("report", "--out", str(tmp_path / "conf"))
+def test_conformance_prints_every_row_with_zero_mismatches(tmp_path):
+    """`python -m oracle conformance` prints every format x policy x source row, all 0."""
+    r = _run("conformance", "--out", str(tmp_path / "conf"))
     assert r.returncode == 0, r.stderr
     doc = json.loads((tmp_path / "conf.json").read_text())
     assert len(doc["reference"]) == 4 * 2 * 3
     assert all(row["mismatches"] == 0 for row in doc["reference"])
     for row in doc["reference"]:
         assert f"| {row['fmt']} | {row['policy']} | {row['source']} |" in r.stdout
-    assert (tmp_path / "conf.json").exists() and (tmp_path / "conf.md").exists()
+    assert (tmp_path / "conf.md").exists()
 
 
-def test_unknown_verb_exits_non_zero_without_traceback():
-    r = _run("frobnicate")
-    assert r.returncode != 0 and "Traceback" not in r.stderr and "invalid choice" in r.stderr
+def test_report_render_diff_replay_round_trip(tmp_path):
+    """report writes JSON + Markdown + PNGs; render re-renders them from the JSON; diff of
+    a report against itself flags nothing; replay of a case id reproduces its input hash."""
+    out = tmp_path / "rep"
+    r = _run("report", "--ops", "reshape_and_cache", "--platforms", "rocm-fnuz",
+             "--shape-classes", "tiny", "--quiet", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert doc["schema"] == "oracle-report/1" and doc["cells"]
+    for suffix in (".md", "-ulp.png", "-err-bound.png"):
+        assert (tmp_path / f"rep{suffix}").stat().st_size > 0
+    r = _run("render", str(out.with_suffix(".json")), "--out", str(tmp_path / "again"))
+    assert r.returncode == 0 and (tmp_path / "again.md").exists()
+    r = _run("diff", str(out.with_suffix(".json")), str(out.with_suffix(".json")))
+    assert r.returncode == 0 and "0 worse" in r.stdout
+    case = doc["cells"][0]["per_case"][0]
+    r = _run("replay", case["case"], "--hash", case["hash"])
+    assert r.returncode == 0 and case["hash"] in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("frobnicate",), "invalid choice"),
+        (("report", "--ops", "attention_sideways"), "ops must be among"),
+        (("report", "--platforms", "rocm"), "platforms must be among"),
+        (("replay", "attention_decode:tiny:normal"), "case id must read"),
+        (("replay", "attention_decode:tiny:normal:mars:auto:bfloat16:none:1"), "platform"),
+    ],
+)
+def test_bad_input_exits_non_zero_without_traceback(args, needle):
+    """Unknown verbs, ops, platforms and malformed case ids give one clear line, exit != 0."""
+    r = _run(*args)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and needle in r.stderr
+
+
+def test_malformed_report_file_is_a_clear_error(tmp_path):
+    """diff/render on a file that is not a report exit 2 with a message naming the file."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "something-else"}')
+    for args in (("render", str(bad)), ("diff", str(bad), str(bad)),
+                 ("render", str(tmp_path / "missing.json"))):
+        r = _run(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "report file" in r.stderr

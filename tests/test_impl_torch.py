@@ -62,6 +62,7 @@ _INSERT_CASES = [
     ("small", "near_overflow", "cuda", "fp8", "float16", "slot", 5),
     ("small", "outliers", "rocm-fnuz", "fp8", "bfloat16", "none", 6),
     ("small", "normal", "cuda", "bfloat16", "float16", "none", 7),
+    ("tiny", "outliers", "rocm-fnuz", "fp8", "float16", "tensor", 7),  # dense rows: q|k|v
 ]
 _INDEX_CASES = [
     ("tiny", "normal", "cuda", "auto", "bfloat16", "none", 0),
