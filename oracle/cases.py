@@ -270,11 +270,24 @@ def _requests(bg, shape_class: str, page: int, decode: bool) -> tuple[np.ndarray
         rows = _between(bg, 1, 4)
         seq = np.maximum(seq, rows)
         if b > 1 and shape_class != "model":
-            seq[rand.uniform(bg, (b,)) < 0.25] = 0  # graph padding rows
+            pad = rand.uniform(bg, (b,)) < 0.25
+            pad[int(rand.integers(bg, 0, b, ())[()])] = False  # at least one real request
+            seq[pad] = 0  # graph padding rows
         return seq, np.where(seq > 0, rows, rows)
     new = np.minimum(seq, rand.integers(bg, 1, {"tiny": 24, "small": 96, "model": 2048}[
         shape_class] + 1, (b,)))
     return seq, new
+
+
+def _draw_topk(bg, shape_class: str, seq_lens, page: int) -> int:
+    """K: the model's 16; otherwise mostly below the visible block count (so the selection
+    is a real choice), sometimes anywhere in the domain 1..64."""
+    if shape_class == "model":
+        return MODEL.topk
+    blocks = max(1, -(-int(np.max(seq_lens)) // page))
+    if shape_class == "small" and rand.uniform(bg, ())[()] < 0.25:
+        return _between(bg, 1, 64)
+    return _between(bg, 1, max(1, blocks // 2))
 
 
 def _paged_layout(bg, seq_lens, page, extra_pages=2):
@@ -314,8 +327,7 @@ def _index_inputs(case: Case, bg, decode: bool) -> dict:
         from reference.codec import decode as dec
 
         q = dec(encode(q, fmt, "satfinite"), fmt)
-    topk = {"tiny": _between(bg, 1, 4), "small": _between(bg, 1, 64), "model": MODEL.topk}[
-        case.shape_class]
+    topk = _draw_topk(bg, case.shape_class, seq, page)
     local = MODEL.local_blocks if case.shape_class == "model" else _between(bg, 0, 2)
     initial = MODEL.initial_blocks if case.shape_class == "model" else _between(bg, 0, 2)
     out = dict(index_q=q, index_cache=cache, index_fmt=fmt, block_table=table, seq_lens=seq,
@@ -407,8 +419,7 @@ def _attention_inputs(case: Case, bg, decode: bool) -> dict:
     else:
         positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq, qlens)])
     t = len(positions)
-    k = {"tiny": _between(bg, 1, 4), "small": _between(bg, 1, 64), "model": MODEL.topk}[
-        case.shape_class]
+    k = _draw_topk(bg, case.shape_class, seq, page)
     topk = random_selections(bg, positions, page, hkv, k)
     std = 2.5 if case.dist == "normal" else 1.0
     q = to_model(draw_values(bg, case.dist if case.dist != "near_overflow" else "normal",

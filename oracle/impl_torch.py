@@ -315,6 +315,16 @@ def _reshape_and_cache(x: dict, flags: _Flags) -> dict:
 # ---------------------------------------------------------------------------- indexer
 
 
+_CHUNK_ELEMS = 1 << 25  # fp32 elements of one row chunk's score / logit array
+
+
+def _row_chunks(start, count, per_row: int):
+    """Slices of a request's rows, each chunk's score array at most _CHUNK_ELEMS."""
+    step = max(1, _CHUNK_ELEMS // max(1, per_row))
+    for a in range(int(start), int(start + count), step):
+        yield slice(a, min(int(start + count), a + step))
+
+
 def _rows_of(x: dict, num_rows: int):
     """(start, count, seq_len) per request and the position of every row (-1: padding)."""
     seq = np.asarray(x["seq_lens"], np.int64)
@@ -371,18 +381,18 @@ def _indexer(x: dict, flags: _Flags) -> dict:
     out = torch.full((t, hi, k), -1, dtype=torch.int32, device=dev)
     with _full_fp32_matmul():
         for r in np.flatnonzero(counts > 0):
-            rows = slice(int(starts[r]), int(starts[r] + counts[r]))
             nb = -(-int(seq[r]) // page)
             keys = keys_all[_ints(bt[r, :nb], dev)].reshape(nb * page, d)
-            qr = q[rows]
-            n = qr.shape[0]
-            s = (qr.reshape(n * hi, d) @ keys.T).reshape(n, hi, nb * page)
-            p = _ints(pos[rows], dev)
-            seen = torch.arange(nb * page, device=dev)[None, :] <= p[:, None]
-            s = torch.where(seen[:, None], s, -math.inf)
-            block = s.reshape(n, hi, nb, page).amax(-1)
-            out[rows] = select_blocks(block, p // page + 1, k, int(x["local_blocks"]),
-                                      int(x["initial_blocks"]))
+            for rows in _row_chunks(starts[r], counts[r], hi * nb * page):
+                qr = q[rows]
+                n = qr.shape[0]
+                s = (qr.reshape(n * hi, d) @ keys.T).reshape(n, hi, nb * page)
+                p = _ints(pos[rows], dev)
+                seen = torch.arange(nb * page, device=dev)[None, :] <= p[:, None]
+                s = torch.where(seen[:, None], s, -math.inf)
+                block = s.reshape(n, hi, nb, page).amax(-1)
+                out[rows] = select_blocks(block, p // page + 1, k, int(x["local_blocks"]),
+                                          int(x["initial_blocks"]))
     return {"topk": _codes_out(out.permute(1, 0, 2))}
 
 
@@ -395,6 +405,36 @@ def _dequant(codes: torch.Tensor, fmt: str, scale, act) -> torch.Tensor:
     if scale is not None and is_fp8(fmt):
         x = x * scale
     return x.to(act)
+
+
+def _visible(sel: torch.Tensor, nb: int, page: int, in_seq, p, flags: _Flags):
+    """``[n, L]`` mask of the keys each row sees: in a selected block (the set of the
+    row's non-negative entries), before seq_len, at or before the row's position."""
+    n = sel.shape[0]
+    chosen = torch.zeros((n, nb + 1), dtype=torch.bool, device=sel.device)
+    chosen.scatter_(1, torch.where((sel >= 0) & (sel < nb), sel, nb), True)
+    vis = chosen[:, :nb].repeat_interleave(page, dim=1) & in_seq[None]
+    if not flags.no_causal_in_block:
+        vis &= torch.arange(nb * page, device=sel.device)[None] <= p[:, None]
+    return vis
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor,
+            softmax_scale: float) -> torch.Tensor:
+    """fp32 softmax attention of q ``[n, G, D]`` over keys ``[L, D]`` under the mask
+    ``[n, L]``; rows that see no key give zeros. Keys no row sees are zeroed before any
+    matmul; non-finite V seen by some rows is kept away from the others row by row."""
+    used = vis.any(0)[:, None]
+    k = torch.where(used, k, torch.zeros_like(k)).float()
+    v = torch.where(used, v, torch.zeros_like(v)).float()
+    logits = (q.float() @ k.T) * softmax_scale  # [n, G, L]
+    logits = torch.where(vis[:, None], logits, -math.inf)
+    prob = torch.softmax(logits, dim=-1)
+    prob = torch.where(vis.any(-1)[:, None, None], prob, 0.0)
+    if bool(torch.isfinite(v).all()):
+        return prob @ v
+    return torch.stack([prob[i] @ torch.where(vis[i][:, None], v, 0.0)
+                        for i in range(prob.shape[0])])
 
 
 def _attention(x: dict, flags: _Flags) -> dict:
@@ -421,43 +461,24 @@ def _attention(x: dict, flags: _Flags) -> dict:
     out = torch.zeros((t, hq, d), dtype=act, device=dev)  # padding rows stay zero
     with _full_fp32_matmul():
         for r in np.flatnonzero(counts > 0):
-            rows = slice(int(starts[r]), int(starts[r] + counts[r]))
-            n = int(counts[r])
             nb = -(-int(seq[r]) // page)
             length = nb * page
             pages = _ints(bt[r, :nb], dev)
             slots = (pages[:, None] * page + torch.arange(page, device=dev)).reshape(-1)
             j = torch.arange(length, device=dev)
-            p = _ints(pos[rows], dev)
             in_seq = j < int(seq[r])
             for g in range(hkv):
                 codes = cache[pages, g].reshape(length, 2 * d)
                 ks = _scalar_scale(k_scale) if ks_t is None else ks_t[g, slots][:, None]
                 vs = _scalar_scale(v_scale) if vs_t is None else vs_t[g, slots][:, None]
-                kk = _dequant(codes[:, :d], read_fmt, ks, act)
-                vv = _dequant(codes[:, d:], read_fmt, vs, act)
-                # Selected blocks of each row as a mask [n, nb]; -1 entries ignored.
-                sel = topk[g, rows]
-                chosen = torch.zeros((n, nb + 1), dtype=torch.bool, device=dev)
-                chosen.scatter_(1, torch.where((sel >= 0) & (sel < nb), sel, nb), True)
-                vis = chosen[:, :nb].repeat_interleave(page, dim=1) & in_seq[None]
-                if not flags.no_causal_in_block:
-                    vis &= j[None] <= p[:, None]
-                used = vis.any(0)[:, None]  # keys some row sees; zero the rest
-                kk = torch.where(used, kk, torch.zeros_like(kk))
-                vv = torch.where(used, vv, torch.zeros_like(vv))
-                qg = q[rows, g * grp:(g + 1) * grp].float()  # [n, G, D]
-                logits = (qg @ kk.float().T) * softmax_scale  # [n, G, L]
-                logits = torch.where(vis[:, None], logits, -math.inf)
-                prob = torch.softmax(logits, dim=-1)
-                prob = torch.where(vis.any(-1)[:, None, None], prob, 0.0)
-                vf = vv.float()
-                if bool(torch.isfinite(vf).all()):
-                    o = prob @ vf
-                else:  # a row must not see non-finite V of keys only others see
-                    o = torch.stack([prob[i] @ torch.where(vis[i][:, None], vf, 0.0)
-                                     for i in range(n)])
-                out[rows, g * grp:(g + 1) * grp] = o.to(act)
+                k_all = _dequant(codes[:, :d], read_fmt, ks, act)
+                v_all = _dequant(codes[:, d:], read_fmt, vs, act)
+                heads = slice(g * grp, (g + 1) * grp)
+                for rows in _row_chunks(starts[r], counts[r], grp * length):
+                    vis = _visible(topk[g, rows], nb, page, in_seq, _ints(pos[rows], dev),
+                                   flags)
+                    out[rows, heads] = _attend(q[rows, heads], k_all, v_all, vis,
+                                               softmax_scale).to(act)
     return {"out": _codes_out(out.view(torch.int16))}
 
 

@@ -226,8 +226,9 @@ def attention_reference(case: Case) -> np.ndarray:
 
 
 def attention_failures(case: Case, out: dict) -> list[str]:
-    """Within 2 model-dtype ulps (ordinal code distance) or 1e-6 of the scheduled
-    reference, never NaN."""
+    """Within 2 model-dtype ulps (ordinal code distance), or 1e-6, or 2^-12 of the row's
+    largest output (where V cancels, the fp32 error scales with the row, not the element)
+    of the scheduled reference, never NaN."""
     md = inputs(case)["model_dtype"]
     ref = attention_reference(case)
     got = decode(out["out"], md)
@@ -235,8 +236,9 @@ def attention_failures(case: Case, out: dict) -> list[str]:
     if np.isnan(got).any():
         fails.append(f"out: {int(np.isnan(got).sum())} NaN")
     ulps = np.abs(ordinal(out["out"], md) - ordinal(encode(ref, md, "nonsaturating"), md))
+    row_max = np.abs(ref).max(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore"):
-        bad = ~((ulps <= 2) | (np.abs(got - ref) <= 1e-6))
+        bad = ~((ulps <= 2) | (np.abs(got - ref) <= np.maximum(1e-6, 2**-12 * row_max)))
     if bad.any():
         i = tuple(np.argwhere(bad)[np.argmax(ulps[bad])])
         fails.append(f"out: {int(bad.sum())} of {bad.size} elements beyond 2 ulp + 1e-6 "
@@ -344,8 +346,8 @@ _BUG_CASES = {
                                           "none", 0)),
                    ("attention_decode", ("tiny", "normal", "rocm-fnuz", "fp8_e5m2",
                                          "bfloat16", "none", 3)),
-                   ("indexer_prefill", ("small", "near_overflow", "rocm-fnuz", "fp8",
-                                        "bfloat16", "none", 2)),
+                   *[("indexer_prefill", ("small", "near_overflow", "rocm-fnuz", "fp8",
+                                         "bfloat16", "none", s)) for s in (2, 3, 4, 5)],
                    ("indexer_decode", ("small", "near_overflow", "rocm-fnuz", "fp8",
                                        "bfloat16", "none", 3))],
     "no_causal_in_block": [("attention_prefill", ("tiny", "normal", "cuda", "auto",
@@ -445,3 +447,15 @@ def test_nan_in_a_block_reaches_only_the_rows_that_select_it():
     ulps = np.abs(ordinal(encode(got[fin], "bfloat16", "nonsaturating"), "bfloat16")
                   - ordinal(encode(ref[fin], "bfloat16", "nonsaturating"), "bfloat16"))
     assert np.all((ulps <= 2) | (np.abs(got[fin] - ref[fin]) <= 1e-6))
+
+
+def test_row_chunking_changes_nothing_but_summation(monkeypatch):
+    """With one row per chunk (the memory bound that model-size cases hit) indexer and
+    attention still meet the criteria, and the selections are identical."""
+    monkeypatch.setattr(impl_torch, "_CHUNK_ELEMS", 1)
+    for op in ("indexer_prefill", "attention_prefill", "attention_decode"):
+        case = CASES[op][1]
+        out = impl_torch.make_torch_impl(op).run(inputs(case))
+        assert failures(case, out) == [], case.id
+        if op.startswith("indexer"):
+            assert np.array_equal(out["topk"], baseline(case)["topk"])

@@ -1,0 +1,101 @@
+"""Soundness and power of the tolerance models, measured.
+
+Soundness: an adversarial fp32 emulation of an op (``oracle.emulate``: random summation
+order, FMA on or off, special functions at the edge of their declared error) must always
+be admitted. Power: of the outputs one step (one code) away from the nearest rounding of
+the exact value, the share the model rejects; 1.0 means the model accepts nothing but the
+nearest output, 0.0 that it cannot see a one-code error at all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oracle import rand
+from oracle.bounds import Fp32Arith, norm_rope_bound
+from oracle.emulate import norm_rope_fp32
+from oracle.intervals import classify, ordinal, round_codes
+from reference.codec import get_format, round_to
+from reference.norm_rope import apply_rope_neox, rms_norm_gemma, rope_table
+
+_TABLES: dict = {}
+
+
+def _table(rotary_dim: int, model_dtype: str) -> np.ndarray:
+    key = (rotary_dim, model_dtype)
+    if key not in _TABLES:
+        _TABLES[key] = rope_table(1 << 12, rotary_dim, 5e6, model_dtype)
+    return _TABLES[key]
+
+
+def norm_rope_problem(bg, rows: int):
+    """A random batch of head vectors: D, R, model dtype, magnitude and weight scale drawn
+    from the domain; returns (x, w, eps, cos_sin, R, model_dtype)."""
+    d = 2 * int(rand.integers(bg, 1, 129, ())[()])
+    r = 2 * int(rand.integers(bg, 1, d // 2 + 1, ())[()])
+    md = ("bfloat16", "float16")[int(rand.integers(bg, 0, 2, ())[()])]
+    lo, hi = (-10, 10) if md == "float16" else (-40, 40)
+    mag = np.exp2(rand.integers(bg, lo, hi, (rows, 1)))
+    x = round_to(rand.normal(bg, (rows, d)) * mag, md)
+    w = round_to(rand.normal(bg, (d,)) * (0.3, 3.0)[int(rand.integers(bg, 0, 2, ())[()])], md)
+    eps = (1e-6, 0.0, 1e-2)[int(rand.integers(bg, 0, 3, ())[()])]
+    pos = rand.integers(bg, 0, 1 << 12, (rows,))
+    return x, w, eps, _table(r, md)[pos], r, md
+
+
+def exact_norm_rope(x, w, eps, cos_sin, rotary_dim):
+    """The reference's norm + RoPE of rows x, given each row's table entries."""
+    positions = np.arange(x.shape[0])
+    return apply_rope_neox(rms_norm_gemma(x, w, eps), positions, cos_sin, rotary_dim)
+
+
+def norm_rope_soundness(cases: int = 10_000, seed: int = 0, arith: Fp32Arith | None = None,
+                        rows_per_problem: int = 50) -> dict:
+    """Emulate ``cases`` head vectors adversarially; count inadmissible outputs."""
+    arith = arith or Fp32Arith()
+    bg = rand.generator(seed)
+    done = violations = elements = 0
+    worst = 0.0
+    while done < cases:
+        x, w, eps, cs, r, md = norm_rope_problem(bg, rows_per_problem)
+        y = exact_norm_rope(x, w, eps, cs, r)
+        bound = norm_rope_bound(x, w, eps, cs, r, arith)
+        got = norm_rope_fp32(x, w, eps, cs, r, arith, bg)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            worst = max(worst, float(np.nanmax(np.abs(got - y) / bound)))
+        c = classify(round_codes(got, md), y, bound, md)
+        violations += int(np.count_nonzero(~c["ok"]))
+        elements += c["ok"].size
+        done += x.shape[0]
+    return {"cases": done, "elements": elements, "violations": violations,
+            "max_err_over_bound": worst}
+
+
+def one_step_power(exact, bound, fmt) -> float:
+    """Share of the two one-code neighbours of the nearest output that the model rejects
+    (neighbours that do not exist, past the largest code, are skipped)."""
+    f = get_format(fmt)
+    nearest = round_codes(exact, fmt).astype(np.int64)
+    rejected = total = 0
+    for step in (-1, 1):
+        o = ordinal(nearest, fmt) + step
+        valid = np.abs(o) <= f.max_code
+        codes = np.where(o < 0, f.sign_bit | -o, o).astype(f.code_dtype)  # sign-magnitude
+        c = classify(codes, exact, bound, fmt)
+        rejected += int(np.count_nonzero(~c["ok"] & valid))
+        total += int(np.count_nonzero(valid))
+    return rejected / total if total else float("nan")
+
+
+def norm_rope_power(cases: int = 2_000, seed: int = 1, arith: Fp32Arith | None = None) -> dict:
+    """One-step power of the norm + RoPE model (bf16 and fp16 outputs)."""
+    arith = arith or Fp32Arith()
+    bg = rand.generator(seed)
+    shares, done = [], 0
+    while done < cases:
+        x, w, eps, cs, r, md = norm_rope_problem(bg, 50)
+        y = exact_norm_rope(x, w, eps, cs, r)
+        shares.append(one_step_power(y, norm_rope_bound(x, w, eps, cs, r, arith), md))
+        done += x.shape[0]
+    return {"cases": done, "power": float(np.mean(shares))}
+

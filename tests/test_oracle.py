@@ -1,0 +1,122 @@
+"""The oracle's own guarantees: sound (never rejects a legitimate fp32 evaluation), powerful
+(rejects one-code errors), cases replay bit for bit, and diffs see silent regressions."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from oracle import diff, report
+from oracle.bounds import norm_rope_bound
+from oracle.cases import OPS, Case, input_hash, make_inputs
+from oracle.checks import run_check
+from oracle.intervals import admissible_range, classify, joint_value_exists, round_codes
+from oracle.registry import implementations
+from oracle.soundness import norm_rope_power, norm_rope_soundness
+from reference.codec import decode, encode
+
+
+@pytest.mark.slow
+def test_norm_rope_bound_is_sound_on_10000_adversarial_cases():
+    """10,000 random head vectors (D, R, dtype, magnitude, weights, eps drawn from the domain)
+    evaluated in fp32 with random summation order, FMA on/off and special functions at the
+    edge of their declared error: every rounded output is admissible."""
+    r = norm_rope_soundness(10_000)
+    assert r["cases"] >= 10_000 and r["violations"] == 0, r
+    assert r["max_err_over_bound"] <= 1.0
+
+
+def test_norm_rope_model_rejects_one_code_errors():
+    """At least 95% of the outputs one code away from the nearest rounding are rejected:
+    the bound is tight enough to see a single-code error almost everywhere."""
+    assert norm_rope_power(1000)["power"] >= 0.95
+
+
+def test_admissible_range_is_the_rounding_of_the_interval():
+    """lo/hi are the ordinals of round(e - d) and round(e + d); a zero bound admits only
+    the nearest code; outputs outside are rejected, NaN outputs always."""
+    e = np.array([1.0, 1.0 + 2**-9, -3.3, 0.0])
+    lo, hi = admissible_range(e, 0.0, "bfloat16")
+    assert np.array_equal(lo, hi)
+    nearest = round_codes(e, "bfloat16")
+    assert classify(nearest, e, 0.0, "bfloat16")["ok"].all()
+    one_up = encode(np.array([1.0 + 2**-7]), "bfloat16", "nonsaturating")
+    assert not classify(one_up, np.array([1.0]), 0.0, "bfloat16")["ok"][0]
+    assert not classify(one_up, np.array([1.0]), 2**-8, "bfloat16")["ok"][0]  # tie: to even
+    assert classify(one_up, np.array([1.0]), 1.01 * 2**-8, "bfloat16")["ok"][0]
+    nan = encode(np.array([np.nan]), "bfloat16", "nonsaturating")
+    assert not classify(nan, np.array([1.0]), 1e9, "bfloat16")["ok"][0]
+
+
+def test_joint_check_requires_one_value_for_bf16_and_fp8():
+    """A bf16 K and an fp8 K code from the same value pass; codes from two different values
+    inside the bound fail when no single value rounds to both."""
+    y = np.array([1.0 + 2**-4 + 2**-9])  # rounds up in e4m3 (step 2^-3), stays in bf16
+    bf = encode(y, "bfloat16", "nonsaturating")
+    e4 = encode(y, "e4m3fn", "satfinite")
+    assert joint_value_exists(y, 0.0, bf, "bfloat16", e4, "e4m3fn").all()
+    other = encode(y - 2**-5, "e4m3fn", "satfinite")  # another code, from another value
+    assert decode(other, "e4m3fn")[0] != decode(e4, "e4m3fn")[0]
+    assert not joint_value_exists(y, 2**-12, bf, "bfloat16", other, "e4m3fn").all()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_replay_reproduces_inputs_and_verdict(op):
+    """A case id rebuilds bit-identical inputs (same hash) and the same verdict."""
+    case = Case(op, "tiny", "normal", "rocm-fnuz", "fp8", "bfloat16",
+                "none" if op.startswith("indexer") else "slot", seed=3)
+    again = Case.from_id(case.id)
+    assert again == case
+    x1, x2 = make_inputs(case), make_inputs(again)
+    assert input_hash(x1) == input_hash(x2)
+    (ref,) = implementations(op, ["reference"])
+    if op.startswith("attention"):
+        return  # judged once the attention bound is registered (oracle.attention_bound)
+    r1, r2 = run_check(case, ref, x1), run_check(again, ref, x2)
+    assert r1.passed == r2.passed and r1.input_hash == r2.input_hash
+
+
+def _worse_norm_rope(impl):
+    """A legitimate but worse implementation: it declares a sloppy rsqrt (2,000 ulp) and
+    rounds q from e + 0.9 d, inside its bound (so every check still passes), instead of the
+    nearest value."""
+    arith = dataclasses.replace(impl.arith, rsqrt_ulp=2000.0)
+
+    def run(x):
+        out = impl.run(x)
+        from oracle.impl_reference import layout_of, weights_of
+        from reference.norm_rope import apply_rope_neox, rms_norm_gemma
+
+        q = layout_of(x).split(x["rows"])["q"]
+        w = weights_of(x)["q"]
+        e = apply_rope_neox(rms_norm_gemma(q, w, x["eps"]), x["positions"], x["rope_table"],
+                            x["rotary_dim"])
+        d = norm_rope_bound(q, w, x["eps"], x["rope_table"][x["positions"]][:, None],
+                            x["rotary_dim"], arith)
+        out["q"] = round_codes(e + 0.9 * d, x["model_dtype"])
+        return out
+
+    return dataclasses.replace(impl, run=run, name="worse", arith=arith)
+
+
+def test_diff_flags_a_silent_regression_and_not_a_rerun():
+    """Rerunning the same implementation on the same case set flags nothing; a variant that
+    still passes every check but rounds worse is flagged as a regression."""
+    cases = [Case("norm_rope_insert", "tiny", "normal", p, "auto", "bfloat16", "none", s)
+             for p in ("cuda", "rocm-fnuz") for s in range(4)]
+    (ref,) = implementations("norm_rope_insert", ["reference"])
+    worse = _worse_norm_rope(ref)
+
+    def doc(impl):
+        cells = {}
+        for c in cases:
+            r = run_check(c, impl)
+            assert r.passed, r.summary()
+            report.add_result(cells, c, dataclasses.replace(r, impl="candidate"))
+        return {"cells": list(cells.values())}
+
+    base = doc(ref)
+    text, worse_flag = diff.diff_reports(base, doc(ref))
+    assert not worse_flag, text
+    text, worse_flag = diff.diff_reports(base, doc(worse))
+    assert worse_flag and "exact rate" in text and "RMSE" in text, text
