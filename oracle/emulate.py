@@ -77,3 +77,19 @@ def norm_rope_fp32(x, w, eps, cos_sin, rotary_dim, arith: Fp32Arith, bg) -> np.n
     y_first = mul_add(first, c, (-(second * s)).astype(F32), use_fma)
     y_second = mul_add(second, c, (first * s).astype(F32), use_fma)
     return np.concatenate([y_first, y_second, n[..., rotary_dim:]], axis=-1).astype(np.float64)
+
+
+def indexer_scores_fp32(q, keys, positions, page, bg) -> np.ndarray:
+    """Adversarial fp32 block scores of one request: ``q [T, Hi, D]`` values, ``keys [n, D]``
+    (visible keys 0..n-1), each dot summed in fp32 in a random order, then the block max over
+    keys j <= p. Returns float64 ``[Hi, T, NB]``, -inf past each row's visible blocks."""
+    prods = (q.astype(F32)[:, :, None, :] * keys.astype(F32)[None, None, :, :]).astype(F32)
+    dots = random_order_sum(prods, bg).astype(np.float64)  # [T, Hi, n]
+    n = keys.shape[0]
+    nb = -(-n // page)
+    j = np.arange(nb * page)
+    visible = j[None, :] <= np.asarray(positions)[:, None]  # [T, nb*P]
+    padded = np.full(dots.shape[:2] + (nb * page,), -np.inf)
+    padded[..., :n] = dots
+    padded = np.where(visible[:, None, :], padded, -np.inf)
+    return padded.reshape(dots.shape[:2] + (nb, page)).max(axis=-1).transpose(1, 0, 2)

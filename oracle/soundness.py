@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from oracle import rand
-from oracle.bounds import Fp32Arith, norm_rope_bound
-from oracle.emulate import norm_rope_fp32
+from oracle.bounds import Fp32Arith, gamma, norm_rope_bound
+from oracle.emulate import indexer_scores_fp32, norm_rope_fp32
 from oracle.intervals import classify, ordinal, round_codes
 from reference.codec import get_format, round_to
 from reference.norm_rope import apply_rope_neox, rms_norm_gemma, rope_table
@@ -99,3 +99,91 @@ def norm_rope_power(cases: int = 2_000, seed: int = 1, arith: Fp32Arith | None =
         done += x.shape[0]
     return {"cases": done, "power": float(np.mean(shares))}
 
+
+
+def indexer_soundness(cases: int = 10_000, seed: int = 0) -> dict:
+    """Selections made from adversarial fp32 block scores (random summation order per dot
+    product) of seeded small indexer prefill cases (``ties`` and ``normal``, every index
+    format) must all be admissible under the fp32 score bound; ``cases`` counts rows."""
+    from oracle.cases import Case, make_inputs
+    from oracle.impl_reference import indexer_prefill
+    from reference.indexer import select_blocks
+    from reference.kv_cache import gather_index_keys
+
+    bg = rand.generator(seed)
+    rows = failed = i = 0
+    while rows < cases:
+        i += 1
+        case = Case("indexer_prefill", "small", ("ties", "normal")[i % 2],
+                    ("cuda", "rocm-fnuz")[i % 3 == 0], ("auto", "fp8")[i % 2 == 0],
+                    seed=seed * 100_000 + i)
+        x = make_inputs(case)
+        res = indexer_prefill(x, return_scores=True)
+        page = x["index_cache"].shape[1]
+        cu, seq = x["cu_seqlens_q"], x["seq_lens"]
+        scores = np.full(res.scores.shape, -np.inf)
+        for r in range(len(seq)):
+            t0, t1 = int(cu[r]), int(cu[r + 1])
+            if t0 == t1:
+                continue
+            pos = np.arange(seq[r] - (t1 - t0), seq[r])
+            keys = gather_index_keys(x["index_cache"], x["index_fmt"], x["block_table"][r],
+                                     np.arange(seq[r]))
+            s = indexer_scores_fp32(x["index_q"][t0:t1], keys, pos, page, bg)
+            scores[:, t0:t1, : s.shape[-1]] = s
+        sel = select_blocks(scores, res.num_visible, x["topk"], x["local_blocks"],
+                            x["initial_blocks"])
+        d = x["index_q"].shape[-1]
+        bound = res.magnitudes * (gamma(d) + d * 2.0**-53) * 1.000001
+        ok, details = res.admits(sel, bound)
+        failed += details["rows_failed"]
+        rows += details["rows"]
+    return {"cases": rows, "violations": failed}
+
+
+def indexer_power(cases: int = 2_000, seed: int = 1) -> dict:
+    """Share of rows whose smallest selection change (the weakest selected non-forced block
+    swapped for the strongest unselected visible one) the tie-aware model rejects, over
+    seeded small indexer prefill cases (normal and ties); rows with no possible swap are
+    skipped."""
+    from oracle.cases import Case, make_inputs
+    from oracle.impl_reference import indexer_prefill
+    from reference.indexer import required_blocks
+
+    rejected = total = i = 0
+    while total < cases:
+        i += 1
+        case = Case("indexer_prefill", "small", ("normal", "ties")[i % 2], seed=seed * 7919 + i)
+        x = make_inputs(case)
+        res = indexer_prefill(x, return_scores=True)
+        d = x["index_q"].shape[-1]
+        bound = res.magnitudes * (gamma(d) + d * 2.0**-53) * 1.000001
+        hi, t, nb = res.scores.shape
+        req = required_blocks(res.num_visible, nb, x["topk"], x["local_blocks"],
+                              x["initial_blocks"])
+        for h in range(hi):
+            for row in range(t):
+                nv = int(res.num_visible[row])
+                sel = res.topk[h, row]
+                chosen = [b for b in sel if b >= 0 and not req[row, b]]
+                others = [b for b in range(nv) if b not in set(sel.tolist())]
+                if not chosen or not others:
+                    continue
+                s = res.scores[h, row]
+                weak = min(chosen, key=lambda b: (s[b], -b))
+                strong = max(others, key=lambda b: (s[b], -b))
+                bad = res.topk.copy()
+                bad[h, row][bad[h, row] == weak] = strong
+                one = bad[h:h + 1, row:row + 1]
+                ok, _ = _admits_row(res, one, bound, h, row)
+                rejected += not ok
+                total += 1
+    return {"cases": total, "power": rejected / total}
+
+
+def _admits_row(res, sel, bound, h, row):
+    from reference.indexer import selection_admissible
+
+    return selection_admissible(sel, res.scores[h:h + 1, row:row + 1],
+                                bound[h:h + 1, row:row + 1], res.num_visible[row:row + 1],
+                                res.local_blocks, res.initial_blocks)

@@ -57,9 +57,11 @@ ACT_DTYPES = ("bfloat16", "float16")
 _CHUNK_ELEMS = 1 << 22
 _UNIT_ELEMS = 1 << 19
 _HEAVY_PAIRS = 4
-# KV heads run in this many threads (NumPy and BLAS release the GIL); results do not depend
-# on it. Set to 1 for a single thread.
-THREADS = min(4, os.cpu_count() or 1)
+# KV heads run in up to this many threads when a call is large (NumPy and BLAS release the
+# GIL); results do not depend on it. 1: single thread. Run with OPENBLAS_NUM_THREADS=1 (or
+# the like): BLAS threads on top of these oversubscribe the cores, badly on a loaded machine.
+THREADS = int(os.environ.get("REFERENCE_ATTENTION_THREADS", min(4, os.cpu_count() or 1)))
+_THREADED_ELEMS = 1 << 22  # smaller calls (logit elements, roughly) run in one thread
 
 
 # ----------------------------------------------------------------------------- rounding
@@ -503,7 +505,7 @@ def _attend(q, cache, fmt, bt, row_req, row_pos, seq, tk, ks, vs, scale, sched):
             out[rows, heads] = o
             lse[rows, heads] = l_
 
-    workers = min(THREADS, hkv)
+    workers = min(THREADS, hkv) if active.size * tk.shape[2] * hq * page > _THREADED_ELEMS else 1
     if workers > 1:
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(head, range(hkv)))

@@ -233,7 +233,7 @@ def sparse_step(mode, rows, seq_lens, *, layout, weights, table, rotary_dim, eps
         common = dict(k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
                       schedule=sched, validate=validate, return_details=True)
         if mode == "prefill":
-            return sparse_attention_prefill(fused["q_exact"], kv_cache, kv_fmt, block_table,
+            return sparse_attention_prefill(fused["q"], kv_cache, kv_fmt, block_table,
                                             cu_seqlens_q, seq, idx.topk, **common)
         return sparse_attention_decode(fused["q"], kv_cache, kv_fmt, block_table, seq,
                                        idx.topk, rows_per_request, **common)

@@ -12,7 +12,12 @@ from oracle.cases import OPS, Case, input_hash, make_inputs
 from oracle.checks import run_check
 from oracle.intervals import admissible_range, classify, joint_value_exists, round_codes
 from oracle.registry import implementations
-from oracle.soundness import norm_rope_power, norm_rope_soundness
+from oracle.soundness import (
+    indexer_power,
+    indexer_soundness,
+    norm_rope_power,
+    norm_rope_soundness,
+)
 from reference.codec import decode, encode
 
 
@@ -30,6 +35,20 @@ def test_norm_rope_model_rejects_one_code_errors():
     """At least 95% of the outputs one code away from the nearest rounding are rejected:
     the bound is tight enough to see a single-code error almost everywhere."""
     assert norm_rope_power(1000)["power"] >= 0.95
+
+
+@pytest.mark.slow
+def test_indexer_bound_is_sound_on_10000_adversarial_rows():
+    """Selections made from fp32 block scores summed in random orders (every index format,
+    normal and exact/near-tie distributions) are all admissible under the score bound."""
+    r = indexer_soundness(10_000)
+    assert r["cases"] >= 10_000 and r["violations"] == 0, r
+
+
+def test_indexer_model_rejects_the_smallest_selection_change():
+    """Swapping the weakest selected block for the strongest unselected one is rejected in
+    at least 90% of rows (the rest are exact or near ties, where the swap is legitimate)."""
+    assert indexer_power(1000)["power"] >= 0.9
 
 
 def test_admissible_range_is_the_rounding_of_the_interval():
