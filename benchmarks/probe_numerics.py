@@ -78,7 +78,8 @@ def cast_rows(sets) -> list[dict]:
     for fmt in TRITON_FP8:
         for source, x in sets.items():
             got = triton_cast(x, fmt)
-            counts = {p: conformance.count_mismatches(got, encode(x, fmt, p), fmt) for p in POLICIES}
+            counts = {p: conformance.count_mismatches(got, encode(x, fmt, p), fmt)
+                      for p in POLICIES}
             rows.append({"fmt": fmt, "source": source, "n": int(x.size), "mismatches": counts})
     return rows
 

@@ -60,7 +60,8 @@ class Tally:
             got = got * np.broadcast_to(np.asarray(scale, np.float64), np.shape(exact)).ravel()
         b = np.broadcast_to(np.asarray(bound, np.float64), np.shape(exact)).ravel()
         finite = np.isfinite(e) & np.isfinite(got)
-        err = np.where(finite, np.abs(got - e), np.where(ok, 0.0, np.inf))
+        with np.errstate(invalid="ignore"):
+            err = np.where(finite, np.abs(got - e), np.where(ok, 0.0, np.inf))
         self.elements += ok.size
         self.exact += int(np.count_nonzero(ulps == 0))
         self.within_one += int(np.count_nonzero(np.abs(ulps) <= 1))

@@ -93,3 +93,61 @@ def indexer_scores_fp32(q, keys, positions, page, bg) -> np.ndarray:
     padded[..., :n] = dots
     padded = np.where(visible[:, None, :], padded, -np.inf)
     return padded.reshape(dots.shape[:2] + (nb, page)).max(axis=-1).transpose(1, 0, 2)
+
+
+def _exp2(x, arith, bg):
+    """fp32 exp2 at the edge of its declared error."""
+    with np.errstate(over="ignore"):
+        return within_ulps(np.exp2(x.astype(np.float64)), arith.exp2_ulp, bg)
+
+
+def _round_to(x, dtype):
+    from reference.attention import _round
+
+    return _round(np.asarray(x, np.float64), dtype)
+
+
+def attention_chunk_fp32(q, k, v, rank, sched, arith, sigma, bg):
+    """One split chunk of one row, all heads of the group, as an online-softmax fp32 kernel
+    with tiles of ``blocks_per_tile`` blocks (or one tile: ``p_max="row"``), exp2 with the
+    scale folded in, P rounded from the kernel's own fp32 value. Returns the fp32 partial
+    output ``[G, D]``, its log-sum-exp (natural log) and whether any key was seen."""
+    scale2 = F32(sigma * np.log2(np.e))
+    prods = (q.astype(F32)[:, None, :] * k.astype(F32)[None, :, :]).astype(F32)
+    s = (random_order_sum(prods, bg) * scale2).astype(F32)  # [G, n], log2 units
+    tiles = rank // sched.blocks_per_tile if sched.p_max == "running" else np.zeros_like(rank)
+    g_, d = q.shape[0], q.shape[1]
+    m = np.full((g_, 1), -np.inf, F32)
+    acc = np.zeros((g_, d), F32)
+    l_sum = np.zeros((g_, 1), F32)
+    for t in np.unique(tiles):
+        cols = tiles == t
+        st = s[:, cols]
+        m_new = np.maximum(m, st.max(axis=1, keepdims=True))
+        alpha = np.where(np.isfinite(m), _exp2((m - m_new).astype(F32), arith, bg), F32(0))
+        p = _exp2((st - m_new).astype(F32), arith, bg)
+        pr = _round_to(p, sched.p_dtype).astype(F32) if sched.p_dtype != "float64" else p
+        pv = random_order_sum((pr[:, :, None] * v[cols].astype(F32)[None]).astype(F32)
+                              .transpose(0, 2, 1), bg)
+        acc = ((acc * alpha).astype(F32) + pv).astype(F32)
+        l_sum = ((l_sum * alpha).astype(F32) + random_order_sum(p, bg)[:, None]).astype(F32)
+        m = m_new
+    out = within_ulps(acc.astype(np.float64) / l_sum.astype(np.float64), arith.div_ulp, bg)
+    lse = (m.astype(np.float64) * np.log(2) + np.log(l_sum.astype(np.float64)))[:, 0]
+    return out, within_ulps(lse, 2.0, bg)
+
+
+def attention_row_fp32(q, k, v, chunk, rank, sched, arith, sigma, bg):
+    """One row and KV head group: chunks, partials in the partial dtype, fp32 merge."""
+    parts = [attention_chunk_fp32(q, k[chunk == c], v[chunk == c], rank[chunk == c], sched,
+                                  arith, sigma, bg) for c in np.unique(chunk)]
+    if sched.blocks_per_split is None:
+        return parts[0][0].astype(np.float64)
+    o = np.stack([_round_to(p[0], sched.partial_dtype) for p in parts]).astype(F32)
+    lse = np.stack([_round_to(p[1], sched.lse_dtype) for p in parts]).astype(F32)
+    top = lse.max(axis=0)
+    w = within_ulps(np.exp(lse.astype(np.float64) - top), arith.exp2_ulp, bg)
+    num = random_order_sum((w[..., None] * o).astype(F32).transpose(1, 2, 0), bg)
+    den = random_order_sum(w.T, bg)
+    return within_ulps(num.astype(np.float64) / den.astype(np.float64)[:, None],
+                       arith.div_ulp, bg).astype(np.float64)

@@ -87,7 +87,13 @@ def classify(out_codes, exact, bound, fmt, scale=None) -> dict:
     e = np.asarray(exact, dtype=np.float64)
     got = ordinal(out_codes, fmt)
     nearest = ordinal(round_codes(e, fmt, scale), fmt)
-    lo, hi = admissible_range(e, bound, fmt, scale)
-    got_nan = np.isnan(decode(out_codes, fmt))
-    ok = np.where(np.isnan(e), got_nan, ~got_nan & (lo <= got) & (got <= hi))
+    finite = np.isfinite(e)
+    with np.errstate(invalid="ignore"):
+        lo, hi = admissible_range(np.where(finite, e, 0.0), bound, fmt, scale)
+    got_value = decode(out_codes, fmt)
+    got_nan = np.isnan(got_value)
+    # A non-finite exact value (Inf from overflow in the schedule's dtype, NaN from NaN
+    # content a row may see) must be reproduced as such.
+    ok = np.where(finite, ~got_nan & (lo <= got) & (got <= hi),
+                  np.where(np.isnan(e), got_nan, got_value == e))
     return {"ok": ok, "ulps": got - nearest, "width": hi - lo + 1, "nearest": nearest}

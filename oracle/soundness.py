@@ -187,3 +187,61 @@ def _admits_row(res, sel, bound, h, row):
     return selection_admissible(sel, res.scores[h:h + 1, row:row + 1],
                                 bound[h:h + 1, row:row + 1], res.num_visible[row:row + 1],
                                 res.local_blocks, res.initial_blocks)
+
+
+def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None) -> dict:
+    """Adversarial fp32 evaluations (``oracle.emulate.attention_row_fp32``) of seeded tiny
+    and small attention cases under several schedules (exact, vLLM-like with running tiles,
+    split-K with bf16 partials): every rounded output must be admissible. ``cases`` counts
+    (row, query head) pairs."""
+    from oracle.attention_bound import _row_keys, attention_bound
+    from oracle.cases import Case, make_inputs
+    from oracle.emulate import attention_row_fp32
+    from oracle.impl_reference import attention_call
+    from reference import attention as att
+    from reference.attention import decode_positions, prefill_positions
+
+    arith = Fp32Arith()
+    bg = rand.generator(seed)
+    done = violations = i = 0
+    worst = 0.0
+    while done < cases:
+        i += 1
+        md = ("bfloat16", "float16")[i % 2]
+        sched = (schedules or [
+            att.Schedule(kv_dtype=md, out_dtype=md),
+            att.vllm_schedule(md),
+            att.vllm_schedule(md, blocks_per_split=2),
+        ])[i % 3]
+        case = Case(("attention_prefill", "attention_decode")[i % 2], ("tiny", "small")[i % 4 == 0],
+                    ("normal", "outliers", "near_overflow", "tiny")[(i // 2) % 4],
+                    ("cuda", "rocm-fnuz")[i % 5 == 0], ("auto", "fp8", "fp8_e5m2")[i % 3],
+                    md, ("none", "slot")[i % 3 != 0 and i % 7 == 0] if i % 3 else "none",
+                    seed=seed * 100_000 + i)
+        x = make_inputs(case)
+        exact = attention_call(x, schedule=sched, return_details=True).unrounded
+        bound = attention_bound(x, sched, arith)
+        seq = np.asarray(x["seq_lens"], np.int64)
+        if "rows_per_request" in x:
+            req, pos = decode_positions(seq, x["rows_per_request"])
+        else:
+            req, pos = prefill_positions(x["cu_seqlens_q"], seq, len(x["q"]))
+        hkv = x["kv_cache"].shape[1]
+        grp = x["q"].shape[1] // hkv
+        sigma = 1.0 / np.sqrt(x["q"].shape[-1])
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            for t in np.flatnonzero(pos >= 0):
+                for g in range(hkv):
+                    keys = _row_keys(x, int(req[t]), int(pos[t]), g, x["topk"][g, t], seq,
+                                     sched)
+                    if keys is None:
+                        continue
+                    heads = slice(g * grp, (g + 1) * grp)
+                    got = attention_row_fp32(x["q"][t, heads], *keys, sched, arith, sigma, bg)
+                    c = classify(round_codes(got, md), exact[t, heads], bound[t, heads], md)
+                    violations += int(np.count_nonzero(~c["ok"]))
+                    ratio = np.abs(got - exact[t, heads]) / bound[t, heads]
+                    worst = max(worst, float(np.nanmax(np.where(np.isfinite(ratio), ratio,
+                                                                0.0))))
+                    done += grp
+    return {"cases": done, "violations": violations, "max_err_over_bound": worst}

@@ -207,6 +207,8 @@ def sparse_step(mode, rows, seq_lens, *, layout, weights, table, rotary_dim, eps
     else:
         if cu_seqlens_q is not None:
             raise ValueError("cu_seqlens_q is for prefill; decode takes rows_per_request")
+        if isinstance(rows_per_request, np.integer):
+            rows_per_request = int(rows_per_request)
         check_in_range("rows_per_request", rows_per_request, *DECODE_ROWS_RANGE)
         if n_rows != seq.size * rows_per_request:
             raise ValueError(f"rows must have len(seq_lens) * rows_per_request = "

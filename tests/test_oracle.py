@@ -139,3 +139,17 @@ def test_diff_flags_a_silent_regression_and_not_a_rerun():
     assert not worse_flag, text
     text, worse_flag = diff.diff_reports(base, doc(worse))
     assert worse_flag and "exact rate" in text and "RMSE" in text, text
+
+
+@pytest.mark.slow
+def test_attention_bound_is_sound_on_10000_adversarial_rows():
+    """Attention rows evaluated as an fp32 online-softmax kernel would (random summation
+    orders, exp2 and divisions at the edge of their error, P rounded from the kernel's own
+    fp32 value, split-K partials rounded to bf16/fp16) under three schedules, every format
+    and distribution: every rounded output is admissible, and no pre-rounding value lies
+    beyond its bound."""
+    from oracle.soundness import attention_soundness
+
+    r = attention_soundness(10_000)
+    assert r["cases"] >= 10_000 and r["violations"] == 0, r
+    assert r["max_err_over_bound"] <= 1.0, r
