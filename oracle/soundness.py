@@ -245,3 +245,29 @@ def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None) -> d
                                                                 0.0))))
                     done += grp
     return {"cases": done, "violations": violations, "max_err_over_bound": worst}
+
+
+def attention_power(cases: int = 2_000, seed: int = 2) -> dict:
+    """One-step power of the attention model (against the torch baseline's declared
+    schedule and the vLLM schedule), over seeded tiny and small cases; ``cases`` counts
+    output elements / D."""
+    from oracle.attention_bound import attention_bound
+    from oracle.cases import Case, make_inputs
+    from oracle.impl_reference import attention_call
+    from reference import attention as att
+
+    arith = Fp32Arith()
+    shares, done, i = [], 0, 0
+    while done < cases:
+        i += 1
+        md = ("bfloat16", "float16")[i % 2]
+        sched = (att.Schedule(kv_dtype=md, out_dtype=md), att.vllm_schedule(md))[i % 2]
+        case = Case(("attention_prefill", "attention_decode")[i % 2], ("tiny", "small")[i % 3 == 0],
+                    ("normal", "outliers")[i % 4 == 0], "cuda", ("auto", "fp8")[i % 3 == 1], md,
+                    seed=seed * 100_000 + i)
+        x = make_inputs(case)
+        exact = attention_call(x, schedule=sched, return_details=True).unrounded
+        bound = attention_bound(x, sched, arith)
+        shares.append(one_step_power(exact, bound, md))
+        done += exact.shape[0] * exact.shape[1]
+    return {"cases": done, "power": float(np.mean(shares))}
