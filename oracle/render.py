@@ -38,6 +38,18 @@ def markdown(report: dict) -> str:
             f"| {c['admissible_not_nearest']:,} | {c['violations']:,} "
             f"| {_pct(wide, c['elements'])} | {c['max_err_over_bound']:.3g} "
             f"| {c['max_abs_err']:.3g} | {c['rmse']:.3g} |")
+    reported = [c for c in report["cells"] if c.get("reported")]
+    if reported:
+        lines += ["", "## Reported, not gating (calibrated in a clean run before they may gate)",
+                  "", "fa_ratio: max error over a same-precision baseline's (floor half an "
+                  "output ULP); prob_ratio: max error over a probabilistic bound; "
+                  "needed_bound: the smallest score bound that admits every selection.", "",
+                  "| op | impl | platform | format | shape | dist | statistic | max |",
+                  "|---|---|---|---|---|---|---|---:|"]
+        for c in reported:
+            for name, value in sorted(c["reported"].items()):
+                lines.append(f"| {c['op']} | {c['impl']} | {c['platform']} | {c['format']} "
+                             f"| {c['shape_class']} | {c['dist']} | {name} | {value:.3g} |")
     if report["failures"]:
         lines += ["", "## Failures", ""]
         for f in report["failures"][:50]:

@@ -93,11 +93,15 @@ def add_result(cells: dict, case: Case, r: CheckResult) -> None:
             c["worst_case"] = {"case": r.case, "replay": r.replay, "passed": r.passed,
                                "max_err_over_bound": t.max_err_over_bound,
                                "failures": r.failures[:3]}
+    for name, value in r.extra.items():  # op-specific reported statistics: keep the max
+        if isinstance(value, (int, float)):
+            c.setdefault("reported", {})[name] = max(c.get("reported", {}).get(name, 0.0),
+                                                     float(value))
     c["per_case"].append({
         "case": r.case, "hash": r.input_hash, "passed": r.passed,
         "exact_rate": t.exact / t.elements if t.elements else 1.0,
         "max_err_over_bound": t.max_err_over_bound, "rmse": r.rmse,
-        "violations": t.violations, "seconds": round(r.seconds, 4)})
+        "violations": t.violations, "seconds": round(r.seconds, 4), **r.extra})
 
 
 def machine_info() -> dict:

@@ -89,8 +89,6 @@ def test_replay_reproduces_inputs_and_verdict(op):
     x1, x2 = make_inputs(case), make_inputs(again)
     assert input_hash(x1) == input_hash(x2)
     (ref,) = implementations(op, ["reference"])
-    if op.startswith("attention"):
-        return  # judged once the attention bound is registered (oracle.attention_bound)
     r1, r2 = run_check(case, ref, x1), run_check(again, ref, x2)
     assert r1.passed == r2.passed and r1.input_hash == r2.input_hash
 
@@ -153,3 +151,46 @@ def test_attention_bound_is_sound_on_10000_adversarial_rows():
     r = attention_soundness(10_000)
     assert r["cases"] >= 10_000 and r["violations"] == 0, r
     assert r["max_err_over_bound"] <= 1.0, r
+
+
+BROKEN_CASES = {  # (shape class, dist, platform, kv_cache_dtype, model dtype, scales), seeds
+    "norm_rope_insert": [(("tiny", "normal", "cuda", "fp8", "bfloat16", "slot"), range(3)),
+                         (("small", "normal", "cuda", "fp8", "bfloat16", "none"), range(3))],
+    "reshape_and_cache": [(("tiny", "normal", "cuda", "fp8", "bfloat16", "tensor"), range(2))],
+    "attention_prefill": [(("tiny", "normal", "rocm-fnuz", "fp8", "bfloat16", "slot"),
+                           range(3))],
+    "attention_decode": [(("tiny", "normal", "rocm-fnuz", "fp8", "bfloat16", "tensor"),
+                          range(6))],
+    "indexer_prefill": [(("small", "near_overflow", "rocm-fnuz", "fp8", "bfloat16", "none"),
+                         range(6))],
+    "indexer_decode": [(("small", "near_overflow", "rocm-fnuz", "fp8", "bfloat16", "none"),
+                        range(6))],
+}
+
+
+def _broken_params():
+    from oracle.impl_torch import BUGS
+
+    for bug, spec in BUGS.items():
+        for op in spec.ops:
+            yield pytest.param(bug, op, id=f"{bug}-{op}")
+
+
+@pytest.mark.parametrize("bug, op", list(_broken_params()))
+def test_oracle_rejects_broken_baselines_and_accepts_the_correct_one(bug, op):
+    """A realistic bug in the torch baseline (interleaved RoPE, w for 1+w, fnuz read as fn,
+    no causal mask in the block, scales ignored, K quantised from bf16) fails the oracle's
+    check on at least one seeded case of its op, while the correct baseline passes all."""
+    from oracle.impl_torch import make_torch_impl
+
+    (good,) = implementations(op, ["torch"])
+    broken = make_torch_impl(op, bug)
+    killed = []
+    for fields, seeds in BROKEN_CASES[op]:
+        for seed in seeds:
+            case = Case(op, *fields, seed=seed)
+            x = make_inputs(case)
+            assert run_check(case, good, x).passed, case.id
+            if not run_check(case, broken, x).passed:
+                killed.append(case.id)
+    assert killed, f"{bug} survived every case of {op}"

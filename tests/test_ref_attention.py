@@ -796,3 +796,24 @@ def test_act_dequantisation_rounds_through_fp32_first():
     assert sparse_attention_prefill(*args, v_scale=v_scale)[0, 0, 0] == x * s
     f32 = replace(EXACT, kv_dtype="float32")
     assert sparse_attention_prefill(*args, v_scale=v_scale, schedule=f32)[0, 0, 0] == mid
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_work_partition_does_not_change_results(mode, monkeypatch):
+    """How the fast form splits its work (row chunks, unit batches, one matmul per block vs
+    batched per-pair products, KV heads in threads) changes nothing beyond float64
+    rounding; threads change no bit."""
+    case = make_case(26, mode=mode, rows=3, n_req=3, max_blocks=5, topk=4, kv_heads=3,
+                     fmt="e5m2", padding_requests=1)
+    sched = vllm_schedule("bfloat16", blocks_per_split=2)
+    want = case.call(schedule=sched, return_details=True).unrounded
+    for chunk, unit, heavy in [(1, 1, 1), (1 << 10, 1 << 11, 1), (1 << 12, 1, 10**6)]:
+        monkeypatch.setattr(attn, "_CHUNK_ELEMS", chunk)
+        monkeypatch.setattr(attn, "_UNIT_ELEMS", unit)
+        monkeypatch.setattr(attn, "_HEAVY_PAIRS", heavy)
+        got = case.call(schedule=sched, return_details=True).unrounded
+        assert_close(got, want)
+        monkeypatch.setattr(attn, "_THREADED_ELEMS", 0)
+        monkeypatch.setattr(attn, "THREADS", 3)
+        assert np.array_equal(case.call(schedule=sched, return_details=True).unrounded, got)
+        monkeypatch.setattr(attn, "THREADS", 1)
