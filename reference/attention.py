@@ -25,11 +25,15 @@ its fp32 accumulation order / exp2 / division errors are left to the tolerance b
 exact schedule (``EXACT``, the default) is plain float64 math with an unrounded float64
 output; ``exact(out_dtype)`` rounds only the output; ``vllm_schedule(act)`` is vLLM's.
 
-Two forms exist: the fast block-centric form here (per KV head and chunk of rows, every
-selected (request, block) is decoded once and multiplied with every row that selected it;
-logits are collected per row and normalised with exact float64 bookkeeping), and a literal
-per-row form in ``tests/test_ref_attention.py`` that reads like the formulas above and
-cross-checks this one.
+Two forms exist: the fast block-centric form here, and a literal per-row form in
+``tests/test_ref_attention.py`` that reads like the formulas above and cross-checks this
+one. The fast form works per KV head and chunk of rows: every selected (request, block) is
+decoded once (fp8 and bf16/fp16 by a per-code table, a scalar scale folded in) and
+multiplied with all the rows that selected it in one float64 BLAS matmul; logits are kept
+per (row, block) pair; pass 1 gives each pair's max, reduced exactly to the row / split /
+tile maxima; pass 2 forms P, its sums and P @ V block by block. All bookkeeping is float64
+and exact up to float64 rounding (agreement with the literal form: ~1e-15 relative). KV
+heads run in parallel threads for large calls (``THREADS``); results do not depend on it.
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ import numpy as np
 from reference.codec import FORMATS
 from reference.domain import DECODE_ROWS_RANGE, check_in_range
 from reference.kv_cache import check_scales
-from reference.platforms import is_fp8
 
 ROUNDING_DTYPES = ("float64", "float32", "bfloat16", "float16")
 ACT_DTYPES = ("bfloat16", "float16")
@@ -57,10 +60,14 @@ ACT_DTYPES = ("bfloat16", "float16")
 _CHUNK_ELEMS = 1 << 22
 _UNIT_ELEMS = 1 << 19
 _HEAVY_PAIRS = 4
-# KV heads run in up to this many threads when a call is large (NumPy and BLAS release the
-# GIL); results do not depend on it. 1: single thread. Run with OPENBLAS_NUM_THREADS=1 (or
-# the like): BLAS threads on top of these oversubscribe the cores, badly on a loaded machine.
-THREADS = int(os.environ.get("REFERENCE_ATTENTION_THREADS", min(4, os.cpu_count() or 1)))
+# KV heads run in up to THREADS threads when a call is large (NumPy and BLAS release the
+# GIL); results do not depend on it. Threads on top of a multi-threaded BLAS oversubscribe
+# the cores (measured: prefill 7.4 s -> 10.4 s on 2 cores), so the default is one thread
+# unless BLAS is pinned to one (OPENBLAS_NUM_THREADS=1 or OMP_NUM_THREADS=1), then the
+# cores. REFERENCE_ATTENTION_THREADS overrides; the module attribute may be set too.
+_BLAS_PINNED = "1" in (os.environ.get("OPENBLAS_NUM_THREADS"), os.environ.get("OMP_NUM_THREADS"))
+THREADS = int(os.environ.get("REFERENCE_ATTENTION_THREADS",
+                             min(4, os.cpu_count() or 1) if _BLAS_PINNED else 1))
 _THREADED_ELEMS = 1 << 22  # smaller calls (logit elements, roughly) run in one thread
 
 
@@ -72,35 +79,47 @@ def _round(x: np.ndarray, dtype: str) -> np.ndarray:
     to ``dtype``. Same results as ``reference.codec.round_to`` for bf16/fp16, but fast.
 
     float32/float16: NumPy's float64 casts (correctly rounded, single rounding). bfloat16:
-    RNE on the float64 bit pattern (drop 45 mantissa bits) in bf16's normal range; below
-    2^-126 (bf16 subnormals, quantum 2^-133) by adding and subtracting 1.5 * 2^-81, which
-    rounds to a multiple of 2^-133 with ties to even. ml_dtypes is not used: its float64 ->
-    bfloat16 cast rounds through float32 (double rounding)."""
+    see ``_bf16_from_f32``; ml_dtypes is not used, its float64 -> bfloat16 cast rounds
+    through float32 without correcting the double rounding."""
     if dtype == "float64":
         return x
-    if dtype == "float32":
-        return np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
-    if dtype == "float16":
-        with np.errstate(over="ignore"):
-            return np.asarray(x, np.float64).astype(np.float16).astype(np.float64)
-    if dtype != "bfloat16":
-        raise ValueError(f"dtype must be one of {ROUNDING_DTYPES}, got {dtype!r}")
-    x = np.ascontiguousarray(x, dtype=np.float64)
-    bits = x.view(np.uint64)
-    lsb = (bits >> np.uint64(45)) & np.uint64(1)
-    rounded = ((bits + np.uint64((1 << 44) - 1) + lsb) & ~np.uint64((1 << 45) - 1))
-    r = rounded.view(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        tiny = np.abs(x) < 2.0**-126
-        if tiny.any():
-            c = 1.5 * 2.0**-81
-            r = np.where(tiny, np.copysign((x + c) - c, x), r)
-        big = np.abs(r) > _BF16_MAX
-        r = np.where(big, np.copysign(np.inf, x), r)
-        return np.where(np.isnan(x), x, r)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = np.asarray(x, np.float64)
+        if dtype == "float32":
+            return x.astype(np.float32).astype(np.float64)
+        if dtype == "float16":
+            return x.astype(np.float16).astype(np.float64)
+        if dtype != "bfloat16":
+            raise ValueError(f"dtype must be one of {ROUNDING_DTYPES}, got {dtype!r}")
+        return _bf16_from_f32(x.astype(np.float32), x)
 
 
-_BF16_MAX = float(FORMATS["bfloat16"].max_finite)
+def _bf16_from_f32(x32: np.ndarray, exact: np.ndarray | None = None) -> np.ndarray:
+    """float64 values of bf16 RNE(exact), given x32 = RNE_fp32(exact) (exact=None: x32 is
+    the exact value). RNE on the fp32 bit pattern (drop 16 bits; fp32 and bf16 share the
+    exponent field, so subnormals and overflow to Inf come out right; NaN stays NaN since
+    NumPy's casts give quiet NaNs). fp32 first is a double rounding that errs only where
+    x32 lands exactly on a bf16 midpoint while the exact value does not: those few are
+    rounded by the side the exact value lies on."""
+    b = np.ascontiguousarray(x32).view(np.uint32)
+    r = b >> 16
+    r &= 1
+    r += 0x7FFF
+    r += b
+    r &= 0xFFFF0000
+    if exact is not None:
+        tie = np.flatnonzero((b & np.uint32(0xFFFF)) == np.uint32(0x8000))
+        if tie.size:
+            bt = b.ravel()[tie]
+            ex = np.abs(exact.ravel()[tie])
+            lo = np.abs(x32.ravel()[tie].astype(np.float64))
+            away = (bt + np.uint32(0x8000)) & np.uint32(0xFFFF0000)
+            toward = bt & np.uint32(0xFFFF0000)
+            fix = np.where(ex > lo, away, np.where(ex < lo, toward, r.ravel()[tie]))
+            r = r.ravel()
+            r[tie] = fix
+            r = r.reshape(b.shape)
+    return r.view(np.float32).reshape(np.shape(x32)).astype(np.float64)
 
 
 def _check_dtype(name, value, choices=ROUNDING_DTYPES):
@@ -128,7 +147,7 @@ class Schedule:
         and only the conversion to kv_dtype applies.
     p_dtype, p_max, blocks_per_tile
         ``p_j`` used in ``P @ V`` is rounded to p_dtype; the row sum ``l`` always uses
-        unrounded p. ``p_max="row"``: ``P_j = round(exp(s_j - m)) `` with ``m`` the max over
+        unrounded p. ``p_max="row"``: ``P_j = round(exp(s_j - m))`` with ``m`` the max over
         all keys of the split (a two-pass kernel, or all keys in one tile). ``"running"``
         (online softmax): the split's blocks, in ``order``, form tiles of
         ``blocks_per_tile`` consecutive blocks; tile t rounds relative to the running max
@@ -416,9 +435,12 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
 class _Dequantizer:
     """Scheduled K or V values of whole pages of one KV head, by table lookup.
 
-    A scalar scale folds into a per-code table; a per-slot scale multiplies afterwards
-    (with the schedule's fp32 / act roundings). Codes past a page's valid length are
-    replaced by code 0 before decoding, so they are never part of any product."""
+    kv_dtype float64: ``decode(code) * scale`` in float64. Otherwise the code's value (in
+    act for an act schedule: exact for fp8) is held in float32, times the scale rounded to
+    fp32 by an fp32 multiply (NumPy float32 arithmetic is IEEE RNE, subnormals included),
+    then rounded to bf16/fp16 for an act schedule. A scalar scale folds into the per-code
+    table. Codes past a page's valid length are replaced by code 0 before decoding, so
+    they are never part of any product."""
 
     def __init__(self, cache, fmt, scale, kv_dtype, half):
         self.cache, self.kv_dtype = cache, kv_dtype
@@ -427,20 +449,24 @@ class _Dequantizer:
         values = FORMATS[fmt].values
         if kv_dtype in ACT_DTYPES:
             values = _round(values, kv_dtype)
+        if kv_dtype != "float64":
+            with np.errstate(over="ignore", invalid="ignore"):
+                values = values.astype(np.float32)  # exact: act and fp8 values fit
         self.per_slot = scale.ndim == 2
-        self.scale = scale
-        if self.per_slot:
-            self.table = values
-        else:
-            self.table = self._apply(values, float(scale))
-        self.fp8 = is_fp8(fmt)
+        self.scale = scale if kv_dtype == "float64" else scale.astype(np.float32)
+        self.table = values if self.per_slot else self._apply(values, self.scale)
 
     def _apply(self, x, s):
+        """The schedule's float64 value of decoded x times scale s (Schedule.kv_dtype)."""
         if self.kv_dtype == "float64":
             return x * s
-        s32 = _round(np.asarray(s, np.float64), "float32")
-        prod = _round(x * s32, "float32")
-        return prod if self.kv_dtype == "float32" else _round(prod, self.kv_dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            prod = x * s  # float32 * float32: the fp32 multiply, one rounding
+            if self.kv_dtype == "float32":
+                return prod.astype(np.float64)
+            if self.kv_dtype == "float16":
+                return prod.astype(np.float16).astype(np.float64)
+            return _bf16_from_f32(prod)
 
     def __call__(self, pages, lengths, g):
         page = self.cache.shape[2]

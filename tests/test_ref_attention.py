@@ -297,6 +297,9 @@ def test_fast_rounding_matches_the_codec(dtype):
     theirs = _r(x, dtype)
     same = (ours == theirs) | (np.isnan(ours) & np.isnan(theirs))
     assert same.all(), x[~same][:5]
+    grid_2d = x[:1000].reshape(50, 20)[:, ::-1]  # any shape and strides, 0-d too
+    assert np.array_equal(attn._round(grid_2d, dtype), _r(grid_2d, dtype), equal_nan=True)
+    assert np.shape(attn._round(np.float64(1 + 2.0**-8 + 2.0**-30), dtype)) == ()
 
 
 # ----------------------------------------------------------------------------- dense check
