@@ -39,9 +39,8 @@ from __future__ import annotations
 import numpy as np
 
 from oracle.bounds import Fp32Arith, U, gamma
-from reference.attention import _round as round_dtype
 from reference.attention import decode_positions, prefill_positions
-from reference.codec import FORMATS
+from reference.codec import FORMATS, round_dtype
 from reference.kv_cache import scale_at
 
 RESCALE_KEYS = 16  # the smallest key tile an online-softmax kernel rescales after

@@ -102,9 +102,9 @@ def _exp2(x, arith, bg):
 
 
 def _round_to(x, dtype):
-    from reference.attention import _round
+    from reference.codec import round_dtype
 
-    return _round(np.asarray(x, np.float64), dtype)
+    return round_dtype(x, dtype)
 
 
 def attention_chunk_fp32(q, k, v, rank, sched, arith, sigma, bg):

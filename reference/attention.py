@@ -47,11 +47,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from reference.codec import FORMATS
+from reference.codec import FORMATS, ROUNDING_DTYPES, bf16_from_f32, round_dtype
 from reference.domain import DECODE_ROWS_RANGE, check_in_range
 from reference.kv_cache import check_scales
 
-ROUNDING_DTYPES = ("float64", "float32", "bfloat16", "float16")
 ACT_DTYPES = ("bfloat16", "float16")
 
 # Work bounds of the fast form: elements of the per-chunk logit array and of one decoded
@@ -72,54 +71,6 @@ _THREADED_ELEMS = 1 << 22  # smaller calls (logit elements, roughly) run in one 
 
 
 # ----------------------------------------------------------------------------- rounding
-
-
-def _round(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float64 values of x rounded once (RNE, non-saturating: overflow -> +-Inf, NaN kept)
-    to ``dtype``. Same results as ``reference.codec.round_to`` for bf16/fp16, but fast.
-
-    float32/float16: NumPy's float64 casts (correctly rounded, single rounding). bfloat16:
-    see ``_bf16_from_f32``; ml_dtypes is not used, its float64 -> bfloat16 cast rounds
-    through float32 without correcting the double rounding."""
-    if dtype == "float64":
-        return x
-    with np.errstate(over="ignore", invalid="ignore"):
-        x = np.asarray(x, np.float64)
-        if dtype == "float32":
-            return x.astype(np.float32).astype(np.float64)
-        if dtype == "float16":
-            return x.astype(np.float16).astype(np.float64)
-        if dtype != "bfloat16":
-            raise ValueError(f"dtype must be one of {ROUNDING_DTYPES}, got {dtype!r}")
-        return _bf16_from_f32(x.astype(np.float32), x)
-
-
-def _bf16_from_f32(x32: np.ndarray, exact: np.ndarray | None = None) -> np.ndarray:
-    """float64 values of bf16 RNE(exact), given x32 = RNE_fp32(exact) (exact=None: x32 is
-    the exact value). RNE on the fp32 bit pattern (drop 16 bits; fp32 and bf16 share the
-    exponent field, so subnormals and overflow to Inf come out right; NaN stays NaN since
-    NumPy's casts give quiet NaNs). fp32 first is a double rounding that errs only where
-    x32 lands exactly on a bf16 midpoint while the exact value does not: those few are
-    rounded by the side the exact value lies on."""
-    b = np.ascontiguousarray(x32).view(np.uint32)
-    r = b >> 16
-    r &= 1
-    r += 0x7FFF
-    r += b
-    r &= 0xFFFF0000
-    if exact is not None:
-        tie = np.flatnonzero((b & np.uint32(0xFFFF)) == np.uint32(0x8000))
-        if tie.size:
-            bt = b.ravel()[tie]
-            ex = np.abs(exact.ravel()[tie])
-            lo = np.abs(x32.ravel()[tie].astype(np.float64))
-            away = (bt + np.uint32(0x8000)) & np.uint32(0xFFFF0000)
-            toward = bt & np.uint32(0xFFFF0000)
-            fix = np.where(ex > lo, away, np.where(ex < lo, toward, r.ravel()[tie]))
-            r = r.ravel()
-            r[tie] = fix
-            r = r.reshape(b.shape)
-    return r.view(np.float32).reshape(np.shape(x32)).astype(np.float64)
 
 
 def _check_dtype(name, value, choices=ROUNDING_DTYPES):
@@ -448,7 +399,7 @@ class _Dequantizer:
         self.cols = slice(0, d) if half == 0 else slice(d, 2 * d)
         values = FORMATS[fmt].values
         if kv_dtype in ACT_DTYPES:
-            values = _round(values, kv_dtype)
+            values = round_dtype(values, kv_dtype)
         if kv_dtype != "float64":
             with np.errstate(over="ignore", invalid="ignore"):
                 values = values.astype(np.float32)  # exact: act and fp8 values fit
@@ -466,7 +417,7 @@ class _Dequantizer:
                 return prod.astype(np.float64)
             if self.kv_dtype == "float16":
                 return prod.astype(np.float16).astype(np.float64)
-            return _bf16_from_f32(prod)
+            return bf16_from_f32(prod)
 
     def __call__(self, pages, lengths, g):
         page = self.cache.shape[2]
@@ -538,7 +489,7 @@ def _attend(q, cache, fmt, bt, row_req, row_pos, seq, tk, ks, vs, scale, sched):
     else:
         for g in range(hkv):
             head(g)
-    return AttentionResult(_round(out, sched.out_dtype), out, lse)
+    return AttentionResult(round_dtype(out, sched.out_dtype), out, lse)
 
 
 def _attend_chunk(qg, sel, req, pos, seq, bt, page, g, kdec, vdec, sched, bps, buf):
@@ -627,7 +578,7 @@ def _attend_chunk(qg, sel, req, pos, seq, bt, page, g, kdec, vdec, sched, bps, b
         x -= ref[rows][..., None]
         np.exp(x, out=x)
         psum[rows] = x.sum(axis=-1)
-        return _round(x, sched.p_dtype)
+        return round_dtype(x, sched.p_dtype)
 
     with np.errstate(invalid="ignore", over="ignore"):
         for u0, u1, light, heavy, parts in batches:
@@ -697,8 +648,8 @@ def _combine(num, m, l_sum, sched):
         lse_c = np.where(nonempty, m + np.log(safe_l), -np.inf)
         if sched.blocks_per_split is None:
             return o[:, 0], lse_c[:, 0]
-        o = _round(o, sched.partial_dtype)
-        lse_c = _round(lse_c, sched.lse_dtype)
+        o = round_dtype(o, sched.partial_dtype)
+        lse_c = round_dtype(lse_c, sched.lse_dtype)
         top = lse_c.max(axis=1, keepdims=True)
         top0 = np.where(np.isfinite(top), top, 0.0)
         wgt = np.where(nonempty, np.exp(lse_c - top0), 0.0)

@@ -204,9 +204,68 @@ def encode(x, fmt: str | FloatFormat, policy: str = "satfinite", scale=None) -> 
     return code.astype(f.code_dtype)
 
 
+ROUNDING_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
 def round_to(x, fmt: str | FloatFormat) -> np.ndarray:
     """float64 values of x rounded (RNE, non-saturating) to a format, e.g. bf16 or fp16."""
+    name = fmt.name if isinstance(fmt, FloatFormat) else fmt
+    if name in ("bfloat16", "float16"):
+        return round_dtype(as_float64(x), name)
     return decode(encode(x, fmt, "nonsaturating"), fmt)
+
+
+def round_dtype(x, dtype: str) -> np.ndarray:
+    """float64 values of x rounded once (RNE, non-saturating: overflow -> +-Inf, NaN kept)
+    to ``dtype`` (float64, float32, bfloat16 or float16): the fast path of ``round_to``.
+
+    float32/float16: NumPy's float64 casts (correctly rounded, single rounding). bfloat16:
+    see ``bf16_from_f32``; ml_dtypes is not used, its float64 -> bfloat16 cast rounds
+    through float32 without correcting the double rounding."""
+    if dtype == "float64":
+        return x
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = np.asarray(x, np.float64)
+        if dtype == "float32":
+            return x.astype(np.float32).astype(np.float64)
+        if dtype == "float16":
+            return x.astype(np.float16).astype(np.float64)
+        if dtype != "bfloat16":
+            raise ValueError(f"dtype must be one of {ROUNDING_DTYPES}, got {dtype!r}")
+        return bf16_from_f32(x.astype(np.float32), x)
+
+
+def bf16_from_f32(x32: np.ndarray, exact: np.ndarray | None = None) -> np.ndarray:
+    """float64 values of bf16 RNE(exact), given x32 = RNE_fp32(exact) (exact=None: x32 is
+    the exact value). RNE on the fp32 bit pattern (drop 16 bits; fp32 and bf16 share the
+    exponent field, so subnormals and overflow to Inf come out right; NaN is set back to
+    NaN afterwards). fp32 first is a double rounding that errs only where
+    x32 lands exactly on a bf16 midpoint while the exact value does not: those few are
+    rounded by the side the exact value lies on."""
+    b = np.ascontiguousarray(x32).view(np.uint32)
+    r = b >> 16
+    r &= 1
+    r += 0x7FFF
+    r += b
+    r &= 0xFFFF0000
+    if exact is not None:
+        tie = np.flatnonzero((b & np.uint32(0xFFFF)) == np.uint32(0x8000))
+        if tie.size:
+            bt = b.ravel()[tie]
+            ex = np.abs(exact.ravel()[tie])
+            lo = np.abs(x32.ravel()[tie].astype(np.float64))
+            away = (bt + np.uint32(0x8000)) & np.uint32(0xFFFF0000)
+            toward = bt & np.uint32(0xFFFF0000)
+            fix = np.where(ex > lo, away, np.where(ex < lo, toward, r.ravel()[tie]))
+            r = r.ravel()
+            r[tie] = fix
+            r = r.reshape(b.shape)
+    out = r.view(np.float32).reshape(np.shape(x32)).astype(np.float64)
+    nan = np.isnan(x32)  # NaN payloads in the low bits would carry into the sign or vanish
+    if nan.any():
+        out[nan] = np.nan
+    return out
+
 
 
 def to_bf16(x) -> np.ndarray:

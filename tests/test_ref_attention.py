@@ -29,7 +29,7 @@ from reference.attention import (
     sparse_attention_prefill,
     vllm_schedule,
 )
-from reference.codec import FORMATS, FP8_FORMATS, decode, round_to
+from reference.codec import FORMATS, FP8_FORMATS, decode, encode, round_dtype, round_to
 from reference.domain import (
     ACTIVATION_DTYPES,
     DECODE_ROWS_RANGE,
@@ -39,6 +39,7 @@ from reference.domain import (
     TOPK_RANGE,
 )
 from reference.kv_cache import empty_cache, gather_kv, quantize, scale_at, token_slots
+from tests.helpers import assert_close
 
 ALL_FORMATS = (*FP8_FORMATS, "bfloat16", "float16")
 JUNK = 10**9  # block-table entries no request uses, and topk of padding rows
@@ -181,14 +182,15 @@ def make_case(seed, *, mode="prefill", page=16, topk=4, group=2, kv_heads=2, hea
 
 
 def _r(x, dtype):
-    """Rounding by the reference codec (independent of attention._round)."""
+    """Rounding by the reference codec's generic table path (encode/decode by searchsorted
+    on the format's grid), independent of the fast ``codec.round_dtype``."""
     x = np.asarray(x, dtype=np.float64)
     if dtype == "float64":
         return x
     if dtype == "float32":
         with np.errstate(over="ignore"):
             return x.astype(np.float32).astype(np.float64)
-    return round_to(x, dtype)
+    return decode(encode(x, dtype, "nonsaturating"), dtype)
 
 
 def _dequant(case, r, g, keys, half, kv_dtype):
@@ -266,22 +268,12 @@ def literal_attention(case, schedule=EXACT, softmax_scale=None):
     return out, lse
 
 
-def assert_close(a, b, tol=1e-12):
-    """Equal up to float64 summation order (relative to the largest magnitude)."""
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape
-    assert not np.isnan(a).any() and not np.isnan(b).any()
-    scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
-    err = float(np.max(np.abs(a - b), initial=0.0))
-    assert err <= tol * scale, f"max |a - b| = {err:.3g} > {tol:.1g} * {scale:.3g}"
-
-
 # ----------------------------------------------------------------------------- rounding
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_fast_rounding_matches_the_codec(dtype):
-    """attention._round (bit tricks / NumPy casts) rounds exactly as the reference codec:
+    """codec.round_dtype (bit tricks / NumPy casts) rounds exactly as the reference codec:
     random float64 values over the whole range, subnormals, values one float64 ulp around
     every midpoint of the target grid near 1, overflow, +-Inf and NaN."""
     bg = rand.generator(11)
@@ -293,13 +285,13 @@ def test_fast_rounding_matches_the_codec(dtype):
                         -mids, [0.0, -0.0, np.inf, -np.inf, np.nan, 1e300, -1e300,
                                 2.0**-149, 2.0**-134, 3 * 2.0**-135, 65520.0, 65519.99]])
     with np.errstate(over="ignore"):
-        ours = attn._round(x, dtype)
+        ours = round_dtype(x, dtype)
     theirs = _r(x, dtype)
     same = (ours == theirs) | (np.isnan(ours) & np.isnan(theirs))
     assert same.all(), x[~same][:5]
     grid_2d = x[:1000].reshape(50, 20)[:, ::-1]  # any shape and strides, 0-d too
-    assert np.array_equal(attn._round(grid_2d, dtype), _r(grid_2d, dtype), equal_nan=True)
-    assert np.shape(attn._round(np.float64(1 + 2.0**-8 + 2.0**-30), dtype)) == ()
+    assert np.array_equal(round_dtype(grid_2d, dtype), _r(grid_2d, dtype), equal_nan=True)
+    assert np.shape(round_dtype(np.float64(1 + 2.0**-8 + 2.0**-30), dtype)) == ()
 
 
 # ----------------------------------------------------------------------------- dense check

@@ -28,6 +28,7 @@ from reference.indexer import indexer_decode, indexer_prefill
 from reference.kv_cache import empty_cache, empty_index_cache, token_slots
 from reference.norm_rope import KINDS, QKVLayout, rope_table
 from reference.pipeline import new_token_slots, pipeline_decode, pipeline_prefill, sparse_step
+from tests.helpers import assert_close
 
 HKV, GROUP, DIM, ROT, PAGE = 2, 2, 32, 12, 16
 LAYOUT = QKVLayout(HKV * GROUP, HKV, DIM, num_index_heads=HKV, has_index_k=True)
@@ -102,16 +103,6 @@ def decode_case(seed, kv_fmt, index_fmt, rows_per_request):
     seq[DEC_PADDING] = 0
     rows = _rows(rand.generator(seed + 1000), seq.size * rows_per_request)
     return state, dict(rows=rows, seq_lens=seq, rows_per_request=rows_per_request)
-
-
-def assert_close(a, b, tol=1e-12):
-    """Equal up to float64 summation order (relative to the largest magnitude)."""
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape
-    assert not np.isnan(a).any() and not np.isnan(b).any()
-    scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
-    err = float(np.max(np.abs(a - b), initial=0.0))
-    assert err <= tol * scale, f"max |a - b| = {err:.3g} > {tol:.1g} * {scale:.3g}"
 
 
 def _same(a, b):

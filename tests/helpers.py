@@ -1,0 +1,13 @@
+"""Small assertions shared by several test modules."""
+
+import numpy as np
+
+
+def assert_close(a, b, tol=1e-12):
+    """Equal up to float64 summation order (relative to the largest magnitude)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape
+    assert not np.isnan(a).any() and not np.isnan(b).any()
+    scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
+    err = float(np.max(np.abs(a - b), initial=0.0))
+    assert err <= tol * scale, f"max |a - b| = {err:.3g} > {tol:.1g} * {scale:.3g}"
