@@ -67,5 +67,17 @@ def platform_formats(platform: str, model_dtype: str = "bfloat16") -> tuple[str,
     return tuple(seen)
 
 
+INDEXER_OPS = ("indexer_prefill", "indexer_decode")
+
+
+def op_formats(op: str, platform: str, model_dtype: str = "bfloat16") -> tuple[str, ...]:
+    """Storage formats an op must support on a platform: the indexer reads an index cache in
+    the model dtype or the platform's e4m3; every other op (insert, reshape_and_cache,
+    attention) every KV format of the platform."""
+    if op in INDEXER_OPS:
+        return (check_model_dtype(model_dtype), index_cache_format(True, platform))
+    return platform_formats(platform, model_dtype)
+
+
 def is_fp8(fmt: str) -> bool:
     return fmt not in MODEL_DTYPES

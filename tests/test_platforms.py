@@ -7,6 +7,7 @@ from reference.platforms import (
     PLATFORMS,
     index_cache_format,
     kv_cache_format,
+    op_formats,
     platform_formats,
 )
 
@@ -53,3 +54,12 @@ def test_unknown_strings_list_the_valid_ones(args, argument):
     valid = {"kv_cache_dtype": KV_CACHE_DTYPES, "platform": PLATFORMS,
              "model_dtype": ("bfloat16", "float16")}[argument]
     assert all(v in str(e.value) for v in valid)
+
+
+def test_op_formats(platform):
+    """The indexer supports the model dtype and the platform's e4m3 only; the KV ops every
+    KV format of the platform (both fp8 formats included)."""
+    e4m3, e5m2 = EXPECTED[(platform, "fp8_e4m3")], EXPECTED[(platform, "fp8_e5m2")]
+    assert op_formats("indexer_decode", platform) == ("bfloat16", e4m3)
+    for op in ("norm_rope_insert", "reshape_and_cache", "attention_prefill"):
+        assert {e4m3, e5m2, "bfloat16"} <= set(op_formats(op, platform))

@@ -1,0 +1,49 @@
+"""Fuzzing: the hypothesis driver finds and shrinks a planted bug and writes its replay file;
+the long fuzz run (marker ``fuzz``) searches the CPU implementations."""
+
+import pytest
+from hypothesis import given, settings
+
+from oracle import fuzz
+from oracle.cases import Case
+from oracle.impl_torch import make_torch_impl
+from oracle.registry import REGISTRY, implementations, load_all
+
+
+@pytest.fixture
+def planted_bug():
+    """The torch baseline with (w) instead of (1 + w), registered for the test's duration."""
+    load_all()
+    broken = make_torch_impl("norm_rope_insert", "plain_w")
+    REGISTRY["norm_rope_insert"][broken.name] = broken
+    yield broken.name
+    del REGISTRY["norm_rope_insert"][broken.name]
+
+
+def test_fuzz_finds_shrinks_and_writes_a_replayable_failure(planted_bug, tmp_path):
+    """Within a short budget the driver fails on the planted bug, writes one file holding
+    the replay command of a case that still fails, and exits 1."""
+    rc = fuzz.run(seconds=60, ops=["norm_rope_insert"], impls=[planted_bug], out_dir=tmp_path)
+    assert rc == 1
+    (path,) = tmp_path.iterdir()
+    command = path.read_text().strip()
+    assert command.startswith("python -m oracle replay norm_rope_insert:")
+    case = Case.from_id(command.split()[4])
+    (impl,) = implementations("norm_rope_insert", [planted_bug])
+    with pytest.raises(fuzz.CaseFailed):
+        fuzz.check_case(case, [impl.name])
+
+
+def test_fuzz_reports_no_failure_on_correct_implementations(tmp_path):
+    """A short run over the correct CPU implementations finds nothing and exits 0."""
+    assert fuzz.run(seconds=5, ops=["reshape_and_cache"], out_dir=tmp_path) == 0
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.fuzz
+@settings(max_examples=2000)
+@given(fuzz.case_strategy())
+def test_fuzz_every_cpu_implementation(case):
+    """Every CPU implementation passes on hypothesis-drawn cases over the whole case space
+    (ops, shape classes tiny/small, distributions, platforms, cache dtypes, scales, seeds)."""
+    fuzz.check_case(case, device="cpu")
