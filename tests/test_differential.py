@@ -48,16 +48,20 @@ def differential_cases(op: str, gpu: bool) -> list[Case]:
 
 
 def _params():
+    """CPU-capable implementations in the default run; every CUDA-capable one (a torch
+    composition included) again under the ``gpu`` marker, model shapes added."""
     for op in OPS:
         for impl in implementations(op):
             if impl.name == "reference":
                 continue  # the contract itself
-            marks = [pytest.mark.gpu] if impl.needs_cuda else []
-            for case in differential_cases(op, gpu=impl.needs_cuda):
-                ok, _ = impl.supports(case)
-                if ok:
-                    yield pytest.param(impl.name, case.id, marks=marks,
-                                       id=f"{impl.name}|{case.id}")
+            runs = [(False, [])] if "cpu" in impl.devices else []
+            if "cuda" in impl.devices:
+                runs.append((True, [pytest.mark.gpu]))
+            for gpu, marks in runs:
+                for case in differential_cases(op, gpu=gpu):
+                    if impl.supports(case)[0]:
+                        yield pytest.param(impl.name, case.id, marks=marks,
+                                           id=f"{'cuda' if gpu else 'cpu'}|{impl.name}|{case.id}")
 
 
 @pytest.mark.parametrize("impl_name, case_id", list(_params()))
