@@ -257,7 +257,9 @@ def check_reshape_and_cache(x, out, impl) -> tuple[Tally, list, dict]:
         for part, values, scale in (("k", x["k"], x["k_scale"]), ("v", x["v"], x["v_scale"])):
             sc = _scale_columns(scale, h, slots)
             val = values[tok, h] / (1.0 if sc is None else sc)
-            bound = np.abs(val) * (impl.arith.div_rel if sc is not None else 0.0)
+            with np.errstate(invalid="ignore"):
+                bound = np.nan_to_num(np.abs(val) * (impl.arith.div_rel if sc is not None
+                                                     else 0.0))
             t.add(f"kv_cache.{part}", codes[:, :d] if part == "k" else codes[:, d:], val,
                   bound, fmt)
     return t, failures, {}

@@ -68,7 +68,7 @@ def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failure
     n = 0
     bar = tqdm(total=int(seconds), desc="fuzz (s)", unit="s")
 
-    @settings(max_examples=10, deadline=None, database=None, derandomize=False,
+    @settings(max_examples=3, deadline=None, database=None, derandomize=False,
               phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False,
               suppress_health_check=list(HealthCheck))
     @given(case_strategy(ops))

@@ -92,8 +92,8 @@ def classify(out_codes, exact, bound, fmt, scale=None) -> dict:
         lo, hi = admissible_range(np.where(finite, e, 0.0), bound, fmt, scale)
     got_value = decode(out_codes, fmt)
     got_nan = np.isnan(got_value)
-    # A non-finite exact value (Inf from overflow in the schedule's dtype, NaN from NaN
-    # content a row may see) must be reproduced as such.
+    # A non-finite exact value (Inf from overflow in a 16-bit dtype, NaN from NaN content a
+    # row may see) admits exactly its own rounding: Inf itself, or +-max under satfinite.
     ok = np.where(finite, ~got_nan & (lo <= got) & (got <= hi),
-                  np.where(np.isnan(e), got_nan, got_value == e))
+                  np.where(np.isnan(e), got_nan, ~got_nan & (got == nearest)))
     return {"ok": ok, "ulps": got - nearest, "width": hi - lo + 1, "nearest": nearest}

@@ -1,0 +1,231 @@
+"""The fp8 codec in Triton: encode (satfinite, RNE, correct subnormals) and decode of the four
+fp8 formats of SPEC.md section 1, as @triton.jit device functions, plus host launchers.
+
+The format is a constexpr int (``FMT_E4M3FN``, ``FMT_E5M2``, ``FMT_E4M3FNUZ``,
+``FMT_E5M2FNUZ``; ``FMT_CODES`` maps reference.codec's names to them) and so is the branch:
+
+``HW=True``   the hardware casts ``.to(tl.float8e4nv)`` / ``.to(tl.float8e5)`` (satfinite and
+              RNE-exact on the H200, reports/probe-h200.json) and the hardware fp8 -> fp32
+              conversion. Only for the OCP formats: NVIDIA rejects the fnuz Triton types.
+              A NaN input is mapped to the canonical NaN code 0x7F explicitly, so the byte
+              does not depend on which NaN the hardware emits.
+``HW=False``  an integer software codec on the fp32 bits, for all four formats (the only
+              path for fnuz on NVIDIA). It never forms an fp32 subnormal (no flush-to-zero
+              hazard) and agrees bit for bit with the hardware branch on the OCP formats.
+
+Encoding is of fp32 values (bf16/fp16 inputs are widened exactly first): round to nearest
+even onto the format's grid, subnormals included; finite overflow and +-Inf become +-max
+finite; NaN becomes 0x7F (OCP) / 0x80 (fnuz); -0 becomes 0x80 (OCP) / 0x00 (fnuz), as does
+any negative value that rounds to zero. Decoding is exact (NaN codes -> NaN, e5m2's Inf
+codes -> +-Inf).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import ensure_ready, is_interpreted, tl, triton
+
+FMT_E4M3FN: tl.constexpr = tl.constexpr(0)
+FMT_E5M2: tl.constexpr = tl.constexpr(1)
+FMT_E4M3FNUZ: tl.constexpr = tl.constexpr(2)
+FMT_E5M2FNUZ: tl.constexpr = tl.constexpr(3)
+
+#: reference.codec format name -> the constexpr int the device functions take.
+FMT_CODES = {"e4m3fn": 0, "e5m2": 1, "e4m3fnuz": 2, "e5m2fnuz": 3}
+#: formats the hardware branch supports (NVIDIA converts only the OCP formats).
+HW_FORMATS = ("e4m3fn", "e5m2")
+
+# Specials conventions (reference.codec.FloatFormat.specials) as constexpr ints.
+_FN: tl.constexpr = tl.constexpr(0)  # no Inf, 0x7F/0xFF NaN
+_IEEE: tl.constexpr = tl.constexpr(1)  # top exponent: Inf (mantissa 0) or NaN
+_FNUZ: tl.constexpr = tl.constexpr(2)  # no Inf, no -0, 0x80 NaN
+
+
+@triton.jit
+def _encode_sw(x, M: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr,
+               SPECIALS: tl.constexpr):
+    """fp32 -> code of a sign/exponent/mantissa format with M mantissa bits and bias BIAS,
+    by integer arithmetic on the fp32 bits (RNE, subnormals, satfinite)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits >> 31
+    a = bits & 0x7FFFFFFF  # |x|; > 0x7F800000 is NaN
+    e32 = (a >> 23).to(tl.int32)
+    # Normal range: round the 23-bit fp32 mantissa to M bits, ties to even; a carry ripples
+    # into the exponent field, as it must. Then rebias. (Wraps for tiny |x|: not selected.)
+    lsb = (a >> (23 - M)) & 1
+    rounded = (a + ((1 << (22 - M)) - 1) + lsb) >> (23 - M)
+    normal = rounded - ((127 - BIAS) << M)
+    # Subnormal range (|x| < 2^(1-BIAS)): the code is |x| in units of the smallest
+    # subnormal 2^(1-BIAS-M), i.e. the 24-bit significand shifted right, ties to even.
+    # Rounding up from the largest subnormal gives the smallest normal code, as it must.
+    sig = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(151 - BIAS - M - e32, 1), 31).to(tl.uint32)
+    q = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = q + up.to(tl.uint32)
+    mag = tl.where(e32 < 128 - BIAS, sub, normal)
+    mag = tl.minimum(mag, MAX_CODE)  # satfinite: finite overflow and +-Inf -> max finite
+    if SPECIALS == _FNUZ:
+        code = tl.where(mag == 0, 0, mag | (sign << 7))  # no -0
+        code = tl.where(a > 0x7F800000, 0x80, code)
+    else:
+        code = mag | (sign << 7)
+        code = tl.where(a > 0x7F800000, 0x7F, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def _decode_sw(c, M: tl.constexpr, BIAS: tl.constexpr, SPECIALS: tl.constexpr,
+               SUB_SCALE: tl.constexpr):
+    """code -> exact fp32 value; SUB_SCALE = 2^(1-BIAS-M), the smallest subnormal."""
+    c32 = c.to(tl.uint32)
+    sign = (c32 >> 7) << 31
+    mag = c32 & 0x7F
+    e = mag >> M
+    m = mag & ((1 << M) - 1)
+    # Normal codes: shift the bits into fp32 position and rebias the exponent field.
+    normal = (mag << (23 - M)) + ((127 - BIAS) << 23)
+    # Subnormal codes: m * 2^(1-BIAS-M), exact (small integer times a power of two, normal
+    # in fp32).
+    sub = (m.to(tl.float32) * SUB_SCALE).to(tl.uint32, bitcast=True)
+    bits = tl.where(e == 0, sub, normal) | sign
+    if SPECIALS == _FN:
+        bits = tl.where(mag == 0x7F, 0x7FC00000, bits)
+    elif SPECIALS == _IEEE:
+        top = e == (1 << (7 - M)) - 1
+        bits = tl.where(top & (m == 0), 0x7F800000 | sign, bits)
+        bits = tl.where(top & (m != 0), 0x7FC00000, bits)
+    else:
+        bits = tl.where(c32 == 0x80, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def encode_fp8(x, FMT: tl.constexpr, HW: tl.constexpr):
+    """fp32 values -> uint8 codes of format FMT (satfinite, RNE); HW picks the branch."""
+    tl.static_assert(FMT >= 0 and FMT <= 3, "FMT must be one of the FMT_* constants")
+    tl.static_assert(not HW or FMT <= 1, "HW=True exists only for e4m3fn and e5m2")
+    x = x.to(tl.float32)
+    if HW:
+        if FMT == FMT_E4M3FN:
+            code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = x.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        code = tl.where(x != x, 0x7F, code)  # the canonical NaN code, whatever the hardware's
+    else:
+        if FMT == FMT_E4M3FN:
+            code = _encode_sw(x, 3, 7, 0x7E, _FN)
+        elif FMT == FMT_E5M2:
+            code = _encode_sw(x, 2, 15, 0x7B, _IEEE)
+        elif FMT == FMT_E4M3FNUZ:
+            code = _encode_sw(x, 3, 8, 0x7F, _FNUZ)
+        else:
+            code = _encode_sw(x, 2, 16, 0x7F, _FNUZ)
+    return code
+
+
+@triton.jit
+def decode_fp8(c, FMT: tl.constexpr, HW: tl.constexpr):
+    """uint8 codes of format FMT -> exact fp32 values; HW picks the branch."""
+    tl.static_assert(FMT >= 0 and FMT <= 3, "FMT must be one of the FMT_* constants")
+    tl.static_assert(not HW or FMT <= 1, "HW=True exists only for e4m3fn and e5m2")
+    c = c.to(tl.uint8)
+    if HW:
+        if FMT == FMT_E4M3FN:
+            v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = c.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        if FMT == FMT_E4M3FN:
+            v = _decode_sw(c, 3, 7, _FN, 0.001953125)  # 2^-9
+        elif FMT == FMT_E5M2:
+            v = _decode_sw(c, 2, 15, _IEEE, 1.52587890625e-05)  # 2^-16
+        elif FMT == FMT_E4M3FNUZ:
+            v = _decode_sw(c, 3, 8, _FNUZ, 0.0009765625)  # 2^-10
+        else:
+            v = _decode_sw(c, 2, 16, _FNUZ, 7.62939453125e-06)  # 2^-17
+    return v
+
+
+@triton.jit
+def _encode_kernel(x_ptr, out_ptr, n, FMT: tl.constexpr, HW: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, encode_fp8(x, FMT, HW), mask=mask)
+
+
+@triton.jit
+def _decode_kernel(c_ptr, out_ptr, n, FMT: tl.constexpr, HW: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    c = tl.load(c_ptr + offs, mask=mask, other=0)
+    tl.store(out_ptr + offs, decode_fp8(c, FMT, HW), mask=mask)
+
+
+#: True when this module's kernels run in the (patched) CPU interpreter.
+INTERPRETED = is_interpreted(_encode_kernel)
+
+_SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fmt_code(fmt: str, hw: bool = False) -> int:
+    """The FMT constexpr for a reference.codec format name; validates the branch too."""
+    if fmt not in FMT_CODES:
+        raise ValueError(f"fmt must be one of {sorted(FMT_CODES)}, got {fmt!r}")
+    if hw and fmt not in HW_FORMATS:
+        raise ValueError(
+            f"hw=True uses NVIDIA's hardware casts, which exist only for {list(HW_FORMATS)}; "
+            f"{fmt} needs the software codec (hw=False)")
+    return FMT_CODES[fmt]
+
+
+def _block(n: int, block: int | None) -> int:
+    if block is not None:
+        if block <= 0 or block & (block - 1):
+            raise ValueError(f"block must be a power of two, got {block}")
+        return block
+    if INTERPRETED:  # the interpreter is fast on large blocks, slow per program
+        return min(triton.next_power_of_2(max(n, 1)), 1 << 18)
+    return 1024
+
+
+def encode_tensor(x: torch.Tensor, fmt: str, hw: bool = False,
+                  block: int | None = None) -> torch.Tensor:
+    """uint8 codes of ``x`` (float32, bfloat16 or float16; any shape) in format ``fmt``,
+    satfinite, on x's device."""
+    code = fmt_code(fmt, hw)
+    if not isinstance(x, torch.Tensor) or x.dtype not in _SOURCE_DTYPES:
+        raise ValueError(f"x must be a torch tensor of dtype {_SOURCE_DTYPES}, got "
+                         f"{getattr(x, 'dtype', type(x))}")
+    flat = x.contiguous().reshape(-1)
+    out = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
+    if flat.numel():
+        ensure_ready(_encode_kernel)
+        blk = _block(flat.numel(), block)
+        _encode_kernel[(triton.cdiv(flat.numel(), blk),)](
+            flat, out, flat.numel(), FMT=code, HW=bool(hw), BLOCK=blk)
+    return out.reshape(x.shape)
+
+
+def decode_tensor(codes: torch.Tensor, fmt: str, hw: bool = False,
+                  block: int | None = None) -> torch.Tensor:
+    """float32 values of uint8 ``codes`` (any shape) in format ``fmt``, on codes' device."""
+    code = fmt_code(fmt, hw)
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be a torch uint8 tensor, got "
+                         f"{getattr(codes, 'dtype', type(codes))}")
+    flat = codes.contiguous().reshape(-1)
+    out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
+    if flat.numel():
+        ensure_ready(_decode_kernel)
+        blk = _block(flat.numel(), block)
+        _decode_kernel[(triton.cdiv(flat.numel(), blk),)](
+            flat, out, flat.numel(), FMT=code, HW=bool(hw), BLOCK=blk)
+    return out.reshape(codes.shape)
+
