@@ -90,23 +90,25 @@ def plots(report: dict, out_prefix: Path) -> list[Path]:
         ax.set_title(f"{key[0]} [{key[1]}]: signed distance in codes from the nearest rounding",
                      fontsize=8)
         ax.tick_params(labelsize=7)
-    fig.tight_layout()
-    p = out_prefix.with_name(out_prefix.name + "-ulp.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out_prefix, "-ulp.png"))
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(keys) + 1.2))
     ax.boxplot([groups[k]["ratios"] or [0.0] for k in keys], vert=False,
                tick_labels=[f"{k[0]} [{k[1]}]" for k in keys])
     ax.axvline(1.0, color="red", lw=1)
     ax.set_xlabel("max |error| / rigorous bound per case (1 = at the edge)")
     ax.tick_params(labelsize=7)
-    fig.tight_layout()
-    p = out_prefix.with_name(out_prefix.name + "-err-bound.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out_prefix, "-err-bound.png"))
     return paths
+
+
+def _save(fig, out_prefix: Path, suffix: str) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = out_prefix.with_name(out_prefix.name + suffix)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def render(report: dict, out_prefix: str | Path) -> list[Path]:
