@@ -105,3 +105,7 @@ def load_all() -> None:
         from oracle import impl_torch  # noqa: F401
     except ImportError:  # torch not installed: the reference alone
         pass
+    try:
+        from kernels import norm_rope_insert  # noqa: F401
+    except ImportError:  # triton or torch not installed
+        pass
