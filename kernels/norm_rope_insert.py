@@ -91,14 +91,15 @@ def _norm_rope_insert_kernel(
     if b < nqb:
         y, heads, dims, mask = _norm_rope_tile(row, 0, b * BLOCK_H, hq, wq_ptr, cs, pos_ok,
                                                half, eps, D, BLOCK_H, BLOCK_D)
-        dst = q_out + (tok * hq + heads[:, None].to(tl.int64)) * D + dims[None, :]
-        tl.store(dst, y.to(q_out.dtype.element_ty), mask=mask)
+        # Names differ per branch: compiled Triton merges same-named values across branches.
+        q_dst = q_out + (tok * hq + heads[:, None].to(tl.int64)) * D + dims[None, :]
+        tl.store(q_dst, y.to(q_out.dtype.element_ty), mask=mask)
     elif b < nqb + nkb:
         y, heads, dims, mask = _norm_rope_tile(row, hq * D, (b - nqb) * BLOCK_H, hkv, wk_ptr,
                                                cs, pos_ok, half, eps, D, BLOCK_H, BLOCK_D)
         h64 = heads.to(tl.int64)
-        dst = k_out + (tok * hkv + h64[:, None]) * D + dims[None, :]
-        tl.store(dst, y.to(k_out.dtype.element_ty), mask=mask)
+        k_dst = k_out + (tok * hkv + h64[:, None]) * D + dims[None, :]
+        tl.store(k_dst, y.to(k_out.dtype.element_ty), mask=mask)
         v = tl.load(row + (hq + hkv) * D + h64[:, None] * D + dims[None, :], mask=mask,
                     other=0.0)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -122,16 +123,16 @@ def _norm_rope_insert_kernel(
         y, heads, dims, mask = _norm_rope_tile(row, (hq + 2 * hkv) * D, (b - nqb - nkb) * BLOCK_H,
                                                hi, wiq_ptr, cs, pos_ok, half, eps, D, BLOCK_H,
                                                BLOCK_D)
-        dst = iq_out + (tok * hi + heads[:, None].to(tl.int64)) * D + dims[None, :]
+        iq_dst = iq_out + (tok * hi + heads[:, None].to(tl.int64)) * D + dims[None, :]
         if IDX_FP8:
-            tl.store(dst, encode_fp8(y, IDX_FMT, IDX_HW), mask=mask)
+            tl.store(iq_dst, encode_fp8(y, IDX_FMT, IDX_HW), mask=mask)
         else:
-            tl.store(dst, y.to(iq_out.dtype.element_ty), mask=mask)
+            tl.store(iq_dst, y.to(iq_out.dtype.element_ty), mask=mask)
     else:
         y, heads, dims, mask = _norm_rope_tile(row, (hq + 2 * hkv + hi) * D, 0, 1, wik_ptr, cs,
                                                pos_ok, half, eps, D, BLOCK_H, BLOCK_D)
-        dst = ik_out + tok * D + heads[:, None].to(tl.int64) * D + dims[None, :]
-        tl.store(dst, y.to(ik_out.dtype.element_ty), mask=mask)
+        ik_dst = ik_out + tok * D + heads[:, None].to(tl.int64) * D + dims[None, :]
+        tl.store(ik_dst, y.to(ik_out.dtype.element_ty), mask=mask)
         if WRITE_INDEX:
             islot = tl.load(islot_ptr + tok).to(tl.int64)
             iok = (islot >= 0) & (islot < ic_num_slots)
