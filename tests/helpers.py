@@ -11,3 +11,9 @@ def assert_close(a, b, tol=1e-12):
     scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
     err = float(np.max(np.abs(a - b), initial=0.0))
     assert err <= tol * scale, f"max |a - b| = {err:.3g} > {tol:.1g} * {scale:.3g}"
+
+
+def same_float(a, b) -> np.ndarray:
+    """Bitwise-equal values (so -0 != +0), any two NaNs equal."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))

@@ -24,6 +24,7 @@ import torch
 from kernels import fp8
 from oracle import conformance
 from reference.codec import FP8_FORMATS, decode, encode
+from tests.helpers import same_float
 
 pytestmark = [
     pytest.mark.interp,
@@ -41,11 +42,6 @@ def to_torch(x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(x))
 
-
-def same_float(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Bitwise-equal values (so -0 != +0), any two NaNs equal."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))
 
 
 @pytest.fixture(scope="module")

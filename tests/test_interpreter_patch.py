@@ -18,6 +18,7 @@ from kernels import interpreter as interp
 from kernels._triton import tl, triton
 from oracle import conformance
 from reference.codec import decode, encode
+from tests.helpers import same_float
 
 TL_FP8 = {"e4m3fn": tl.float8e4nv, "e5m2": tl.float8e5}
 TL_FNUZ = {"e4m3fnuz": tl.float8e4b8, "e5m2fnuz": tl.float8e5b16}
@@ -121,11 +122,6 @@ def cast(x: np.ndarray, dst, out_np, from_bits=None, to_bits=None) -> np.ndarray
     _cast_kernel[(triton.cdiv(x.size, BLOCK),)](xt, out, x.size, dst, from_bits, to_bits, BLOCK)
     return out.numpy()
 
-
-def same_float(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Bitwise-equal floats (so -0 != +0), any two NaNs equal."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))
 
 
 @pytest.fixture(scope="module")
