@@ -203,14 +203,7 @@ def encode_tensor(x: torch.Tensor, fmt: str, hw: bool = False,
     if not isinstance(x, torch.Tensor) or x.dtype not in _SOURCE_DTYPES:
         raise ValueError(f"x must be a torch tensor of dtype {_SOURCE_DTYPES}, got "
                          f"{getattr(x, 'dtype', type(x))}")
-    flat = x.contiguous().reshape(-1)
-    out = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
-    if flat.numel():
-        ensure_ready(_encode_kernel)
-        blk = _block(flat.numel(), block)
-        _encode_kernel[(triton.cdiv(flat.numel(), blk),)](
-            flat, out, flat.numel(), FMT=code, HW=bool(hw), BLOCK=blk)
-    return out.reshape(x.shape)
+    return _elementwise(_encode_kernel, x, torch.uint8, code, hw, block)
 
 
 def decode_tensor(codes: torch.Tensor, fmt: str, hw: bool = False,
@@ -220,12 +213,17 @@ def decode_tensor(codes: torch.Tensor, fmt: str, hw: bool = False,
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise ValueError(f"codes must be a torch uint8 tensor, got "
                          f"{getattr(codes, 'dtype', type(codes))}")
-    flat = codes.contiguous().reshape(-1)
-    out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
+    return _elementwise(_decode_kernel, codes, torch.float32, code, hw, block)
+
+
+def _elementwise(kernel, x, out_dtype, code, hw, block):
+    """One launch of a 1-D codec kernel over x (any shape), output in x's shape."""
+    flat = x.contiguous().reshape(-1)
+    out = torch.empty(flat.numel(), dtype=out_dtype, device=x.device)
     if flat.numel():
-        ensure_ready(_decode_kernel)
+        ensure_ready(kernel)
         blk = _block(flat.numel(), block)
-        _decode_kernel[(triton.cdiv(flat.numel(), blk),)](
+        kernel[(triton.cdiv(flat.numel(), blk),)](
             flat, out, flat.numel(), FMT=code, HW=bool(hw), BLOCK=blk)
-    return out.reshape(codes.shape)
+    return out.reshape(x.shape)
 

@@ -48,10 +48,6 @@ def one_torch_thread():
     torch.set_num_threads(old)
 
 
-def _c(op, shape, dist, platform, kv, md, scales, seed):
-    return Case(op, shape, dist, platform, kv, md, scales, seed)
-
-
 # (shape class, dist, platform, kv_cache_dtype, model dtype, scales, seed) per op.
 _INSERT_CASES = [
     ("tiny", "normal", "cuda", "auto", "bfloat16", "none", 0),
@@ -81,7 +77,7 @@ _ATTN_CASES = [
     ("small", "outliers", "rocm-fnuz", "fp8", "bfloat16", "slot", 5),
     ("tiny", "normal", "cuda", "float16", "bfloat16", "none", 6),
 ]
-CASES = {op: [_c(op, *a) for a in
+CASES = {op: [Case(op, *a) for a in
               (_INSERT_CASES if op in ("norm_rope_insert", "reshape_and_cache") else
                _INDEX_CASES if op.startswith("indexer") else _ATTN_CASES)]
          for op in OPS}
@@ -368,7 +364,7 @@ def test_every_bug_has_cases_for_each_of_its_ops():
 def test_each_broken_variant_is_caught(bug, op):
     """Each deliberately broken variant fails the simple criteria on at least one of a few
     seeded cases of its op (while the clean baseline passes them)."""
-    cases = [_c(o, *a) for o, a in _BUG_CASES[bug] if o == op]
+    cases = [Case(o, *a) for o, a in _BUG_CASES[bug] if o == op]
     impl = impl_torch.make_torch_impl(op, bug)
     assert impl.name == f"torch[{bug}]"
     caught = []
