@@ -27,13 +27,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels._host import (
+    HEAD_DIMS,
+    INDEX_FP8_FORMATS,
+    MODEL_DTYPES,
+    SLOT_DTYPES,
+    check_int,
+    check_kv_cache,
+    check_kv_fmt,
+    check_last_dim_contiguous,
+    check_tensor,
+    codes_of,
+    fail,
+    scale_arg,
+    strided_codes_in,
+    validate_slots,
+)
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, encode_fp8, fmt_code
-
-MODEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-KV_FP8_FORMATS = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
-INDEX_FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
-HEAD_DIMS = (64, 128, 256)
 
 
 @triton.jit
@@ -70,7 +81,7 @@ def _norm_rope_tile(row_ptr, col0, head0, n_heads, w_ptr, cs_ptr, pos_ok, half, 
 def _norm_rope_insert_kernel(
         rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos,
         wq_ptr, wk_ptr, wiq_ptr, wik_ptr,
-        q_out, k_out, iq_out, ik_out,
+        q_out, q_s0, q_s1, k_out, iq_out, iq_s0, iq_s1, ik_out,
         kv_ptr, kv_s0, kv_s1, kv_s2, page_size, num_slots, slot_ptr,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
         ic_ptr, ic_s0, ic_s1, ic_page, ic_num_slots, islot_ptr,
@@ -78,7 +89,11 @@ def _norm_rope_insert_kernel(
         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         KV_FP8: tl.constexpr, KV_FMT: tl.constexpr, KV_HW: tl.constexpr,
         IDX_FP8: tl.constexpr, IDX_FMT: tl.constexpr, IDX_HW: tl.constexpr,
-        WRITE_INDEX: tl.constexpr):
+        HAS_IK: tl.constexpr):
+    # k and index_k are written back into the row (k_out / ik_out: the row's k and index_k
+    # columns, row stride row_stride); q and index_q go to (s0, s1)-strided outputs, which
+    # may be the row itself. A program owns whole heads and loads a head (both halves)
+    # before storing it, so the in-place writes cannot race.
     tok = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     nqb = tl.cdiv(hq, BLOCK_H)
@@ -92,16 +107,16 @@ def _norm_rope_insert_kernel(
         y, heads, dims, mask = _norm_rope_tile(row, 0, b * BLOCK_H, hq, wq_ptr, cs, pos_ok,
                                                half, eps, D, BLOCK_H, BLOCK_D)
         # Names differ per branch: compiled Triton merges same-named values across branches.
-        q_dst = q_out + (tok * hq + heads[:, None].to(tl.int64)) * D + dims[None, :]
+        q_dst = q_out + tok * q_s0 + heads[:, None].to(tl.int64) * q_s1 + dims[None, :]
         tl.store(q_dst, y.to(q_out.dtype.element_ty), mask=mask)
     elif b < nqb + nkb:
         y, heads, dims, mask = _norm_rope_tile(row, hq * D, (b - nqb) * BLOCK_H, hkv, wk_ptr,
                                                cs, pos_ok, half, eps, D, BLOCK_H, BLOCK_D)
         h64 = heads.to(tl.int64)
-        k_dst = k_out + (tok * hkv + h64[:, None]) * D + dims[None, :]
-        tl.store(k_dst, y.to(k_out.dtype.element_ty), mask=mask)
         v = tl.load(row + (hq + hkv) * D + h64[:, None] * D + dims[None, :], mask=mask,
                     other=0.0)
+        k_dst = k_out + tok * row_stride + h64[:, None] * D + dims[None, :]
+        tl.store(k_dst, y.to(k_out.dtype.element_ty), mask=mask)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         ok = (slot >= 0) & (slot < num_slots)
         sl = tl.where(ok, slot, 0)
@@ -123,26 +138,25 @@ def _norm_rope_insert_kernel(
         y, heads, dims, mask = _norm_rope_tile(row, (hq + 2 * hkv) * D, (b - nqb - nkb) * BLOCK_H,
                                                hi, wiq_ptr, cs, pos_ok, half, eps, D, BLOCK_H,
                                                BLOCK_D)
-        iq_dst = iq_out + (tok * hi + heads[:, None].to(tl.int64)) * D + dims[None, :]
+        iq_dst = iq_out + tok * iq_s0 + heads[:, None].to(tl.int64) * iq_s1 + dims[None, :]
         if IDX_FP8:
             tl.store(iq_dst, encode_fp8(y, IDX_FMT, IDX_HW), mask=mask)
         else:
             tl.store(iq_dst, y.to(iq_out.dtype.element_ty), mask=mask)
-    else:
+    elif HAS_IK:
         y, heads, dims, mask = _norm_rope_tile(row, (hq + 2 * hkv + hi) * D, 0, 1, wik_ptr, cs,
                                                pos_ok, half, eps, D, BLOCK_H, BLOCK_D)
-        ik_dst = ik_out + tok * D + heads[:, None].to(tl.int64) * D + dims[None, :]
+        ik_dst = ik_out + tok * row_stride + heads[:, None].to(tl.int64) * D + dims[None, :]
         tl.store(ik_dst, y.to(ik_out.dtype.element_ty), mask=mask)
-        if WRITE_INDEX:
-            islot = tl.load(islot_ptr + tok).to(tl.int64)
-            iok = (islot >= 0) & (islot < ic_num_slots)
-            isl = tl.where(iok, islot, 0)
-            ic = (ic_ptr + (isl // ic_page) * ic_s0 + (isl % ic_page) * ic_s1
-                  + heads[:, None].to(tl.int64) * 0 + dims[None, :])
-            if IDX_FP8:
-                tl.store(ic, encode_fp8(y, IDX_FMT, IDX_HW), mask=mask & iok)
-            else:
-                tl.store(ic, y.to(ic_ptr.dtype.element_ty), mask=mask & iok)
+        islot = tl.load(islot_ptr + tok).to(tl.int64)
+        iok = (islot >= 0) & (islot < ic_num_slots)
+        isl = tl.where(iok, islot, 0)
+        ic = (ic_ptr + (isl // ic_page) * ic_s0 + (isl % ic_page) * ic_s1
+              + heads[:, None].to(tl.int64) * 0 + dims[None, :])
+        if IDX_FP8:
+            tl.store(ic, encode_fp8(y, IDX_FMT, IDX_HW), mask=mask & iok)
+        else:
+            tl.store(ic, y.to(ic_ptr.dtype.element_ty), mask=mask & iok)
 
 
 #: True when the kernel runs in the (patched) CPU interpreter.
@@ -152,215 +166,184 @@ INTERPRETED = is_interpreted(_norm_rope_insert_kernel)
 # ---------------------------------------------------------------------------- launcher
 
 
-def _fail(name, msg):
-    raise ValueError(f"{name} {msg}")
-
-
-def _check_tensor(t, name, dtypes, shape=None, device=None):
-    if not isinstance(t, torch.Tensor):
-        _fail(name, f"must be a torch tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        _fail(name, f"must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        _fail(name, f"must have shape {list(shape)}, got {list(t.shape)}")
-    if device is not None and t.device != device:
-        _fail(name, f"must be on {device}, got {t.device}")
+def _check_out(t, name, dtype, n, heads, d, dev):
+    check_tensor(t, name, (dtype,), (n, heads, d), dev)
+    check_last_dim_contiguous(t, name)
     return t
-
-
-def _scale_arg(scale, name, fp8, hkv, num_slots, dev):
-    """(tensor, stride over heads, stride over slots) of a None / scalar / [Hkv, slots]
-    float32 scale; model-dtype caches take no scale (None or 1.0)."""
-    if scale is None:
-        return torch.ones(1, dtype=torch.float32, device=dev), 0, 0
-    if isinstance(scale, (float, int, np.floating, np.integer)) and not isinstance(scale, bool):
-        scale = torch.tensor(float(np.float32(scale)), dtype=torch.float32, device=dev)
-    _check_tensor(scale, name, (torch.float32,), device=dev)
-    if scale.dim() == 0 or (scale.dim() == 1 and scale.numel() == 1):
-        if not fp8 and float(scale.reshape(())) != 1.0:
-            _fail(name, "applies to fp8 caches only; model-dtype caches take no scale")
-        return scale.reshape(1), 0, 0
-    if scale.shape != (hkv, num_slots):
-        _fail(name, f"must be a scalar or of shape [Hkv, num_pages*P] = [{hkv}, {num_slots}], "
-                    f"got {list(scale.shape)}")
-    if not fp8:
-        _fail(name, "applies to fp8 caches only; model-dtype caches take no scale")
-    return scale, scale.stride(0), scale.stride(1)
 
 
 def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
                      head_dim, rotary_dim, eps, kv_cache, kv_fmt, slot_mapping,
                      num_index_heads=0, has_index_k=False, w_index_q=None, w_index_k=None,
                      k_scale=None, v_scale=None, index_cache=None, index_fmt=None,
-                     index_slot_mapping=None, block_h=None):
+                     index_slot_mapping=None, q_out=None, index_q_out=None,
+                     skip_index=False, validate=False, block_h=None):
     """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]``.
 
     rows: bf16/fp16 ``[N, row_width]``, last dim contiguous, any row stride (a column slice
-    of the server's packed buffer). positions: int32/int64 ``[N]``. rope_table: model dtype
-    ``[max_pos, R]`` (cos | sin), used as given. kv_cache: logical ``[num_pages, Hkv, P, 2D]``
-    (any strides, last dim contiguous): uint8 codes of ``kv_fmt`` (an fp8 format), or
-    bf16/fp16 (``kv_fmt`` = its name, normally the model dtype). slot_mapping: int32/int64
-    ``[N]``, negative = skip. Scales: None, a float, or float32 tensors (0-d or
-    ``[Hkv, num_pages*P]``).
+    of the server's packed buffer). k and index_k are transformed IN PLACE in ``rows``; q
+    in place too unless ``q_out`` (``[N, Hq, D]`` model dtype, any head/token strides) is
+    given; index_q in place when the index cache has the model dtype and ``index_q_out`` is
+    None, else into ``index_q_out`` (allocated when None: uint8 e4m3 codes for an fp8
+    index cache). v is never changed.
+    positions: int32/int64 ``[N]``. rope_table: model dtype ``[max_pos, R]`` (cos | sin),
+    used as given. kv_cache: logical ``[num_pages, Hkv, P, 2D]`` (any non-negative strides,
+    last dim contiguous): uint8 codes of ``kv_fmt`` (an fp8 format), or bf16/fp16
+    (``kv_fmt`` = its name). slot_mapping: int32/int64 ``[N]``, negative = skip. Scales:
+    None, a float, or float32 tensors (0-d or ``[Hkv, num_pages*P]``), fp8 caches only.
     index_cache ``[num_pages', P', D]``: uint8 e4m3fn/e4m3fnuz codes or the model dtype,
     written at ``index_slot_mapping`` (default: slot_mapping).
+    ``skip_index=True``: the index heads are neither transformed nor inserted (rows keep
+    them as they are; no index cache is needed).
+    ``validate=True``: also check tensor contents on the host (slot ranges, duplicate
+    slots, positions within the table, positive finite scales) -- a device sync. Without
+    it, bad contents are guarded in the kernel: out-of-range or negative slots write
+    nothing, out-of-range positions read no table row (their rotated dims are then 0).
 
-    Returns ``{"q", "k"}`` (model dtype ``[N, H, D]``), plus ``"index_q"`` ``[N, Hi, D]``
-    (uint8 codes when the index cache is fp8, else model dtype) and ``"index_k"`` ``[N, D]``
-    when the layout has them. The caches are written in place."""
-    _check_tensor(rows, "rows", tuple(MODEL_DTYPES))
+    Returns views ``{"q", "k"}`` (``[N, H, D]``), plus ``"index_q"`` ``[N, Hi, D]`` and
+    ``"index_k"`` ``[N, D]`` when transformed. The caches are written in place."""
+    check_tensor(rows, "rows", tuple(MODEL_DTYPES))
     dev, act = rows.device, rows.dtype
     md = MODEL_DTYPES[act]
-    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
-                        ("num_index_heads", num_index_heads)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0 \
-                or (value == 0 and name != "num_index_heads"):
-            _fail(name, f"must be a {'non-negative' if name == 'num_index_heads' else 'positive'}"
-                        f" integer, got {value!r}")
-    hq, hkv, hi = int(num_q_heads), int(num_kv_heads), int(num_index_heads)
+    hq = check_int(num_q_heads, "num_q_heads", 1)
+    hkv = check_int(num_kv_heads, "num_kv_heads", 1)
+    hi = check_int(num_index_heads, "num_index_heads", 0)
     if hq % hkv:
-        _fail("num_q_heads", f"must be a multiple of num_kv_heads={hkv}, got {hq}")
+        fail("num_q_heads", f"must be a multiple of num_kv_heads={hkv}, got {hq}")
     if head_dim not in HEAD_DIMS:
-        _fail("head_dim", f"must be one of {list(HEAD_DIMS)}, got {head_dim!r}")
+        fail("head_dim", f"must be one of {list(HEAD_DIMS)}, got {head_dim!r}")
     d = int(head_dim)
     if not isinstance(rotary_dim, (int, np.integer)) or isinstance(rotary_dim, bool) \
             or rotary_dim < 2 or rotary_dim % 2 or rotary_dim > d:
-        _fail("rotary_dim", f"must be an even integer with 2 <= rotary_dim <= head_dim={d}, "
-                            f"got {rotary_dim!r}")
+        fail("rotary_dim", f"must be an even integer with 2 <= rotary_dim <= head_dim={d}, "
+                           f"got {rotary_dim!r}")
     if not (isinstance(eps, (float, int, np.floating)) and np.isfinite(eps) and eps >= 0):
-        _fail("eps", f"must be a finite number >= 0, got {eps!r}")
+        fail("eps", f"must be a finite number >= 0, got {eps!r}")
     has_ik = bool(has_index_k)
     width = (hq + 2 * hkv + hi) * d + (d if has_ik else 0)
     if rows.dim() != 2 or rows.shape[1] != width:
-        _fail("rows", f"must have shape [N, row_width={width}], got {list(rows.shape)}")
-    if rows.shape[1] and rows.stride(1) != 1:
-        _fail("rows", "must have a contiguous last dim (stride 1)")
+        fail("rows", f"must have shape [N, row_width={width}], got {list(rows.shape)}")
+    check_last_dim_contiguous(rows, "rows")
     n = rows.shape[0]
-    _check_tensor(positions, "positions", (torch.int32, torch.int64), (n,), dev)
-    _check_tensor(rope_table, "rope_table", (act,), device=dev)
+    check_tensor(positions, "positions", SLOT_DTYPES, (n,), dev)
+    check_tensor(rope_table, "rope_table", (act,), device=dev)
     if rope_table.dim() != 2 or rope_table.shape[1] != rotary_dim or rope_table.shape[0] < 1:
-        _fail("rope_table", f"must have shape [max_positions, rotary_dim={rotary_dim}], got "
-                            f"{list(rope_table.shape)}")
-    if rope_table.stride(1) != 1:
-        _fail("rope_table", "must have a contiguous last dim (stride 1)")
-    weights = {"w_q": w_q, "w_k": w_k, "w_index_q": w_index_q, "w_index_k": w_index_k}
-    needed = {"w_q": True, "w_k": True, "w_index_q": hi > 0, "w_index_k": has_ik}
-    for name, w in weights.items():
+        fail("rope_table", f"must have shape [max_positions, rotary_dim={rotary_dim}], got "
+                           f"{list(rope_table.shape)}")
+    check_last_dim_contiguous(rope_table, "rope_table")
+    do_index = not skip_index
+    needed = {"w_q": True, "w_k": True, "w_index_q": do_index and hi > 0,
+              "w_index_k": do_index and has_ik}
+    for name, w in (("w_q", w_q), ("w_k", w_k), ("w_index_q", w_index_q),
+                    ("w_index_k", w_index_k)):
         if needed[name]:
-            _check_tensor(w, name, (act,), (d,), dev)
-            if w.stride(0) != 1:
-                _fail(name, "must be contiguous")
+            check_tensor(w, name, (act,), (d,), dev)
+            check_last_dim_contiguous(w, name)
     # --- main cache
-    half_fmts = {name: dt for dt, name in MODEL_DTYPES.items()}
-    if kv_fmt not in KV_FP8_FORMATS + tuple(half_fmts):
-        _fail("kv_fmt", f"must be one of {list(KV_FP8_FORMATS + tuple(half_fmts))}, got "
-                        f"{kv_fmt!r}")
-    kv_fp8 = kv_fmt in KV_FP8_FORMATS
-    _check_tensor(kv_cache, "kv_cache", (torch.uint8,) if kv_fp8 else (half_fmts[kv_fmt],),
-                  device=dev)
-    if kv_cache.dim() != 4 or kv_cache.shape[1] != hkv or kv_cache.shape[3] != 2 * d:
-        _fail("kv_cache", f"must have logical shape [num_pages, Hkv={hkv}, P, 2D={2 * d}], got "
-                          f"{list(kv_cache.shape)}")
-    if kv_cache.stride(3) != 1:
-        _fail("kv_cache", "must have a contiguous last dim (stride 1)")
-    num_pages, _, page, _ = kv_cache.shape
-    num_slots = num_pages * page
-    _check_tensor(slot_mapping, "slot_mapping", (torch.int32, torch.int64), (n,), dev)
-    ks, ks0, ks1 = _scale_arg(k_scale, "k_scale", kv_fp8, hkv, num_slots, dev)
-    vs, vs0, vs1 = _scale_arg(v_scale, "v_scale", kv_fp8, hkv, num_slots, dev)
+    kv_fp8 = check_kv_fmt(kv_fmt)
+    page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
+    check_tensor(slot_mapping, "slot_mapping", SLOT_DTYPES, (n,), dev)
+    ks, ks0, ks1 = scale_arg(k_scale, "k_scale", kv_fp8, hkv, num_slots, dev)
+    vs, vs0, vs1 = scale_arg(v_scale, "v_scale", kv_fp8, hkv, num_slots, dev)
     # --- index cache
-    if index_fmt is not None and index_fmt not in INDEX_FP8_FORMATS + (md,):
-        _fail("index_fmt", f"must be one of {list(INDEX_FP8_FORMATS + (md,))} or None, got "
-                           f"{index_fmt!r}")
-    idx_fp8 = index_fmt in INDEX_FP8_FORMATS
-    if index_cache is None:
-        if has_ik:
-            _fail("index_cache", "is required when the layout has index_k")
-        ic, ic_s0, ic_s1, ic_page, ic_slots = torch.empty(1, dtype=act, device=dev), 0, 0, 1, 0
-    else:
-        if not has_ik:
-            _fail("index_cache", "given but the layout has no index_k (dense rows)")
-        if index_fmt is None:
-            _fail("index_fmt", "must name the index cache's format")
-        _check_tensor(index_cache, "index_cache", (torch.uint8,) if idx_fp8 else (act,),
-                      device=dev)
+    write_ik = do_index and has_ik
+    transform_iq = do_index and hi > 0
+    idx_fp8 = False
+    ic, ic_s0, ic_s1, ic_page, ic_slots = torch.empty(1, dtype=act, device=dev), 0, 0, 1, 0
+    islots = slot_mapping
+    if write_ik:
+        if index_fmt not in INDEX_FP8_FORMATS + (md,):
+            fail("index_fmt", f"must be one of {list(INDEX_FP8_FORMATS + (md,))}, got "
+                              f"{index_fmt!r}")
+        idx_fp8 = index_fmt in INDEX_FP8_FORMATS
+        if index_cache is None:
+            fail("index_cache", "is required when the layout has index_k (or pass "
+                                "skip_index=True)")
+        check_tensor(index_cache, "index_cache", (torch.uint8,) if idx_fp8 else (act,),
+                     device=dev)
         if index_cache.dim() != 3 or index_cache.shape[2] != d:
-            _fail("index_cache", f"must have shape [num_pages, P, D={d}], got "
-                                 f"{list(index_cache.shape)}")
-        if index_cache.stride(2) != 1:
-            _fail("index_cache", "must have a contiguous last dim (stride 1)")
+            fail("index_cache", f"must have shape [num_pages, P, D={d}], got "
+                                f"{list(index_cache.shape)}")
+        check_last_dim_contiguous(index_cache, "index_cache")
         ic = index_cache
         ic_s0, ic_s1 = index_cache.stride(0), index_cache.stride(1)
         ic_page = index_cache.shape[1]
         ic_slots = index_cache.shape[0] * ic_page
-    if index_slot_mapping is None:
-        islots = slot_mapping
-    else:
-        islots = _check_tensor(index_slot_mapping, "index_slot_mapping",
-                               (torch.int32, torch.int64), (n,), dev)
-    # --- outputs
-    out = {"q": torch.empty((n, hq, d), dtype=act, device=dev),
-           "k": torch.empty((n, hkv, d), dtype=act, device=dev)}
-    dummy = torch.empty(1, dtype=act, device=dev)
-    if hi:
-        out["index_q"] = torch.empty((n, hi, d), dtype=torch.uint8 if idx_fp8 else act,
-                                     device=dev)
-    if has_ik:
-        out["index_k"] = torch.empty((n, d), dtype=act, device=dev)
+        if index_slot_mapping is not None:
+            islots = check_tensor(index_slot_mapping, "index_slot_mapping", SLOT_DTYPES, (n,),
+                                  dev)
+    elif index_cache is not None and not skip_index:
+        fail("index_cache", "given but the layout has no index_k (dense rows)")
+    elif index_fmt is not None and index_fmt not in INDEX_FP8_FORMATS + (md,):
+        fail("index_fmt", f"must be one of {list(INDEX_FP8_FORMATS + (md,))} or None, got "
+                          f"{index_fmt!r}")
+    elif transform_iq and index_fmt is not None:
+        idx_fp8 = index_fmt in INDEX_FP8_FORMATS
+    # --- outputs (views)
+    view = rows.unflatten(1, (width // d, d)) if n else rows.reshape(0, width // d, d)
+    out = {"q": view[:, :hq], "k": view[:, hq:hq + hkv]}
+    if q_out is not None:
+        out["q"] = _check_out(q_out, "q_out", act, n, hq, d, dev)
+    if transform_iq:
+        if index_q_out is not None:
+            out["index_q"] = _check_out(index_q_out, "index_q_out",
+                                        torch.uint8 if idx_fp8 else act, n, hi, d, dev)
+        elif idx_fp8:
+            out["index_q"] = torch.empty((n, hi, d), dtype=torch.uint8, device=dev)
+        else:
+            out["index_q"] = view[:, hq + 2 * hkv:hq + 2 * hkv + hi]
+    if write_ik:
+        out["index_k"] = view[:, -1]
+    if validate and n:
+        validate_slots(slot_mapping, "slot_mapping", num_slots)
+        if write_ik:
+            validate_slots(islots, "index_slot_mapping" if index_slot_mapping is not None
+                           else "slot_mapping", ic_slots)
+        p = positions.detach().cpu()
+        if bool(((p < 0) | (p >= rope_table.shape[0])).any()):
+            fail("positions", f"must lie in [0, {rope_table.shape[0] - 1}] (rows of "
+                              f"rope_table), got {int(p.min())}..{int(p.max())}")
+        for name, sc in (("k_scale", ks), ("v_scale", vs)):
+            if not bool(torch.isfinite(sc).all() & (sc > 0).all()):
+                fail(name, "must hold positive finite values")
     if n == 0:
         return out
     if block_h is None:
         block_h = 64 if INTERPRETED else 4
     if block_h <= 0 or block_h & (block_h - 1):
-        _fail("block_h", f"must be a power of two, got {block_h}")
+        fail("block_h", f"must be a power of two, got {block_h}")
     block_h = min(block_h, triton.next_power_of_2(max(hq, hkv, hi, 1)))
-    blocks = (triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h) + triton.cdiv(hi, block_h)
-              + int(has_ik))
-    kv_code = fmt_code(kv_fmt) if kv_fp8 else 0
-    idx_code = fmt_code(index_fmt) if idx_fp8 else 0
-    w_iq = w_index_q if hi else w_q
-    w_ik = w_index_k if has_ik else w_q
+    blocks = (triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h)
+              + (triton.cdiv(hi, block_h) if transform_iq else 0) + int(write_ik))
+    iq = out.get("index_q", rows)
+    iq_s = (iq.stride(0), iq.stride(1)) if "index_q" in out else (0, 0)
     ensure_ready(_norm_rope_insert_kernel)
     _norm_rope_insert_kernel[(n, blocks)](
         rows, rows.stride(0), positions, rope_table, rope_table.stride(0), rope_table.shape[0],
-        w_q, w_k, w_iq, w_ik,
-        out["q"], out["k"], out.get("index_q", dummy), out.get("index_k", dummy),
+        w_q, w_k, w_index_q if transform_iq else w_q, w_index_k if write_ik else w_q,
+        out["q"], out["q"].stride(0), out["q"].stride(1), rows[:, hq * d:],
+        iq, iq_s[0], iq_s[1], rows[:, width - d:],
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), page, num_slots,
         slot_mapping, ks, ks0, ks1, vs, vs0, vs1,
         ic, ic_s0, ic_s1, ic_page, ic_slots, islots,
-        hq, hkv, hi, rotary_dim // 2, float(eps),
+        hq, hkv, hi if transform_iq else 0, rotary_dim // 2, float(eps),
         D=d, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d),
-        KV_FP8=kv_fp8, KV_FMT=kv_code, KV_HW=kv_fp8 and kv_fmt in HW_FORMATS,
-        IDX_FP8=idx_fp8, IDX_FMT=idx_code, IDX_HW=idx_fp8 and index_fmt in HW_FORMATS,
-        WRITE_INDEX=index_cache is not None)
+        KV_FP8=kv_fp8, KV_FMT=fmt_code(kv_fmt) if kv_fp8 else 0,
+        KV_HW=kv_fp8 and kv_fmt in HW_FORMATS,
+        IDX_FP8=idx_fp8, IDX_FMT=fmt_code(index_fmt) if idx_fp8 else 0,
+        IDX_HW=idx_fp8 and index_fmt in HW_FORMATS, HAS_IK=write_ik)
     return out
 
 
 # ----------------------------------------------------------------------------- adapter
 
 
-def _strided_codes_in(codes: np.ndarray, dev, torch_dtype=None) -> torch.Tensor:
-    """A COPY of a code array on the device with the same element strides (so HND, NHD and
-    padded layouts reach the kernel as they are), viewed as torch_dtype if given."""
-    from oracle.impl_torch import _codes_in
-
-    c = np.asarray(codes)
-    item = c.itemsize
-    strides = tuple(s // item for s in c.strides)
-    if c.size == 0 or any(s < 0 for s in strides):
-        t = _codes_in(c, dev)
-    else:
-        extent = 1 + sum((n - 1) * s for n, s in zip(c.shape, strides))
-        buf = _codes_in(np.zeros(extent, c.dtype), dev)
-        t = torch.as_strided(buf, c.shape, strides)
-        t.copy_(_codes_in(c, dev))
-    return t if torch_dtype is None else t.view(torch_dtype)
-
-
-def run(inputs: dict) -> dict:
+def run(inputs: dict, validate: bool = True) -> dict:
     """Oracle adapter (op ``norm_rope_insert``): impl_torch's input/output conventions;
-    returns numpy codes; never modifies its inputs."""
-    from oracle.impl_torch import HALF_DTYPES, _codes_out, _ints, _values, device
+    returns numpy codes; never modifies its inputs. The rows arrive as a column slice of a
+    wider buffer (as servers pass them); q goes to a separate strided output when N is odd
+    and stays in place otherwise, so the differential cases exercise both."""
+    from oracle.impl_torch import HALF_DTYPES, _ints, _values, device
 
     x = inputs
     dev = device()
@@ -369,22 +352,22 @@ def run(inputs: dict) -> dict:
     d = x["head_dim"]
     rows_np = x["rows"]
     n, width = rows_np.shape
-    # The rows as a column slice of a wider buffer, as servers pass them.
     buf = torch.zeros((n, width + 16), dtype=act, device=dev)
     rows = buf[:, 8:8 + width]
     rows.copy_(_values(rows_np, act, dev))
+    q_out = None
+    if n % 2:
+        q_out = torch.zeros((x["num_q_heads"], n, d), dtype=act, device=dev).transpose(0, 1)
     kv_fmt, index_fmt = x["kv_fmt"], x["index_fmt"]
-    kv_dtype = HALF_DTYPES.get(kv_fmt)
-    kv = _strided_codes_in(x["kv_cache"], dev, kv_dtype)
+    kv = strided_codes_in(x["kv_cache"], dev, HALF_DTYPES.get(kv_fmt))
     ic = None
     if x.get("index_cache") is not None:
-        ic = _strided_codes_in(x["index_cache"], dev, act if index_fmt == md else None)
+        ic = strided_codes_in(x["index_cache"], dev, act if index_fmt == md else None)
 
     def scale(s):
         if s is None:
             return None
-        s = np.asarray(s, np.float32)
-        return torch.from_numpy(np.ascontiguousarray(s)).to(dev)
+        return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
 
     w = {kind: _values(x[f"weights_{kind}"], act, dev)
          for kind in ("q", "k", "index_q", "index_k")}
@@ -395,13 +378,11 @@ def run(inputs: dict) -> dict:
         slot_mapping=_ints(x["slot_mapping"], dev), num_index_heads=x["num_index_heads"],
         has_index_k=x["has_index_k"], w_index_q=w["index_q"], w_index_k=w["index_k"],
         k_scale=scale(x["k_scale"]), v_scale=scale(x["v_scale"]), index_cache=ic,
-        index_fmt=index_fmt if ic is not None else None)
-    res = {}
-    for key, t in out.items():
-        res[key] = _codes_out(t if t.dtype == torch.uint8 else t.view(torch.int16))
-    res["kv_cache"] = _codes_out(kv if kv.dtype == torch.uint8 else kv.view(torch.int16))
+        index_fmt=index_fmt if ic is not None else None, q_out=q_out, validate=validate)
+    res = {key: codes_of(t) for key, t in out.items()}
+    res["kv_cache"] = codes_of(kv)
     if ic is not None:
-        res["index_cache"] = _codes_out(ic if ic.dtype == torch.uint8 else ic.view(torch.int16))
+        res["index_cache"] = codes_of(ic)
     return res
 
 
