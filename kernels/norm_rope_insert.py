@@ -335,6 +335,33 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     return out
 
 
+def compile_signatures():
+    """(kernel, signature, constexprs) triples covering the constexpr branches, for the
+    sm_90 compile check that runs on the CPU (tests/test_compile_sm90.py): compiled Triton
+    rejects some code the interpreter accepts."""
+    combos = [  # act, kv, kv fmt, hw, index, index fmt, hw, has index_k
+        ("bf16", "u8", 0, True, "u8", 0, True, True),
+        ("fp16", "fp16", 0, False, "fp16", 0, False, True),
+        ("bf16", "u8", 3, False, "u8", 2, False, True),
+        ("bf16", "u8", 1, True, "bf16", 0, False, False),
+    ]
+    out = []
+    for act, kv, kv_fmt, kv_hw, idx, idx_fmt, idx_hw, has_ik in combos:
+        sig = {name: "i64" for name in _norm_rope_insert_kernel.arg_names}
+        for name in ("rows_ptr", "table_ptr", "wq_ptr", "wk_ptr", "wiq_ptr", "wik_ptr",
+                     "q_out", "k_out", "ik_out"):
+            sig[name] = f"*{act}"
+        sig.update(pos_ptr="*i64", slot_ptr="*i32", islot_ptr="*i64", ks_ptr="*fp32",
+                   vs_ptr="*fp32", kv_ptr=f"*{kv}", ic_ptr=f"*{idx}", iq_out=f"*{idx}",
+                   hq="i32", hkv="i32", hi="i32", half="i32", eps="fp32")
+        const = dict(D=128, BLOCK_H=4, BLOCK_D=128, KV_FP8=kv == "u8", KV_FMT=kv_fmt,
+                     KV_HW=kv_hw, IDX_FP8=idx == "u8", IDX_FMT=idx_fmt, IDX_HW=idx_hw,
+                     HAS_IK=has_ik)
+        sig.update(dict.fromkeys(const, "constexpr"))
+        out.append((_norm_rope_insert_kernel, sig, const))
+    return out
+
+
 # ----------------------------------------------------------------------------- adapter
 
 
@@ -390,7 +417,7 @@ def _register():
     from oracle.registry import Implementation, register
 
     # Interpreted (CPU), a small case takes a few seconds: model shapes are left to CUDA.
-    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model")
+    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "sweep")
     register(Implementation(
         "triton", "norm_rope_insert", run, devices=("cpu", "cuda"), shape_classes=classes,
         quantize_from="value",

@@ -7,12 +7,17 @@ A case id reads ``op:shape_class:dist:platform:kv_cache_dtype:model_dtype:scales
 carries the sha256 of its arrays (``input_hash``), recorded in reports and checked on replay.
 
 Shapes are drawn from the seed within the shape class: ``tiny`` (interpreter-sized),
-``small`` (the domain of SPEC.md s.7 at CPU-friendly sizes) and ``model`` (the model's
-numbers: Hq 64, Hkv 4, D 128, R 64, P 128, K 16; contexts of thousands of tokens).
+``small`` (the domain of SPEC.md s.7 at CPU-friendly sizes), ``model`` (the model's
+numbers: Hq 64, Hkv 4, D 128, R 64, P 128, K 16; contexts of thousands of tokens) and
+``sweep`` (insert ops, for compiled kernels: the whole domain of SPEC.md s.7 -- N 0..16,384
+log-uniform, Hkv 1..8, G 1..16, D 64/128/256, any even R <= min(D, 128), P 16..128 -- with
+N capped so an input set stays under ``SWEEP_ELEMENTS`` elements, which keeps the float64
+reference check to seconds; narrow rows reach N = 16,384).
 
 Distributions (values before rounding to their storage dtype):
   normal         N(0, 1); attention queries 2.5 N(0, 1) (NOTES.md's accuracy setup)
-  outliers       N(0, 1) plus N(0, 10^2) on 0.1% of entries (FlashAttention-3's fp8 setup)
+  outliers       N(0, 1) plus N(0, 10^2) on 0.1% of entries (FlashAttention-3's fp8 setup);
+                 insert ops: V also holds -0, +-Inf and NaN on 1% of entries (SPEC.md s.4)
   near_overflow  V around the fp8 format's max on both sides; K and index keys pushed there
                  by small k scales and large norm weights
   tiny           magnitudes around the fp8 format's min subnormal
@@ -51,7 +56,9 @@ OPS = (
     "attention_prefill",
     "attention_decode",
 )
-SHAPE_CLASSES = ("tiny", "small", "model")
+SHAPE_CLASSES = ("tiny", "small", "model", "sweep")
+#: Elements per input set a ``sweep`` case may reach (its token count is capped by it).
+SWEEP_ELEMENTS = 1 << 23
 DISTRIBUTIONS = ("normal", "outliers", "near_overflow", "tiny", "ties")
 SCALES = ("none", "tensor", "slot")
 
@@ -75,6 +82,9 @@ class Case:
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("model_dtype", self.model_dtype, MODEL_DTYPES)
         check_choice("scales", self.scales, SCALES)
+        if self.shape_class == "sweep" and self.op not in ("norm_rope_insert",
+                                                           "reshape_and_cache"):
+            raise ValueError(f"shape_class 'sweep' applies to the insert ops only, not {self.op}")
         if self.dist == "ties" and not self.op.startswith("indexer"):
             raise ValueError(f"dist 'ties' applies to the indexer ops only, not {self.op}")
         if self.scales != "none" and not is_fp8(self.kv_fmt):
@@ -192,6 +202,9 @@ def head_shape(bg, shape_class: str) -> dict:
     if shape_class == "tiny":
         return dict(num_kv_heads=_between(bg, 1, 2), group=_pick(bg, (1, 2, 4)), head_dim=64,
                     page_size=16)
+    if shape_class == "sweep":
+        return dict(num_kv_heads=_between(bg, 1, 8), group=_between(bg, 1, 16),
+                    head_dim=_pick(bg, (64, 128, 256)), page_size=_pick(bg, (16, 32, 64, 128)))
     return dict(num_kv_heads=_between(bg, 1, 8), group=_pick(bg, (1, 2, 3, 8, 16)),
                 head_dim=_pick(bg, (64, 128, 128, 256)), page_size=_pick(bg, (16, 32, 64, 128)))
 
@@ -210,10 +223,31 @@ def _layout(bg, shape_class):
 # -------------------------------------------------------------------------- op inputs
 
 
+def _token_count(bg, shape_class: str, row_width: int) -> int:
+    if shape_class != "sweep":
+        return {"tiny": _between(bg, 1, 8), "small": _between(bg, 1, 64), "model": 256}[
+            shape_class]
+    if rand.uniform(bg, ())[()] < 0.05:
+        return 0
+    n = int(np.exp2(14 * rand.uniform(bg, ())[()]))  # log-uniform on 1..16,384
+    return max(1, min(n, SWEEP_ELEMENTS // row_width))
+
+
+def _with_specials(bg, v: np.ndarray) -> np.ndarray:
+    """v with -0, +Inf, -Inf and NaN on ~1% of its entries (the cache insert must apply
+    satfinite to them, SPEC.md s.4)."""
+    v = np.array(v, copy=True)
+    hit = rand.uniform(bg, v.shape) < 0.01
+    kind = rand.integers(bg, 0, 4, v.shape)
+    specials = np.array([-0.0, np.inf, -np.inf, np.nan])
+    v[hit] = specials[kind[hit]]
+    return v
+
+
 def _insert_inputs(case: Case, bg, fused: bool) -> dict:
     hs = head_shape(bg, case.shape_class)
     hkv, g, d, page = hs["num_kv_heads"], hs["group"], hs["head_dim"], hs["page_size"]
-    n = {"tiny": _between(bg, 1, 8), "small": _between(bg, 1, 64), "model": 256}[case.shape_class]
+    n = _token_count(bg, case.shape_class, (g + 3) * hkv * d + 2 * d)
     num_pages = -(-n // page) + 2
     num_slots = num_pages * page
     slots = rand.permutation(bg, num_slots)[:n].astype(np.int64)
@@ -230,12 +264,15 @@ def _insert_inputs(case: Case, bg, fused: bool) -> dict:
     if not fused:
         k = to_model(draw_values(bg, case.dist, (n, hkv, d), kv_fmt), case.model_dtype)
         v = to_model(draw_values(bg, case.dist, (n, hkv, d), kv_fmt), case.model_dtype)
+        if case.dist == "outliers":
+            v = _with_specials(bg, v)
         out.update(k=k, v=v)
         return out
     dense = case.shape_class != "model" and rand.uniform(bg, ())[()] < 0.2
     hi = 0 if dense else hkv
     layout = QKVLayout(g * hkv, hkv, d, num_index_heads=hi, has_index_k=not dense)
-    rotary = MODEL.rotary_dim if case.shape_class == "model" else 2 * _between(bg, 1, d // 2)
+    rotary = MODEL.rotary_dim if case.shape_class == "model" else 2 * _between(
+        bg, 1, min(d, 128) // 2 if case.shape_class == "sweep" else d // 2)
     # Positions up to 2^14 keep the table cheap to build; large positions are the
     # fp32-angle problem of the table builder, which is an input here.
     max_pos = 1 << 14
@@ -245,6 +282,9 @@ def _insert_inputs(case: Case, bg, fused: bool) -> dict:
     values = draw_values(bg, "normal" if case.dist == "near_overflow" else case.dist,
                          (n, width + 16), kv_fmt)
     rows = to_model(values, case.model_dtype)[:, 8 : 8 + width]
+    if case.dist == "outliers":
+        v_cols = slice((g + 1) * hkv * d, (g + 2) * hkv * d)
+        rows[:, v_cols] = _with_specials(bg, rows[:, v_cols])
     w_std = 4.0 if near else 0.3
     weights = {kind: to_model(w_std * rand.normal(bg, (d,)), case.model_dtype)
                for kind in ("q", "k", "index_q", "index_k")}

@@ -106,6 +106,6 @@ def load_all() -> None:
     except ImportError:  # torch not installed: the reference alone
         pass
     try:
-        from kernels import norm_rope_insert  # noqa: F401
+        from kernels import norm_rope_insert, reshape_and_cache  # noqa: F401
     except ImportError:  # triton or torch not installed
         pass

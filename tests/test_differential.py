@@ -20,10 +20,15 @@ from reference.platforms import KV_CACHE_DTYPES, PLATFORMS, kv_cache_format
 SEED0 = int(os.environ.get("ORACLE_SEED", "0"))
 
 
+SWEPT_OPS = ("norm_rope_insert", "reshape_and_cache")
+
+
 def differential_cases(op: str, gpu: bool) -> list[Case]:
     """Per platform x distinct format x distribution: one tiny case, one small case on a
-    rotating subset, and (GPU) one model-shape case per platform x format. Scales rotate
-    through none/tensor/slot; fp16 activations on a rotating subset."""
+    rotating subset, and (GPU) one model-shape case per platform x format plus, for the
+    insert ops, two ``sweep`` cases (random shapes over the whole domain, N up to 16,384;
+    the outliers one has V with -0/Inf/NaN). Scales rotate through none/tensor/slot; fp16
+    activations on a rotating subset."""
     cases, i = [], 0
     for plat in PLATFORMS:
         seen = set()
@@ -42,6 +47,8 @@ def differential_cases(op: str, gpu: bool) -> list[Case]:
                 classes = ["tiny"] + (["small"] if i % 2 == 0 else [])
                 if gpu and d == 0:
                     classes.append("model")
+                if gpu and op in SWEPT_OPS and d < 2:
+                    classes.append("sweep")
                 for sc in classes:
                     cases.append(Case(op, sc, dist, plat, kv_, md, scales, SEED0 + i))
     return cases

@@ -245,3 +245,86 @@ def test_index_slot_mapping_is_its_own():
     others = torch.ones(flat.shape[0], dtype=torch.bool, device=dev)
     others[[17, 2]] = False
     assert torch.isnan(ic.view(-1, ic.shape[-1])[others]).all()
+
+
+# ------------------------------------------------------- in place, skip_index, validate
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16 if t.dtype != torch.uint8 else torch.uint8)
+
+
+def test_in_place_writes_transformed_heads_into_the_rows_and_leaves_v():
+    """Without q_out, q, k, index_q (model-dtype index cache) and index_k are written back
+    into the row columns they came from (the returned tensors are views of rows); v is
+    untouched; the values are bit-identical to a run writing q to a separate output."""
+    a = _good_args(kv_fmt="bfloat16")
+    rows0 = a["rows"].clone()
+    b = _good_args(kv_fmt="bfloat16")
+    b["rows"] = rows0.clone()
+    q_out = torch.empty(2, 3, 64, dtype=torch.bfloat16, device=rows0.device).transpose(0, 1)
+    out_in = nri.norm_rope_insert(**a)
+    out_sep = nri.norm_rope_insert(**b, q_out=q_out)
+    base, end = a["rows"].data_ptr(), a["rows"].data_ptr() + a["rows"].nbytes
+    for key in ("q", "k", "index_q", "index_k"):
+        if key == "index_q" and out_in[key].dtype == torch.uint8:
+            continue
+        assert base <= out_in[key].data_ptr() < end, key
+        assert torch.equal(_bits(out_in[key]), _bits(out_sep[key])), key
+    d, hq, hkv = 64, 2, 1
+    v = slice((hq + hkv) * d, (hq + 2 * hkv) * d)
+    assert torch.equal(_bits(a["rows"][:, v]), _bits(rows0[:, v]))
+    assert torch.equal(_bits(b["rows"][:, :hq * d]), _bits(rows0[:, :hq * d]))  # q_out run
+    assert not torch.equal(_bits(a["rows"][:, :hq * d]), _bits(rows0[:, :hq * d]))
+
+
+def test_skip_index_leaves_index_heads_and_cache_alone():
+    """skip_index=True transforms and inserts q, k, v exactly as a full run does, and leaves
+    the index_q / index_k columns of the rows and the index cache untouched."""
+    a, b = _good_args(), _good_args()
+    b["rows"] = a["rows"].clone()
+    rows0, ic0 = a["rows"].clone(), a["index_cache"].clone()
+    full = nri.norm_rope_insert(**a)
+    skip = nri.norm_rope_insert(**b, skip_index=True)
+    assert set(skip) == {"q", "k"}
+    for key in ("q", "k"):
+        assert torch.equal(_bits(full[key]), _bits(skip[key])), key
+    assert torch.equal(a["kv_cache"], b["kv_cache"])
+    assert torch.equal(b["index_cache"], ic0)
+    idx = slice(4 * 64, 6 * 64)
+    assert torch.equal(_bits(b["rows"][:, idx]), _bits(rows0[:, idx]))
+
+
+@pytest.mark.parametrize("name, change", [
+    ("slot_mapping", lambda a: {"slot_mapping": a["slot_mapping"].new_tensor([0, 32, -1])}),
+    ("slot_mapping", lambda a: {"slot_mapping": a["slot_mapping"].new_tensor([4, 4, -1])}),
+    ("index_slot_mapping",
+     lambda a: {"index_slot_mapping": a["slot_mapping"].new_tensor([1, 99, 2])}),
+    ("positions", lambda a: {"positions": a["positions"].new_tensor([0, 16, 1])}),
+    ("positions", lambda a: {"positions": a["positions"].new_tensor([0, -1, 1])}),
+    ("k_scale", lambda a: {"k_scale": -1.0}),
+    ("v_scale", lambda a: {"v_scale": float("inf")}),
+])
+def test_validate_rejects_bad_contents_before_launch(name, change):
+    """validate=True reads the contents back: a slot past the cache, a repeated slot, a
+    position outside the table or a non-positive / non-finite scale raises ValueError
+    naming the argument, and the caches are untouched."""
+    a = _good_args()
+    a.update(change(a))
+    kv0, ic0 = a["kv_cache"].clone(), a["index_cache"].clone()
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        nri.norm_rope_insert(**a, validate=True)
+    assert torch.equal(a["kv_cache"], kv0) and torch.equal(a["index_cache"], ic0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_fmt, scales", [("e4m3fn", "slot"), ("bfloat16", "none"),
+                                            ("e5m2fnuz", "tensor")])
+def test_16384_tokens_match_reference(kv_fmt, scales):
+    """The top of the token range (N = 16,384, more programs than any grid axis-0 tile of
+    the small cases, slots spread over 1,026 pages) is admitted by the oracle for a native
+    fp8, a model-dtype and an emulated fnuz cache."""
+    x = make_case_inputs(d=64, r=36, kv_fmt=kv_fmt, scales=scales, n=16384, hkv=2, group=2,
+                         seed=16384)
+    res = run_check(_case(x), _impl(), inputs=x)
+    assert res.passed, res.summary()

@@ -194,3 +194,28 @@ def test_oracle_rejects_broken_baselines_and_accepts_the_correct_one(bug, op):
             if not run_check(case, broken, x).passed:
                 killed.append(case.id)
     assert killed, f"{bug} survived every case of {op}"
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2", "auto"])
+def test_v_specials_in_the_cache_are_judged(kv):
+    """Outlier cases put -0, +-Inf and NaN into V; the reference's codes pass, and a cache
+    whose NaN V became a number, or whose Inf V became NaN (no satfinite) or a non-max code,
+    is rejected."""
+    from dataclasses import replace
+
+    case = Case("reshape_and_cache", "small", "outliers", "cuda", kv, "bfloat16", "none", 3)
+    x = make_inputs(case)
+    ref = next(i for i in implementations(case.op) if i.name == "reference")
+    out = ref.run(x)
+    assert run_check(case, ref, inputs=x).passed
+    s = np.asarray(x["slot_mapping"])
+    page, d = x["kv_cache"].shape[2], x["kv_cache"].shape[3] // 2
+    for special in (np.nan, np.inf):
+        where = np.isnan(x["v"]) if np.isnan(special) else np.isposinf(x["v"])
+        tok, h, j = (a[0] for a in np.nonzero(where & (s[:, None, None] >= 0)))
+        bad = {k: np.array(v, copy=True) for k, v in out.items()}
+        fmt = case.kv_fmt
+        wrong = encode(np.array([1.0 if np.isnan(special) else np.nan]), fmt, "nonsaturating")
+        bad["kv_cache"][s[tok] // page, h, s[tok] % page, d + j] = wrong[0]
+        broken = replace(ref, run=lambda _x, b=bad: b)
+        assert not run_check(case, broken, inputs=x).passed, (kv, special)

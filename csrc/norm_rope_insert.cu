@@ -1,0 +1,285 @@
+// Fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert (SPEC.md sections
+// 3 and 4): the CUDA twin of kernels/norm_rope_insert.py, same contract.
+//
+// Grid (N, ceil(heads / heads_per_block)), 4 warps per block. A token's heads are
+// enumerated q (Hq), k (Hkv), index_q (Hi), index_k (1, when written); a block owns
+// heads_per_block consecutive ones and each warp one head at a time (lane l holds dims
+// l*VEC .. l*VEC+VEC-1, VEC = D/32). The block first loads the token's cos|sin table row
+// into shared memory (fp32; zeros when the position is outside the table: no row is read).
+//
+// Per head, in fp32: n = (x * rsqrt(sum(x^2) / D + eps)) * (1 + w); the warp writes n to
+// shared memory and each lane reads the rotate-half partner of its dims from there (d + R/2
+// for d < R/2, d - R/2 for R/2 <= d < R), so any even R <= D works (no lane-XOR pairing).
+// y = n*c - n'*s / n*c + n'*s; dims >= R pass through. Outputs:
+//   q        -> q_out (strided; may be the rows themselves), rounded once (RNE) to the model dtype
+//   k        -> in place in the rows (model dtype), and into the cache from its fp32 value
+//               (one rounding): fp8 code of y / k_scale (satfinite), or y rounded to the cache
+//               dtype; V from its model-dtype value (/ v_scale for fp8; bit copy when the
+//               cache has the activation dtype)
+//   index_q  -> iq_out: model dtype, or e4m3 codes (satfinite, unit scale) of the fp32 value
+//   index_k  -> in place in the rows, and into the index cache at its own slot (the same bits
+//               as the output for a model-dtype index cache; e4m3 codes of the fp32 value)
+// Caches are addressed through their strides with 64-bit offsets; negative and out-of-range
+// slots write nothing. A warp loads its whole head before any lane stores (__syncwarp), and
+// different warps own different heads, so the in-place writes cannot race.
+//
+// fp32 arithmetic: correctly rounded + - * and / (no fast math), rsqrtf (2 ulp), FMA
+// contraction allowed: what oracle.bounds.Fp32Arith's defaults declare.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "fp8_convert.h"
+#include "norm_rope_insert.h"
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kMaxRotary = 256;
+
+template <int B>
+struct Word;
+template <>
+struct Word<2> { using T = uint16_t; };
+template <>
+struct Word<4> { using T = uint32_t; };
+template <>
+struct Word<8> { using T = uint2; };
+template <>
+struct Word<16> { using T = uint4; };
+
+// N elements of type E at p: one vector access when p is aligned to the whole span, else
+// element by element (rows, outputs and caches may have any alignment their strides give).
+template <int N, typename E>
+__device__ __forceinline__ void load_n(const E* p, E (&out)[N]) {
+  constexpr int B = N * sizeof(E);
+  if (reinterpret_cast<uintptr_t>(p) % B == 0) {
+    typename Word<B>::T w = *reinterpret_cast<const typename Word<B>::T*>(p);
+    memcpy(out, &w, B);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[j] = p[j];
+  }
+}
+
+template <int N, typename E>
+__device__ __forceinline__ void store_n(E* p, const E (&v)[N]) {
+  constexpr int B = N * sizeof(E);
+  if (reinterpret_cast<uintptr_t>(p) % B == 0) {
+    typename Word<B>::T w;
+    memcpy(&w, v, B);
+    *reinterpret_cast<typename Word<B>::T*>(p) = w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) p[j] = v[j];
+  }
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, int64_t is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+template <int N>
+__device__ __forceinline__ void encode_n(const float (&y)[N], int fmt, uint8_t (&c)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) c[j] = cvt::fp8_encode_satfinite(y[j], fmt);
+}
+
+template <int ACT, int N>
+__device__ __forceinline__ void round_n(const float (&y)[N], uint16_t (&b)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) b[j] = cvt::half_from_f32(y[j], ACT);
+}
+
+template <int ACT, int D>
+__global__ void __launch_bounds__(kWarps * 32) nri_kernel(const NriParams p) {
+  constexpr int VEC = D / 32;
+  __shared__ float cs[kMaxRotary];   // cos_0..cos_{R/2-1} | sin_0..sin_{R/2-1}
+  __shared__ float nb[kWarps][D];    // each warp's normalised head, for the partner lanes
+
+  const int64_t tok = blockIdx.x;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int rot = (int)p.rotary_dim;
+  const int hr = rot / 2;
+
+  const int64_t pos = load_index(p.positions, p.pos_is64, tok * p.pos_stride);
+  const bool pos_ok = pos >= 0 && pos < p.max_pos;
+  if (pos_ok) {
+    const uint16_t* trow = static_cast<const uint16_t*>(p.table) + pos * p.table_stride;
+    for (int i = threadIdx.x; i < rot; i += blockDim.x) cs[i] = cvt::half_to_f32(trow[i], ACT);
+  } else {
+    for (int i = threadIdx.x; i < rot; i += blockDim.x) cs[i] = 0.f;
+  }
+  __syncthreads();
+
+  uint16_t* row = static_cast<uint16_t*>(p.rows) + tok * p.row_stride;
+  const float eps = (float)p.eps;
+  const int64_t total = p.hq + p.hkv + p.hi + p.write_ik;
+  const int64_t h_end = min(total, ((int64_t)blockIdx.y + 1) * p.heads_per_block);
+  const int d0 = lane * VEC;
+
+  for (int64_t t = (int64_t)blockIdx.y * p.heads_per_block + warp; t < h_end; t += kWarps) {
+    // Which head of which kind, where it lives in the row, its weight.
+    int kind;  // 0 q, 1 k, 2 index_q, 3 index_k
+    int64_t h, col;
+    const void* w;
+    if (t < p.hq) {
+      kind = 0, h = t, col = h * D, w = p.w_q;
+    } else if (t < p.hq + p.hkv) {
+      kind = 1, h = t - p.hq, col = (p.hq + h) * D, w = p.w_k;
+    } else if (t < p.hq + p.hkv + p.hi) {
+      kind = 2, h = t - p.hq - p.hkv, col = (p.hq + 2 * p.hkv + h) * D, w = p.w_iq;
+    } else {
+      kind = 3, h = 0, col = p.ik_col, w = p.w_ik;
+    }
+
+    uint16_t xb[VEC], wb[VEC];
+    load_n<VEC>(row + col + d0, xb);
+    load_n<VEC>(static_cast<const uint16_t*>(w) + d0, wb);
+    float x[VEC];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      x[j] = cvt::half_to_f32(xb[j], ACT);
+      ss += x[j] * x[j];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+    const float r = rsqrtf(ss / (float)D + eps);
+    float n[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      n[j] = (x[j] * r) * (1.f + cvt::half_to_f32(wb[j], ACT));
+      nb[warp][d0 + j] = n[j];
+    }
+    __syncwarp();
+    float y[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const int d = d0 + j;
+      if (d < hr) {
+        y[j] = n[j] * cs[d] + (-nb[warp][d + hr]) * cs[hr + d];
+      } else if (d < rot) {
+        y[j] = n[j] * cs[d - hr] + nb[warp][d - hr] * cs[d];
+      } else {
+        y[j] = n[j];
+      }
+    }
+    __syncwarp();  // every lane has read nb (and loaded its x) before anyone writes
+
+    if (kind == 0) {
+      uint16_t ob[VEC];
+      round_n<ACT>(y, ob);
+      store_n<VEC>(static_cast<uint16_t*>(p.q_out) + tok * p.q_s0 + h * p.q_s1 + d0, ob);
+    } else if (kind == 2) {
+      const int64_t off = tok * p.iq_s0 + h * p.iq_s1 + d0;
+      if (cvt::is_fp8((int)p.iq_fmt)) {
+        uint8_t cb[VEC];
+        encode_n(y, (int)p.iq_fmt, cb);
+        store_n<VEC>(static_cast<uint8_t*>(p.iq_out) + off, cb);
+      } else {
+        uint16_t ob[VEC];
+        round_n<ACT>(y, ob);
+        store_n<VEC>(static_cast<uint16_t*>(p.iq_out) + off, ob);
+      }
+    } else if (kind == 1) {
+      uint16_t ob[VEC], vb[VEC];
+      round_n<ACT>(y, ob);
+      load_n<VEC>(row + (p.hq + p.hkv + h) * D + d0, vb);
+      store_n<VEC>(row + col + d0, ob);
+      const int64_t slot = load_index(p.slots, p.slots_is64, tok * p.slot_stride);
+      if (slot >= 0 && slot < p.num_slots) {
+        const int64_t page = slot / p.page_size, off = slot % p.page_size;
+        const int64_t base = page * p.kv_s0 + h * p.kv_s1 + off * p.kv_s2 + d0;
+        const int fmt = (int)p.kv_fmt;
+        if (cvt::is_fp8(fmt)) {
+          const float ks = p.k_scale[h * p.ks_s0 + slot * p.ks_s1];
+          const float vs = p.v_scale[h * p.vs_s0 + slot * p.vs_s1];
+          float kq[VEC], vq[VEC];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            kq[j] = y[j] / ks;
+            vq[j] = cvt::half_to_f32(vb[j], ACT) / vs;
+          }
+          uint8_t kc[VEC], vc[VEC];
+          encode_n(kq, fmt, kc);
+          encode_n(vq, fmt, vc);
+          uint8_t* dst = static_cast<uint8_t*>(p.kv) + base;
+          store_n<VEC>(dst, kc);
+          store_n<VEC>(dst + D, vc);
+        } else {
+          uint16_t kc[VEC], vc[VEC];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            kc[j] = cvt::half_from_f32(y[j], fmt);
+            vc[j] = fmt == ACT ? vb[j] : cvt::half_from_f32(cvt::half_to_f32(vb[j], ACT), fmt);
+          }
+          uint16_t* dst = static_cast<uint16_t*>(p.kv) + base;
+          store_n<VEC>(dst, kc);
+          store_n<VEC>(dst + D, vc);
+        }
+      }
+    } else {
+      uint16_t ob[VEC];
+      round_n<ACT>(y, ob);
+      store_n<VEC>(row + col + d0, ob);
+      const int64_t slot = load_index(p.islots, p.islots_is64, tok * p.islot_stride);
+      if (slot >= 0 && slot < p.ic_num_slots) {
+        const int64_t base = (slot / p.ic_page) * p.ic_s0 + (slot % p.ic_page) * p.ic_s1 + d0;
+        if (cvt::is_fp8((int)p.ic_fmt)) {
+          uint8_t cb[VEC];
+          encode_n(y, (int)p.ic_fmt, cb);
+          store_n<VEC>(static_cast<uint8_t*>(p.ic) + base, cb);
+        } else {
+          store_n<VEC>(static_cast<uint16_t*>(p.ic) + base, ob);
+        }
+      }
+    }
+  }
+}
+
+template <int ACT>
+cudaError_t launch_act(const NriParams& p, dim3 grid, dim3 block, cudaStream_t s) {
+  switch (p.head_dim) {
+    case 64: nri_kernel<ACT, 64><<<grid, block, 0, s>>>(p); break;
+    case 128: nri_kernel<ACT, 128><<<grid, block, 0, s>>>(p); break;
+    default: nri_kernel<ACT, 256><<<grid, block, 0, s>>>(p); break;
+  }
+  return cudaGetLastError();
+}
+
+bool valid_fmt(int64_t f, bool fp8_ok, int64_t act) {
+  return (fp8_ok && cvt::is_fp8((int)f)) || f == cvt::FMT_BF16 || f == cvt::FMT_F16 ||
+         f == act;
+}
+
+}  // namespace
+
+extern "C" int nri_launch(const NriParams* p, void* stream) {
+  if (p == nullptr) return (int)cudaErrorInvalidValue;
+  const NriParams& q = *p;
+  const bool ok =
+      q.n >= 0 && q.n <= 0x7FFFFFFF && (q.act_fmt == cvt::FMT_BF16 || q.act_fmt == cvt::FMT_F16) &&
+      (q.head_dim == 64 || q.head_dim == 128 || q.head_dim == 256) && q.rotary_dim >= 2 &&
+      q.rotary_dim % 2 == 0 && q.rotary_dim <= q.head_dim && q.hq >= 1 && q.hkv >= 1 &&
+      q.hi >= 0 && (q.write_ik == 0 || q.write_ik == 1) && q.heads_per_block >= 1 &&
+      q.page_size >= 1 && q.ic_page >= 1 && valid_fmt(q.kv_fmt, true, q.act_fmt) &&
+      valid_fmt(q.iq_fmt, true, q.act_fmt) && valid_fmt(q.ic_fmt, true, q.act_fmt);
+  if (!ok) return (int)cudaErrorInvalidValue;
+  if (q.n == 0) return (int)cudaSuccess;
+  const int64_t total = q.hq + q.hkv + q.hi + q.write_ik;
+  const int64_t blocks_y = (total + q.heads_per_block - 1) / q.heads_per_block;
+  if (blocks_y > 65535) return (int)cudaErrorInvalidValue;
+  const dim3 grid((unsigned)q.n, (unsigned)blocks_y);
+  const dim3 block(kWarps * 32);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const cudaError_t err = q.act_fmt == cvt::FMT_BF16
+                              ? launch_act<cvt::FMT_BF16>(q, grid, block, s)
+                              : launch_act<cvt::FMT_F16>(q, grid, block, s);
+  return (int)err;
+}
+
+extern "C" const char* csrc_error_string(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}

@@ -1,0 +1,53 @@
+"""The kernels as torch custom ops (``torch.ops.attn_oracle.*``), so they compose with
+torch.compile, CUDA graphs and functionalization like any aten op.
+
+Schemas return nothing: every result is written into a tensor the caller owns and the
+schema declares as mutated (the rows, whose k / index_k heads are transformed in place;
+the caches; the optional q / index_q outputs). That keeps the ops alias-free for the
+compiler. Differences from the Python launchers, forced by the schema language: scales are
+optional float32 tensors (no Python floats), and when the index cache is fp8 the caller
+passes ``index_q_out`` (uint8 ``[N, Hi, D]``), since an op cannot hand back a buffer it
+allocated while also mutating its inputs. Fake (meta) kernels do nothing: no op allocates.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels import norm_rope_insert as _nri
+from kernels._host import INDEX_FP8_FORMATS, fail
+
+LIB = "attn_oracle"
+
+
+@torch.library.custom_op(f"{LIB}::norm_rope_insert",
+                         mutates_args=("rows", "kv_cache", "index_cache", "q_out",
+                                       "index_q_out"))
+def norm_rope_insert(
+        rows: Tensor, positions: Tensor, rope_table: Tensor, w_q: Tensor, w_k: Tensor,
+        w_index_q: Tensor | None, w_index_k: Tensor | None, kv_cache: Tensor,
+        slot_mapping: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
+        index_cache: Tensor | None, index_slot_mapping: Tensor | None, q_out: Tensor | None,
+        index_q_out: Tensor | None, num_q_heads: int, num_kv_heads: int, num_index_heads: int,
+        has_index_k: bool, head_dim: int, rotary_dim: int, eps: float, kv_fmt: str,
+        index_fmt: str | None, skip_index: bool = False, validate: bool = False) -> None:
+    """kernels.norm_rope_insert.norm_rope_insert as a custom op (see the module docstring
+    for the two differences)."""
+    if (not skip_index and num_index_heads and index_fmt in INDEX_FP8_FORMATS
+            and index_q_out is None):
+        fail("index_q_out", "is required by the custom op when the index cache is fp8 "
+                            "(uint8 [N, Hi, D])")
+    _nri.norm_rope_insert(
+        rows, positions, rope_table, w_q, w_k, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, eps=eps,
+        kv_cache=kv_cache, kv_fmt=kv_fmt, slot_mapping=slot_mapping,
+        num_index_heads=num_index_heads, has_index_k=has_index_k, w_index_q=w_index_q,
+        w_index_k=w_index_k, k_scale=k_scale, v_scale=v_scale, index_cache=index_cache,
+        index_fmt=index_fmt, index_slot_mapping=index_slot_mapping, q_out=q_out,
+        index_q_out=index_q_out, skip_index=skip_index, validate=validate)
+
+
+@norm_rope_insert.register_fake
+def _(*args, **kwargs) -> None:
+    return None

@@ -1,0 +1,216 @@
+"""Separate (unfused) paged KV-cache insert, the "two-rounding" path, in one Triton kernel
+(SPEC.md section 4): K and V arrive already rounded to the model dtype (bf16/fp16).
+
+One launch per batch; the grid is ``(N, cdiv(Hkv, BLOCK_H))``: a program writes BLOCK_H KV
+heads of one token. For token t with slot s = slot_mapping[t] (negative: skip; past the
+cache: skipped too, a guard, since contents are only checked under ``validate=True``),
+K/V head j go to ``cache[s // P, j, s % P, 0:D]`` / ``[..., D:2D]``.
+
+- Model-dtype cache: the 16-bit patterns are copied (loaded and stored as int16), so -0,
+  Inf and NaN payloads arrive unchanged, interpreted or compiled.
+- fp8 cache (uint8 codes): ``encode_fp8(value_fp32 / scale)``, satfinite RNE (the hardware
+  casts for e4m3fn/e5m2, the software codec for the fnuz formats), i.e. K is quantised from
+  its model-dtype value: ``quantize_from="model_dtype"``. The division is Triton's fp32
+  ``/`` (declared by the default ``Fp32Arith.div_rel``; exact for the default scale 1).
+
+The cache is addressed through its strides (HND, NHD, padded) with 64-bit offsets; K, V and
+slot_mapping through theirs too (only the last dim of K/V must be contiguous).
+
+``reshape_and_cache(...)`` is the host launcher (validates dtypes, shapes, strides, formats
+and scales; raises ValueError naming the argument); ``run(inputs)`` is the oracle adapter
+registered as implementation ``"triton"`` of op ``"reshape_and_cache"``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels._host import (
+    HALF_FORMATS,
+    HEAD_DIMS,
+    MODEL_DTYPES,
+    SLOT_DTYPES,
+    check_kv_cache,
+    check_kv_fmt,
+    check_last_dim_contiguous,
+    check_tensor,
+    codes_of,
+    fail,
+    scale_arg,
+    strided_codes_in,
+    validate_slots,
+)
+from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from kernels.fp8 import HW_FORMATS, encode_fp8, fmt_code
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+        k_ptr, k_s0, k_s1, v_ptr, v_s0, v_s1, slot_ptr, slot_s0,
+        kv_ptr, kv_s0, kv_s1, kv_s2, page_size, num_slots,
+        ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, hkv,
+        D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
+    # FP8 is a constexpr, so its two branches are never both compiled: the pointer types
+    # (int16 bits vs bf16/fp16 values) may differ between them.
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    h64 = heads.to(tl.int64)
+    slot = tl.load(slot_ptr + tok * slot_s0).to(tl.int64)
+    ok = (slot >= 0) & (slot < num_slots)
+    sl = tl.where(ok, slot, 0)  # a skipped token still forms (unused) in-range addresses
+    hmask = (heads < hkv) & ok
+    mask = hmask[:, None] & (dims < D)[None, :]
+    # Skipped tokens read nothing either (masked loads).
+    k = tl.load(k_ptr + tok * k_s0 + h64[:, None] * k_s1 + dims[None, :], mask=mask, other=0)
+    v = tl.load(v_ptr + tok * v_s0 + h64[:, None] * v_s1 + dims[None, :], mask=mask, other=0)
+    dst = (kv_ptr + (sl // page_size) * kv_s0 + h64[:, None] * kv_s1 + (sl % page_size) * kv_s2
+           + dims[None, :])
+    if FP8:
+        ks = tl.load(ks_ptr + h64 * ks_s0 + sl * ks_s1, mask=hmask, other=1.0)
+        vs = tl.load(vs_ptr + h64 * vs_s0 + sl * vs_s1, mask=hmask, other=1.0)
+        tl.store(dst, encode_fp8(k.to(tl.float32) / ks[:, None], FMT, HW), mask=mask)
+        tl.store(dst + D, encode_fp8(v.to(tl.float32) / vs[:, None], FMT, HW), mask=mask)
+    else:
+        tl.store(dst, k, mask=mask)
+        tl.store(dst + D, v, mask=mask)
+
+
+#: True when the kernel runs in the (patched) CPU interpreter.
+INTERPRETED = is_interpreted(_reshape_and_cache_kernel)
+
+
+# ---------------------------------------------------------------------------- launcher
+
+
+def _check_kv(k, v):
+    """k and v: the same model dtype, shape ``[N, Hkv, D]`` (D in HEAD_DIMS), device; last
+    dim contiguous. Returns (n, hkv, d)."""
+    check_tensor(k, "k", tuple(MODEL_DTYPES))
+    if k.dim() != 3 or k.shape[1] < 1 or k.shape[2] not in HEAD_DIMS:
+        fail("k", f"must have shape [N, Hkv >= 1, D in {list(HEAD_DIMS)}], got "
+                  f"{list(k.shape)}")
+    check_last_dim_contiguous(k, "k")
+    check_tensor(v, "v", (k.dtype,), tuple(k.shape), k.device)
+    check_last_dim_contiguous(v, "v")
+    return tuple(k.shape)
+
+
+def _validate_contents(slot_mapping, num_slots, scales):
+    """``validate=True``: slot ranges and duplicates, positive finite scales (host sync)."""
+    validate_slots(slot_mapping, "slot_mapping", num_slots)
+    for name, sc in scales:
+        if not bool(torch.isfinite(sc).all() & (sc > 0).all()):
+            fail(name, "must hold positive finite values")
+
+
+def _block_h(block_h, hkv):
+    if block_h is None:
+        # The interpreter is slow per program and fast on large blocks.
+        block_h = 64 if INTERPRETED else 4
+    if isinstance(block_h, bool) or not isinstance(block_h, (int, np.integer)) \
+            or block_h <= 0 or block_h & (block_h - 1):
+        fail("block_h", f"must be a power of two, got {block_h!r}")
+    return min(int(block_h), triton.next_power_of_2(hkv))
+
+
+def reshape_and_cache(k, v, kv_cache, kv_fmt, slot_mapping, k_scale=None, v_scale=None, *,
+                      validate=False, block_h=None):
+    """Insert ``k``, ``v`` (bf16/fp16 ``[N, Hkv, D]``, any token/head strides, last dim
+    contiguous) into the paged ``kv_cache`` (logical ``[num_pages, Hkv, P, 2D]``, any
+    non-negative strides, last dim contiguous) in place, and return it.
+
+    kv_fmt: an fp8 format (``kv_cache`` uint8 codes) or the model dtype's name (the cache
+    has k's dtype; bits are copied). slot_mapping: int32/int64 ``[N]``, negative = skip.
+    Scales (fp8 only): None (1.0), a float, or float32 tensors, 0-d or ``[Hkv, num_pages*P]``
+    (per KV head and physical slot); the code is ``satfinite(value / scale)``.
+    ``validate=True``: also check contents on the host (slots in range and not repeated,
+    positive finite scales), a device sync. Without it, out-of-range slots write nothing.
+    N = 0 launches nothing."""
+    n, hkv, d = _check_kv(k, v)
+    dev = k.device
+    fp8 = check_kv_fmt(kv_fmt)
+    if not fp8 and HALF_FORMATS[kv_fmt] != k.dtype:
+        fail("kv_fmt", f"must be an fp8 format or the model dtype of k "
+                       f"({MODEL_DTYPES[k.dtype]!r}), got {kv_fmt!r}")
+    page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
+    check_tensor(slot_mapping, "slot_mapping", SLOT_DTYPES, (n,), dev)
+    ks, ks0, ks1 = scale_arg(k_scale, "k_scale", fp8, hkv, num_slots, dev)
+    vs, vs0, vs1 = scale_arg(v_scale, "v_scale", fp8, hkv, num_slots, dev)
+    bh = _block_h(block_h, hkv)
+    if validate and n:
+        _validate_contents(slot_mapping, num_slots, (("k_scale", ks), ("v_scale", vs)))
+    if n == 0:
+        return kv_cache
+    # Model-dtype caches: move 16-bit patterns, never values (no conversion can touch them).
+    src_k, src_v, dst = (k, v, kv_cache) if fp8 else (
+        k.view(torch.int16), v.view(torch.int16), kv_cache.view(torch.int16))
+    ensure_ready(_reshape_and_cache_kernel)
+    _reshape_and_cache_kernel[(n, triton.cdiv(hkv, bh))](
+        src_k, k.stride(0), k.stride(1), src_v, v.stride(0), v.stride(1),
+        slot_mapping, slot_mapping.stride(0),
+        dst, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), page, num_slots,
+        ks, ks0, ks1, vs, vs0, vs1, hkv,
+        D=d, BLOCK_H=bh, BLOCK_D=triton.next_power_of_2(d),
+        FP8=fp8, FMT=fmt_code(kv_fmt) if fp8 else 0, HW=fp8 and kv_fmt in HW_FORMATS)
+    return kv_cache
+
+
+# ----------------------------------------------------------------------------- adapter
+
+
+def _scale_in(s, dev):
+    if s is None:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
+
+
+def _strided_heads(values, act, dev, transposed):
+    """K or V on the device with non-trivial strides, as servers pass them: a head-major
+    buffer seen token-major (``transposed``), or heads padded by 8 elements."""
+    from oracle.impl_torch import _values
+
+    n, hkv, d = values.shape
+    t = _values(values, act, dev)
+    if transposed:
+        out = torch.zeros((hkv, n, d), dtype=act, device=dev).transpose(0, 1)
+    else:
+        out = torch.zeros((n, hkv, d + 8), dtype=act, device=dev)[..., 4:4 + d]
+    out.copy_(t)
+    return out
+
+
+def run(inputs: dict, validate: bool = True) -> dict:
+    """Oracle adapter (op ``reshape_and_cache``): impl_torch's input/output conventions;
+    returns numpy codes; never modifies its inputs. K has padded head strides; V is
+    head-major when N is odd, padded otherwise, so the differential cases exercise both."""
+    from oracle.impl_torch import HALF_DTYPES, _ints, device
+
+    x = inputs
+    dev = device()
+    act = HALF_DTYPES[x["model_dtype"]]
+    k = _strided_heads(np.asarray(x["k"]), act, dev, transposed=False)
+    v = _strided_heads(np.asarray(x["v"]), act, dev, transposed=k.shape[0] % 2 == 1)
+    kv_fmt = x["kv_fmt"]
+    kv = strided_codes_in(x["kv_cache"], dev, HALF_DTYPES.get(kv_fmt))
+    reshape_and_cache(k, v, kv, kv_fmt, _ints(x["slot_mapping"], dev),
+                      _scale_in(x["k_scale"], dev), _scale_in(x["v_scale"], dev),
+                      validate=validate)
+    return {"kv_cache": codes_of(kv)}
+
+
+def _register():
+    from oracle.registry import Implementation, register
+
+    # Interpreted (CPU), model shapes take too long: they are left to CUDA.
+    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model")
+    register(Implementation(
+        "triton", "reshape_and_cache", run, devices=("cpu", "cuda"), shape_classes=classes,
+        quantize_from="model_dtype",
+        notes="one Triton launch: K and V from their model-dtype values (two roundings for "
+              "K), fp8 via kernels.fp8.encode_fp8, bf16/fp16 caches get the bits copied"))
+
+
+_register()
