@@ -107,8 +107,6 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, warmup_ms: float = 25,
     dst = torch.empty_like(src)
     us = _bench_us(lambda: dst.copy_(src), warmup_ms, rep_ms)
     moved = 2 * src.numel() * src.element_size()
-    del src, dst
-    torch.cuda.empty_cache()
     return {"bytes": moved // 2, "moved_bytes": moved, "median_us": us,
             "bytes_per_s": moved / (us * 1e-6), "mode": "eager"}
 

@@ -280,6 +280,14 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
   return (int)err;
 }
 
+extern "C" const char* nri_params_fields(void) {
+#define NRI_DESCRIBE_FIELD(type, name) #type ":" #name ","
+  return NRI_PARAMS_FIELDS(NRI_DESCRIBE_FIELD);
+#undef NRI_DESCRIBE_FIELD
+}
+
+extern "C" int64_t nri_params_size(void) { return (int64_t)sizeof(NriParams); }
+
 extern "C" const char* csrc_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

@@ -140,3 +140,25 @@ def codes_of(t: torch.Tensor) -> np.ndarray:
     from oracle.impl_torch import _codes_out
 
     return _codes_out(t if t.dtype == torch.uint8 else t.view(torch.int16))
+
+
+def resolve_formats(kv_fmt, kv_cache_dtype, platform, model_dtype, index_cache=None,
+                    index_fmt=None) -> tuple[str, str | None]:
+    """(kv_fmt, index_fmt) from either explicit format names or vLLM's ``kv_cache_dtype``
+    string read on ``platform`` (SPEC.md s.2: "fp8" is e4m3fn on cuda, e4m3fnuz on
+    rocm-fnuz). An index cache without ``index_fmt`` is read by its dtype: uint8 means the
+    platform's e4m3, otherwise the model dtype."""
+    from reference.platforms import PLATFORMS, index_cache_format, kv_cache_format
+
+    if platform not in PLATFORMS:
+        fail("platform", f"must be one of {list(PLATFORMS)}, got {platform!r}")
+    if (kv_fmt is None) == (kv_cache_dtype is None):
+        fail("kv_fmt", "or kv_cache_dtype: give exactly one of them")
+    if kv_fmt is None:
+        try:
+            kv_fmt = kv_cache_format(kv_cache_dtype, platform, model_dtype)
+        except ValueError as e:
+            fail("kv_cache_dtype", str(e).split(" ", 1)[1])
+    if index_fmt is None and index_cache is not None and isinstance(index_cache, torch.Tensor):
+        index_fmt = index_cache_format(index_cache.dtype == torch.uint8, platform, model_dtype)
+    return kv_fmt, index_fmt

@@ -39,6 +39,7 @@ from kernels._host import (
     check_tensor,
     codes_of,
     fail,
+    resolve_formats,
     scale_arg,
     strided_codes_in,
     validate_slots,
@@ -173,7 +174,8 @@ def _check_out(t, name, dtype, n, heads, d, dev):
 
 
 def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
-                     head_dim, rotary_dim, eps, kv_cache, kv_fmt, slot_mapping,
+                     head_dim, rotary_dim, eps, kv_cache, slot_mapping, kv_fmt=None,
+                     kv_cache_dtype=None, platform="cuda",
                      num_index_heads=0, has_index_k=False, w_index_q=None, w_index_k=None,
                      k_scale=None, v_scale=None, index_cache=None, index_fmt=None,
                      index_slot_mapping=None, q_out=None, index_q_out=None,
@@ -189,10 +191,13 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     positions: int32/int64 ``[N]``. rope_table: model dtype ``[max_pos, R]`` (cos | sin),
     used as given. kv_cache: logical ``[num_pages, Hkv, P, 2D]`` (any non-negative strides,
     last dim contiguous): uint8 codes of ``kv_fmt`` (an fp8 format), or bf16/fp16
-    (``kv_fmt`` = its name). slot_mapping: int32/int64 ``[N]``, negative = skip. Scales:
-    None, a float, or float32 tensors (0-d or ``[Hkv, num_pages*P]``), fp8 caches only.
+    (``kv_fmt`` = its name); instead of ``kv_fmt``, vLLM's ``kv_cache_dtype`` string may be
+    given, read on ``platform`` (cuda / rocm-ocp / rocm-fnuz). slot_mapping: int32/int64
+    ``[N]``, negative = skip. Scales: None, a float, or float32 tensors (0-d or
+    ``[Hkv, num_pages*P]``), fp8 caches only.
     index_cache ``[num_pages', P', D]``: uint8 e4m3fn/e4m3fnuz codes or the model dtype,
-    written at ``index_slot_mapping`` (default: slot_mapping).
+    written at ``index_slot_mapping`` (default: slot_mapping); ``index_fmt`` defaults to
+    the platform's e4m3 for a uint8 index cache, the model dtype otherwise.
     ``skip_index=True``: the index heads are neither transformed nor inserted (rows keep
     them as they are; no index cache is needed).
     ``validate=True``: also check tensor contents on the host (slot ranges, duplicate
@@ -240,6 +245,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
             check_tensor(w, name, (act,), (d,), dev)
             check_last_dim_contiguous(w, name)
     # --- main cache
+    kv_fmt, index_fmt = resolve_formats(kv_fmt, kv_cache_dtype, platform, md, index_cache,
+                                        index_fmt)
     kv_fp8 = check_kv_fmt(kv_fmt)
     page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
     check_tensor(slot_mapping, "slot_mapping", SLOT_DTYPES, (n,), dev)

@@ -328,3 +328,32 @@ def test_16384_tokens_match_reference(kv_fmt, scales):
                          seed=16384)
     res = run_check(_case(x), _impl(), inputs=x)
     assert res.passed, res.summary()
+
+
+@pytest.mark.parametrize("kv_cache_dtype, plat, kv_fmt", [
+    ("fp8", "cuda", "e4m3fn"), ("fp8_e5m2", "cuda", "e5m2"), ("fp8", "rocm-fnuz", "e4m3fnuz"),
+    ("fp8_e5m2", "rocm-fnuz", "e5m2fnuz"), ("auto", "cuda", "bfloat16")])
+def test_kv_cache_dtype_and_platform_choose_the_format(kv_cache_dtype, plat, kv_fmt):
+    """vLLM's kv_cache_dtype string read on a platform selects the same storage format as
+    naming it: the cache bytes and outputs are identical to an explicit kv_fmt run (and the
+    index format follows the platform's e4m3)."""
+    a, b = _good_args(kv_fmt=kv_fmt), _good_args(kv_fmt=kv_fmt)
+    b["rows"] = a["rows"].clone()
+    del a["index_fmt"], b["kv_fmt"], b["index_fmt"]
+    a_out = nri.norm_rope_insert(**a, index_fmt=None if kv_fmt == "bfloat16" else
+                                 ("e4m3fnuz" if "fnuz" in kv_fmt else "e4m3fn"))
+    b_out = nri.norm_rope_insert(**b, kv_cache_dtype=kv_cache_dtype, platform=plat)
+    assert torch.equal(a["kv_cache"].view(torch.uint8), b["kv_cache"].view(torch.uint8))
+    assert torch.equal(a["index_cache"].view(torch.uint8), b["index_cache"].view(torch.uint8))
+    assert torch.equal(_bits(a_out["index_q"]), _bits(b_out["index_q"]))
+
+
+def test_kv_cache_dtype_errors_name_the_argument():
+    """An unknown kv_cache_dtype or platform, or both kv_fmt and kv_cache_dtype, raise
+    ValueError naming the argument."""
+    a = _good_args()
+    for kw, name in (({"kv_cache_dtype": "fp8_e4m3fnuz", "kv_fmt": None}, "kv_cache_dtype"),
+                     ({"kv_cache_dtype": "fp8", "platform": "tpu", "kv_fmt": None}, "platform"),
+                     ({"kv_cache_dtype": "fp8"}, "kv_fmt")):
+        with pytest.raises(ValueError, match=rf"^{name}\b"):
+            nri.norm_rope_insert(**{**a, **kw})

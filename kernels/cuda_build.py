@@ -1,0 +1,118 @@
+"""Builds csrc/ into a shared library with nvcc, cached by content.
+
+``build()`` compiles every source (``nvcc -O3 -arch=sm_90 -Xcompiler -fPIC -c``, one process
+per source, in parallel), links them with ``nvcc -shared`` and returns the path of the .so.
+The library lives under ``<cache>/<key>/`` where the key is a sha256 of the sources, every
+header in csrc/, the flags and the nvcc path: a cached build costs a hash of a few files and
+no process. The cache root is ``$CSRC_CACHE_DIR``, else ``$XDG_CACHE_HOME`` (or ``~/.cache``)
+``/sparse-attn-oracle/csrc``, else the temp directory when that is not writable. Builds are
+atomic (a finished library is moved into place), so concurrent test processes are safe.
+
+A failed build raises ``BuildError`` (a RuntimeError) carrying nvcc's command and stderr.
+No torch headers are involved: the libraries are loaded with ctypes
+(kernels/cuda_norm_rope_insert.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+#: the sources of the kernels' library (the fused insert and the GPU test entry points).
+LIB_SOURCES = ("norm_rope_insert.cu", "test_support.cu")
+ARCH = "sm_90"
+#: compile flags (each source); the link adds ``-shared``.
+NVCC_FLAGS = ("-O3", f"-arch={ARCH}", "-std=c++17", "-Xcompiler", "-fPIC")
+LIB_NAME = "libcsrc.so"
+_TIMEOUT_S = 600
+
+
+class BuildError(RuntimeError):
+    """nvcc failed (or is missing); the message holds the command and nvcc's output."""
+
+
+def find_nvcc() -> str | None:
+    """nvcc on PATH, else under $CUDA_HOME / $CUDA_PATH, else /usr/local/cuda/bin."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.access(Path(root) / "bin" / "nvcc", os.X_OK):
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def cache_root() -> Path:
+    env = os.environ.get("CSRC_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = base / "sparse-attn-oracle" / "csrc"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return root
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / "sparse-attn-oracle-csrc"
+
+
+def build_key(sources, flags, nvcc: str, include_dir: Path = CSRC) -> str:
+    """sha256 over the flags, the nvcc path, and the name and bytes of every source and of
+    every header in ``include_dir`` (headers are hashed whether included or not)."""
+    h = hashlib.sha256()
+    h.update(("\0".join(flags) + "\0" + nvcc + "\0").encode())
+    headers = sorted(p for p in Path(include_dir).glob("*.h")) if include_dir else []
+    for p in [Path(s) for s in sources] + headers:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def _run(cmds: list[list[str]]) -> None:
+    """Runs the commands in parallel; raises BuildError with the first failure's output."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in cmds]
+    failures = []
+    for cmd, p in zip(cmds, procs):
+        try:
+            out, err = p.communicate(timeout=_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            err += f"\n(killed after {_TIMEOUT_S} s)"
+        if p.returncode:
+            failures.append(f"$ {' '.join(cmd)}\n{err.strip() or out.strip()}")
+    if failures:
+        raise BuildError("nvcc failed:\n" + "\n\n".join(failures))
+
+
+def build(sources=None, flags=NVCC_FLAGS, name: str = LIB_NAME, cache_dir=None,
+          nvcc: str | None = None, include_dir: Path = CSRC) -> Path:
+    """The path of the shared library built from ``sources`` (default: LIB_SOURCES in csrc/),
+    building it first unless the cache has it."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found (looked on PATH, $CUDA_HOME, $CUDA_PATH, "
+                         "/usr/local/cuda/bin)")
+    srcs = [Path(s) if Path(s).is_absolute() else CSRC / s for s in (sources or LIB_SOURCES)]
+    flags = tuple(flags)
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    out_dir = root / build_key(srcs, flags, nvcc, include_dir)
+    lib = out_dir / name
+    if lib.is_file():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+        inc = [f"-I{include_dir}"] if include_dir else []
+        objs = [Path(tmp) / f"{i}_{s.stem}.o" for i, s in enumerate(srcs)]
+        _run([[nvcc, *flags, *inc, "-c", str(s), "-o", str(o)] for s, o in zip(srcs, objs)])
+        arch = [f for f in flags if f.startswith(("-arch", "-gencode", "--gpu-architecture"))]
+        tmp_lib = Path(tmp) / name
+        _run([[nvcc, "-shared", *arch, *map(str, objs), "-o", str(tmp_lib)]])
+        os.replace(tmp_lib, lib)
+    return lib
