@@ -16,6 +16,8 @@ Implementations, all on the same input sets (harness.py: graph replay, rotating 
   from a graph, so host launch overhead is not counted: a conservative baseline. It
   assumes every slot is valid (no skip logic), which also flatters it.
 - ``torch_compiled``: ``torch.compile(compose)``, also replayed from a graph.
+- ``cuda``: kernels.cuda_norm_rope_insert (csrc/, issue 6), same calls, when that module
+  exists and can be built (nvcc present); skipped otherwise.
 - ``reshape_and_cache``: kernels.reshape_and_cache (K/V insert only, no norm/RoPE/index)
   when that module exists: what the unfused insert alone costs. Its own minimal bytes.
 Before timing, the triton kernel and the eager composition run on identical fresh inputs
@@ -33,7 +35,7 @@ and the kernel emit e4m3 index_q codes (1 B), so 8.4 MB fewer must move; 642.0 M
 figure used (the lower count makes the bandwidth fraction conservative).
 tests/test_bench.py checks both counts.
 
-Targets (triton rows): >= 80% of the measured copy bandwidth, >= 5x the compiled
+Targets (triton and cuda rows): >= 80% of the measured copy bandwidth, >= 5x the compiled
 composition. Writes a ``bench/1`` JSON (default ``$OUT/bench.json`` when OUT is set, else
 reports/bench.json; ``--out``) and the Markdown table beside it (render_bench.py).
 
@@ -64,7 +66,8 @@ CACHES = {"bf16": ("bfloat16", "bfloat16"), "e4m3": ("e4m3fn", "e4m3fn")}  # kv,
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 TARGETS = {"copy_fraction": 0.80, "torch_compiled": 5.0}
 BASELINES = ("torch_compiled", "torch_eager")
-IMPLS = ("triton", "torch_compiled", "torch_eager", "reshape_and_cache")
+IMPLS = ("triton", "cuda", "torch_compiled", "torch_eager", "reshape_and_cache")
+FUSED_KERNELS = ("triton", "cuda")  # the rows the targets apply to
 CHECK_TOKENS = 1024
 
 
@@ -232,8 +235,24 @@ def composition(kv_fmt: str, index_fmt: str, compiled: bool, s: Shape = SHAPE):
 def triton_insert(kv_fmt: str, index_fmt: str, s: Shape = SHAPE):
     from kernels.norm_rope_insert import norm_rope_insert
 
+    return fused_insert(norm_rope_insert, kv_fmt, index_fmt, s)
+
+
+def cuda_insert(kv_fmt: str, index_fmt: str, s: Shape = SHAPE):
+    """The CUDA kernel (same launcher contract), or None when its module is absent or it
+    cannot be built here (no nvcc)."""
+    try:
+        from kernels import cuda_norm_rope_insert as cu
+    except ImportError:
+        return None
+    return fused_insert(cu.norm_rope_insert, kv_fmt, index_fmt, s) if cu.available() else None
+
+
+def fused_insert(launch, kv_fmt: str, index_fmt: str, s: Shape = SHAPE):
+    """A factory: InsertSet -> zero-argument call of a fused-insert launcher."""
+
     def bind(t: InsertSet):
-        return lambda: norm_rope_insert(
+        return lambda: launch(
             t.rows, t.positions, t.table, t.w["q"], t.w["k"], num_q_heads=s.hq,
             num_kv_heads=s.hkv, head_dim=s.d, rotary_dim=s.rotary, eps=s.eps,
             kv_cache=t.kv, kv_fmt=kv_fmt, slot_mapping=t.slots, num_index_heads=s.hi,
@@ -270,12 +289,12 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a != b).float().mean())
 
 
-def agreement(kv_fmt: str, index_fmt: str, n: int) -> dict:
-    """Run the kernel and the eager composition on identical fresh inputs; compare."""
-    a, b = (make_set(n, kv_fmt, index_fmt, seed=12345) for _ in range(2))
+def agreement(kv_fmt: str, index_fmt: str, n: int, dev: str = "cuda") -> dict:
+    """Run the kernel and the eager composition on identical fresh inputs; the share of
+    differing codes per output (0 where both round the same fp32 values)."""
+    a, b = (make_set(n, kv_fmt, index_fmt, seed=12345, dev=dev) for _ in range(2))
     triton_insert(kv_fmt, index_fmt)(a)()
     composition(kv_fmt, index_fmt, compiled=False)(b)()
-    torch.cuda.synchronize()
     out = {"tokens": n,
            "rows_max_abs_diff": float((a.rows.float() - b.rows.float()).abs().max()),
            "rows_mismatch": _mismatch(a.rows, b.rows), "kv_mismatch": _mismatch(a.kv, b.kv),
@@ -301,6 +320,7 @@ def _record(name, op, cache, min_bytes, timing=None, error=None, **extra) -> dic
 def _binders(cache: str, impls) -> dict:
     kv_fmt, index_fmt = CACHES[cache]
     make = {"triton": lambda: triton_insert(kv_fmt, index_fmt),
+            "cuda": lambda: cuda_insert(kv_fmt, index_fmt),
             "torch_compiled": lambda: composition(kv_fmt, index_fmt, compiled=True),
             "torch_eager": lambda: composition(kv_fmt, index_fmt, compiled=False),
             "reshape_and_cache": lambda: reshape_and_cache_insert(kv_fmt)}
@@ -315,15 +335,18 @@ def bench_cache(cache: str, n: int, args) -> tuple[list[dict], dict]:
     smallest = insert_only if "reshape_and_cache" in args.impls else fused["total"]
     sets = [make_set(n, kv_fmt, index_fmt, seed=i)
             for i in range(harness.rotation_count(smallest, harness.l2_bytes()))]
-    agree = agreement(kv_fmt, index_fmt, min(n, CHECK_TOKENS))
+    try:
+        agree = agreement(kv_fmt, index_fmt, min(n, CHECK_TOKENS))
+    except Exception as e:  # noqa: BLE001 - the timings are still worth having
+        agree = {"error": f"{type(e).__name__}: {e}"[:400]}
     results = []
     for name, bind in _binders(cache, args.impls).items():
+        if bind is None:
+            continue  # an optional kernel that is not present here
         op = "reshape_and_cache" if name == "reshape_and_cache" else "norm_rope_insert"
         extra = {"bytes_parts": fused} if op == "norm_rope_insert" else {}
-        if name == "triton":
+        if name in FUSED_KERNELS:
             extra.update(baselines=list(BASELINES), targets=dict(TARGETS))
-        if bind is None:
-            continue  # kernels.reshape_and_cache not present
         mb = fused["total"] if op == "norm_rope_insert" else insert_only
         try:
             t = harness.time_calls([bind(s) for s in sets], args.warmup_ms, args.rep_ms,
@@ -340,8 +363,10 @@ def bench_cache(cache: str, n: int, args) -> tuple[list[dict], dict]:
 
 
 def default_out() -> str:
-    return str(Path(os.environ["OUT"]) / "bench.json") if os.environ.get("OUT") \
-        else "reports/bench.json"
+    """$OUT/bench.json on the device machine (OUT is what comes back), else reports/."""
+    if os.environ.get("OUT"):
+        return str(Path(os.environ["OUT"]) / "bench.json")
+    return str(Path(__file__).resolve().parents[1] / "reports" / "bench.json")
 
 
 def parse_args(argv):
@@ -369,7 +394,8 @@ def build_report(args) -> dict:
                       "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms},
            "source": harness.source_state(),
            "copy": harness.copy_bandwidth(args.copy_mib * 2**20, args.warmup_ms, args.rep_ms),
-           "notes": ["triton: q/k/index_k in place in the rows; e4m3 index_q to a buffer.",
+           "notes": ["triton/cuda: q/k/index_k in place in the rows; e4m3 index_q to a "
+                     "buffer.",
                      "torch_eager/compiled: the composition's kernels replayed from a "
                      "graph (no launch overhead counted).",
                      "e4m3 minimal bytes count index_q as e4m3 (642 MB at 16k tokens; the "

@@ -67,7 +67,9 @@ def capture(calls) -> torch.cuda.CUDAGraph:
         _run_all(calls)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # A fresh capture stream: a failed capture then leaves nothing routed to a stream that
+    # a later capture (the next implementation) would use again.
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
         _run_all(calls)
     graph.replay()
     torch.cuda.synchronize()  # a replay that faults fails here, not inside do_bench
@@ -87,9 +89,12 @@ def time_calls(calls, warmup_ms: float = 25, rep_ms: float = 200,
     torch.cuda.synchronize()
     note = "graph capture not asked for"
     if graph:
+        stream = torch.cuda.current_stream()
         try:
             g = capture(calls)
         except Exception as e:  # noqa: BLE001 - any capture failure means: time eagerly
+            # A failure inside capture_end skips torch.cuda.graph's stream restore.
+            torch.cuda.set_stream(stream)
             torch.cuda.synchronize()
             note = f"graph capture failed: {type(e).__name__}: {e}"[:400]
         else:

@@ -21,20 +21,20 @@
 // Decoding is exact; NaN codes give a quiet NaN, e5m2/bf16/fp16 Inf codes give +-Inf.
 //
 // On the device (__CUDA_ARCH__), satfinite encoding to the OCP formats uses the native
-// cvt.rn.satfinite conversion (__nv_cvt_float_to_fp8), NaN mapped to 0x7F explicitly; the
-// 16-bit roundings use __float2bfloat16_rn / __float2half_rn. Everything else, and
-// everything on the host, is the integer software path below, which never forms an fp32
-// subnormal intermediate except when decoding a bf16 subnormal (exact on host and device:
-// nvcc's default is -ftz=false).
+// conversion cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (sm_89+; the instruction cuda_fp8.h's
+// __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...) emits), NaN mapped to 0x7F explicitly; the
+// 16-bit roundings and the fp16 widening use cvt.rn.bf16.f32 / cvt.rn.f16.f32 / cvt.f32.f16
+// (what __float2bfloat16_rn / __float2half_rn / __half2float emit). The instructions are
+// written as inline PTX so that no CUDA header is needed: cuda_fp8.h and friends double
+// nvcc's front-end time. Everything else, and everything on the host, is the integer
+// software path below, which never forms an fp32 subnormal intermediate except when
+// decoding a bf16 subnormal (exact on host and device: nvcc's default is -ftz=false).
 #pragma once
 
 #include <stdint.h>
 #include <string.h>
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #define CVT_HD __host__ __device__ __forceinline__
 #else
 #define CVT_HD inline
@@ -161,8 +161,12 @@ CVT_HD uint8_t fp8_encode_satfinite(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   if (FMT == FMT_E4M3FN || FMT == FMT_E5M2) {
     if (x != x) return 0x7F;  // the canonical NaN code, whatever the hardware emits
-    return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE,
-                                          FMT == FMT_E4M3FN ? __NV_E4M3 : __NV_E5M2);
+    uint16_t pair;            // low byte: x, high byte: 0
+    if (FMT == FMT_E4M3FN)
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(pair) : "f"(x), "f"(0.f));
+    else
+      asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(pair) : "f"(x), "f"(0.f));
+    return (uint8_t)(pair & 0xFFu);
   }
 #endif
   return fp8_encode_sw(x, FMT, true);
@@ -204,9 +208,11 @@ CVT_HD uint16_t f16_from_f32_sw(float x) {
 }
 
 CVT_HD uint16_t bf16_from_f32(float x) {
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if (x != x) return 0x7FC0;
-  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  uint16_t b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(x));
+  return b;
 #else
   return bf16_from_f32_sw(x);
 #endif
@@ -215,7 +221,9 @@ CVT_HD uint16_t bf16_from_f32(float x) {
 CVT_HD uint16_t f16_from_f32(float x) {
 #ifdef __CUDA_ARCH__
   if (x != x) return 0x7E00;
-  return __half_as_ushort(__float2half_rn(x));
+  uint16_t b;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(x));
+  return b;
 #else
   return f16_from_f32_sw(x);
 #endif
@@ -225,7 +233,9 @@ CVT_HD float bf16_to_f32(uint16_t b) { return bits_f32((uint32_t)b << 16); }
 
 CVT_HD float f16_to_f32(uint16_t b) {
 #ifdef __CUDA_ARCH__
-  return __half2float(__ushort_as_half(b));
+  float x;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(b));
+  return x;
 #else
   return decode_bits<10, 15, 16, SP_IEEE>(b, 5.9604644775390625e-08f);  // 2^-24
 #endif

@@ -91,8 +91,9 @@ __device__ __forceinline__ void round_n(const float (&y)[N], uint16_t (&b)[N]) {
   for (int j = 0; j < N; ++j) b[j] = cvt::half_from_f32(y[j], ACT);
 }
 
+// 12 blocks of 4 warps per SM: <= 40 registers (no spills at D = 64/128; a few bytes at 256).
 template <int ACT, int D>
-__global__ void __launch_bounds__(kWarps * 32) nri_kernel(const NriParams p) {
+__global__ void __launch_bounds__(kWarps * 32, 12) nri_kernel(const NriParams p) {
   constexpr int VEC = D / 32;
   __shared__ float cs[kMaxRotary];   // cos_0..cos_{R/2-1} | sin_0..sin_{R/2-1}
   __shared__ float nb[kWarps][D];    // each warp's normalised head, for the partner lanes

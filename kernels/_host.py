@@ -9,6 +9,8 @@ dtypes and strides always; tensor *contents* (slot ranges, duplicate slots) only
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -162,3 +164,225 @@ def resolve_formats(kv_fmt, kv_cache_dtype, platform, model_dtype, index_cache=N
     if index_fmt is None and index_cache is not None and isinstance(index_cache, torch.Tensor):
         index_fmt = index_cache_format(index_cache.dtype == torch.uint8, platform, model_dtype)
     return kv_fmt, index_fmt
+
+
+# ------------------------------------------------ the fused insert's whole host check
+
+
+def _check_out(t, name, dtype, n, heads, d, dev):
+    check_tensor(t, name, (dtype,), (n, heads, d), dev)
+    check_last_dim_contiguous(t, name)
+    return t
+
+
+@dataclass
+class InsertPlan:
+    """What ``plan_norm_rope_insert`` checked and derived: sizes, resolved formats, the
+    scale tensors and their strides, the index cache (a 1-element dummy when not written),
+    the index slot mapping, and the output views ``out``."""
+
+    n: int
+    hq: int
+    hkv: int
+    hi: int  # index heads in the layout
+    d: int
+    width: int
+    act: torch.dtype
+    md: str
+    kv_fmt: str
+    kv_fp8: bool
+    page: int
+    num_slots: int
+    ks: torch.Tensor
+    ks_strides: tuple[int, int]
+    vs: torch.Tensor
+    vs_strides: tuple[int, int]
+    write_ik: bool
+    transform_iq: bool
+    index_fmt: str | None
+    idx_fp8: bool
+    ic: torch.Tensor
+    ic_strides: tuple[int, int]
+    ic_page: int
+    ic_slots: int
+    islots: torch.Tensor
+    out: dict
+
+
+def plan_norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
+                          head_dim, rotary_dim, eps, kv_cache, slot_mapping, kv_fmt=None,
+                          kv_cache_dtype=None, platform="cuda", num_index_heads=0,
+                          has_index_k=False, w_index_q=None, w_index_k=None, k_scale=None,
+                          v_scale=None, index_cache=None, index_fmt=None,
+                          index_slot_mapping=None, q_out=None, index_q_out=None,
+                          skip_index=False, validate=False) -> InsertPlan:
+    """Every host check of the fused insert (``kernels.norm_rope_insert.norm_rope_insert``'s
+    contract, in the same order with the same messages: shapes, dtypes, strides, formats,
+    scales; contents under ``validate=True``), and the output views (index_q allocated when
+    it is fp8 and no ``index_q_out`` is given). Shared by the Triton and CUDA launchers."""
+    check_tensor(rows, "rows", tuple(MODEL_DTYPES))
+    dev, act = rows.device, rows.dtype
+    md = MODEL_DTYPES[act]
+    hq = check_int(num_q_heads, "num_q_heads", 1)
+    hkv = check_int(num_kv_heads, "num_kv_heads", 1)
+    hi = check_int(num_index_heads, "num_index_heads", 0)
+    if hq % hkv:
+        fail("num_q_heads", f"must be a multiple of num_kv_heads={hkv}, got {hq}")
+    if head_dim not in HEAD_DIMS:
+        fail("head_dim", f"must be one of {list(HEAD_DIMS)}, got {head_dim!r}")
+    d = int(head_dim)
+    if not isinstance(rotary_dim, (int, np.integer)) or isinstance(rotary_dim, bool) \
+            or rotary_dim < 2 or rotary_dim % 2 or rotary_dim > d:
+        fail("rotary_dim", f"must be an even integer with 2 <= rotary_dim <= head_dim={d}, "
+                           f"got {rotary_dim!r}")
+    if not (isinstance(eps, (float, int, np.floating)) and np.isfinite(eps) and eps >= 0):
+        fail("eps", f"must be a finite number >= 0, got {eps!r}")
+    has_ik = bool(has_index_k)
+    width = (hq + 2 * hkv + hi) * d + (d if has_ik else 0)
+    if rows.dim() != 2 or rows.shape[1] != width:
+        fail("rows", f"must have shape [N, row_width={width}], got {list(rows.shape)}")
+    check_last_dim_contiguous(rows, "rows")
+    n = rows.shape[0]
+    check_tensor(positions, "positions", SLOT_DTYPES, (n,), dev)
+    check_last_dim_contiguous(positions, "positions")
+    check_tensor(rope_table, "rope_table", (act,), device=dev)
+    if rope_table.dim() != 2 or rope_table.shape[1] != rotary_dim or rope_table.shape[0] < 1:
+        fail("rope_table", f"must have shape [max_positions, rotary_dim={rotary_dim}], got "
+                           f"{list(rope_table.shape)}")
+    check_last_dim_contiguous(rope_table, "rope_table")
+    do_index = not skip_index
+    needed = {"w_q": True, "w_k": True, "w_index_q": do_index and hi > 0,
+              "w_index_k": do_index and has_ik}
+    for name, w in (("w_q", w_q), ("w_k", w_k), ("w_index_q", w_index_q),
+                    ("w_index_k", w_index_k)):
+        if needed[name]:
+            check_tensor(w, name, (act,), (d,), dev)
+            check_last_dim_contiguous(w, name)
+    # --- main cache
+    kv_fmt, index_fmt = resolve_formats(kv_fmt, kv_cache_dtype, platform, md, index_cache,
+                                        index_fmt)
+    kv_fp8 = check_kv_fmt(kv_fmt)
+    page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
+    check_tensor(slot_mapping, "slot_mapping", SLOT_DTYPES, (n,), dev)
+    check_last_dim_contiguous(slot_mapping, "slot_mapping")
+    ks, ks0, ks1 = scale_arg(k_scale, "k_scale", kv_fp8, hkv, num_slots, dev)
+    vs, vs0, vs1 = scale_arg(v_scale, "v_scale", kv_fp8, hkv, num_slots, dev)
+    # --- index cache
+    write_ik = do_index and has_ik
+    transform_iq = do_index and hi > 0
+    idx_fp8 = False
+    ic, ic_s0, ic_s1, ic_page, ic_slots = torch.empty(1, dtype=act, device=dev), 0, 0, 1, 0
+    islots = slot_mapping
+    if write_ik:
+        if index_fmt not in INDEX_FP8_FORMATS + (md,):
+            fail("index_fmt", f"must be one of {list(INDEX_FP8_FORMATS + (md,))}, got "
+                              f"{index_fmt!r}")
+        idx_fp8 = index_fmt in INDEX_FP8_FORMATS
+        if index_cache is None:
+            fail("index_cache", "is required when the layout has index_k (or pass "
+                                "skip_index=True)")
+        check_tensor(index_cache, "index_cache", (torch.uint8,) if idx_fp8 else (act,),
+                     device=dev)
+        if index_cache.dim() != 3 or index_cache.shape[2] != d:
+            fail("index_cache", f"must have shape [num_pages, P, D={d}], got "
+                                f"{list(index_cache.shape)}")
+        check_last_dim_contiguous(index_cache, "index_cache")
+        ic = index_cache
+        ic_s0, ic_s1 = index_cache.stride(0), index_cache.stride(1)
+        ic_page = index_cache.shape[1]
+        ic_slots = index_cache.shape[0] * ic_page
+        if index_slot_mapping is not None:
+            islots = check_tensor(index_slot_mapping, "index_slot_mapping", SLOT_DTYPES, (n,),
+                                  dev)
+            check_last_dim_contiguous(islots, "index_slot_mapping")
+    elif index_cache is not None and not skip_index:
+        fail("index_cache", "given but the layout has no index_k (dense rows)")
+    elif index_fmt is not None and index_fmt not in INDEX_FP8_FORMATS + (md,):
+        fail("index_fmt", f"must be one of {list(INDEX_FP8_FORMATS + (md,))} or None, got "
+                          f"{index_fmt!r}")
+    elif transform_iq and index_fmt is not None:
+        idx_fp8 = index_fmt in INDEX_FP8_FORMATS
+    # --- outputs (views)
+    view = rows.unflatten(1, (width // d, d)) if n else rows.reshape(0, width // d, d)
+    out = {"q": view[:, :hq], "k": view[:, hq:hq + hkv]}
+    if q_out is not None:
+        out["q"] = _check_out(q_out, "q_out", act, n, hq, d, dev)
+    if transform_iq:
+        if index_q_out is not None:
+            out["index_q"] = _check_out(index_q_out, "index_q_out",
+                                        torch.uint8 if idx_fp8 else act, n, hi, d, dev)
+        elif idx_fp8:
+            out["index_q"] = torch.empty((n, hi, d), dtype=torch.uint8, device=dev)
+        else:
+            out["index_q"] = view[:, hq + 2 * hkv:hq + 2 * hkv + hi]
+    if write_ik:
+        out["index_k"] = view[:, -1]
+    if validate and n:
+        validate_slots(slot_mapping, "slot_mapping", num_slots)
+        if write_ik:
+            validate_slots(islots, "index_slot_mapping" if index_slot_mapping is not None
+                           else "slot_mapping", ic_slots)
+        p = positions.detach().cpu()
+        if bool(((p < 0) | (p >= rope_table.shape[0])).any()):
+            fail("positions", f"must lie in [0, {rope_table.shape[0] - 1}] (rows of "
+                              f"rope_table), got {int(p.min())}..{int(p.max())}")
+        for name, sc in (("k_scale", ks), ("v_scale", vs)):
+            if not bool(torch.isfinite(sc).all() & (sc > 0).all()):
+                fail(name, "must hold positive finite values")
+    return InsertPlan(n, hq, hkv, hi, d, width, act, md, kv_fmt, kv_fp8, page, num_slots,
+                      ks, (ks0, ks1), vs, (vs0, vs1), write_ik, transform_iq, index_fmt,
+                      idx_fp8, ic, (ic_s0, ic_s1), ic_page, ic_slots, islots, out)
+
+
+def insert_adapter(launch):
+    """The oracle adapter of op ``norm_rope_insert`` for a launcher with the signature of
+    ``kernels.norm_rope_insert.norm_rope_insert`` (Triton and CUDA share it): impl_torch's
+    input/output conventions; returns numpy codes;
+    never modifies its inputs. The rows arrive as a column slice of a wider buffer (as
+    servers pass them); q goes to a separate strided output when N is odd and stays in
+    place otherwise, so the differential cases exercise both."""
+
+    def run(inputs: dict, validate: bool = True) -> dict:
+        from oracle.impl_torch import HALF_DTYPES, _ints, _values, device
+
+        x = inputs
+        dev = device()
+        md = x["model_dtype"]
+        act = HALF_DTYPES[md]
+        d = x["head_dim"]
+        rows_np = x["rows"]
+        n, width = rows_np.shape
+        buf = torch.zeros((n, width + 16), dtype=act, device=dev)
+        rows = buf[:, 8:8 + width]
+        rows.copy_(_values(rows_np, act, dev))
+        q_out = None
+        if n % 2:
+            q_out = torch.zeros((x["num_q_heads"], n, d), dtype=act, device=dev).transpose(0, 1)
+        kv_fmt, index_fmt = x["kv_fmt"], x["index_fmt"]
+        kv = strided_codes_in(x["kv_cache"], dev, HALF_DTYPES.get(kv_fmt))
+        ic = None
+        if x.get("index_cache") is not None:
+            ic = strided_codes_in(x["index_cache"], dev, act if index_fmt == md else None)
+
+        def scale(s):
+            if s is None:
+                return None
+            return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
+
+        w = {kind: _values(x[f"weights_{kind}"], act, dev)
+             for kind in ("q", "k", "index_q", "index_k")}
+        out = launch(
+            rows, _ints(x["positions"], dev), _values(x["rope_table"], act, dev), w["q"],
+            w["k"], num_q_heads=x["num_q_heads"], num_kv_heads=x["num_kv_heads"], head_dim=d,
+            rotary_dim=x["rotary_dim"], eps=x["eps"], kv_cache=kv, kv_fmt=kv_fmt,
+            slot_mapping=_ints(x["slot_mapping"], dev), num_index_heads=x["num_index_heads"],
+            has_index_k=x["has_index_k"], w_index_q=w["index_q"], w_index_k=w["index_k"],
+            k_scale=scale(x["k_scale"]), v_scale=scale(x["v_scale"]), index_cache=ic,
+            index_fmt=index_fmt if ic is not None else None, q_out=q_out, validate=validate)
+        res = {key: codes_of(t) for key, t in out.items()}
+        res["kv_cache"] = codes_of(kv)
+        if ic is not None:
+            res["index_cache"] = codes_of(ic)
+        return res
+
+    return run

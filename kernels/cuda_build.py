@@ -26,7 +26,7 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 #: the sources of the kernels' library (the fused insert and the GPU test entry points).
 LIB_SOURCES = ("norm_rope_insert.cu", "test_support.cu")
 ARCH = "sm_90"
-#: compile flags (each source); the link adds ``-shared``.
+#: compile flags (each source, and the link, which adds ``-shared``).
 NVCC_FLAGS = ("-O3", f"-arch={ARCH}", "-std=c++17", "-Xcompiler", "-fPIC")
 LIB_NAME = "libcsrc.so"
 _TIMEOUT_S = 600
@@ -111,8 +111,7 @@ def build(sources=None, flags=NVCC_FLAGS, name: str = LIB_NAME, cache_dir=None,
         inc = [f"-I{include_dir}"] if include_dir else []
         objs = [Path(tmp) / f"{i}_{s.stem}.o" for i, s in enumerate(srcs)]
         _run([[nvcc, *flags, *inc, "-c", str(s), "-o", str(o)] for s, o in zip(srcs, objs)])
-        arch = [f for f in flags if f.startswith(("-arch", "-gencode", "--gpu-architecture"))]
         tmp_lib = Path(tmp) / name
-        _run([[nvcc, "-shared", *arch, *map(str, objs), "-o", str(tmp_lib)]])
+        _run([[nvcc, "-shared", *flags, *map(str, objs), "-o", str(tmp_lib)]])
         os.replace(tmp_lib, lib)
     return lib

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from kernels import norm_rope_insert as _nri
+from kernels import reshape_and_cache as _rac
 from kernels._host import INDEX_FP8_FORMATS, fail
 
 LIB = "attn_oracle"
@@ -49,5 +50,19 @@ def norm_rope_insert(
 
 
 @norm_rope_insert.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::reshape_and_cache", mutates_args=("kv_cache",))
+def reshape_and_cache(k: Tensor, v: Tensor, kv_cache: Tensor, kv_fmt: str, slot_mapping: Tensor,
+                      k_scale: Tensor | None, v_scale: Tensor | None,
+                      validate: bool = False) -> None:
+    """kernels.reshape_and_cache.reshape_and_cache as a custom op."""
+    _rac.reshape_and_cache(k, v, kv_cache, kv_fmt, slot_mapping, k_scale, v_scale,
+                           validate=validate)
+
+
+@reshape_and_cache.register_fake
 def _(*args, **kwargs) -> None:
     return None

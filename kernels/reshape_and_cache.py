@@ -8,6 +8,9 @@ K/V head j go to ``cache[s // P, j, s % P, 0:D]`` / ``[..., D:2D]``.
 
 - Model-dtype cache: the 16-bit patterns are copied (loaded and stored as int16), so -0,
   Inf and NaN payloads arrive unchanged, interpreted or compiled.
+- The other 16-bit dtype (bf16 K/V into an fp16 cache or back; the reference and the fused
+  kernel define it, the report's case set has it): widened exactly to fp32, rounded once
+  (RNE, overflow to Inf, NaN stays NaN).
 - fp8 cache (uint8 codes): ``encode_fp8(value_fp32 / scale)``, satfinite RNE (the hardware
   casts for e4m3fn/e5m2, the software codec for the fnuz formats), i.e. K is quantised from
   its model-dtype value: ``quantize_from="model_dtype"``. The division is Triton's fp32
@@ -51,8 +54,8 @@ def _reshape_and_cache_kernel(
         kv_ptr, kv_s0, kv_s1, kv_s2, page_size, num_slots,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, hkv,
         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
-    # FP8 is a constexpr, so its two branches are never both compiled: the pointer types
+        FP8: tl.constexpr, CONVERT: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
+    # FP8 and CONVERT are constexprs, so only one branch is ever compiled: the pointer types
     # (int16 bits vs bf16/fp16 values) may differ between them.
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -73,6 +76,9 @@ def _reshape_and_cache_kernel(
         vs = tl.load(vs_ptr + h64 * vs_s0 + sl * vs_s1, mask=hmask, other=1.0)
         tl.store(dst, encode_fp8(k.to(tl.float32) / ks[:, None], FMT, HW), mask=mask)
         tl.store(dst + D, encode_fp8(v.to(tl.float32) / vs[:, None], FMT, HW), mask=mask)
+    elif CONVERT:
+        tl.store(dst, k.to(tl.float32).to(kv_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + D, v.to(tl.float32).to(kv_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(dst, k, mask=mask)
         tl.store(dst + D, v, mask=mask)
@@ -122,8 +128,9 @@ def reshape_and_cache(k, v, kv_cache, kv_fmt, slot_mapping, k_scale=None, v_scal
     contiguous) into the paged ``kv_cache`` (logical ``[num_pages, Hkv, P, 2D]``, any
     non-negative strides, last dim contiguous) in place, and return it.
 
-    kv_fmt: an fp8 format (``kv_cache`` uint8 codes) or the model dtype's name (the cache
-    has k's dtype; bits are copied). slot_mapping: int32/int64 ``[N]``, negative = skip.
+    kv_fmt: an fp8 format (``kv_cache`` uint8 codes) or a 16-bit dtype's name: k's dtype
+    (bits are copied) or the other one (values rounded once, RNE).
+    slot_mapping: int32/int64 ``[N]`` (any stride), negative = skip.
     Scales (fp8 only): None (1.0), a float, or float32 tensors, 0-d or ``[Hkv, num_pages*P]``
     (per KV head and physical slot); the code is ``satfinite(value / scale)``.
     ``validate=True``: also check contents on the host (slots in range and not repeated,
@@ -132,9 +139,7 @@ def reshape_and_cache(k, v, kv_cache, kv_fmt, slot_mapping, k_scale=None, v_scal
     n, hkv, d = _check_kv(k, v)
     dev = k.device
     fp8 = check_kv_fmt(kv_fmt)
-    if not fp8 and HALF_FORMATS[kv_fmt] != k.dtype:
-        fail("kv_fmt", f"must be an fp8 format or the model dtype of k "
-                       f"({MODEL_DTYPES[k.dtype]!r}), got {kv_fmt!r}")
+    convert = not fp8 and HALF_FORMATS[kv_fmt] != k.dtype
     page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
     check_tensor(slot_mapping, "slot_mapping", SLOT_DTYPES, (n,), dev)
     ks, ks0, ks1 = scale_arg(k_scale, "k_scale", fp8, hkv, num_slots, dev)
@@ -145,8 +150,9 @@ def reshape_and_cache(k, v, kv_cache, kv_fmt, slot_mapping, k_scale=None, v_scal
     if n == 0:
         return kv_cache
     # Model-dtype caches: move 16-bit patterns, never values (no conversion can touch them).
-    src_k, src_v, dst = (k, v, kv_cache) if fp8 else (
-        k.view(torch.int16), v.view(torch.int16), kv_cache.view(torch.int16))
+    bits = not fp8 and not convert
+    src_k, src_v, dst = (k.view(torch.int16), v.view(torch.int16),
+                         kv_cache.view(torch.int16)) if bits else (k, v, kv_cache)
     ensure_ready(_reshape_and_cache_kernel)
     _reshape_and_cache_kernel[(n, triton.cdiv(hkv, bh))](
         src_k, k.stride(0), k.stride(1), src_v, v.stride(0), v.stride(1),
@@ -154,8 +160,26 @@ def reshape_and_cache(k, v, kv_cache, kv_fmt, slot_mapping, k_scale=None, v_scal
         dst, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), page, num_slots,
         ks, ks0, ks1, vs, vs0, vs1, hkv,
         D=d, BLOCK_H=bh, BLOCK_D=triton.next_power_of_2(d),
-        FP8=fp8, FMT=fmt_code(kv_fmt) if fp8 else 0, HW=fp8 and kv_fmt in HW_FORMATS)
+        FP8=fp8, CONVERT=convert, FMT=fmt_code(kv_fmt) if fp8 else 0,
+        HW=fp8 and kv_fmt in HW_FORMATS)
     return kv_cache
+
+
+def compile_signatures():
+    """(kernel, signature, constexprs) triples covering the constexpr branches, for the
+    sm_90 compile check on the CPU (tests/test_compile_sm90.py)."""
+    combos = [  # source, cache, FP8, CONVERT, FMT, HW
+        ("bf16", "u8", True, False, 0, True), ("fp16", "u8", True, False, 3, False),
+        ("i16", "i16", False, False, 0, False), ("bf16", "fp16", False, True, 0, False)]
+    out = []
+    for src, dst, fp8, convert, fmt, hw in combos:
+        sig = {name: "i64" for name in _reshape_and_cache_kernel.arg_names}
+        sig.update(k_ptr=f"*{src}", v_ptr=f"*{src}", slot_ptr="*i64", kv_ptr=f"*{dst}",
+                   ks_ptr="*fp32", vs_ptr="*fp32", hkv="i32", page_size="i32")
+        const = dict(D=128, BLOCK_H=4, BLOCK_D=128, FP8=fp8, CONVERT=convert, FMT=fmt, HW=hw)
+        sig.update(dict.fromkeys(const, "constexpr"))
+        out.append((_reshape_and_cache_kernel, sig, const))
+    return out
 
 
 # ----------------------------------------------------------------------------- adapter

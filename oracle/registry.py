@@ -109,3 +109,7 @@ def load_all() -> None:
         from kernels import norm_rope_insert, reshape_and_cache  # noqa: F401
     except ImportError:  # triton or torch not installed
         pass
+    try:  # the CUDA kernels (ctypes): registered only with a CUDA device and nvcc
+        from kernels import cuda_norm_rope_insert  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        pass

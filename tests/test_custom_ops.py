@@ -9,6 +9,7 @@ import torch
 
 from kernels import norm_rope_insert as nri
 from kernels import ops
+from oracle.impl_torch import device
 from tests.test_kernel_norm_rope_insert import _good_args
 
 pytestmark = pytest.mark.interp
@@ -66,3 +67,19 @@ def test_op_requires_index_q_out_for_an_fp8_index_cache():
     args[_OP_ORDER.index("index_q_out")] = None
     with pytest.raises(ValueError, match=r"^index_q_out\b"):
         ops.norm_rope_insert(*args)
+
+
+@pytest.mark.parametrize("kv_fmt, scales", [("e4m3fn", True), ("bfloat16", False),
+                                            ("e4m3fnuz", True)])
+def test_reshape_and_cache_passes_opcheck(kv_fmt, scales):
+    """opcheck passes for the two-rounding insert (fp8 native and fnuz, bf16 cache)."""
+    dev = device()
+    n, hkv, d, page, pages = 5, 2, 64, 16, 3
+    k = torch.randn(n, hkv, d).to(torch.bfloat16).to(dev)
+    v = torch.randn(n, hkv, d).to(torch.bfloat16).to(dev)
+    dtype = torch.bfloat16 if kv_fmt == "bfloat16" else torch.uint8
+    cache = torch.zeros(pages, hkv, page, 2 * d, dtype=dtype, device=dev)
+    slots = torch.tensor([3, -1, 17, 40, 8], device=dev)
+    ks = torch.tensor(0.5, device=dev) if scales else None
+    vs = torch.full((hkv, pages * page), 2.0, device=dev) if scales else None
+    torch.library.opcheck(ops.reshape_and_cache, (k, v, cache, kv_fmt, slots, ks, vs))

@@ -43,7 +43,7 @@ def make_rc_inputs(kv_fmt="bfloat16", layout="HND", pad=0, scales="none", md="bf
             flat = a.reshape(-1)
             at = bg.choice(flat.size, size=4 * len(SPECIALS), replace=False)
             flat[at] = np.repeat(SPECIALS, 4)
-    if kv_fmt not in ("bfloat16", "float16"):  # values near and past the format's max too
+    if kv_fmt != md:  # values near and past the cache format's max too
         k[..., 1] *= 1e4
         v[..., 2] *= 1e4
 
@@ -83,6 +83,8 @@ def _passes(x):
 @pytest.mark.parametrize("kv_fmt, layout, pad, scales, md", [
     ("bfloat16", "HND", 0, "none", "bfloat16"),
     ("float16", "NHD", 8, "none", "float16"),
+    ("float16", "HND", 8, "none", "bfloat16"),
+    ("bfloat16", "NHD", 0, "none", "float16"),
     ("e4m3fn", "NHD", 0, "slot", "bfloat16"),
     ("e4m3fn", "HND", 8, "tensor", "float16"),
     ("e5m2", "HND", 8, "none", "bfloat16"),
@@ -93,10 +95,11 @@ def _passes(x):
     ("e5m2fnuz", "HND", 0, "slot", "bfloat16"),
 ])
 def test_every_format_layout_and_scale_matches_reference(kv_fmt, layout, pad, scales, md):
-    """For every cache format (bf16, fp16 and the four fp8 formats), HND/NHD and padded
-    layouts and none/tensor/per-slot scales, with K and V holding -0, +-Inf, NaN and values
-    past the fp8 max, the cache codes are the (satfinite) rounding of value / scale the
-    oracle admits, padding tokens (slot -1) write nothing and no other slot changes."""
+    """For every cache format (bf16, fp16 -- also from the other model dtype -- and the
+    four fp8 formats), HND/NHD and padded layouts and none/tensor/per-slot scales, with K
+    and V holding -0, +-Inf, NaN and values past the cache format's max, the cache codes
+    are the (satfinite for fp8) rounding of value / scale the oracle admits, padding
+    tokens (slot -1) write nothing and no other slot changes."""
     _passes(make_rc_inputs(kv_fmt=kv_fmt, layout=layout, pad=pad, scales=scales, md=md,
                            seed=len(kv_fmt) + pad))
 
@@ -224,8 +227,6 @@ def _bad(name, **changes):
     _bad("kv_cache", kv_cache=lambda a: a["kv_cache"].new_zeros(2, 2, 16, 128, 2)[..., 0]),
     _bad("kv_fmt", kv_fmt="e4m3"),
     _bad("kv_fmt", kv_fmt="fp8"),
-    _bad("kv_fmt", kv_fmt="float16",
-         kv_cache=lambda a: a["kv_cache"].to(torch.float16)),
     _bad("slot_mapping", slot_mapping=lambda a: a["slot_mapping"].float()),
     _bad("slot_mapping", slot_mapping=lambda a: a["slot_mapping"][:2]),
     _bad("k_scale", k_scale=lambda a: torch.ones(3, device=a["k"].device)),

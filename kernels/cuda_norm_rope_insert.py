@@ -1,0 +1,235 @@
+"""The CUDA fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert
+(csrc/norm_rope_insert.cu; issue 6), bound with ctypes: no torch headers, no extension build.
+
+``norm_rope_insert(...)`` has the signature and contract of the Triton launcher
+``kernels.norm_rope_insert.norm_rope_insert``; its host checks are the shared
+``kernels._host.plan_norm_rope_insert`` (ValueError naming the argument), then the tensors
+must be on a CUDA device. The kernel runs on ``torch.cuda.current_stream()``; a nonzero
+cudaError_t from the launch raises RuntimeError with cudaGetErrorString's text.
+
+The library is built by ``kernels.cuda_build.build()`` on first use (nvcc -O3 -arch=sm_90,
+cached by a hash of the sources) and loaded once per process. ``run(inputs)`` is the oracle
+adapter (``adapter(norm_rope_insert)``, the Triton adapter's body with the launcher as a
+parameter), registered as implementation ``"cuda"`` of op ``"norm_rope_insert"`` when a
+CUDA device and nvcc are present.
+
+Numerics (declared to the oracle with the default ``Fp32Arith``): fp32 sums of squares in
+warp-shuffle order, correctly rounded ``/`` (no fast math), ``rsqrtf`` (2 ulp), FMA
+contraction; outputs rounded once (RNE); K quantised from its fp32 value
+(``quantize_from="value"``), fp8 satfinite via cvt.rn.satfinite (e4m3fn, e5m2) or the
+software codec (fnuz), csrc/fp8_convert.h.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import torch
+
+from kernels import cuda_build
+from kernels._host import fail, insert_adapter, plan_norm_rope_insert
+
+#: cvt::Format codes of csrc/fp8_convert.h.
+FORMAT_CODES = {"e4m3fn": 0, "e5m2": 1, "e4m3fnuz": 2, "e5m2fnuz": 3, "bfloat16": 4,
+                "float16": 5}
+
+_C_TYPES = {"void*": ctypes.c_void_p, "const void*": ctypes.c_void_p,
+            "const float*": ctypes.c_void_p, "int64_t": ctypes.c_int64,
+            "double": ctypes.c_double}
+
+
+class NriParams(ctypes.Structure):
+    """Mirror of csrc/norm_rope_insert.h NriParams (checked against the library at load)."""
+
+    _fields_ = [
+        ("rows", ctypes.c_void_p), ("row_stride", ctypes.c_int64),
+        ("positions", ctypes.c_void_p), ("pos_stride", ctypes.c_int64),
+        ("pos_is64", ctypes.c_int64),
+        ("table", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
+        ("max_pos", ctypes.c_int64),
+        ("w_q", ctypes.c_void_p), ("w_k", ctypes.c_void_p), ("w_iq", ctypes.c_void_p),
+        ("w_ik", ctypes.c_void_p),
+        ("q_out", ctypes.c_void_p), ("q_s0", ctypes.c_int64), ("q_s1", ctypes.c_int64),
+        ("iq_out", ctypes.c_void_p), ("iq_s0", ctypes.c_int64), ("iq_s1", ctypes.c_int64),
+        ("iq_fmt", ctypes.c_int64),
+        ("kv", ctypes.c_void_p), ("kv_s0", ctypes.c_int64), ("kv_s1", ctypes.c_int64),
+        ("kv_s2", ctypes.c_int64), ("page_size", ctypes.c_int64),
+        ("num_slots", ctypes.c_int64), ("kv_fmt", ctypes.c_int64),
+        ("slots", ctypes.c_void_p), ("slot_stride", ctypes.c_int64),
+        ("slots_is64", ctypes.c_int64),
+        ("k_scale", ctypes.c_void_p), ("ks_s0", ctypes.c_int64), ("ks_s1", ctypes.c_int64),
+        ("v_scale", ctypes.c_void_p), ("vs_s0", ctypes.c_int64), ("vs_s1", ctypes.c_int64),
+        ("ic", ctypes.c_void_p), ("ic_s0", ctypes.c_int64), ("ic_s1", ctypes.c_int64),
+        ("ic_page", ctypes.c_int64), ("ic_num_slots", ctypes.c_int64),
+        ("ic_fmt", ctypes.c_int64),
+        ("islots", ctypes.c_void_p), ("islot_stride", ctypes.c_int64),
+        ("islots_is64", ctypes.c_int64),
+        ("n", ctypes.c_int64), ("hq", ctypes.c_int64), ("hkv", ctypes.c_int64),
+        ("hi", ctypes.c_int64), ("write_ik", ctypes.c_int64), ("ik_col", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64), ("rotary_dim", ctypes.c_int64),
+        ("act_fmt", ctypes.c_int64), ("heads_per_block", ctypes.c_int64),
+        ("eps", ctypes.c_double),
+    ]
+
+
+# ------------------------------------------------------------------------------ library
+
+_LIB = None
+_LOCK = threading.Lock()
+
+
+def available() -> bool:
+    """A CUDA device (torch) and nvcc to build the library with."""
+    return torch.cuda.is_available() and cuda_build.find_nvcc() is not None
+
+
+def _check_layout(lib) -> None:
+    """NriParams here == NriParams in the library (names, kinds, order, size)."""
+    desc = lib.nri_params_fields().decode().rstrip(",").split(",")
+    theirs = [tuple(f.split(":")) for f in desc]
+    ours = [(name, ctype) for name, ctype in NriParams._fields_]
+    mismatch = len(theirs) != len(ours) or any(
+        name != n2 or _C_TYPES.get(t) is not c for (t, name), (n2, c) in zip(theirs, ours))
+    if mismatch or lib.nri_params_size() != ctypes.sizeof(NriParams):
+        raise RuntimeError(
+            "NriParams in kernels/cuda_norm_rope_insert.py does not match "
+            f"csrc/norm_rope_insert.h: library has {desc} ({lib.nri_params_size()} bytes)")
+
+
+def load_library(path=None) -> ctypes.CDLL:
+    """The kernels' shared library (built on first use), with its prototypes declared."""
+    global _LIB
+    with _LOCK:
+        if _LIB is not None and path is None:
+            return _LIB
+        lib = ctypes.CDLL(str(path or cuda_build.build()))
+        lib.nri_launch.argtypes = [ctypes.POINTER(NriParams), ctypes.c_void_p]
+        lib.nri_launch.restype = ctypes.c_int
+        lib.nri_params_fields.argtypes = []
+        lib.nri_params_fields.restype = ctypes.c_char_p
+        lib.nri_params_size.argtypes = []
+        lib.nri_params_size.restype = ctypes.c_int64
+        lib.csrc_error_string.argtypes = [ctypes.c_int]
+        lib.csrc_error_string.restype = ctypes.c_char_p
+        lib.csrc_test_bad_launch.argtypes = [ctypes.c_void_p]
+        lib.csrc_test_bad_launch.restype = ctypes.c_int
+        lib.cvt_device.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.cvt_device.restype = ctypes.c_int
+        _check_layout(lib)
+        if path is None:
+            _LIB = lib
+        return lib
+
+
+def check_cuda(code: int, what: str, lib=None) -> None:
+    """Raises RuntimeError with cudaGetErrorString's text for a nonzero cudaError_t."""
+    if code:
+        lib = lib or load_library()
+        text = lib.csrc_error_string(int(code)).decode(errors="replace")
+        raise RuntimeError(f"{what} failed: CUDA error {int(code)}: {text}")
+
+
+def _stream(dev: torch.device) -> int:
+    return torch.cuda.current_stream(dev).cuda_stream
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
+                     head_dim, rotary_dim, eps, kv_cache, slot_mapping, kv_fmt=None,
+                     kv_cache_dtype=None, platform="cuda",
+                     num_index_heads=0, has_index_k=False, w_index_q=None, w_index_k=None,
+                     k_scale=None, v_scale=None, index_cache=None, index_fmt=None,
+                     index_slot_mapping=None, q_out=None, index_q_out=None,
+                     skip_index=False, validate=False, block_h=None):
+    """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]`` on
+    the GPU: the contract of ``kernels.norm_rope_insert.norm_rope_insert`` (see there).
+
+    ``block_h``: heads per CUDA block (a power of two; default 4, one head per warp).
+    Raises ValueError (naming the argument) for bad arguments, including tensors that are
+    not on a CUDA device, and RuntimeError with the CUDA error text if the launch fails."""
+    plan = plan_norm_rope_insert(
+        rows, positions, rope_table, w_q, w_k, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, eps=eps,
+        kv_cache=kv_cache, slot_mapping=slot_mapping, kv_fmt=kv_fmt,
+        kv_cache_dtype=kv_cache_dtype, platform=platform, num_index_heads=num_index_heads,
+        has_index_k=has_index_k, w_index_q=w_index_q, w_index_k=w_index_k, k_scale=k_scale,
+        v_scale=v_scale, index_cache=index_cache, index_fmt=index_fmt,
+        index_slot_mapping=index_slot_mapping, q_out=q_out, index_q_out=index_q_out,
+        skip_index=skip_index, validate=validate)
+    if block_h is None:
+        block_h = 4
+    if not isinstance(block_h, (int, np.integer)) or isinstance(block_h, bool) \
+            or block_h <= 0 or block_h & (block_h - 1):
+        fail("block_h", f"must be a power of two, got {block_h!r}")
+    dev = rows.device
+    if dev.type != "cuda":
+        fail("rows", f"must be on a CUDA device for the CUDA kernel, got {dev}")
+    out, n, d = plan.out, plan.n, plan.d
+    if n == 0:
+        return out
+    if n > 2**31 - 1:
+        fail("rows", f"must have at most 2^31 - 1 rows, got {n}")
+    act_code = FORMAT_CODES[plan.md]
+    iq = out.get("index_q")
+    p = NriParams(
+        rows=rows.data_ptr(), row_stride=rows.stride(0),
+        positions=positions.data_ptr(), pos_stride=positions.stride(0),
+        pos_is64=int(positions.dtype == torch.int64),
+        table=rope_table.data_ptr(), table_stride=rope_table.stride(0),
+        max_pos=rope_table.shape[0],
+        w_q=w_q.data_ptr(), w_k=w_k.data_ptr(),
+        w_iq=(w_index_q if plan.transform_iq else w_q).data_ptr(),
+        w_ik=(w_index_k if plan.write_ik else w_q).data_ptr(),
+        q_out=out["q"].data_ptr(), q_s0=out["q"].stride(0), q_s1=out["q"].stride(1),
+        iq_out=(iq if iq is not None else rows).data_ptr(),
+        iq_s0=iq.stride(0) if iq is not None else 0,
+        iq_s1=iq.stride(1) if iq is not None else 0,
+        iq_fmt=FORMAT_CODES[plan.index_fmt] if plan.idx_fp8 else act_code,
+        kv=kv_cache.data_ptr(), kv_s0=kv_cache.stride(0), kv_s1=kv_cache.stride(1),
+        kv_s2=kv_cache.stride(2), page_size=plan.page, num_slots=plan.num_slots,
+        kv_fmt=FORMAT_CODES[plan.kv_fmt],
+        slots=slot_mapping.data_ptr(), slot_stride=slot_mapping.stride(0),
+        slots_is64=int(slot_mapping.dtype == torch.int64),
+        k_scale=plan.ks.data_ptr(), ks_s0=plan.ks_strides[0], ks_s1=plan.ks_strides[1],
+        v_scale=plan.vs.data_ptr(), vs_s0=plan.vs_strides[0], vs_s1=plan.vs_strides[1],
+        ic=plan.ic.data_ptr(), ic_s0=plan.ic_strides[0], ic_s1=plan.ic_strides[1],
+        ic_page=plan.ic_page, ic_num_slots=plan.ic_slots,
+        ic_fmt=FORMAT_CODES[plan.index_fmt] if plan.idx_fp8 else act_code,
+        islots=plan.islots.data_ptr(), islot_stride=plan.islots.stride(0),
+        islots_is64=int(plan.islots.dtype == torch.int64),
+        n=n, hq=plan.hq, hkv=plan.hkv, hi=plan.hi if plan.transform_iq else 0,
+        write_ik=int(plan.write_ik), ik_col=plan.width - d, head_dim=d,
+        rotary_dim=int(rotary_dim), act_fmt=act_code, heads_per_block=int(block_h),
+        eps=float(np.float32(eps)))
+    lib = load_library()
+    with torch.cuda.device(dev):
+        code = lib.nri_launch(ctypes.byref(p), ctypes.c_void_p(_stream(dev)))
+    check_cuda(code, "norm_rope_insert (CUDA) launch", lib)
+    return out
+
+
+# ----------------------------------------------------------------------------- adapter
+
+
+run = insert_adapter(norm_rope_insert)
+
+
+def _register():
+    from oracle.registry import Implementation, register
+
+    if not available():
+        return
+    register(Implementation(
+        "cuda", "norm_rope_insert", run, devices=("cuda",),
+        shape_classes=("tiny", "small", "model", "sweep"), quantize_from="value",
+        notes="csrc/norm_rope_insert.cu via ctypes: one launch, a warp per head, fp32 Gemma "
+              "RMSNorm + partial NeoX RoPE (partners through shared memory, any even R), "
+              "K from its fp32 value, fp8 satfinite via cvt.rn.satfinite / software fnuz"))
+
+
+_register()
