@@ -79,11 +79,27 @@ def check_kv_cache(kv_cache, kv_fmt, hkv: int, d: int, dev) -> tuple[int, int]:
     return kv_cache.shape[2], kv_cache.shape[0] * kv_cache.shape[2]
 
 
+_UNIT_SCALES: dict = {}
+
+
+def unit_scale(dev) -> torch.Tensor:
+    """A read-only float32 1.0 on ``dev``, made once per device (a fill kernel per call
+    would cost a few microseconds of a ~200 us insert); never cached while a CUDA graph is
+    being captured, since the tensor would then live in the graph's private pool."""
+    key = str(dev)
+    if key not in _UNIT_SCALES:
+        one = torch.ones(1, dtype=torch.float32, device=dev)
+        if torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return one
+        _UNIT_SCALES[key] = one
+    return _UNIT_SCALES[key]
+
+
 def scale_arg(scale, name, fp8, hkv, num_slots, dev):
     """(tensor, stride over heads, stride over slots) of a None / scalar / ``[Hkv, slots]``
     float32 scale; model-dtype caches take no scale (None or 1.0)."""
     if scale is None:
-        return torch.ones(1, dtype=torch.float32, device=dev), 0, 0
+        return unit_scale(dev), 0, 0
     if isinstance(scale, (float, int, np.floating, np.integer)) and not isinstance(scale, bool):
         scale = torch.tensor(float(np.float32(scale)), dtype=torch.float32, device=dev)
     check_tensor(scale, name, (torch.float32,), device=dev)

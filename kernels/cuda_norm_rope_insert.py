@@ -149,7 +149,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]`` on
     the GPU: the contract of ``kernels.norm_rope_insert.norm_rope_insert`` (see there).
 
-    ``block_h``: heads per CUDA block (a power of two; default 4, one head per warp).
+    ``block_h``: heads per CUDA block (a power of two; default 32, tuned; 4 warps, each
+    taking one head at a time).
     Raises ValueError (naming the argument) for bad arguments, including tensors that are
     not on a CUDA device, and RuntimeError with the CUDA error text if the launch fails."""
     plan = plan_norm_rope_insert(
@@ -162,7 +163,7 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         index_slot_mapping=index_slot_mapping, q_out=q_out, index_q_out=index_q_out,
         skip_index=skip_index, validate=validate)
     if block_h is None:
-        block_h = 4
+        block_h = 32  # tuned on the H200: benchmarks/tune_insert.py
     if not isinstance(block_h, (int, np.integer)) or isinstance(block_h, bool) \
             or block_h <= 0 or block_h & (block_h - 1):
         fail("block_h", f"must be a power of two, got {block_h!r}")

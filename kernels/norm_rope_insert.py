@@ -154,7 +154,7 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
                      num_index_heads=0, has_index_k=False, w_index_q=None, w_index_k=None,
                      k_scale=None, v_scale=None, index_cache=None, index_fmt=None,
                      index_slot_mapping=None, q_out=None, index_q_out=None,
-                     skip_index=False, validate=False, block_h=None):
+                     skip_index=False, validate=False, block_h=None, num_warps=None):
     """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]``.
 
     rows: bf16/fp16 ``[N, row_width]``, last dim contiguous, any row stride (a column slice
@@ -195,7 +195,7 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     if n == 0:
         return out
     if block_h is None:
-        block_h = 64 if INTERPRETED else 4
+        block_h = 64 if INTERPRETED else 4  # tuned: benchmarks/tune_insert.py
     if block_h <= 0 or block_h & (block_h - 1):
         fail("block_h", f"must be a power of two, got {block_h}")
     block_h = min(block_h, triton.next_power_of_2(max(hq, hkv, hi, 1)))
@@ -217,7 +217,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         KV_FP8=p.kv_fp8, KV_FMT=fmt_code(p.kv_fmt) if p.kv_fp8 else 0,
         KV_HW=p.kv_fp8 and p.kv_fmt in HW_FORMATS,
         IDX_FP8=p.idx_fp8, IDX_FMT=fmt_code(p.index_fmt) if p.idx_fp8 else 0,
-        IDX_HW=p.idx_fp8 and p.index_fmt in HW_FORMATS, HAS_IK=p.write_ik)
+        IDX_HW=p.idx_fp8 and p.index_fmt in HW_FORMATS, HAS_IK=p.write_ik,
+        num_warps=num_warps or (4 if INTERPRETED else 1))
     return out
 
 

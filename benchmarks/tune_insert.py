@@ -1,0 +1,86 @@
+"""Tuning sweep of the fused insert's launch parameters at the model shape (16,384 tokens):
+Triton ``block_h`` x ``num_warps`` and CUDA ``block_h``, timed like bench_insert (graph
+replay over rotating input sets). Prints a table and writes ``$OUT/tune.json`` (or
+reports/tune.json): the defaults in the launchers come from here.
+
+Run on the GPU machine: ``python -m benchmarks.tune_insert [--caches bf16,e4m3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import bench_insert as bi  # noqa: E402
+from benchmarks import harness  # noqa: E402
+
+
+def configs(args):
+    for bh in args.block_h:
+        for nw in args.num_warps:
+            yield "triton", {"block_h": bh, "num_warps": nw}
+    for bh in args.block_h:
+        yield "cuda", {"block_h": bh}
+
+
+def launcher(name, params):
+    if name == "triton":
+        from kernels.norm_rope_insert import norm_rope_insert as launch
+    else:
+        from kernels.cuda_norm_rope_insert import norm_rope_insert as launch
+    return lambda *a, **kw: launch(*a, **kw, **params)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--caches", default="bf16,e4m3")
+    ap.add_argument("--block-h", type=lambda s: [int(v) for v in s.split(",")],
+                    default=[1, 2, 4, 8, 16])
+    ap.add_argument("--num-warps", type=lambda s: [int(v) for v in s.split(",")],
+                    default=[1, 2, 4, 8])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "reports"),
+                                                  "tune.json"))
+    args = ap.parse_args(argv)
+    copy = harness.copy_bandwidth()
+    rows = []
+    for cache in args.caches.split(","):
+        kv_fmt, index_fmt = bi.CACHES[cache]
+        mb = bi.minimal_bytes(args.tokens, kv_fmt, index_fmt)["total"]
+        sets = [bi.make_set(args.tokens, kv_fmt, index_fmt, seed=i)
+                for i in range(harness.rotation_count(mb, harness.l2_bytes()))]
+        for name, params in configs(args):
+            bind = bi.fused_insert(launcher(name, params), kv_fmt, index_fmt)
+            try:
+                t = harness.time_calls([bind(s) for s in sets], rep_ms=100)
+                us = t.median_us
+            except Exception as e:  # noqa: BLE001 - a config may not launch
+                print(name, params, "failed:", str(e)[:200], flush=True)
+                continue
+            frac = mb / (us * 1e-6) / copy["bytes_per_s"]
+            rows.append({"impl": name, "cache": cache, **params, "median_us": us,
+                         "copy_fraction": frac})
+            print(f"{cache} {name} {params}: {us:.1f} us {100 * frac:.1f}%", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"schema": "tune/1", "copy": copy, "rows": rows},
+                                         indent=1))
+    for cache in args.caches.split(","):
+        for impl in ("triton", "cuda"):
+            best = min((r for r in rows if r["cache"] == cache and r["impl"] == impl),
+                       key=lambda r: r["median_us"], default=None)
+            if best:
+                print("best", cache, impl, {k: v for k, v in best.items() if k != "cache"})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
