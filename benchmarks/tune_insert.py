@@ -1,7 +1,7 @@
 """Tuning sweep of the fused insert's launch parameters at the model shape (16,384 tokens):
-Triton ``block_h`` x ``num_warps`` and CUDA ``block_h``, timed like bench_insert (graph
-replay over rotating input sets). Prints a table and writes ``$OUT/tune.json`` (or
-reports/tune.json): the defaults in the launchers come from here.
+Triton ``block_h`` x ``num_warps`` x program order and CUDA ``block_h``, timed like
+bench_insert (graph replay over rotating input sets). Prints a table and writes
+``$OUT/tune.json`` (or reports/tune.json): the defaults in the launchers come from here.
 
 Run on the GPU machine: ``python -m benchmarks.tune_insert [--caches bf16,e4m3]``.
 """
@@ -25,7 +25,8 @@ from benchmarks import harness  # noqa: E402
 def configs(args):
     for bh in args.block_h:
         for nw in args.num_warps:
-            yield "triton", {"block_h": bh, "num_warps": nw}
+            for hf in args.heads_fast:
+                yield "triton", {"block_h": bh, "num_warps": nw, "heads_fast": hf}
     for bh in args.block_h:
         yield "cuda", {"block_h": bh}
 
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
                     default=[1, 2, 4, 8, 16])
     ap.add_argument("--num-warps", type=lambda s: [int(v) for v in s.split(",")],
                     default=[1, 2, 4, 8])
+    ap.add_argument("--heads-fast", type=lambda s: [bool(int(v)) for v in s.split(",")],
+                    default=[False, True])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "reports"),
                                                   "tune.json"))
     args = ap.parse_args(argv)

@@ -71,16 +71,22 @@ def _norm_rope_insert_kernel(
         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         KV_FP8: tl.constexpr, KV_FMT: tl.constexpr, KV_HW: tl.constexpr,
         IDX_FP8: tl.constexpr, IDX_FMT: tl.constexpr, IDX_HW: tl.constexpr,
-        HAS_IK: tl.constexpr):
+        HAS_IK: tl.constexpr, HEADS_FAST: tl.constexpr):
     # k and index_k are written back into the row (k_out / ik_out: the row's k and index_k
     # columns, row stride row_stride); q and index_q go to (s0, s1)-strided outputs, which
     # may be the row itself. A program owns whole heads and loads a head (both halves)
     # before storing it, so the in-place writes cannot race.
-    tok = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1)
     nqb = tl.cdiv(hq, BLOCK_H)
     nkb = tl.cdiv(hkv, BLOCK_H)
     nib = tl.cdiv(hi, BLOCK_H)
+    if HEADS_FAST:  # 1-D grid, a token's head blocks adjacent (axis 1 would cap N at 65,535)
+        pid = tl.program_id(0).to(tl.int64)
+        nblocks = nqb + nkb + nib + (1 if HAS_IK else 0)
+        tok = pid // nblocks
+        b = (pid % nblocks).to(tl.int32)
+    else:  # grid (N, head blocks): one block kind's programs for consecutive tokens adjacent
+        tok = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1)
     row = rows_ptr + tok * row_stride
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     pos_ok = (pos >= 0) & (pos < max_pos)
@@ -154,7 +160,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
                      num_index_heads=0, has_index_k=False, w_index_q=None, w_index_k=None,
                      k_scale=None, v_scale=None, index_cache=None, index_fmt=None,
                      index_slot_mapping=None, q_out=None, index_q_out=None,
-                     skip_index=False, validate=False, block_h=None, num_warps=None):
+                     skip_index=False, validate=False, block_h=None, num_warps=None,
+                     heads_fast=False):
     """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]``.
 
     rows: bf16/fp16 ``[N, row_width]``, last dim contiguous, any row stride (a column slice
@@ -175,6 +182,9 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     the platform's e4m3 for a uint8 index cache, the model dtype otherwise.
     ``skip_index=True``: the index heads are neither transformed nor inserted (rows keep
     them as they are; no index cache is needed).
+    Tuning knobs (defaults from benchmarks/tune_insert.py on the H200): ``block_h`` heads
+    per program, ``num_warps``, ``heads_fast`` (program order: a token's head blocks
+    adjacent, instead of one head block's tokens adjacent).
     ``validate=True``: also check tensor contents on the host (slot ranges, duplicate
     slots, positions within the table, positive finite scales) -- a device sync. Without
     it, bad contents are guarded in the kernel: out-of-range or negative slots write
@@ -204,7 +214,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     iq = out.get("index_q", rows)
     iq_s = (iq.stride(0), iq.stride(1)) if "index_q" in out else (0, 0)
     ensure_ready(_norm_rope_insert_kernel)
-    _norm_rope_insert_kernel[(n, blocks)](
+    grid = (n * blocks,) if heads_fast else (n, blocks)
+    _norm_rope_insert_kernel[grid](
         rows, rows.stride(0), positions, rope_table, rope_table.stride(0), rope_table.shape[0],
         w_q, w_k, w_index_q if p.transform_iq else w_q, w_index_k if p.write_ik else w_q,
         out["q"], out["q"].stride(0), out["q"].stride(1), rows[:, hq * d:],
@@ -218,7 +229,7 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         KV_HW=p.kv_fp8 and p.kv_fmt in HW_FORMATS,
         IDX_FP8=p.idx_fp8, IDX_FMT=fmt_code(p.index_fmt) if p.idx_fp8 else 0,
         IDX_HW=p.idx_fp8 and p.index_fmt in HW_FORMATS, HAS_IK=p.write_ik,
-        num_warps=num_warps or (4 if INTERPRETED else 1))
+        HEADS_FAST=bool(heads_fast), num_warps=num_warps or (4 if INTERPRETED else 1))
     return out
 
 
@@ -243,7 +254,7 @@ def compile_signatures():
                    hq="i32", hkv="i32", hi="i32", half="i32", eps="fp32")
         const = dict(D=128, BLOCK_H=4, BLOCK_D=128, KV_FP8=kv == "u8", KV_FMT=kv_fmt,
                      KV_HW=kv_hw, IDX_FP8=idx == "u8", IDX_FMT=idx_fmt, IDX_HW=idx_hw,
-                     HAS_IK=has_ik)
+                     HAS_IK=has_ik, HEADS_FAST=kv_fmt == 1)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_norm_rope_insert_kernel, sig, const))
     return out

@@ -357,3 +357,17 @@ def test_kv_cache_dtype_errors_name_the_argument():
                      ({"kv_cache_dtype": "fp8"}, "kv_fmt")):
         with pytest.raises(ValueError, match=rf"^{name}\b"):
             nri.norm_rope_insert(**{**a, **kw})
+
+
+@pytest.mark.parametrize("block_h, heads_fast", [(1, True), (2, False), (4, True)])
+def test_launch_knobs_do_not_change_results(block_h, heads_fast):
+    """The tuning knobs (heads per program, program order) change only speed: rows, caches
+    and index_q are bit-identical to the default launch."""
+    a, b = _good_args(), _good_args()
+    b["rows"] = a["rows"].clone()
+    out_a = nri.norm_rope_insert(**a)
+    out_b = nri.norm_rope_insert(**b, block_h=block_h, heads_fast=heads_fast)
+    assert torch.equal(_bits(a["rows"]), _bits(b["rows"]))
+    assert torch.equal(a["kv_cache"], b["kv_cache"])
+    assert torch.equal(a["index_cache"], b["index_cache"])
+    assert torch.equal(out_a["index_q"], out_b["index_q"])
