@@ -15,27 +15,16 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-# Triton kernels run in Triton's CPU interpreter when no CUDA device is present.
-# triton.jit reads TRITON_INTERPRET when a kernel is decorated (when a kernels.* module is
-# first imported, possibly while collecting an unrelated test module), so it is set here,
-# before any test module is imported, and only by default: an explicit value wins.
-# kernels._triton then patches the interpreter's numerics (kernels/interpreter.py).
-# On a CUDA machine kernels compile for the GPU; run the interpreter tests there with
+# Importing kernels sets TRITON_INTERPRET=1 when no CUDA device is present (unless set):
+# triton.jit reads it when a kernel module is first imported, possibly while collecting an
+# unrelated test module, so this happens before any test module is imported. On a CUDA
+# machine kernels compile for the GPU; run the interpreter tests there with
 # TRITON_INTERPRET=1 pytest -m interp (they skip themselves otherwise).
-if "TRITON_INTERPRET" not in os.environ and not _cuda_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+import kernels  # noqa: E402, F401
+from kernels import _cuda_available  # noqa: E402
 from reference.platforms import PLATFORMS  # noqa: E402
 
 settings.register_profile(

@@ -1,6 +1,7 @@
 """The command line: each verb runs, and bad input exits non-zero with one line."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -8,7 +9,11 @@ import pytest
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "oracle", *args], capture_output=True, text=True)
+    """The CLI in a fresh process WITHOUT the TRITON_INTERPRET that conftest.py set: as a
+    user runs it, so the CLI itself must pick the interpreter on a machine without CUDA."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "oracle", *args], capture_output=True,
+                          text=True, env=env)
 
 
 @pytest.mark.slow
@@ -25,7 +30,8 @@ def test_conformance_prints_every_row_with_zero_mismatches(tmp_path):
 
 
 def test_report_render_diff_replay_round_trip(tmp_path):
-    """report writes JSON + Markdown + PNGs; render re-renders them from the JSON; diff of
+    """report (the Triton kernel included, interpreted on a CPU machine) writes JSON +
+    Markdown + PNGs; render re-renders them from the JSON; diff of
     a report against itself flags nothing; replay of a case id reproduces its input hash."""
     out = tmp_path / "rep"
     r = _run("report", "--ops", "reshape_and_cache", "--platforms", "rocm-fnuz",
@@ -33,6 +39,7 @@ def test_report_render_diff_replay_round_trip(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.with_suffix(".json").read_text())
     assert doc["schema"] == "oracle-report/1" and doc["cells"]
+    assert {"reference", "torch", "triton"} <= {c["impl"] for c in doc["cells"]}
     for suffix in (".md", "-ulp.png", "-err-bound.png"):
         assert (tmp_path / f"rep{suffix}").stat().st_size > 0
     r = _run("render", str(out.with_suffix(".json")), "--out", str(tmp_path / "again"))
