@@ -229,7 +229,7 @@ def _register():
     from oracle.registry import Implementation, register
 
     # Interpreted (CPU), model shapes take too long: they are left to CUDA.
-    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model")
+    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "sweep")
     register(Implementation(
         "triton", "reshape_and_cache", run, devices=("cpu", "cuda"), shape_classes=classes,
         quantize_from="model_dtype",

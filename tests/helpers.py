@@ -17,3 +17,16 @@ def same_float(a, b) -> np.ndarray:
     """Bitwise-equal values (so -0 != +0), any two NaNs equal."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))
+
+
+def bad_args(good, name: str, **changes):
+    """A pytest.param of (factory, name) for a bad-input test: the factory returns
+    ``good()`` with the given arguments replaced (a callable change is applied to the good
+    arguments); ``name`` is the argument the error must name."""
+    import pytest
+
+    def make():
+        args = good()
+        args.update({k: (v(args) if callable(v) else v) for k, v in changes.items()})
+        return args
+    return pytest.param(make, name, id=f"{name}-{'-'.join(changes)}")

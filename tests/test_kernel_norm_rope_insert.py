@@ -19,6 +19,7 @@ from reference.codec import round_to
 from reference.domain import MODEL
 from reference.kv_cache import empty_cache, empty_index_cache
 from reference.norm_rope import QKVLayout, rope_table
+from tests.helpers import bad_args
 
 pytestmark = pytest.mark.interp
 
@@ -162,11 +163,7 @@ def _good_args(kv_fmt="e4m3fn", r=8):
 
 
 def _bad(name, **changes):
-    def make():
-        args = _good_args()
-        args.update({k: (v(args) if callable(v) else v) for k, v in changes.items()})
-        return args
-    return pytest.param(make, name, id=f"{name}-{'-'.join(changes)}")
+    return bad_args(_good_args, name, **changes)
 
 
 @pytest.mark.parametrize("make, name", [

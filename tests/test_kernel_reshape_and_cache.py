@@ -19,6 +19,7 @@ from oracle.impl_torch import HALF_DTYPES, device
 from oracle.registry import implementations
 from reference.codec import round_to
 from reference.kv_cache import empty_cache
+from tests.helpers import bad_args
 
 pytestmark = pytest.mark.interp
 
@@ -204,11 +205,7 @@ def _good_args(kv_fmt="e4m3fn"):
 
 
 def _bad(name, **changes):
-    def make():
-        args = _good_args()
-        args.update({k: (v(args) if callable(v) else v) for k, v in changes.items()})
-        return args
-    return pytest.param(make, name, id=f"{name}-{'-'.join(changes)}")
+    return bad_args(_good_args, name, **changes)
 
 
 @pytest.mark.parametrize("make, name", [
