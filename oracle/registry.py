@@ -20,6 +20,7 @@ fp8 MMA accumulation).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -90,6 +91,10 @@ def known_names() -> set[str]:
 
 
 _LOADED = False
+#: The Triton kernel modules; each registers its implementations when imported.
+KERNEL_MODULES = ("kernels.norm_rope_insert", "kernels.reshape_and_cache",
+                  "kernels.indexer_prefill", "kernels.indexer_decode",
+                  "kernels.attention_decode", "kernels.attention_prefill")
 
 
 def load_all() -> None:
@@ -105,9 +110,14 @@ def load_all() -> None:
         from oracle import impl_torch  # noqa: F401
     except ImportError:  # torch not installed: the reference alone
         pass
-    try:
-        from kernels import norm_rope_insert, reshape_and_cache  # noqa: F401
-    except ImportError:  # triton or torch not installed
+    for name in KERNEL_MODULES:
+        try:  # each on its own: one kernel that does not import must not hide the others
+            importlib.import_module(name)
+        except ImportError:  # triton or torch not installed
+            pass
+    try:  # PyTorch's flex_attention as a peer (needs torch.nn.attention.flex_attention)
+        from oracle import impl_flex  # noqa: F401
+    except ImportError:
         pass
     try:  # the CUDA kernels (ctypes): registered only with a CUDA device and nvcc
         from kernels import cuda_norm_rope_insert  # noqa: F401

@@ -1,0 +1,449 @@
+"""Shared by the two indexer kernels (kernels/indexer_prefill.py, kernels/indexer_decode.py):
+the device helpers that score key blocks and keep a running top-k list, the host checks of
+their arguments, and the oracle adapter. SPEC.md section 5 is the contract; the float64
+reference is reference/indexer.py.
+
+Rows. A program owns ROWS "rows": (query token, index head) pairs flattened token-major
+(row i = token i // Hi, head i % Hi), so one key block, loaded once, serves every head and
+every token of the program (Hi need not be a power of two: rows past the last whole token
+are masked).
+
+Scores. For key block b (logical id, physical page ``block_table[r, b]``), each row's score
+is ``max over visible keys j (j <= p) of q . k_j`` with fp32 products and fp32 accumulation:
+q and k are widened exactly to fp32 (bf16/fp16 by a cast, fp8 codes by
+``kernels.fp8.decode_fp8``: hardware conversion for e4m3fn/e5m2, software codec for the
+fnuz formats) and multiplied by ``tl.dot(..., input_precision="ieee")`` (no TF32, no
+reduced-precision fp8 MMA), so the registry declares ``score_rel = 0``. A NaN dot on a
+visible key makes the score NaN (tracked explicitly: hardware max drops NaNs); -0 is
+normalised to +0.
+
+Selection: one 64-bit key per (row, block) encodes the whole order of SPEC.md s.5 so that
+"larger key" means "ranks first", and keys of one row are unique:
+
+    key = class_and_score << 32 | (0xFFFFFFFF - b)
+
+with class_and_score = 0xFFFFFFFF for a forced block (initial or local: forced blocks come
+first and, among them, the lower id wins, so initial blocks beat local ones when they
+exceed n), 1 for a NaN score (ranks below every number; among NaNs the lower id first),
+else the order-preserving map of the fp32 score bits (descending score; bit-equal scores:
+the lower id wins through the low word). Keys below 2^32 mean "empty".
+
+Each row keeps a list of BK = next_pow2(K) keys (unsorted), initialised with the distinct
+empty keys 0..BK-1; after the last block it holds the BK largest keys of the row. Two exact
+strategies fill it (``strategy`` picks one; both produce the same list):
+- replace-min (compiled default): one block per step; its key takes the slot of the row's
+  smallest key if larger (keys are unique, so exactly one slot changes). O(BK) per block.
+- rank merge (``VEC``, interpreted default): CH blocks per step; every key of the list and
+  of the step gets its stable rank in their union and the BK first are kept. Needs 3-d
+  tiles (R x BK x (BK + CH)), pointless on a GPU but it cuts the interpreter's per-call
+  overhead (every device-function call costs milliseconds there) by scoring a request's
+  blocks in one or a few steps.
+Writing: an entry's stable rank in its row (number of larger keys; equal keys by position)
+is its output column, so the first K are written in descending key order without a sort
+(tl.sort's xor reductions run element by element in the interpreter); the valid ones are
+exactly n = min(K, num_visible), since every visible block got a non-empty key; empty keys
+are written as -1. The list does not depend on the order in which blocks arrive, which is
+what makes the decode kernel's split-and-merge exact.
+
+Guards (contents are checked on the host only under ``validate=True``): a block-table entry
+outside [0, num_pages) reads no memory (its keys are 0), blocks at or past the table's
+width are never visited, token indices outside [0, T) are neither read nor written, rows at
+negative positions select nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels._host import (
+    HALF_FORMATS,
+    HEAD_DIMS,
+    check_int,
+    check_last_dim_contiguous,
+    check_tensor,
+    fail,
+)
+from kernels._triton import tl, triton
+from kernels.fp8 import HW_FORMATS, decode_fp8, fmt_code
+from reference.domain import KV_HEADS_RANGE, PAGE_SIZES, TOPK_RANGE
+
+#: The index formats the kernels read: the four fp8 formats (uint8 codes; e4m3fn/e4m3fnuz
+#: are what platforms use, e5m2/e5m2fnuz exist for emulation) and the model dtypes.
+INDEX_FORMATS = ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "bfloat16", "float16")
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+# ------------------------------------------------------------------------ device helpers
+
+
+@triton.jit
+def load_fp32(ptrs, mask, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
+    """Values at ptrs widened exactly to fp32 (fp8 codes decoded; masked lanes 0)."""
+    raw = tl.load(ptrs, mask=mask, other=0)
+    if FP8:
+        v = decode_fp8(raw, FMT, HW)
+    else:
+        v = raw.to(tl.float32)
+    return v
+
+
+@triton.jit
+def empty_list(ROWS: tl.constexpr, BK: tl.constexpr):
+    """A running top-k list of distinct empty keys 0..BK-1 per row, uint64 [ROWS, BK]."""
+    cols = tl.arange(0, BK).to(tl.uint64)
+    return tl.zeros([ROWS, BK], dtype=tl.uint64) + cols[None, :]
+
+
+@triton.jit
+def block_key(score, is_nan, forced, b):
+    """The selection key of block(s) b for each row (see the module docstring)."""
+    bits = score.to(tl.uint32, bitcast=True)
+    bits = tl.where(bits == 0x80000000, 0, bits)  # -0 ranks as +0
+    neg = (bits >> 31) != 0
+    ordered = tl.where(neg, bits ^ 0xFFFFFFFF, bits | 0x80000000)  # (~ fails interpreted)
+    cls = tl.where(forced, 0xFFFFFFFF, tl.where(is_nan, 1, ordered).to(tl.uint32))
+    low = (4294967295 - b.to(tl.int64)).to(tl.uint64)
+    return (cls.to(tl.uint64) << 32) | low
+
+
+@triton.jit
+def insert(top, key, live):
+    """Replace-min insertion of one key per row (rows where ``live``) into a list of
+    unique keys: the key takes the slot of the row's smallest key if it is larger."""
+    m = tl.min(top, axis=1)
+    ins = live & (key > m)
+    return tl.where((top == m[:, None]) & ins[:, None], key[:, None], top)
+
+
+@triton.jit
+def rank_merge(top, cand, CH: tl.constexpr):
+    """VEC strategy: the BK largest keys of ``top`` [R, BK] and ``cand`` [R, CH] per row.
+    Every element of the union gets its stable rank (larger keys first; equal keys by
+    position, top before cand), a permutation, and the element of rank j becomes entry j.
+    Duplicates are allowed (empty keys may repeat). O(R * (BK + CH)^2) in 3-d tiles: fast
+    interpreted, meant for the interpreter."""
+    BK: tl.constexpr = top.shape[1]
+    bi = tl.arange(0, BK)
+    ci = tl.arange(0, CH)
+    t_i = top[:, :, None]
+    c_i = cand[:, :, None]
+    r_top = (tl.sum(((top[:, None, :] > t_i) | ((top[:, None, :] == t_i)
+                                                 & (bi[None, None, :] < bi[None, :, None])))
+                    .to(tl.int32), axis=2)
+             + tl.sum((cand[:, None, :] > t_i).to(tl.int32), axis=2))
+    r_cand = (tl.sum((top[:, None, :] >= c_i).to(tl.int32), axis=2)
+              + tl.sum(((cand[:, None, :] > c_i) | ((cand[:, None, :] == c_i)
+                                                     & (ci[None, None, :] < ci[None, :, None])))
+                       .to(tl.int32), axis=2))
+    j = bi[None, :, None]
+    zero = tl.zeros([1, 1, 1], dtype=tl.uint64)
+    return (tl.sum(tl.where(r_top[:, None, :] == j, top[:, None, :], zero), axis=2)
+            + tl.sum(tl.where(r_cand[:, None, :] == j, cand[:, None, :], zero), axis=2))
+
+
+@triton.jit
+def scan_blocks(top, q_rows, pos, live, bt_row, bt_s1, b_lo, b_hi,
+                ic_ptr, ic_s0, ic_s1, num_pages, local_blocks, initial_blocks,
+                P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, ROWS: tl.constexpr, CH: tl.constexpr,
+                VEC: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
+    """Score key blocks b_lo .. b_hi-1, CH blocks per step, for every row and merge them into
+    ``top`` (VEC: ``rank_merge``; else replace-min ``insert`` per block).
+
+    q_rows: [ROWS] pointers to each row's index_q vector; pos: [ROWS] int32 positions;
+    live: [ROWS] rows that select (others are neither read nor scored); bt_row: pointer to
+    the request's block-table row (entries b_lo .. b_hi-1 must lie inside it). A step's keys
+    are the CH blocks' first BLOCK_N keys, then the next BLOCK_N, ...: one tl.dot of
+    [ROWS, BLOCK_D] x [BLOCK_D, CH * BLOCK_N] per (sub-block, D chunk). Replace-min
+    (not VEC) takes one block per step (CH = 1)."""
+    tl.static_assert(VEC or CH == 1, "replace-min scores one block per step")
+    dd = tl.arange(0, BLOCK_D)
+    kk = tl.arange(0, CH * BLOCK_N)
+    kblk = kk // BLOCK_N  # block of each key lane within the step
+    koff = kk % BLOCK_N
+    cc = tl.arange(0, CH)
+    own = pos // P  # the row's last visible block
+    nvis = own + 1
+    if BLOCK_D == D:  # q stays in registers
+        q_all = load_fp32(q_rows[:, None] + dd[None, :], live[:, None], FP8, FMT, HW)
+    for c0 in range(b_lo, b_hi, CH):
+        bk = c0 + kblk  # logical block of each key lane
+        lane_ok = bk < b_hi
+        page = tl.load(bt_row + bk * bt_s1, mask=lane_ok, other=0).to(tl.int64)
+        page_ok = lane_ok & (page >= 0) & (page < num_pages)
+        krow = ic_ptr + tl.where(page_ok, page, 0) * ic_s0
+        if VEC:
+            best = tl.full([ROWS, CH], float("-inf"), tl.float32)
+            has_nan = tl.zeros([ROWS, CH], dtype=tl.int32)
+        else:  # CH == 1: 1-d per-row values (no 3-d tiles, whose layouts compile badly)
+            best = tl.full([ROWS], float("-inf"), tl.float32)
+            has_nan = tl.zeros([ROWS], dtype=tl.int32)
+        for n0 in range(0, P, BLOCK_N):  # runtime loops: compact code, fast compiles
+            kp = krow + (n0 + koff).to(tl.int64) * ic_s1
+            acc = tl.zeros([ROWS, CH * BLOCK_N], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                if BLOCK_D == D:
+                    qc = q_all
+                else:
+                    qc = load_fp32(q_rows[:, None] + d0 + dd[None, :], live[:, None], FP8,
+                                   FMT, HW)
+                kc = load_fp32(kp[:, None] + d0 + dd[None, :], page_ok[:, None], FP8, FMT,
+                               HW)
+                acc = tl.dot(qc, tl.trans(kc), acc, input_precision="ieee")
+            vis = (bk * P + n0 + koff)[None, :] <= pos[:, None]  # causal, per key
+            nan = (vis & (acc != acc)).to(tl.int32)
+            if VEC:
+                s3 = tl.reshape(tl.where(vis, acc, float("-inf")), [ROWS, CH, BLOCK_N])
+                best = tl.maximum(best, tl.max(s3, axis=2))
+                has_nan = tl.maximum(has_nan, tl.max(tl.reshape(nan, [ROWS, CH, BLOCK_N]),
+                                                     axis=2))
+            else:
+                best = tl.maximum(best, tl.max(tl.where(vis, acc, float("-inf")), axis=1))
+                has_nan = tl.maximum(has_nan, tl.max(nan, axis=1))
+        if VEC:
+            b = c0 + cc  # [CH]
+            sees = live[:, None] & (b[None, :] <= own[:, None]) & (b < b_hi)[None, :]
+            forced = (b[None, :] < initial_blocks) | (b[None, :] >= nvis[:, None]
+                                                       - local_blocks)
+            keys = block_key(best, has_nan != 0, forced, b[None, :])
+            top = rank_merge(top, tl.where(sees, keys, tl.zeros_like(keys)), CH)
+        else:
+            b1 = c0 + 0  # a tensor also in the interpreter (where loop variables are ints)
+            forced = (b1 < initial_blocks) | (b1 >= nvis - local_blocks)
+            top = insert(top, block_key(best, has_nan != 0, forced, b1), live & (b1 <= own))
+    return top
+
+
+@triton.jit
+def write_list(top, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk, BK: tl.constexpr,
+               VEC: tl.constexpr):
+    """Write each row's list in descending key order to ``out[head, token, :topk]`` through
+    the strides (rows where ``row_in``): the entry of stable rank i (larger keys first,
+    equal keys by position: a permutation) goes to column i when i < topk, as its block id,
+    or -1 for an empty key. No sort (tl.sort's xor reductions run element by element in
+    the interpreter): VEC ranks with one 3-d comparison, else BK rounds of one column
+    against the whole list."""
+    cols = tl.arange(0, BK)
+    if VEC:
+        t_i = top[:, :, None]
+        t_j = top[:, None, :]
+        rank = tl.sum(((t_j > t_i) | ((t_j == t_i) & (cols[None, None, :] < cols[None, :, None])))
+                      .to(tl.int32), axis=2)
+    else:
+        rank = tl.zeros(top.shape, dtype=tl.int32)
+        for j in range(BK):
+            col = tl.max(tl.where(cols[None, :] == j, top, tl.zeros_like(top)), axis=1)
+            rank += ((col[:, None] > top) | ((col[:, None] == top) & (j < cols[None, :]))
+                     ).to(tl.int32)
+    valid = (top >> 32) != 0
+    ids = tl.where(valid, 4294967295 - (top & 0xFFFFFFFF).to(tl.int64), -1).to(tl.int32)
+    dst = (out_ptr + heads.to(tl.int64)[:, None] * o_s0 + toks.to(tl.int64)[:, None] * o_s1
+           + rank.to(tl.int64) * o_s2)
+    tl.store(dst, ids, mask=row_in[:, None] & (rank < topk))
+
+
+# ---------------------------------------------------------------------------- host side
+
+
+#: Triton's largest tensor (elements), also enforced by the interpreter.
+MAX_NUMEL = 1 << 20
+
+
+def _pow2_arg(name, v, lo):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo or v & (v - 1):
+        fail(name, f"must be a power of two >= {lo}, got {v!r}")
+    return int(v)
+
+
+def strategy(rows_wanted: int, hi: int, page: int, d: int, blocks: int, topk: int,
+             interpreted: bool, block_rows=None, block_n=None, block_d=None,
+             blocks_per_step=None, vec=None):
+    """(ROWS, BLOCK_N, BLOCK_D, CH, VEC, BK): rows per program, the key sub-block and
+    head-dim chunk of one tl.dot, the blocks scored per step, the merge strategy and the
+    list width (next_pow2(K)).
+
+    Compiled: ``rows_wanted`` rows (the caller's tl.dot M tile), fp32 tiles of 64 keys x
+    32 dims (an FMA dot: small tiles compile in seconds), one block per step, replace-min.
+    Interpreted, where every
+    device-function call costs milliseconds: whole blocks and whole D, as many blocks per
+    step as a program visits (``blocks``, an upper bound) and the vectorised rank merge,
+    shrunk (blocks per step first) until every tile fits Triton's 2^20-element limit.
+    Explicit arguments override (validated; ValueError naming them)."""
+    if vec is None:
+        vec = interpreted
+    rows_min = max(16, triton.next_power_of_2(hi))
+    if block_rows is not None:
+        rows = _pow2_arg("block_rows", block_rows, 16)
+        if rows < hi:
+            fail("block_rows", f"must be >= the number of index heads {hi}, got {rows}")
+    else:
+        rows = max(rows_min, min(triton.next_power_of_2(max(1, rows_wanted)),
+                                 1024 if interpreted else 64))
+    if block_n is None:
+        block_n = page if interpreted else min(page, 64)
+    if block_d is None:
+        block_d = d if interpreted else min(d, 32)
+    for name, v, whole in (("block_n", block_n, page), ("block_d", block_d, d)):
+        if _pow2_arg(name, v, 16) > whole or whole % v:
+            fail(name, f"must be a power of two >= 16 dividing {whole}, got {v!r}")
+    bk = triton.next_power_of_2(topk)
+    if blocks_per_step is not None:
+        ch = _pow2_arg("blocks_per_step", blocks_per_step, 1)
+    elif vec:
+        ch = triton.next_power_of_2(max(1, blocks))
+    else:
+        ch = 1
+    if not vec and ch != 1:
+        fail("blocks_per_step", f"must be 1 with the replace-min merge (vec=False), got {ch}")
+
+    def too_big(r, c):
+        sizes = [r * c * block_n, c * block_n * block_d, r * block_d]
+        if vec:
+            sizes += [r * bk * max(bk, c)]
+        return max(sizes) > MAX_NUMEL
+
+    if vec and block_rows is None:  # the rank tiles [ROWS, BK, BK] first
+        rows = max(rows_min, min(rows, MAX_NUMEL // (bk * bk)))
+    while too_big(rows, ch):
+        if ch > 1 and blocks_per_step is None:
+            ch //= 2
+        elif rows > rows_min and block_rows is None:
+            rows //= 2
+        else:
+            fail("block_rows", f"and blocks_per_step give tiles over {MAX_NUMEL} elements "
+                               f"(rows {rows}, blocks per step {ch}, K {topk})")
+    return rows, int(block_n), int(block_d), ch, bool(vec), bk
+
+
+def check_index_args(index_q, index_cache, index_fmt, block_table, seq_lens, topk,
+                     local_blocks, initial_blocks):
+    """Checks shared by both launchers (ValueError naming the argument). Returns
+    (num_tokens, hi, d, page, num_pages, fp8, fmt constexpr, hw, K, L_loc, L_init)."""
+    if index_fmt not in INDEX_FORMATS:
+        fail("index_fmt", f"must be one of {list(INDEX_FORMATS)}, got {index_fmt!r}")
+    fp8 = index_fmt not in HALF_FORMATS
+    code_dtype = torch.uint8 if fp8 else HALF_FORMATS[index_fmt]
+    check_tensor(index_cache, "index_cache", (code_dtype,))
+    dev = index_cache.device
+    if index_cache.dim() != 3 or index_cache.shape[1] not in PAGE_SIZES \
+            or index_cache.shape[2] not in HEAD_DIMS:
+        fail("index_cache", f"must have shape [num_pages, P in {list(PAGE_SIZES)}, D in "
+                            f"{list(HEAD_DIMS)}] ({code_dtype} for {index_fmt}), got "
+                            f"{list(index_cache.shape)}")
+    check_last_dim_contiguous(index_cache, "index_cache")
+    if any(s < 0 for s in index_cache.stride()):
+        fail("index_cache", f"must have non-negative strides, got {list(index_cache.stride())}")
+    num_pages, page, d = index_cache.shape
+    check_tensor(index_q, "index_q", (code_dtype,), device=dev)
+    lo, hi_max = KV_HEADS_RANGE
+    if index_q.dim() != 3 or not lo <= index_q.shape[1] <= hi_max or index_q.shape[2] != d:
+        fail("index_q", f"must have shape [T, Hi in [{lo}, {hi_max}], D={d}] (index_cache's "
+                        f"D), got {list(index_q.shape)}")
+    check_last_dim_contiguous(index_q, "index_q")
+    if any(s < 0 for s in index_q.stride()):
+        fail("index_q", f"must have non-negative strides, got {list(index_q.stride())}")
+    check_tensor(block_table, "block_table", INT_DTYPES, device=dev)
+    if block_table.dim() != 2:
+        fail("block_table", f"must have shape [B, max_blocks], got {list(block_table.shape)}")
+    b = block_table.shape[0]
+    check_tensor(seq_lens, "seq_lens", INT_DTYPES, (b,), dev)
+    k = check_int(topk, "topk", *TOPK_RANGE)
+    loc = check_int(local_blocks, "local_blocks", 0)
+    ini = check_int(initial_blocks, "initial_blocks", 0)
+    code = fmt_code(index_fmt) if fp8 else 0
+    hw = fp8 and index_fmt in HW_FORMATS
+    return index_q.shape[0], index_q.shape[1], d, page, num_pages, fp8, code, hw, k, loc, ini
+
+
+def check_out(out, hi, t, k, dev):
+    """The output [Hi, T, K] int32, any strides (a transposed token-major buffer too), or
+    None: a new head-major buffer."""
+    if out is None:
+        return torch.empty((hi, t, k), dtype=torch.int32, device=dev)
+    check_tensor(out, "out", (torch.int32,), (hi, t, k), dev)
+    if any(s < 0 for s in out.stride()):
+        fail("out", f"must have non-negative strides, got {list(out.stride())}")
+    return out
+
+
+def validate_block_table(block_table, seq_lens, page, num_pages):
+    """``validate=True``: every block-table entry a request uses lies in [0, num_pages) and
+    the table is wide enough (host sync)."""
+    lens = seq_lens.detach().cpu().to(torch.int64)
+    if bool((lens < 0).any()):
+        fail("seq_lens", f"must be >= 0, got {int(lens.min())}")
+    need = (lens + page - 1) // page
+    width = block_table.shape[1]
+    if lens.numel() and int(need.max()) > width:
+        r = int(torch.argmax(need))
+        fail("block_table", f"has {width} columns but request {r} of {int(lens[r])} tokens "
+                            f"needs {int(need[r])} blocks of {page}")
+    bt = block_table.detach().cpu().to(torch.int64)
+    used = torch.arange(width)[None, :] < need[:, None]
+    bad = used & ((bt < 0) | (bt >= num_pages))
+    if bool(bad.any()):
+        r, c = (int(v) for v in bad.nonzero()[0])
+        fail("block_table", f"entries used by a request must be in [0, num_pages={num_pages})"
+                            f", got block_table[{r}, {c}] = {int(bt[r, c])}")
+
+
+# ----------------------------------------------------------------------------- adapter
+
+
+def index_q_in(values: np.ndarray, fmt: str, dev) -> torch.Tensor:
+    """index_q values (float64, exactly representable in fmt) as the kernels take them:
+    uint8 fp8 codes, or the bf16/fp16 tensor; rows arrive with a padded head stride."""
+    from oracle.impl_torch import _values
+    from reference.codec import encode
+
+    t, hi, d = values.shape
+    if fmt in HALF_FORMATS:
+        src = _values(values, HALF_FORMATS[fmt], dev)
+    else:
+        src = torch.from_numpy(np.ascontiguousarray(encode(values, fmt, "satfinite"))).to(dev)
+    buf = torch.zeros((t, hi, d + 16), dtype=src.dtype, device=dev)[..., 8:8 + d]
+    buf.copy_(src)
+    return buf
+
+
+def out_buffer(hi, t, k, dev, token_major: bool) -> torch.Tensor:
+    """A [Hi, T, K] int32 output prefilled with a sentinel (-7: never a valid entry), either
+    head-major or a transposed view of a token-major [T, Hi, K] buffer (as servers pass)."""
+    if token_major:
+        return torch.full((t, hi, k), -7, dtype=torch.int32, device=dev).transpose(0, 1)
+    return torch.full((hi, t, k), -7, dtype=torch.int32, device=dev)
+
+
+def adapter(launch, decode: bool):
+    """The oracle adapter of op ``indexer_prefill`` / ``indexer_decode``: impl_torch's input
+    conventions (index_q as values; codes for the cache), returns ``{"topk": int32 [Hi, T,
+    K]}``; never modifies its inputs. The output is a transposed token-major buffer when T is
+    odd and head-major otherwise, so the differential cases exercise both."""
+
+    def run(inputs: dict, validate: bool = True) -> dict:
+        from kernels._host import strided_codes_in
+        from oracle.impl_torch import device
+
+        x = inputs
+        dev = device()
+        fmt = x["index_fmt"]
+        q = index_q_in(np.asarray(x["index_q"], np.float64), fmt, dev)
+        ic = strided_codes_in(x["index_cache"], dev, HALF_FORMATS.get(fmt))
+        bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
+        seq = torch.from_numpy(np.ascontiguousarray(x["seq_lens"], np.int32)).to(dev)
+        t, hi, _ = q.shape
+        k = int(x["topk"])
+        out = out_buffer(hi, t, k, dev, token_major=t % 2 == 1)
+        common = dict(topk=k, local_blocks=int(x["local_blocks"]),
+                      initial_blocks=int(x["initial_blocks"]), out=out, validate=validate)
+        if decode:
+            launch(q, ic, fmt, bt, seq, int(x["rows_per_request"]), **common)
+        else:
+            cu_np = np.asarray(x["cu_seqlens_q"], np.int64)
+            cu = torch.from_numpy(cu_np.astype(np.int32)).to(dev)
+            launch(q, ic, fmt, bt, cu, seq, max_query_len=int(np.diff(cu_np).max(initial=0)),
+                   **common)
+        return {"topk": out.cpu().numpy().astype(np.int32)}
+
+    return run

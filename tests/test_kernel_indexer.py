@@ -1,0 +1,518 @@
+"""kernels/indexer_prefill.py and kernels/indexer_decode.py: every index format, exact and
+near ties, ragged lengths not multiples of P, forced blocks, K past the visible blocks,
+padded decode rows, token-major output buffers, split-and-merge, prefill/decode agreement,
+both merge strategies, guarded and validated bad inputs, judged by the oracle
+(oracle.checks.run_check, tie-aware) against the reference or compared exactly with it
+where fp32 scores are exact. Runs the kernels in the (patched) CPU interpreter when no CUDA
+device is present, compiled on a GPU otherwise.
+
+"grid" values are small integers times 2^-3: every dot product is exact in fp32 (and in
+every fp8 format), so scores are exactly the reference's and the selection, order
+included, must equal the reference's bit for bit, ties (duplicated key blocks) too.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import _indexer as ix
+from kernels import indexer_decode as idd
+from kernels import indexer_prefill as ipf
+from oracle import impl_reference as ref
+from oracle.cases import Case, poison_code
+from oracle.checks import run_check
+from oracle.impl_torch import HALF_DTYPES, device
+from oracle.registry import implementations
+from reference.codec import decode, round_to
+from reference.kv_cache import empty_index_cache, quantize
+
+# The interpreter converts 1-element loop bounds with int() (numpy deprecates it; the
+# project pins numpy < 2.4, where it still works).
+pytestmark = [pytest.mark.interp,
+              pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")]
+
+FP8 = ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz")
+FORMATS = ("bfloat16", "float16") + FP8
+
+
+def _values(bg, shape, kind):
+    if kind == "grid":
+        return bg.integers(-8, 9, shape) * 0.125
+    return bg.normal(size=shape)
+
+
+def _in_format(values, fmt, md):
+    """Values as stored: rounded to the model dtype, then (fp8) to the format (satfinite)."""
+    v = round_to(values, md)
+    return decode(quantize(v, fmt), fmt) if fmt in FP8 else v
+
+
+def make_index_inputs(fmt="bfloat16", md=None, hi=3, d=64, page=16, seq_lens=(37, 50),
+                      qlens=(5, 19), rows=None, topk=4, local=1, initial=0, seed=0,
+                      kind="normal", duplicate=(), extra_cols=1):
+    """An oracle input set of op indexer_prefill (``qlens``) or indexer_decode (``rows``),
+    built by hand. Pages are shuffled, everything a query must not see is poisoned with NaN
+    codes, and ``duplicate`` lists (request, src block, dst block): dst gets a copy of src's
+    keys (exact ties)."""
+    md = md or (fmt if fmt in HALF_DTYPES else "bfloat16")
+    bg = np.random.default_rng(seed)
+    seq = np.asarray(seq_lens, np.int64)
+    blocks = -(-seq // page)
+    num_pages = int(blocks.sum()) + 2
+    perm = bg.permutation(num_pages).astype(np.int32)
+    table = np.full((len(seq), int(blocks.max(initial=0)) + extra_cols), -1, np.int32)
+    used = 0
+    for r, nb in enumerate(blocks):
+        table[r, :nb] = perm[used:used + nb]
+        used += nb
+    cache = empty_index_cache(num_pages, page, d, fmt, fill_code=poison_code(fmt))
+    keys = quantize(round_to(_values(bg, (num_pages, page, d), kind), md), fmt)
+    for r, src, dst in duplicate:
+        keys[table[r, dst]] = keys[table[r, src]]
+    for r, s in enumerate(seq):
+        pos = np.arange(s)
+        cache[table[r, pos // page], pos % page] = keys[table[r, pos // page], pos % page]
+    total = len(seq) * rows if rows is not None else int(np.sum(qlens))
+    q = _in_format(_values(bg, (total, hi, d), kind), fmt, md)
+    x = dict(index_q=q, index_cache=cache, index_fmt=fmt, block_table=table, seq_lens=seq,
+             topk=topk, local_blocks=local, initial_blocks=initial, model_dtype=md)
+    if rows is not None:
+        x["rows_per_request"] = rows
+    else:
+        x["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    return x
+
+
+def _op(x):
+    return "indexer_decode" if "rows_per_request" in x else "indexer_prefill"
+
+
+def _impl(op):
+    (impl,) = implementations(op, ["triton"])
+    return impl
+
+
+def _passes(x, impl=None):
+    """The oracle's tie-aware verdict (selection admissible under the fp32 score bound)."""
+    op = _op(x)
+    case = Case(op, "tiny", "normal", "cuda", "auto", "bfloat16", "none", 0)
+    res = run_check(case, impl or _impl(op), inputs=x)
+    assert res.passed, res.summary()
+
+
+def _reference(x):
+    return (ref.indexer_decode if "rows_per_request" in x else ref.indexer_prefill)(x)
+
+
+def _run(x, **kw):
+    """The kernel's selection through the oracle adapter, with launcher options."""
+    op = _op(x)
+    launch = functools.partial(idd.indexer_decode if op == "indexer_decode"
+                               else ipf.indexer_prefill, **kw)
+    return ix.adapter(launch, decode=op == "indexer_decode")(x)["topk"]
+
+
+def _exact(x, **kw):
+    """Grid data: the selection equals the reference's, order included."""
+    got = _run(x, **kw)
+    want = _reference(x)
+    assert np.array_equal(got, want), (got, want)
+    return got
+
+
+# ------------------------------------------------------------------------ formats
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("decode_op", [False, True], ids=["prefill", "decode"])
+def test_every_index_format_matches_reference(fmt, decode_op):
+    """For bf16 and fp16 caches and all four fp8 formats (e4m3fn, e4m3fnuz as platforms
+    use; e5m2, e5m2fnuz for emulation), with Hi = 3, prefixes and lengths not multiples
+    of P and NaN-poisoned invisible cache content, the selection is admissible (set equal
+    up to near-ties within the fp32 score bound)."""
+    if decode_op:
+        x = make_index_inputs(fmt, seq_lens=(45, 0, 70), rows=3, topk=3, seed=len(fmt))
+    else:
+        x = make_index_inputs(fmt, seq_lens=(37, 70), qlens=(9, 23), topk=3, seed=len(fmt))
+    _passes(x)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_max_codes_decode_in_their_own_format(fmt):
+    """A key of the format's max-finite code (0x7F = 240 in e4m3fnuz, NaN in e4m3fn; 0x7E =
+    448 in e4m3fn) makes its block the top one: a reader that decodes fnuz bytes as fn (or
+    the reverse) turns it into NaN (ranked last) or misreads it. Reading one format as the
+    other otherwise just scales every score, which no selection can see."""
+    from reference.codec import FORMATS as CODEC
+
+    x = make_index_inputs(fmt, seq_lens=(90,), qlens=(4,), topk=2, local=0, kind="grid",
+                          seed=23)
+    x["index_q"] = _in_format(np.abs(x["index_q"]) + 0.125, fmt, "bfloat16")
+    top = CODEC[fmt].max_finite
+    x["index_cache"][x["block_table"][0, 2], 5] = quantize(np.full(64, top), fmt)
+    got = _exact(x)
+    assert (got[:, :, 0] == 2).all()
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "e4m3fnuz", "e5m2"])
+def test_grid_values_select_exactly_the_reference(fmt):
+    """With exact fp32 scores (grid values), prefill and decode select exactly the
+    reference's blocks in the reference's order (forced first, then descending score, ties
+    to the lower id), for every fp8 decode branch too (hardware and software codec)."""
+    _exact(make_index_inputs(fmt, seq_lens=(70, 33), qlens=(20, 7), topk=5, initial=1,
+                             kind="grid", seed=3))
+    _exact(make_index_inputs(fmt, seq_lens=(70, 33), rows=4, topk=5, initial=1, kind="grid",
+                             seed=4))
+
+
+# --------------------------------------------------------------------------- ties
+
+
+def test_duplicated_key_blocks_tie_to_the_lower_block_id():
+    """Blocks whose keys are copies of another block's score bit-equally: the lower block
+    id wins (both selected or the lower one), in prefill and in decode, exactly as the
+    reference orders them."""
+    dup = [(0, 1, 3), (0, 1, 5), (0, 2, 4), (1, 0, 2)]
+    kw = dict(kind="grid", topk=3, local=0, duplicate=dup, seed=5)
+    _exact(make_index_inputs(seq_lens=(100, 48), qlens=(30, 10), **kw))
+    _exact(make_index_inputs(seq_lens=(100, 48), rows=2, **kw))
+
+
+def test_all_scores_equal_selects_the_lowest_ids():
+    """index_q = 0: every score is 0 (some -0), all tie; the selection is the forced
+    blocks, then the lowest block ids, in ascending order."""
+    x = make_index_inputs(seq_lens=(90,), qlens=(12,), topk=4, local=1, seed=6)
+    x["index_q"] = np.zeros_like(x["index_q"])
+    got = _exact(x)
+    assert got[0, -1].tolist() == [5, 0, 1, 2]  # p = 89: own block 5 forced
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("op", ["indexer_prefill", "indexer_decode"])
+def test_near_ties_distribution(op, seed):
+    """The oracle's "ties" distribution (copied blocks, some nudged by 2^-9 relative: near
+    ties within bf16/e4m3 resolution) on tiny cases of every platform's e4m3 and bf16
+    formats: admissible under the fp32 score bound."""
+    for plat, kv in (("cuda", "fp8"), ("rocm-fnuz", "fp8"), ("cuda", "auto")):
+        case = Case(op, "tiny", "ties", plat, kv, "bfloat16", "none", 100 + seed)
+        res = run_check(case, _impl(op))
+        assert res.passed, res.summary()
+
+
+def test_nan_scores_rank_last():
+    """Keys holding NaN codes (inside the visible range) make their blocks' scores NaN:
+    those blocks rank below every number (chosen only when nothing else is left, lower id
+    first), exactly as the reference."""
+    x = make_index_inputs("e4m3fn", seq_lens=(80,), qlens=(16,), topk=5, local=0,
+                          kind="grid", seed=8)
+    page = x["index_cache"].shape[1]
+    for b in (1, 3):
+        x["index_cache"][x["block_table"][0, b], 2, 7] = 0x7F  # NaN
+    got = _exact(x)
+    last = got[:, -1]  # p = 79: 5 blocks visible, K = 5: the NaN blocks come last
+    assert page == 16 and (last[:, 3:] == [1, 3]).all()
+
+
+# ------------------------------------------------------------------ shapes and rows
+
+
+def test_k_larger_than_the_visible_blocks_pads_with_minus_one():
+    """K = 64 with 1..5 visible blocks: n = p//P + 1 valid entries, then -1."""
+    x = make_index_inputs(seq_lens=(70, 3), qlens=(70, 3), topk=64, kind="grid", seed=9)
+    got = _exact(x)
+    n_valid = (got >= 0).sum(-1)
+    pos = np.concatenate([np.arange(70), np.arange(3)])
+    assert (n_valid == (pos // 16 + 1)[None, :]).all()
+
+
+@pytest.mark.parametrize("page, d", [(32, 128), (64, 64), (128, 256)])
+def test_page_sizes_and_head_dims(page, d):
+    """P = 32, 64, 128 with D = 128, 64, 256 and Hi = 5: lengths not multiples of P,
+    prefill and decode admissible."""
+    lens = (page * 3 + 5, 2 * page - 1)
+    _passes(make_index_inputs(page=page, d=d, hi=5, seq_lens=lens, qlens=(page + 3, 4),
+                              topk=2, seed=page))
+    _passes(make_index_inputs(page=page, d=d, hi=5, seq_lens=lens, rows=2, topk=2,
+                              seed=page + 1))
+
+
+def test_padded_decode_rows_select_nothing():
+    """Requests with seq_len 0 (graph padding) get all -1; the others are unaffected."""
+    x = make_index_inputs(seq_lens=(0, 40, 0, 33), rows=2, topk=3, kind="grid", seed=10)
+    got = _exact(x)
+    assert (got[:, [0, 1, 4, 5]] == -1).all()
+    assert (got[:, [2, 3, 6, 7]] >= 0).any(-1).all()
+
+
+def test_prefill_and_decode_agree_on_the_same_positions():
+    """The last rows of a prefill request and the decode rows at the same positions (same
+    keys, same queries) select identical blocks in identical order, split or not."""
+    x = make_index_inputs("e4m3fn", seq_lens=(77, 50), qlens=(4, 4), topk=4, local=1,
+                          initial=1, seed=11)
+    pre = _run(x)
+    dec = dict(x, rows_per_request=4)
+    del dec["cu_seqlens_q"]
+    for splits in (1, 3):
+        assert np.array_equal(_run(dec, num_splits=splits), pre)
+    _passes(x)
+
+
+def test_token_major_output_buffer():
+    """A transposed view of a token-major [T, Hi, K] buffer is written through its strides:
+    buf[t, h] equals the head-major output's [h, t]; untouched sentinel cells remain only
+    where nothing is meant to be written (nowhere)."""
+    x = make_index_inputs(seq_lens=(60, 21), qlens=(6, 5), topk=3, seed=12)
+    dev = device()
+    args = _launch_args(x, dev)
+    head_major = ipf.indexer_prefill(*args, topk=3, local_blocks=1, initial_blocks=0)
+    buf = torch.full((11, 3, 3), -7, dtype=torch.int32, device=dev)
+    out = ipf.indexer_prefill(*args, topk=3, local_blocks=1, initial_blocks=0,
+                              out=buf.transpose(0, 1))
+    assert out.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf.transpose(0, 1), head_major) and not (buf == -7).any()
+
+
+def test_t_equal_to_hi_is_not_transposed():
+    """T = Hi = 3 (so a [T, Hi, K] buffer read as [Hi, T, K] has the right shape: the
+    transposition bug class): with a token-major output buffer the selection is exactly the
+    reference's, and differs from its transpose."""
+    x = make_index_inputs(seq_lens=(64, 40), qlens=(2, 1), topk=3, kind="grid", seed=22)
+    got = _exact(x)  # T odd: the adapter passes a transposed token-major buffer
+    assert got.shape == (3, 3, 3) and not np.array_equal(got, got.transpose(1, 0, 2))
+
+
+# ------------------------------------------------------------------- forced blocks
+
+
+@pytest.mark.parametrize("local, initial", [(0, 0), (1, 0), (3, 0), (0, 2), (2, 2), (5, 4)])
+def test_forced_local_and_initial_blocks(local, initial):
+    """Forced blocks with SPEC.md s.5's precedence (initial before local, lower id first
+    when they exceed n = min(K, visible)), K = 3 with 1..7 visible blocks, prefill and
+    decode: exactly the reference."""
+    kw = dict(kind="grid", topk=3, local=local, initial=initial, seed=13 + local)
+    _exact(make_index_inputs(seq_lens=(100, 20), qlens=(40, 20), **kw))
+    _exact(make_index_inputs(seq_lens=(100, 20), rows=3, **kw))
+
+
+# ------------------------------------------------- strategies, splits and tilings
+
+
+@pytest.mark.parametrize("decode_op", [False, True], ids=["prefill", "decode"])
+def test_compiled_strategy_runs_interpreted(decode_op):
+    """The compiled default strategy (replace-min, one block per step, fp32 tiles of 32
+    dims, key sub-blocks smaller than P, 16 rows per program, 3 splits with the
+    insertion merge) selects exactly the reference, with forced initial blocks and exact
+    ties (duplicated blocks)."""
+    kw = dict(page=32, kind="grid", topk=5, initial=1, duplicate=[(0, 0, 2)], seed=14)
+    if decode_op:
+        x = make_index_inputs(seq_lens=(150, 0, 64), rows=4, **kw)
+        _exact(x, vec=False, block_n=16, block_d=32, num_splits=3)
+    else:
+        x = make_index_inputs(seq_lens=(150, 64), qlens=(9, 3), **kw)
+        _exact(x, vec=False, block_n=16, block_d=32, block_rows=16)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 64])
+def test_decode_split_merge_is_exact(splits):
+    """Any number of key-block splits (1 = no merge; more splits than blocks) merges the
+    partial top-k lists into the same selection: the reference's."""
+    x = make_index_inputs(seq_lens=(130, 17, 64), rows=1, topk=6, local=1, kind="grid",
+                          duplicate=[(0, 2, 6)], seed=15)
+    _exact(x, num_splits=splits)
+
+
+def test_small_steps_and_tiles_agree():
+    """Vectorised merge with one or two blocks per step, small row tiles (several token
+    tiles per request) and D chunks: the same selection as the default tiling."""
+    x = make_index_inputs(seq_lens=(99, 40), qlens=(30, 8), topk=6, kind="grid", seed=16)
+    want = _exact(x)
+    for kw in (dict(blocks_per_step=1), dict(blocks_per_step=2, block_rows=32, block_d=16)):
+        assert np.array_equal(_run(x, **kw), want), kw
+
+
+# ------------------------------------------------------------------ guards and validation
+
+
+def _launch_args(x, dev):
+    fmt = x["index_fmt"]
+    q = ix.index_q_in(np.asarray(x["index_q"]), fmt, dev)
+    from kernels._host import strided_codes_in
+
+    ic = strided_codes_in(x["index_cache"], dev, HALF_DTYPES.get(fmt))
+    bt = torch.from_numpy(np.ascontiguousarray(x["block_table"])).to(dev)
+    seq = torch.from_numpy(np.ascontiguousarray(x["seq_lens"])).to(dev)
+    if "rows_per_request" in x:
+        return q, ic, fmt, bt, seq, x["rows_per_request"]
+    cu = torch.from_numpy(np.ascontiguousarray(x["cu_seqlens_q"])).to(dev)
+    return q, ic, fmt, bt, cu, seq
+
+
+def test_bad_block_table_entries_never_fault():
+    """validate=False with block-table entries out of range (negative, past the cache) for
+    one request: the call completes, and the other request's selection is unaffected."""
+    for decode_op in (False, True):
+        kw = dict(rows=2) if decode_op else dict(qlens=(5, 7))
+        x = make_index_inputs(seq_lens=(70, 40), topk=3, kind="grid", seed=17, **kw)
+        want = _reference(x)
+        bad = dict(x, block_table=x["block_table"].copy())
+        bad["block_table"][0, 1] = -5
+        bad["block_table"][0, 3] = 10**6
+        launch = functools.partial(idd.indexer_decode if decode_op else ipf.indexer_prefill,
+                                   validate=False)
+        got = ix.adapter(launch, decode_op)(bad, validate=False)["topk"]
+        first = 2 if decode_op else 5  # the good request's rows
+        assert np.array_equal(got[:, first:], want[:, first:])
+        assert ((got[:, :first] >= -1) & (got[:, :first] < 5)).all()  # ids or -1
+
+
+def _good(decode_op=False, fmt="e4m3fn"):
+    kw = dict(rows=2) if decode_op else dict(qlens=(3, 4))
+    x = make_index_inputs(fmt, seq_lens=(40, 20), topk=3, seed=18, **kw)
+    names = (("index_q", "index_cache", "index_fmt", "block_table", "seq_lens",
+              "rows_per_request") if decode_op else
+             ("index_q", "index_cache", "index_fmt", "block_table", "cu_seqlens_q",
+              "seq_lens"))
+    args = dict(zip(names, _launch_args(x, device())))
+    args.update(topk=3, local_blocks=1, initial_blocks=0)
+    return args
+
+
+def _bad(name, decode_op=False, **changes):
+    def make():
+        args = _good(decode_op)
+        args.update({k: (v(args) if callable(v) else v) for k, v in changes.items()})
+        return args
+    return pytest.param(make, name, decode_op,
+                        id=f"{'decode' if decode_op else 'prefill'}-{name}-{'-'.join(changes)}")
+
+
+@pytest.mark.parametrize("make, name, decode_op", [
+    _bad("index_fmt", index_fmt="fp8"),
+    _bad("index_fmt", index_fmt="e4m3"),
+    _bad("index_cache", index_cache=lambda a: a["index_cache"].to(torch.int16)),
+    _bad("index_cache", index_cache=lambda a: a["index_cache"][:, :8]),
+    _bad("index_cache", index_cache=lambda a: a["index_cache"][..., :48]),
+    _bad("index_cache", index_cache=lambda a: a["index_cache"].transpose(1, 2)),
+    _bad("index_cache", index_cache=[[0]]),
+    _bad("index_q", index_q=lambda a: a["index_q"].to(torch.float32)),
+    _bad("index_q", index_q=lambda a: a["index_q"][..., :32]),
+    _bad("index_q", index_q=lambda a: a["index_q"].new_zeros(7, 9, 64)),
+    _bad("index_q", index_q=lambda a: a["index_q"].transpose(0, 2).contiguous().transpose(0, 2)),
+    _bad("block_table", block_table=lambda a: a["block_table"].float()),
+    _bad("block_table", block_table=lambda a: a["block_table"][0]),
+    _bad("seq_lens", seq_lens=lambda a: a["seq_lens"][:1]),
+    _bad("seq_lens", seq_lens=lambda a: a["seq_lens"].float()),
+    _bad("cu_seqlens_q", cu_seqlens_q=lambda a: a["cu_seqlens_q"][:2]),
+    _bad("topk", topk=0),
+    _bad("topk", topk=65),
+    _bad("topk", topk=2.0),
+    _bad("local_blocks", local_blocks=-1),
+    _bad("initial_blocks", initial_blocks=None),
+    _bad("out", out=lambda a: torch.zeros(3, 7, 3, dtype=torch.int64, device=device())),
+    _bad("out", out=lambda a: torch.zeros(3, 7, 4, dtype=torch.int32, device=device())),
+    _bad("max_query_len", max_query_len=-1),
+    _bad("block_rows", block_rows=24),
+    _bad("block_n", block_n=12),
+    _bad("block_d", block_d=128),
+    _bad("blocks_per_step", blocks_per_step=3),
+    _bad("blocks_per_step", blocks_per_step=2, vec=False),
+    _bad("rows_per_request", True, rows_per_request=5),
+    _bad("rows_per_request", True, rows_per_request=0),
+    _bad("index_q", True, rows_per_request=1),
+    _bad("num_splits", True, num_splits=0),
+])
+def test_bad_host_input_raises_value_error_naming_it(make, name, decode_op):
+    """Wrong dtypes, shapes, strides, formats, K / forced-block counts, output buffers and
+    tuning knobs raise ValueError whose message starts with the argument's name, before
+    any launch."""
+    args = make()
+    launch = idd.indexer_decode if decode_op else ipf.indexer_prefill
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        launch(**args)
+
+
+@pytest.mark.parametrize("decode_op, change, match", [
+    (False, dict(block_table=(0, 1, 99)), r"^block_table\b.*block_table\[0, 1\] = 99"),
+    (True, dict(block_table=(1, 0, -1)), r"^block_table\b.*block_table\[1, 0\] = -1"),
+    (False, dict(seq_lens=(3, 99)), r"^block_table\b.*needs 7 blocks"),
+    (True, dict(seq_lens=(1, 20)), r"^seq_lens\b.*>= rows_per_request"),
+    (True, dict(seq_lens=(-3, 20)), r"^seq_lens\b.*>= rows_per_request"),
+    (False, dict(seq_lens=(2, 20)), r"^cu_seqlens_q\b.*request 0 3 new tokens"),
+    (False, dict(cu=(0, 3, 6)), r"^cu_seqlens_q\b.*from 0 to T=7"),
+    (False, dict(max_query_len=3), r"^max_query_len\b"),
+])
+def test_validate_rejects_bad_contents(decode_op, change, match):
+    """validate=True checks contents on the host: block-table entries used by a request
+    out of range, a table too narrow for seq_lens, decode seq_lens neither 0 nor >= rows,
+    cu_seqlens_q inconsistent with T or seq_lens, max_query_len too small: ValueError
+    naming the argument, nothing written."""
+    args = _good(decode_op)
+    dev = device()
+    if "block_table" in change:
+        r, c, v = change["block_table"]
+        args["block_table"][r, c] = v
+    if "seq_lens" in change:
+        args["seq_lens"] = torch.tensor(change["seq_lens"], dtype=torch.int32, device=dev)
+    if "cu" in change:
+        args["cu_seqlens_q"] = torch.tensor(change["cu"], dtype=torch.int32, device=dev)
+    if "max_query_len" in change:
+        args["max_query_len"] = change["max_query_len"]
+    out = torch.full((3, args["index_q"].shape[0], 3), -7, dtype=torch.int32, device=dev)
+    launch = idd.indexer_decode if decode_op else ipf.indexer_prefill
+    with pytest.raises(ValueError, match=match):
+        launch(**args, out=out, validate=True)
+    assert (out == -7).all()
+
+
+@pytest.mark.parametrize("decode_op", [False, True], ids=["prefill", "decode"])
+def test_good_host_input_runs_validated(decode_op):
+    """The valid baseline of the validation tests runs with validate=True and returns the
+    head-major output it allocated."""
+    args = _good(decode_op)
+    launch = idd.indexer_decode if decode_op else ipf.indexer_prefill
+    out = launch(**args, validate=True)
+    assert out.shape == (3, args["index_q"].shape[0], 3) and out.dtype == torch.int32
+    assert out.is_contiguous() and (out[:, :, 0] >= 0).all()
+
+
+def test_no_tokens_launches_nothing(monkeypatch):
+    """T = 0 (no new tokens; no decode requests): nothing is launched, the empty output is
+    returned."""
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("launched for T = 0")
+
+    monkeypatch.setattr(ipf, "_indexer_prefill_kernel", NoLaunch())
+    monkeypatch.setattr(idd, "_indexer_decode_kernel", NoLaunch())
+    x = make_index_inputs(seq_lens=(10,), qlens=(0,), topk=2, seed=19)
+    assert _run(x).shape == (3, 0, 2)
+    x = make_index_inputs(seq_lens=(), rows=2, topk=2, seed=19, extra_cols=1)
+    assert _run(x).shape == (3, 0, 2)
+
+
+@pytest.mark.parametrize("op", ["indexer_prefill", "indexer_decode"])
+def test_registered_for_cpu_and_cuda(op):
+    """Registered as implementation "triton" of both indexer ops with full fp32 score
+    accumulation (score_rel = 0); model shapes only when compiled."""
+    impl = _impl(op)
+    assert impl.devices == ("cpu", "cuda") and impl.score_rel == 0.0
+    interpreted = (ipf if op == "indexer_prefill" else idd).INTERPRETED
+    assert ("model" in impl.shape_classes) == (not interpreted)
+
+
+def test_oracle_rejects_a_wrong_selection():
+    """The check has power here: the kernel's output with one selected block swapped for an
+    unselected, clearly lower-scoring one fails."""
+    x = make_index_inputs(seq_lens=(90,), qlens=(3,), topk=2, local=0, seed=20)
+    out = _run(x)
+    bad = out.copy()
+    chosen = set(bad[0, -1].tolist())
+    bad[0, -1, 1] = next(b for b in range(6) if b not in chosen)
+    impl = replace(_impl("indexer_prefill"), run=lambda _x: {"topk": bad})
+    case = Case("indexer_prefill", "tiny", "normal", "cuda", "auto", "bfloat16", "none", 0)
+    assert not run_check(case, impl, inputs=x).passed
