@@ -1,5 +1,6 @@
 """Tuning sweep of the fused insert's launch parameters at the model shape (16,384 tokens):
-Triton ``block_h`` x ``num_warps`` x program order and CUDA ``block_h``, timed like
+Triton ``block_h`` x ``num_warps`` x program order; CUDA variant x warps per block x heads
+per warp x program order (variant 0: the first kernel, 32 heads per block), timed like
 bench_insert (graph replay over rotating input sets). Prints a table and writes
 ``$OUT/tune.json`` (or reports/tune.json): the defaults in the launchers come from here.
 
@@ -27,8 +28,13 @@ def configs(args):
         for nw in args.num_warps:
             for hf in args.heads_fast:
                 yield "triton", {"block_h": bh, "num_warps": nw, "heads_fast": hf}
-    for bh in args.block_h:
-        yield "cuda", {"block_h": bh}
+    for hf in args.heads_fast:
+        yield "cuda", {"variant": 0, "block_h": 32, "heads_fast": hf}
+        for v in args.cuda_variants:
+            for w in (1, 2, 4, 8):
+                for h in (2, 4, 8):
+                    yield "cuda", {"variant": v, "warps_per_block": w, "heads_per_warp": h,
+                                   "heads_fast": hf}
 
 
 def launcher(name, params):
@@ -49,6 +55,8 @@ def main(argv=None) -> int:
                     default=[1, 2, 4, 8])
     ap.add_argument("--heads-fast", type=lambda s: [bool(int(v)) for v in s.split(",")],
                     default=[False, True])
+    ap.add_argument("--cuda-variants", type=lambda s: [int(v) for v in s.split(",")],
+                    default=[1, 2])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "reports"),
                                                   "tune.json"))
     args = ap.parse_args(argv)

@@ -1,7 +1,17 @@
 // Fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert (SPEC.md sections
 // 3 and 4): the CUDA twin of kernels/norm_rope_insert.py, same contract.
 //
-// Grid (N, ceil(heads / heads_per_block)), 4 warps per block. A token's heads are
+// nri_launch picks one of three kernels by NriParams::variant (all compute the same
+// function; the knobs only change speed):
+//   0  this file's kernel, described below: a warp per head (the verified fallback);
+//   1  csrc/nri_vec.cuh with XCHG_SHFL: 16-byte lanes (8 dims per lane, 256 / D heads per
+//      warp instruction), 1, 2 or 4 such passes per warp with every x load issued first,
+//      RoPE partners by warp shuffles, no shared memory;
+//   2  csrc/nri_vec.cuh with XCHG_GLOBAL: as 1, partners re-read from global memory.
+// heads_fast (any variant) launches a 1-D grid with a token's head blocks adjacent instead
+// of the (N, head blocks) grid.
+//
+// Variant 0: grid (N, ceil(heads / heads_per_block)), 4 warps per block. A token's heads are
 // enumerated q (Hq), k (Hkv), index_q (Hi), index_k (1, when written); a block owns
 // heads_per_block consecutive ones and each warp one head at a time (lane l holds dims
 // l*VEC .. l*VEC+VEC-1, VEC = D/32). The block first loads the token's cos|sin table row
@@ -31,65 +41,15 @@
 
 #include "fp8_convert.h"
 #include "norm_rope_insert.h"
+#include "nri_device.cuh"
+#include "nri_lanes.h"
 
 namespace {
 
+using namespace nri_dev;
+
 constexpr int kWarps = 4;
 constexpr int kMaxRotary = 256;
-
-template <int B>
-struct Word;
-template <>
-struct Word<2> { using T = uint16_t; };
-template <>
-struct Word<4> { using T = uint32_t; };
-template <>
-struct Word<8> { using T = uint2; };
-template <>
-struct Word<16> { using T = uint4; };
-
-// N elements of type E at p: one vector access when p is aligned to the whole span, else
-// element by element (rows, outputs and caches may have any alignment their strides give).
-template <int N, typename E>
-__device__ __forceinline__ void load_n(const E* p, E (&out)[N]) {
-  constexpr int B = N * sizeof(E);
-  if (reinterpret_cast<uintptr_t>(p) % B == 0) {
-    typename Word<B>::T w = *reinterpret_cast<const typename Word<B>::T*>(p);
-    memcpy(out, &w, B);
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) out[j] = p[j];
-  }
-}
-
-template <int N, typename E>
-__device__ __forceinline__ void store_n(E* p, const E (&v)[N]) {
-  constexpr int B = N * sizeof(E);
-  if (reinterpret_cast<uintptr_t>(p) % B == 0) {
-    typename Word<B>::T w;
-    memcpy(&w, v, B);
-    *reinterpret_cast<typename Word<B>::T*>(p) = w;
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) p[j] = v[j];
-  }
-}
-
-__device__ __forceinline__ int64_t load_index(const void* p, int64_t is64, int64_t i) {
-  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
-}
-
-template <int N>
-__device__ __forceinline__ void encode_n(const float (&y)[N], int fmt, uint8_t (&c)[N]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) c[j] = cvt::fp8_encode_satfinite(y[j], fmt);
-}
-
-template <int ACT, int N>
-__device__ __forceinline__ void round_n(const float (&y)[N], uint16_t (&b)[N]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) b[j] = cvt::half_from_f32(y[j], ACT);
-}
 
 // 12 blocks of 4 warps per SM: <= 40 registers (no spills at D = 64/128; a few bytes at 256).
 template <int ACT, int D>
@@ -98,7 +58,11 @@ __global__ void __launch_bounds__(kWarps * 32, 12) nri_kernel(const NriParams p)
   __shared__ float cs[kMaxRotary];   // cos_0..cos_{R/2-1} | sin_0..sin_{R/2-1}
   __shared__ float nb[kWarps][D];    // each warp's normalised head, for the partner lanes
 
-  const int64_t tok = blockIdx.x;
+  const int64_t total = p.hq + p.hkv + p.hi + p.write_ik;
+  int64_t tok;
+  int hb;
+  nri::block_coords(blockIdx.x, blockIdx.y, (uint32_t)total, (uint32_t)p.heads_per_block,
+                    p.heads_fast != 0, tok, hb);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int rot = (int)p.rotary_dim;
@@ -116,11 +80,10 @@ __global__ void __launch_bounds__(kWarps * 32, 12) nri_kernel(const NriParams p)
 
   uint16_t* row = static_cast<uint16_t*>(p.rows) + tok * p.row_stride;
   const float eps = (float)p.eps;
-  const int64_t total = p.hq + p.hkv + p.hi + p.write_ik;
-  const int64_t h_end = min(total, ((int64_t)blockIdx.y + 1) * p.heads_per_block);
+  const int64_t h_end = min(total, ((int64_t)hb + 1) * p.heads_per_block);
   const int d0 = lane * VEC;
 
-  for (int64_t t = (int64_t)blockIdx.y * p.heads_per_block + warp; t < h_end; t += kWarps) {
+  for (int64_t t = (int64_t)hb * p.heads_per_block + warp; t < h_end; t += kWarps) {
     // Which head of which kind, where it lives in the row, its weight.
     int kind;  // 0 q, 1 k, 2 index_q, 3 index_k
     int64_t h, col;
@@ -240,6 +203,8 @@ __global__ void __launch_bounds__(kWarps * 32, 12) nri_kernel(const NriParams p)
   }
 }
 
+// ------------------------------------------------------------------------------ launch
+
 template <int ACT>
 cudaError_t launch_act(const NriParams& p, dim3 grid, dim3 block, cudaStream_t s) {
   switch (p.head_dim) {
@@ -259,25 +224,64 @@ bool valid_fmt(int64_t f, bool fp8_ok, int64_t act) {
 
 extern "C" int nri_launch(const NriParams* p, void* stream) {
   if (p == nullptr) return (int)cudaErrorInvalidValue;
-  const NriParams& q = *p;
+  NriParams q = *p;
   const bool ok =
       q.n >= 0 && q.n <= 0x7FFFFFFF && (q.act_fmt == cvt::FMT_BF16 || q.act_fmt == cvt::FMT_F16) &&
       (q.head_dim == 64 || q.head_dim == 128 || q.head_dim == 256) && q.rotary_dim >= 2 &&
       q.rotary_dim % 2 == 0 && q.rotary_dim <= q.head_dim && q.hq >= 1 && q.hkv >= 1 &&
       q.hi >= 0 && (q.write_ik == 0 || q.write_ik == 1) && q.heads_per_block >= 1 &&
       q.page_size >= 1 && q.ic_page >= 1 && valid_fmt(q.kv_fmt, true, q.act_fmt) &&
-      valid_fmt(q.iq_fmt, true, q.act_fmt) && valid_fmt(q.ic_fmt, true, q.act_fmt);
+      valid_fmt(q.iq_fmt, true, q.act_fmt) && valid_fmt(q.ic_fmt, true, q.act_fmt) &&
+      q.variant >= 0 && q.variant <= 2 && (q.heads_fast == 0 || q.heads_fast == 1);
   if (!ok) return (int)cudaErrorInvalidValue;
-  if (q.n == 0) return (int)cudaSuccess;
+  // The kernels count heads, head blocks and row columns in 32 bits.
   const int64_t total = q.hq + q.hkv + q.hi + q.write_ik;
-  const int64_t blocks_y = (total + q.heads_per_block - 1) / q.heads_per_block;
-  if (blocks_y > 65535) return (int)cudaErrorInvalidValue;
-  const dim3 grid((unsigned)q.n, (unsigned)blocks_y);
-  const dim3 block(kWarps * 32);
+  if (total >= (1 << 24) || q.heads_per_block >= (1 << 24) || q.ik_col < 0 ||
+      (total + q.hkv) * q.head_dim >= ((int64_t)1 << 31) || q.ik_col >= ((int64_t)1 << 31))
+    return (int)cudaErrorInvalidValue;
+  // Launch shape; 0 means the variant's default. Variant 0: 4 warps per block, one head per
+  // warp at a time, any heads_per_block (the warps loop). Variants 1, 2: 1, 2, 4 or 8 warps
+  // per block (default 2), G * {1, 2, 4} heads per warp (G = 256 / D heads per 16-byte
+  // pass; default 2 G), heads_per_block = warps * heads per warp (no loop).
+  int rounds = 0;
+  if (q.variant == 0) {
+    if (q.warps_per_block == 0) q.warps_per_block = kWarps;
+    if (q.heads_per_warp == 0) q.heads_per_warp = 1;
+    if (q.warps_per_block != kWarps || q.heads_per_warp != 1) return (int)cudaErrorInvalidValue;
+  } else {
+    const int64_t g = 256 / q.head_dim;
+    if (q.warps_per_block == 0) q.warps_per_block = 2;
+    if (q.heads_per_warp == 0) q.heads_per_warp = 2 * g;
+    const int64_t w = q.warps_per_block, r = q.heads_per_warp / g;
+    if ((w != 1 && w != 2 && w != 4 && w != kVecMaxWarps) || q.heads_per_warp % g != 0 ||
+        (r != 1 && r != 2 && r != 4) || q.heads_per_block != w * q.heads_per_warp)
+      return (int)cudaErrorInvalidValue;
+    rounds = (int)r;
+  }
+  if (q.n == 0) return (int)cudaSuccess;
+  const int64_t blocks_y = nri::head_blocks((uint32_t)total, (uint32_t)q.heads_per_block);
+  dim3 grid;
+  if (q.heads_fast) {
+    if (q.n * blocks_y > 0x7FFFFFFF) return (int)cudaErrorInvalidValue;
+    grid = dim3((unsigned)(q.n * blocks_y));
+  } else {
+    if (blocks_y > 65535) return (int)cudaErrorInvalidValue;
+    grid = dim3((unsigned)q.n, (unsigned)blocks_y);
+  }
+  const dim3 block((unsigned)(q.warps_per_block * 32));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const cudaError_t err = q.act_fmt == cvt::FMT_BF16
-                              ? launch_act<cvt::FMT_BF16>(q, grid, block, s)
-                              : launch_act<cvt::FMT_F16>(q, grid, block, s);
+  const bool bf16 = q.act_fmt == cvt::FMT_BF16;
+  cudaError_t err;
+  if (q.variant == 0) {
+    err = bf16 ? launch_act<cvt::FMT_BF16>(q, grid, block, s)
+               : launch_act<cvt::FMT_F16>(q, grid, block, s);
+  } else if (q.variant == 1) {
+    err = bf16 ? nri_launch_vec_shfl_bf16(q, rounds, grid, block, s)
+               : nri_launch_vec_shfl_f16(q, rounds, grid, block, s);
+  } else {
+    err = bf16 ? nri_launch_vec_global_bf16(q, rounds, grid, block, s)
+               : nri_launch_vec_global_f16(q, rounds, grid, block, s);
+  }
   return (int)err;
 }
 

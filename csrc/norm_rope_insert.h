@@ -74,6 +74,13 @@
   X(int64_t, rotary_dim)                                                                    \
   X(int64_t, act_fmt)                                                                       \
   X(int64_t, heads_per_block)                                                               \
+  /* launch variant (0: a warp per head, the original kernel; 1: 16-byte lanes, RoPE    */   \
+  /* partners by warp shuffles; 2: 16-byte lanes, partners re-read from global memory),  */   \
+  /* warps per block, heads per warp, grid order (0 for any: the variant's default) */        \
+  X(int64_t, variant)                                                                       \
+  X(int64_t, warps_per_block)                                                               \
+  X(int64_t, heads_per_warp)                                                                \
+  X(int64_t, heads_fast)                                                                    \
   X(double, eps)
 
 extern "C" {

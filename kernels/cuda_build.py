@@ -3,10 +3,11 @@
 ``build()`` compiles every source (``nvcc -O3 -arch=sm_90 -Xcompiler -fPIC -c``, one process
 per source, in parallel), links them with ``nvcc -shared`` and returns the path of the .so.
 The library lives under ``<cache>/<key>/`` where the key is a sha256 of the sources, every
-header in csrc/, the flags and the nvcc path: a cached build costs a hash of a few files and
-no process. The cache root is ``$CSRC_CACHE_DIR``, else ``$XDG_CACHE_HOME`` (or ``~/.cache``)
-``/sparse-attn-oracle/csrc``, else the temp directory when that is not writable. Builds are
-atomic (a finished library is moved into place), so concurrent test processes are safe.
+header in csrc/ (``.h`` and ``.cuh``), the flags and the nvcc path: a cached build costs a
+hash of a few files and no process. The cache root is ``$CSRC_CACHE_DIR``, else
+``$XDG_CACHE_HOME`` (or ``~/.cache``) ``/sparse-attn-oracle/csrc``, else the temp directory
+when that is not writable. Builds are atomic (a finished library is moved into place), so
+concurrent test processes are safe.
 
 A failed build raises ``BuildError`` (a RuntimeError) carrying nvcc's command and stderr.
 No torch headers are involved: the libraries are loaded with ctypes
@@ -23,8 +24,13 @@ import tempfile
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-#: the sources of the kernels' library (the fused insert and the GPU test entry points).
-LIB_SOURCES = ("norm_rope_insert.cu", "test_support.cu")
+#: the sources of the kernels' library (the fused insert: variant 0 and the launcher;
+#: variants 1 and 2, one translation unit per variant and activation dtype so that they
+#: compile in parallel; the GPU test entry points).
+LIB_SOURCES = ("norm_rope_insert.cu", "nri_vec_shfl_bf16.cu", "nri_vec_shfl_f16.cu",
+               "nri_vec_global_bf16.cu", "nri_vec_global_f16.cu", "test_support.cu")
+#: headers hashed into the build key (every one in the include directory).
+HEADER_GLOBS = ("*.h", "*.cuh")
 ARCH = "sm_90"
 #: compile flags (each source, and the link, which adds ``-shared``).
 NVCC_FLAGS = ("-O3", f"-arch={ARCH}", "-std=c++17", "-Xcompiler", "-fPIC")
@@ -64,10 +70,11 @@ def cache_root() -> Path:
 
 def build_key(sources, flags, nvcc: str, include_dir: Path = CSRC) -> str:
     """sha256 over the flags, the nvcc path, and the name and bytes of every source and of
-    every header in ``include_dir`` (headers are hashed whether included or not)."""
+    every header (``*.h``, ``*.cuh``) in ``include_dir`` (hashed whether included or not)."""
     h = hashlib.sha256()
     h.update(("\0".join(flags) + "\0" + nvcc + "\0").encode())
-    headers = sorted(p for p in Path(include_dir).glob("*.h")) if include_dir else []
+    headers = sorted(p for g in HEADER_GLOBS for p in Path(include_dir).glob(g)) \
+        if include_dir else []
     for p in [Path(s) for s in sources] + headers:
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:32]

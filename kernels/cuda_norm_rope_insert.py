@@ -2,10 +2,13 @@
 (csrc/norm_rope_insert.cu; issue 6), bound with ctypes: no torch headers, no extension build.
 
 ``norm_rope_insert(...)`` has the signature and contract of the Triton launcher
-``kernels.norm_rope_insert.norm_rope_insert``; its host checks are the shared
-``kernels._host.plan_norm_rope_insert`` (ValueError naming the argument), then the tensors
-must be on a CUDA device. The kernel runs on ``torch.cuda.current_stream()``; a nonzero
-cudaError_t from the launch raises RuntimeError with cudaGetErrorString's text.
+``kernels.norm_rope_insert.norm_rope_insert`` (plus its own launch knobs ``variant``,
+``warps_per_block``, ``heads_per_warp``: three kernels computing the same function, for
+tuning sweeps; the default is the original kernel); its host checks are the shared
+``kernels._host.plan_norm_rope_insert`` (ValueError naming the argument), then the launch
+knobs (``launch_shape``), then the tensors must be on a CUDA device. The kernel runs on
+``torch.cuda.current_stream()``; a nonzero cudaError_t from the launch raises RuntimeError
+with cudaGetErrorString's text.
 
 The library is built by ``kernels.cuda_build.build()`` on first use (nvcc -O3 -arch=sm_90,
 cached by a hash of the sources) and loaded once per process. ``run(inputs)`` is the oracle
@@ -13,9 +16,9 @@ adapter (``adapter(norm_rope_insert)``, the Triton adapter's body with the launc
 parameter), registered as implementation ``"cuda"`` of op ``"norm_rope_insert"`` when a
 CUDA device and nvcc are present.
 
-Numerics (declared to the oracle with the default ``Fp32Arith``): fp32 sums of squares in
-warp-shuffle order, correctly rounded ``/`` (no fast math), ``rsqrtf`` (2 ulp), FMA
-contraction; outputs rounded once (RNE); K quantised from its fp32 value
+Numerics (declared to the oracle with the default ``Fp32Arith``; every variant): fp32 sums
+of squares in warp-shuffle order, correctly rounded ``/`` (no fast math), ``rsqrtf`` (2
+ulp), FMA contraction; outputs rounded once (RNE); K quantised from its fp32 value
 (``quantize_from="value"``), fp8 satfinite via cvt.rn.satfinite (e4m3fn, e5m2) or the
 software codec (fnuz), csrc/fp8_convert.h.
 """
@@ -70,6 +73,8 @@ class NriParams(ctypes.Structure):
         ("hi", ctypes.c_int64), ("write_ik", ctypes.c_int64), ("ik_col", ctypes.c_int64),
         ("head_dim", ctypes.c_int64), ("rotary_dim", ctypes.c_int64),
         ("act_fmt", ctypes.c_int64), ("heads_per_block", ctypes.c_int64),
+        ("variant", ctypes.c_int64), ("warps_per_block", ctypes.c_int64),
+        ("heads_per_warp", ctypes.c_int64), ("heads_fast", ctypes.c_int64),
         ("eps", ctypes.c_double),
     ]
 
@@ -139,21 +144,92 @@ def _stream(dev: torch.device) -> int:
 # ----------------------------------------------------------------------------- launcher
 
 
+#: The kernel variants (csrc/norm_rope_insert.cu, csrc/nri_vec.cuh): 0 the original warp
+#: per head (the verified fallback), 1 16-byte lanes with shuffled RoPE partners, 2 16-byte
+#: lanes with partners re-read from global memory.
+VARIANTS = (0, 1, 2)
+#: Variant 0's launch shape: 4 warps per block, one head per warp at a time, 32 heads per
+#: block (tuned on the H200: benchmarks/tune_insert.py).
+V0_WARPS, V0_BLOCK_H = 4, 32
+#: Variants 1 and 2 by default: 2 warps per block, 2 passes of 256 / D heads per warp.
+VEC_WARPS, VEC_ROUNDS = 2, 2
+VEC_WARP_CHOICES = (1, 2, 4, 8)
+VEC_ROUND_CHOICES = (1, 2, 4)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def launch_shape(head_dim, variant=0, block_h=None, warps_per_block=None,
+                 heads_per_warp=None):
+    """(variant, warps_per_block, heads_per_warp, heads_per_block) of a launch, defaults
+    filled in; ValueError naming the argument for an unsupported combination (see
+    ``norm_rope_insert``)."""
+    if not _is_int(variant) or variant not in VARIANTS:
+        fail("variant", f"must be one of {list(VARIANTS)}, got {variant!r}")
+    if variant == 0:
+        if warps_per_block not in (None, V0_WARPS):
+            fail("warps_per_block", f"must be {V0_WARPS} (or None) for variant 0, got "
+                                    f"{warps_per_block!r}")
+        if heads_per_warp not in (None, 1):
+            fail("heads_per_warp", f"must be 1 (or None) for variant 0, got {heads_per_warp!r}")
+        if block_h is None:
+            block_h = V0_BLOCK_H
+        if not _is_int(block_h) or block_h <= 0 or block_h & (block_h - 1):
+            fail("block_h", f"must be a power of two, got {block_h!r}")
+        return 0, V0_WARPS, 1, int(block_h)
+    g = 256 // head_dim  # heads per 16-byte pass of a warp
+    wpb = VEC_WARPS if warps_per_block is None else warps_per_block
+    if not _is_int(wpb) or wpb not in VEC_WARP_CHOICES:
+        fail("warps_per_block", f"must be one of {list(VEC_WARP_CHOICES)} for variant "
+                                f"{variant}, got {warps_per_block!r}")
+    hpw = g * VEC_ROUNDS if heads_per_warp is None else heads_per_warp
+    choices = [g * r for r in VEC_ROUND_CHOICES]
+    if not _is_int(hpw) or hpw not in choices:
+        fail("heads_per_warp", f"must be one of {choices} (256 / head_dim = {g} heads per "
+                               f"16-byte pass, 1, 2 or 4 passes) for variant {variant}, got "
+                               f"{heads_per_warp!r}")
+    if block_h is not None and block_h != wpb * hpw:
+        fail("block_h", f"must be warps_per_block * heads_per_warp = {wpb * hpw} (or None) "
+                        f"for variant {variant}, got {block_h!r}")
+    return int(variant), int(wpb), int(hpw), int(wpb * hpw)
+
+
 def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
                      head_dim, rotary_dim, eps, kv_cache, slot_mapping, kv_fmt=None,
                      kv_cache_dtype=None, platform="cuda",
                      num_index_heads=0, has_index_k=False, w_index_q=None, w_index_k=None,
                      k_scale=None, v_scale=None, index_cache=None, index_fmt=None,
                      index_slot_mapping=None, q_out=None, index_q_out=None,
-                     skip_index=False, validate=False, block_h=None):
+                     skip_index=False, validate=False, block_h=None, heads_fast=False,
+                     variant=0, warps_per_block=None, heads_per_warp=None):
     """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]`` on
     the GPU: the contract of ``kernels.norm_rope_insert.norm_rope_insert`` (see there).
 
-    ``block_h``: heads per CUDA block (a power of two; default 32, tuned; 4 warps, each
-    taking one head at a time).
+    Launch knobs (every combination computes the same function; for tuning sweeps):
+
+    - ``variant``: 0 (default) the original kernel, a warp per head: lane l holds D/32
+      dims, RoPE partners through shared memory, 4 warps per block (the verified fallback);
+      1: 16-byte lanes (a lane holds 8 contiguous dims, a head D/8 lanes, a warp 256/D heads
+      per instruction), all x loads of a warp's heads issued before the first reduction,
+      RoPE partners by warp shuffles inside the head's lanes (8 per lane and pass when
+      R/2 % 8 is 0 or 4, else 16), cos/sin read once per warp straight from the table;
+      2: as 1, but each lane re-reads its partner dims' x and weight from global memory
+      (L1/L2 hits; 16-byte loads when R/2 % 8 == 0) instead of shuffling.
+    - ``block_h``: heads per CUDA block. Variant 0: a power of two (default 32, tuned; the
+      4 warps loop over them). Variants 1, 2: must be ``warps_per_block * heads_per_warp``
+      (the default).
+    - ``heads_fast``: grid order. False (default): grid (N, head blocks), one head block's
+      tokens adjacent in launch order; True: a 1-D grid with a token's head blocks adjacent
+      (the rows walked in memory order; needs N * head blocks < 2^31). As Triton's knob.
+    - ``warps_per_block``: variant 0: 4 only; variants 1, 2: 1, 2, 4 or 8 (default 2).
+    - ``heads_per_warp``: variant 0: 1 only; variants 1, 2: (256 / D) x {1, 2, 4} passes
+      (default 2 passes: 4 heads at D = 128, 8 at 64, 2 at 256).
+
     Raises ValueError (naming the argument) for bad arguments, including tensors that are
     not on a CUDA device, and RuntimeError with the CUDA error text if the launch fails."""
-    plan = plan_norm_rope_insert(
+    out, p = launch_params(
         rows, positions, rope_table, w_q, w_k, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, eps=eps,
         kv_cache=kv_cache, slot_mapping=slot_mapping, kv_fmt=kv_fmt,
@@ -161,22 +237,50 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         has_index_k=has_index_k, w_index_q=w_index_q, w_index_k=w_index_k, k_scale=k_scale,
         v_scale=v_scale, index_cache=index_cache, index_fmt=index_fmt,
         index_slot_mapping=index_slot_mapping, q_out=q_out, index_q_out=index_q_out,
-        skip_index=skip_index, validate=validate)
-    if block_h is None:
-        block_h = 32  # tuned on the H200: benchmarks/tune_insert.py
-    if not isinstance(block_h, (int, np.integer)) or isinstance(block_h, bool) \
-            or block_h <= 0 or block_h & (block_h - 1):
-        fail("block_h", f"must be a power of two, got {block_h!r}")
+        skip_index=skip_index, validate=validate, block_h=block_h, heads_fast=heads_fast,
+        variant=variant, warps_per_block=warps_per_block, heads_per_warp=heads_per_warp)
+    if p is None:
+        return out
     dev = rows.device
-    if dev.type != "cuda":
-        fail("rows", f"must be on a CUDA device for the CUDA kernel, got {dev}")
+    lib = load_library()
+    with torch.cuda.device(dev):
+        code = lib.nri_launch(ctypes.byref(p), ctypes.c_void_p(_stream(dev)))
+    check_cuda(code, "norm_rope_insert (CUDA) launch", lib)
+    return out
+
+
+def launch_params(rows, positions, rope_table, w_q, w_k, *, block_h=None, heads_fast=False,
+                  variant=0, warps_per_block=None, heads_per_warp=None, device_type="cuda",
+                  **kwargs):
+    """Every host check of ``norm_rope_insert`` (the shared plan, then the launch knobs, then
+    the device: ``device_type``), and the kernel's parameters: ``(outputs, NriParams)``, or
+    ``(outputs, None)`` for N = 0. ``kwargs`` are the other arguments of
+    ``norm_rope_insert``. The CPU tests pass ``device_type="cpu"`` to run the vectorised
+    kernels' source on the host (csrc/nri_vec_host.cpp) with these very parameters."""
+    plan = plan_norm_rope_insert(rows, positions, rope_table, w_q, w_k, **kwargs)
+    variant, wpb, hpw, block_h = launch_shape(plan.d, variant, block_h, warps_per_block,
+                                              heads_per_warp)
+    if heads_fast not in (False, True, 0, 1):
+        fail("heads_fast", f"must be a bool, got {heads_fast!r}")
+    dev = rows.device
+    if dev.type != device_type:
+        where = "a CUDA device" if device_type == "cuda" else f"device type {device_type}"
+        fail("rows", f"must be on {where} for the CUDA kernel, got {dev}")
     out, n, d = plan.out, plan.n, plan.d
     if n == 0:
-        return out
+        return out, None
     if n > 2**31 - 1:
         fail("rows", f"must have at most 2^31 - 1 rows, got {n}")
+    heads = plan.hq + plan.hkv + (plan.hi if plan.transform_iq else 0) + int(plan.write_ik)
+    blocks = -(-heads // block_h)
+    if heads_fast and n * blocks > 2**31 - 1:
+        fail("heads_fast", f"needs N * head blocks < 2^31, got {n} * {blocks}")
+    if not heads_fast and blocks > 65535:
+        fail("block_h", f"gives {blocks} head blocks, more than the grid's 65535")
     act_code = FORMAT_CODES[plan.md]
     iq = out.get("index_q")
+    kv_cache, slot_mapping = kwargs["kv_cache"], kwargs["slot_mapping"]
+    w_index_q, w_index_k = kwargs.get("w_index_q"), kwargs.get("w_index_k")
     p = NriParams(
         rows=rows.data_ptr(), row_stride=rows.stride(0),
         positions=positions.data_ptr(), pos_stride=positions.stride(0),
@@ -205,13 +309,10 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         islots_is64=int(plan.islots.dtype == torch.int64),
         n=n, hq=plan.hq, hkv=plan.hkv, hi=plan.hi if plan.transform_iq else 0,
         write_ik=int(plan.write_ik), ik_col=plan.width - d, head_dim=d,
-        rotary_dim=int(rotary_dim), act_fmt=act_code, heads_per_block=int(block_h),
-        eps=float(np.float32(eps)))
-    lib = load_library()
-    with torch.cuda.device(dev):
-        code = lib.nri_launch(ctypes.byref(p), ctypes.c_void_p(_stream(dev)))
-    check_cuda(code, "norm_rope_insert (CUDA) launch", lib)
-    return out
+        rotary_dim=int(kwargs["rotary_dim"]), act_fmt=act_code, heads_per_block=block_h,
+        variant=variant, warps_per_block=wpb, heads_per_warp=hpw, heads_fast=int(heads_fast),
+        eps=float(np.float32(kwargs["eps"])))
+    return out, p
 
 
 # ----------------------------------------------------------------------------- adapter

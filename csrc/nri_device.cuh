@@ -1,0 +1,147 @@
+// Device helpers shared by the fused insert's translation units (csrc/norm_rope_insert.cu:
+// variant 0 and the launcher; csrc/nri_vec_*.cu: variants 1 and 2, kernel in
+// csrc/nri_vec.cuh), and the entry points of the vectorised variants.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "fp8_convert.h"
+#include "norm_rope_insert.h"
+
+namespace nri_dev {
+
+// Variants 1 and 2 take 1, 2, 4 or 8 warps per block (the kernels' launch bound).
+constexpr int kVecMaxWarps = 8;
+
+template <int B>
+struct Word;
+template <>
+struct Word<2> { using T = uint16_t; };
+template <>
+struct Word<4> { using T = uint32_t; };
+template <>
+struct Word<8> { using T = uint2; };
+template <>
+struct Word<16> { using T = uint4; };
+
+// N elements of type E at p: one vector access when p is aligned to the whole span, else
+// element by element (rows, outputs and caches may have any alignment their strides give).
+template <int N, typename E>
+__device__ __forceinline__ void load_n(const E* p, E (&out)[N]) {
+  constexpr int B = N * sizeof(E);
+  if (reinterpret_cast<uintptr_t>(p) % B == 0) {
+    typename Word<B>::T w = *reinterpret_cast<const typename Word<B>::T*>(p);
+    memcpy(out, &w, B);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[j] = p[j];
+  }
+}
+
+template <int N, typename E>
+__device__ __forceinline__ void store_n(E* p, const E (&v)[N]) {
+  constexpr int B = N * sizeof(E);
+  if (reinterpret_cast<uintptr_t>(p) % B == 0) {
+    typename Word<B>::T w;
+    memcpy(&w, v, B);
+    *reinterpret_cast<typename Word<B>::T*>(p) = w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) p[j] = v[j];
+  }
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, int64_t is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+template <int N>
+__device__ __forceinline__ void encode_n(const float (&y)[N], int fmt, uint8_t (&c)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) c[j] = cvt::fp8_encode_satfinite(y[j], fmt);
+}
+
+template <int ACT, int N>
+__device__ __forceinline__ void round_n(const float (&y)[N], uint16_t (&b)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) b[j] = cvt::half_from_f32(y[j], ACT);
+}
+
+// ------------------------------------------- 8 16-bit codes packed in 4 registers
+// Element j lives in bits 16 (j & 1) .. 16 (j & 1) + 15 of w[j >> 1] (the little-endian
+// memory order, so a 16-byte access moves the 4 words as they are).
+
+__device__ __forceinline__ void load8(const uint16_t* p, uint32_t (&w)[4]) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 == 0) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = (uint32_t)p[2 * k] | ((uint32_t)p[2 * k + 1] << 16);
+  }
+}
+
+__device__ __forceinline__ void store8(uint16_t* p, const uint32_t (&w)[4]) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 == 0) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      p[2 * k] = (uint16_t)(w[k] & 0xFFFFu);
+      p[2 * k + 1] = (uint16_t)(w[k] >> 16);
+    }
+  }
+}
+
+// 8 bytes packed in 2 words (byte j in bits 8 (j & 3) of w[j >> 2]).
+__device__ __forceinline__ void store8b(uint8_t* p, const uint32_t (&w)[2]) {
+  if (reinterpret_cast<uintptr_t>(p) % 8 == 0) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) p[j] = (uint8_t)(w[j >> 2] >> (8 * (j & 3)));
+  }
+}
+
+__device__ __forceinline__ uint16_t code16(const uint32_t (&w)[4], int j) {
+  return (uint16_t)(w[j >> 1] >> (16 * (j & 1)));
+}
+
+// Element j widened to fp32 (exact): cvt::half_to_f32 of code16(w, j).
+template <int ACT>
+__device__ __forceinline__ float widen(const uint32_t (&w)[4], int j) {
+  if (ACT == cvt::FMT_BF16)
+    return __uint_as_float((j & 1) ? (w[j >> 1] & 0xFFFF0000u) : (w[j >> 1] << 16));
+  return cvt::half_to_f32(code16(w, j), ACT);
+}
+
+// fp32 -> 16-bit codes of format FMT (bf16 / fp16, RNE: cvt::half_from_f32), packed.
+__device__ __forceinline__ void pack8(const float (&y)[8], int fmt, uint32_t (&w)[4]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    w[k] = (uint32_t)cvt::half_from_f32(y[2 * k], fmt) |
+           ((uint32_t)cvt::half_from_f32(y[2 * k + 1], fmt) << 16);
+}
+
+// fp32 -> fp8 codes (satfinite), packed.
+__device__ __forceinline__ void encode8(const float (&y)[8], int fmt, uint32_t (&w)[2]) {
+  w[0] = w[1] = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    w[j >> 2] |= (uint32_t)cvt::fp8_encode_satfinite(y[j], fmt) << (8 * (j & 3));
+}
+
+}  // namespace nri_dev
+
+// Variants 1 (XCHG_SHFL) and 2 (XCHG_GLOBAL) of csrc/nri_vec.cuh, one translation unit per
+// variant and activation format (csrc/nri_vec_{shfl,global}_{bf16,f16}.cu) so that they
+// compile in parallel: launch `grid` x `block` of the vectorised kernel with `rounds`
+// passes per warp (1, 2 or 4); return cudaGetLastError().
+#define NRI_VEC_ENTRY(name)                                                                 \
+  cudaError_t name(const NriParams& p, int rounds, dim3 grid, dim3 block, cudaStream_t s)
+NRI_VEC_ENTRY(nri_launch_vec_shfl_bf16);
+NRI_VEC_ENTRY(nri_launch_vec_shfl_f16);
+NRI_VEC_ENTRY(nri_launch_vec_global_bf16);
+NRI_VEC_ENTRY(nri_launch_vec_global_f16);
