@@ -3,11 +3,12 @@ torch.compile, CUDA graphs and functionalization like any aten op.
 
 Schemas return nothing: every result is written into a tensor the caller owns and the
 schema declares as mutated (the rows, whose k / index_k heads are transformed in place;
-the caches; the optional q / index_q outputs). That keeps the ops alias-free for the
-compiler. Differences from the Python launchers, forced by the schema language: scales are
-optional float32 tensors (no Python floats), and when the index cache is fp8 the caller
-passes ``index_q_out`` (uint8 ``[N, Hi, D]``), since an op cannot hand back a buffer it
-allocated while also mutating its inputs. Fake (meta) kernels do nothing: no op allocates.
+the caches; the optional q / index_q outputs; the indexers' ``topk_out``). That keeps the
+ops alias-free for the compiler. Differences from the Python launchers, forced by the
+schema language: scales are optional float32 tensors (no Python floats), and when the
+index cache is fp8 the caller passes ``index_q_out`` (uint8 ``[N, Hi, D]``), since an op
+cannot hand back a buffer it allocated while also mutating its inputs. Fake (meta) kernels
+do nothing: no op allocates.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import attention_decode as _ad
+from kernels import attention_prefill as _ap
+from kernels import indexer_decode as _ixd
+from kernels import indexer_prefill as _ixp
 from kernels import norm_rope_insert as _nri
 from kernels import reshape_and_cache as _rac
 from kernels._host import INDEX_FP8_FORMATS, fail
@@ -64,5 +69,73 @@ def reshape_and_cache(k: Tensor, v: Tensor, kv_cache: Tensor, kv_fmt: str, slot_
 
 
 @reshape_and_cache.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::attention_decode", mutates_args=("out",))
+def attention_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                     topk: Tensor, out: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
+                     kv_fmt: str, rows_per_request: int, softmax_scale: float | None = None,
+                     blocks_per_split: int = _ad.BLOCKS_PER_SPLIT,
+                     validate: bool = False) -> None:
+    """kernels.attention_decode.sparse_attention_decode as a custom op writing into the
+    caller's ``out`` ``[T, Hq, D]`` (its split-K workspace is allocated per call)."""
+    _ad.sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
+                                rows_per_request, k_scale, v_scale, softmax_scale, out,
+                                blocks_per_split=blocks_per_split, validate=validate)
+
+
+@attention_decode.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::indexer_prefill", mutates_args=("topk_out",))
+def indexer_prefill(index_q: Tensor, index_cache: Tensor, index_fmt: str, block_table: Tensor,
+                    cu_seqlens_q: Tensor, seq_lens: Tensor, topk_out: Tensor, topk: int,
+                    local_blocks: int = 1, initial_blocks: int = 0,
+                    max_query_len: int | None = None, validate: bool = False) -> None:
+    """kernels.indexer_prefill.indexer_prefill as a custom op: the selection is written into
+    ``topk_out`` (int32 ``[Hi, T, K]``, any strides, e.g. a transposed token-major buffer)."""
+    _ixp.indexer_prefill(index_q, index_cache, index_fmt, block_table, cu_seqlens_q, seq_lens,
+                         topk=topk, local_blocks=local_blocks, initial_blocks=initial_blocks,
+                         out=topk_out, max_query_len=max_query_len, validate=validate)
+
+
+@indexer_prefill.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::indexer_decode", mutates_args=("topk_out",))
+def indexer_decode(index_q: Tensor, index_cache: Tensor, index_fmt: str, block_table: Tensor,
+                   seq_lens: Tensor, topk_out: Tensor, rows_per_request: int, topk: int,
+                   local_blocks: int = 1, initial_blocks: int = 0,
+                   num_splits: int | None = None, validate: bool = False) -> None:
+    """kernels.indexer_decode.indexer_decode as a custom op (selection into ``topk_out``)."""
+    _ixd.indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens,
+                        rows_per_request, topk=topk, local_blocks=local_blocks,
+                        initial_blocks=initial_blocks, out=topk_out, num_splits=num_splits,
+                        validate=validate)
+
+
+@indexer_decode.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::attention_prefill", mutates_args=("out",))
+def attention_prefill(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
+                      seq_lens: Tensor, topk: Tensor, out: Tensor, k_scale: Tensor | None,
+                      v_scale: Tensor | None, kv_fmt: str, softmax_scale: float | None = None,
+                      validate: bool = False) -> None:
+    """kernels.attention_prefill.sparse_attention_prefill as a custom op writing into the
+    caller's ``out`` ``[T, Hq, D]`` (model dtype, any token/head strides)."""
+    _ap.sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens,
+                                 topk, k_scale, v_scale, softmax_scale, out, validate=validate)
+
+
+@attention_prefill.register_fake
 def _(*args, **kwargs) -> None:
     return None

@@ -30,3 +30,15 @@ def bad_args(good, name: str, **changes):
         args.update({k: (v(args) if callable(v) else v) for k, v in changes.items()})
         return args
     return pytest.param(make, name, id=f"{name}-{'-'.join(changes)}")
+
+
+def compile_env(tmp_path) -> dict:
+    """Environment of a subprocess that compiles Triton kernels for a GPU on this machine:
+    TRITON_INTERPRET=0 explicitly (importing ``kernels`` without CUDA would otherwise turn
+    the interpreter on), the repo importable, a private Triton cache."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root),
+                TRITON_CACHE_DIR=str(tmp_path))

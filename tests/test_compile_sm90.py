@@ -8,7 +8,6 @@ TRITON_INTERPRET=0, so the kernels are decorated for the GPU there."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from oracle.registry import KERNEL_MODULES
+from tests.helpers import compile_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = KERNEL_MODULES
@@ -41,10 +41,7 @@ _COMPILE = textwrap.dedent("""
 def test_kernel_compiles_for_sm90(module, tmp_path):
     """The module's kernels compile to sm_90 PTX for every declared constexpr branch."""
     pytest.importorskip(module)
-    # An explicit 0: without the variable, importing ``kernels`` on a machine without CUDA
-    # turns the interpreter on (kernels/__init__.py).
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path))
+    env = compile_env(tmp_path)
     r = subprocess.run([sys.executable, "-c", _COMPILE, module], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     if r.returncode and ("ptxas" in r.stderr and "not found" in r.stderr):

@@ -83,3 +83,124 @@ def test_reshape_and_cache_passes_opcheck(kv_fmt, scales):
     ks = torch.tensor(0.5, device=dev) if scales else None
     vs = torch.full((hkv, pages * page), 2.0, device=dev) if scales else None
     torch.library.opcheck(ops.reshape_and_cache, (k, v, cache, kv_fmt, slots, ks, vs))
+
+
+def _decode_op_args(kv_fmt, scales, bps):
+    from tests.test_kernel_attention_decode import _good_args as decode_args
+
+    a = decode_args(kv_fmt)
+    dev = a["q"].device
+    n_slots = a["kv_cache"].shape[0] * a["kv_cache"].shape[2]
+    ks = vs = None
+    if scales:
+        ks = torch.tensor(0.37, device=dev)
+        vs = torch.rand(a["kv_cache"].shape[1], n_slots, device=dev) + 0.5
+    out = torch.zeros(a["q"].shape[1], a["q"].shape[0], a["q"].shape[2], dtype=a["q"].dtype,
+                      device=dev).transpose(0, 1)
+    return (a["q"], a["kv_cache"], a["block_table"], a["seq_lens"], a["topk"], out, ks, vs,
+            kv_fmt, a["rows_per_request"], None, bps)
+
+
+@pytest.mark.parametrize("kv_fmt, scales, bps", [("e4m3fn", True, 1), ("bfloat16", False, 4),
+                                                 ("e5m2fnuz", True, 2)])
+def test_attention_decode_passes_opcheck(kv_fmt, scales, bps):
+    """opcheck passes for decode attention into a preallocated strided output: fp8 native
+    and fnuz with per-slot and scalar scales, a bf16 cache, split-K (merged) and direct."""
+    torch.library.opcheck(ops.attention_decode, _decode_op_args(kv_fmt, scales, bps))
+
+
+def test_attention_decode_op_writes_what_the_launcher_returns():
+    """The custom op writes into ``out`` exactly what the Python launcher returns."""
+    from kernels import attention_decode as ad
+
+    args = _decode_op_args("e4m3fn", True, 1)
+    torch.ops.attn_oracle.attention_decode(*args)
+    q, kv, bt, seq, tk, out, ks, vs, fmt, rows, _, bps = args
+    want = ad.sparse_attention_decode(q, kv, fmt, bt, seq, tk, rows, ks, vs,
+                                      blocks_per_split=bps)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+def _indexer_op_args(decode_op, fmt, token_major):
+    from tests.test_kernel_indexer import _launch_args, make_index_inputs
+
+    kw = dict(rows=2) if decode_op else dict(qlens=(3, 4))
+    x = make_index_inputs(fmt, seq_lens=(40, 20), topk=3, local=1, initial=1, seed=21, **kw)
+    args = _launch_args(x, device())
+    t, hi = args[0].shape[:2]
+    if token_major:
+        out = torch.full((t, hi, 3), -7, dtype=torch.int32, device=device()).transpose(0, 1)
+    else:
+        out = torch.full((hi, t, 3), -7, dtype=torch.int32, device=device())
+    if decode_op:  # (q, cache, fmt, table, seq_lens, rows) -> the op's order
+        q, ic, f, bt, seq, rows = args
+        return (q, ic, f, bt, seq, out, rows, 3, 1, 1, 2)
+    return (*args, out, 3, 1, 1, 4)
+
+
+@pytest.mark.parametrize("decode_op, fmt, token_major", [
+    (False, "e4m3fn", True), (False, "bfloat16", False), (True, "e4m3fnuz", True),
+    (True, "float16", False)])
+def test_indexer_ops_pass_opcheck(decode_op, fmt, token_major):
+    """opcheck passes for the prefill and decode indexers (fp8 and 16-bit index caches,
+    a head-major or a transposed token-major topk_out; decode with two key-block splits)."""
+    op = ops.indexer_decode if decode_op else ops.indexer_prefill
+    torch.library.opcheck(op, _indexer_op_args(decode_op, fmt, token_major))
+
+
+def test_indexer_ops_write_what_the_launchers_write():
+    """Each indexer op and its Python launcher, on the same inputs, write identical
+    selections into their outputs (every cell written)."""
+    from kernels import indexer_decode as idd
+    from kernels import indexer_prefill as ipf
+
+    for decode_op in (False, True):
+        args = _indexer_op_args(decode_op, "e4m3fn", True)
+        (torch.ops.attn_oracle.indexer_decode if decode_op
+         else torch.ops.attn_oracle.indexer_prefill)(*args)
+        if decode_op:
+            q, ic, f, bt, seq, out, rows = args[:7]
+            want = idd.indexer_decode(q, ic, f, bt, seq, rows, topk=3, local_blocks=1,
+                                      initial_blocks=1, num_splits=2)
+        else:
+            out = args[6]
+            want = ipf.indexer_prefill(*args[:6], topk=3, local_blocks=1, initial_blocks=1)
+        assert torch.equal(out, want) and not (out == -7).any()
+
+
+def _prefill_op_args(kv_fmt, scales, strided_out):
+    from tests.test_kernel_attention_prefill import _good_args as prefill_args
+
+    a = prefill_args(kv_fmt)
+    dev = a["q"].device
+    n_slots = a["kv_cache"].shape[0] * a["kv_cache"].shape[2]
+    ks = vs = None
+    if scales:
+        ks = torch.tensor(0.37, device=dev)
+        vs = torch.rand(a["kv_cache"].shape[1], n_slots, device=dev) + 0.5
+    t, hq, d = a["q"].shape
+    out = (torch.zeros(hq, t, d, dtype=a["q"].dtype, device=dev).transpose(0, 1)
+           if strided_out else torch.zeros(t, hq, d, dtype=a["q"].dtype, device=dev))
+    return (a["q"], a["kv_cache"], a["block_table"], a["cu_seqlens_q"], a["seq_lens"],
+            a["topk"], out, ks, vs, kv_fmt, None)
+
+
+@pytest.mark.parametrize("kv_fmt, scales, strided_out", [("e4m3fn", True, True),
+                                                         ("bfloat16", False, False),
+                                                         ("e5m2fnuz", True, False)])
+def test_attention_prefill_passes_opcheck(kv_fmt, scales, strided_out):
+    """opcheck passes for prefill attention into a preallocated output (contiguous or a
+    head-major buffer seen token-major): fp8 native and fnuz with scalar and per-slot
+    scales, and a bf16 cache."""
+    torch.library.opcheck(ops.attention_prefill, _prefill_op_args(kv_fmt, scales, strided_out))
+
+
+def test_attention_prefill_op_writes_what_the_launcher_returns():
+    """The custom op writes into ``out`` exactly what the Python launcher returns."""
+    from kernels import attention_prefill as apf
+
+    args = _prefill_op_args("e4m3fn", True, True)
+    torch.ops.attn_oracle.attention_prefill(*args)
+    q, kv, bt, cu, seq, tk, out, ks, vs, fmt, _ = args
+    want = apf.sparse_attention_prefill(q, kv, fmt, bt, cu, seq, tk, ks, vs)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))

@@ -11,7 +11,6 @@ GPU (run TRITON_INTERPRET=1 pytest -m interp there).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -24,7 +23,7 @@ import torch
 from kernels import fp8
 from oracle import conformance
 from reference.codec import FP8_FORMATS, decode, encode
-from tests.helpers import same_float
+from tests.helpers import compile_env, same_float
 
 pytestmark = [
     pytest.mark.interp,
@@ -161,9 +160,8 @@ _COMPILE = textwrap.dedent("""
 def test_gpu_kernels_compile_for_sm90(tmp_path):
     """The codec kernels (both branches, every format) compile for sm_90 with the real Triton
     compiler -- no GPU needed -- and only the hardware branch emits the satfinite fp8 cvt.
-    Runs in a subprocess without TRITON_INTERPRET, so kernels are decorated for the GPU."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path))
+    Runs in a subprocess with TRITON_INTERPRET=0, so kernels are decorated for the GPU."""
+    env = compile_env(tmp_path)
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     if r.returncode and ("ptxas" in r.stderr and "not found" in r.stderr):

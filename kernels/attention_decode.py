@@ -1,0 +1,579 @@
+"""Block-sparse GQA attention decode over a paged KV cache (SPEC.md section 6; issue 8), in
+two Triton kernels: a split-K attention kernel and a log-sum-exp merge.
+
+Contract. ``rows_per_request`` (1..4) query rows per request, request-major; row j of
+request r sits at position ``p = seq_lens[r] - rows + j``; requests with ``seq_lens[r] == 0``
+are graph padding and output zeros. Query head ``qh`` reads KV head ``g = qh // G``. A row's
+selection is the SET of non-negative entries of ``topk[g, row, :]`` (negative entries
+ignored wherever they stand, any order, read through strides; entries past ``p // P`` hold
+no visible key; a repeated entry counts once). Its keys: every ``j`` of a selected block
+with ``j <= p`` (causal inside the current block) and ``j < seq_len``, read through
+``block_table[r, j // P]``. ``out = softmax(softmax_scale * q . K) @ V``, softmax_scale
+``1/sqrt(D)`` by default.
+
+Grid and work split (designed for decode bandwidth):
+- ``_decode_split_kernel``: one program per (request, KV head, split). It owns the G query
+  heads of the KV group for every row of the request: the M dimension of its ``tl.dot`` is
+  (row, head) = ROWS_P x G_P (padded to >= 16). Each selected KV block is read ONCE per
+  program (K and V tiles ``[P, D]``), converted right after the load (fp8 via
+  ``kernels.fp8.decode_fp8``: hardware casts for e4m3fn/e5m2, software for fnuz), and used
+  by all G heads and all rows that selected it.
+- Splits: every row's valid blocks, in ascending block id, are cut into chunks of
+  ``blocks_per_split`` (fixed per call, never derived from the batch: results do not change
+  with batch size); program ``c`` processes chunk ``c`` of every row. The rows of a request
+  select different blocks, so the program walks the UNION of its rows' chunk-c blocks in
+  ascending id; a row takes part in a block only if that block is in its own chunk c (its
+  logits are masked with ``where``, never by adding -inf). For each row this is exactly
+  "its own chunk, its own blocks in ascending order", whatever the other rows selected.
+  The plan (validity, dedup, per-row ascending ranks, the union) is computed in registers
+  at the start of each program by pairwise comparisons of the rows' K entries; nothing is
+  sorted on the host and nothing is read back. Each union block is carried as
+  ``block * 16 + (bit mask of the rows that take it)``, so one reduction per step yields
+  the block, the rows that take it and the last key they see.
+- One split in total (``cdiv(K, blocks_per_split) == 1``): the attention kernel writes the
+  output directly. Otherwise it writes fp32 partials ``o_c = acc / l`` and
+  ``lse_c = m + log2(l)`` (log2 units) and ``_decode_merge_kernel`` (one program per row and
+  block of heads) forms ``out = sum_c w_c o_c / sum_c w_c`` with
+  ``w_c = exp2(lse_c - max_c lse_c)``; empty chunks have ``lse = -inf`` (weight 0, o = 0),
+  rows with no key at all give zeros.
+
+Numerics: the rounding schedule declared in the registry (``schedule(model_dtype)``, with
+act = the model dtype = q's dtype):
+- K/V dequantised to act: ``act(fp32(decode(code) * scale))`` (fp8, exact decode, one fp32
+  multiply, RNE to act); bf16/fp16 caches: the value converted to act (exact when the cache
+  has the model dtype). ``Schedule.kv_dtype = act``.
+- ``S = q . K`` by ``tl.dot`` on act operands with fp32 accumulation; logits in log2 units
+  ``S * fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
+  (``p_max="running"``, ``blocks_per_tile=1``), ``P`` rounded to act for ``P @ V``
+  (``tl.dot`` on act operands, fp32 accumulation), the row sum from the unrounded fp32 P.
+- Split-K: ``blocks_per_split`` blocks per chunk, ascending block order, partials and LSE in
+  fp32, the exact merge above; output rounded once to act (RNE).
+
+Masking (SPEC.md s.6): every K/V load is masked to keys ``j <= max position of the rows
+that take part in the block`` (so ``j < seq_len``) in a page whose block-table entry is in
+range; other lanes read 0. When the rows sharing a tile do not all see the same keys (a
+row that did not select the block, or the causal cut of the current block with several
+rows), a NaN/Inf in V that some row sees must not reach the others through ``0 * NaN`` in
+the shared ``P @ V``: such tiles (only those, and only when V holds a non-finite value)
+take a guarded path (``_guarded_pv``) that multiplies the finite part of V and adds the
+non-finite contributions (NaN, +-Inf, and ``0 * Inf = NaN`` where a row's rounded P is 0)
+only to the rows that see them, counted exactly by 0/1 matrix products.
+
+In-kernel guards (contents are only checked under ``validate=True``): entries outside
+``[0, p // P]`` are ignored, repeats count once, block-table entries outside
+``[0, num_pages)`` (or a block past the table's width) read nothing, rows with ``p < 0``
+see no key. Offsets are 64-bit.
+
+``sparse_attention_decode(...)`` is the host launcher (validates dtypes, shapes, strides,
+formats and scales; raises ValueError naming the argument); ``run(inputs)`` is the oracle
+adapter registered as implementation ``"triton"`` of op ``"attention_decode"``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels._attention import (
+    validate_block_table,
+    validate_scales,
+    validate_selections,
+)
+from kernels._host import (
+    HALF_FORMATS,
+    HEAD_DIMS,
+    MODEL_DTYPES,
+    SLOT_DTYPES,
+    check_int,
+    check_kv_cache,
+    check_kv_fmt,
+    check_last_dim_contiguous,
+    check_tensor,
+    codes_of,
+    fail,
+    scale_arg,
+    strided_codes_in,
+)
+from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from kernels.fp8 import HW_FORMATS, decode_fp8, fmt_code
+
+#: Blocks per split-K chunk of the registered implementation (model: K 16 -> 4 splits).
+BLOCKS_PER_SPLIT = 4
+#: Domain limits (SPEC.md s.7).
+MAX_ROWS = 4
+MAX_GROUP = 16
+MAX_TOPK = 64
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _guarded_pv(p_act, v, vis, bad):
+    """``P @ V`` for a tile whose rows do not all see the same keys and whose V holds
+    non-finite values (``bad``: the non-finite elements of ``v`` ``[N, D]``; ``vis``: the
+    ``[M, N]`` keys each row sees; ``p_act``: P rounded to V's dtype, 0 where not seen).
+    The finite part is one dot on V with its non-finite elements zeroed; the non-finite
+    contributions of the keys each row sees come from exact counts (NaN; +-Inf where the
+    row's rounded P > 0; NaN for an Inf where it is 0, as 0 * Inf; +Inf and -Inf together
+    give NaN), so a row never meets V it cannot see through ``0 * NaN``. The counts are
+    bf16 dots of 0/1 against 1/256/65536 flags with fp32 accumulation: exact (integer
+    partial sums below 2^24) and tensor-core friendly (fp32 "ieee" dots here would cost
+    minutes of sm_90 compile time per configuration)."""
+    vf = v.to(tl.float32)
+    finite_part = tl.dot(p_act, tl.where(bad, 0.0, vf).to(v.dtype))
+    flags = tl.where(vf != vf, 1.0, tl.where(vf == float("inf"), 256.0,
+                                             tl.where(vf == float("-inf"), 65536.0, 0.0)))
+    cnt = tl.dot(vis.to(tl.bfloat16), flags.to(tl.bfloat16)).to(tl.int32)
+    zero_p = (vis & (p_act == 0)).to(tl.bfloat16)
+    is_inf = (tl.abs(vf) == float("inf")).to(tl.bfloat16)
+    inf_at_zero = tl.dot(zero_p, is_inf)
+    n_nan = cnt & 255
+    n_pos = (cnt >> 8) & 255
+    n_neg = cnt >> 16
+    nan_hit = (n_nan > 0) | (inf_at_zero > 0) | ((n_pos > 0) & (n_neg > 0))
+    special = tl.where(nan_hit, float("nan"), tl.where(n_pos > 0, float("inf"),
+                                                       tl.where(n_neg > 0, float("-inf"), 0.0)))
+    return finite_part + special
+
+
+@triton.jit
+def _decode_split_kernel(
+        q_ptr, q_s0, q_s1,
+        kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
+        bt_ptr, bt_s0, bt_s1, bt_cols,
+        seq_ptr, seq_s0,
+        tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
+        ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
+        out_ptr, out_s0, out_s1, part_ptr, lse_ptr,
+        qk_scale, group, num_q_heads, num_splits,
+        ROWS: tl.constexpr, ROWS_P: tl.constexpr, G_P: tl.constexpr, BLOCK_M: tl.constexpr,
+        D: tl.constexpr, P: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr,
+        NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
+        DIRECT: tl.constexpr):
+    r64 = tl.program_id(0).to(tl.int64)
+    g64 = tl.program_id(1).to(tl.int64)
+    c = tl.program_id(2)
+    seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
+
+    # ---- the plan: each row's valid blocks, their ascending ranks, this split's union.
+    ri = tl.arange(0, ROWS_P)
+    kk = tl.arange(0, KP)
+    pos = seq - ROWS + ri  # int64 [ROWS_P]; < 0: no key (padding, or seq_len < rows)
+    row_ok = (ri < ROWS) & (pos >= 0)
+    rows64 = r64 * ROWS + ri
+    e = tl.load(tk_ptr + g64 * tk_s0 + rows64[:, None] * tk_s1 + kk[None, :].to(tl.int64) * tk_s2,
+                mask=row_ok[:, None] & (kk < topk_k)[None, :], other=-1).to(tl.int64)
+    in_range = row_ok[:, None] & (e >= 0) & (e * P <= pos[:, None])  # 0 <= e <= p // P
+    e32 = tl.where(in_range, e, -1).to(tl.int32)
+    same = e32[:, :, None] == e32[:, None, :]  # [row, k', k]
+    earlier = (kk[:, None] < kk[None, :])[None, :, :]
+    repeat = tl.max((same & earlier & in_range[:, :, None]).to(tl.int32), axis=1)
+    valid = in_range & (repeat == 0)  # a repeated block counts once
+    below = (e32[:, :, None] < e32[:, None, :]) & valid[:, :, None]
+    rank = tl.sum(below.to(tl.int32), axis=1)  # ascending rank among the row's blocks
+    tt = tl.arange(0, NBP)
+    want = c * NB + tt
+    pick = (valid[:, None, :] & (rank[:, None, :] == want[None, :, None])
+            & (tt < NB)[None, :, None])
+    chunk = tl.max(tl.where(pick, e32[:, None, :], -1), axis=2)  # [ROWS_P, NBP], -1: none
+    S: tl.constexpr = ROWS_P * NBP
+    uni = tl.reshape(chunk, (S,))
+    ubit = tl.reshape(tl.where(chunk >= 0, 1 << ri[:, None], 0), (S,))
+    ss = tl.arange(0, S)
+    same_u = uni[:, None] == uni[None, :]
+    u_rep = tl.max((same_u & (ss[:, None] < ss[None, :])).to(tl.int32), axis=0)
+    first = (uni >= 0) & (u_rep == 0)
+    u_rank = tl.sum(((uni[:, None] < uni[None, :]) & first[:, None]).to(tl.int32), axis=0)
+    n_iter = tl.sum(first.to(tl.int32), axis=0)
+    # Per union block: block * 16 + the bit mask of the rows whose chunk holds it (a row's
+    # chunk holds a block once), so one reduction per step yields both.
+    rmask = tl.sum(tl.where(same_u, ubit[:, None], 0), axis=0)
+    u_key = tl.where(first, uni * 16 + rmask, -1)
+    live = tl.sum(tl.where(row_ok, 1 << ri, 0), axis=0)  # rows with a position >= 0
+
+    # ---- the (row, head) tile of queries: m = row * G_P + head.
+    mm = tl.arange(0, BLOCK_M)
+    m_row = mm // G_P
+    m_head = mm % G_P
+    m_ok = (m_row < ROWS) & (m_head < group)
+    m_pos = seq - ROWS + m_row
+    m_t = r64 * ROWS + m_row
+    m_hq = g64 * group + m_head
+    dd = tl.arange(0, D)
+    q = tl.load(q_ptr + m_t[:, None] * q_s0 + m_hq[:, None] * q_s1 + dd[None, :],
+                mask=m_ok[:, None], other=0.0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    jj = tl.arange(0, P)
+    for it in range(n_iter):
+        step = tl.max(tl.where(u_rank == it, u_key, -1), axis=0)
+        blk = step >> 4
+        takes = step & 15  # bit i: row i's chunk holds the block
+        m_takes = (takes >> m_row) & 1
+        hi = tl.where(takes >= 8, 3, tl.where(takes >= 4, 2, tl.where(takes >= 2, 1, 0)))
+        lim = seq - ROWS + hi  # the last key any taking row sees (the highest row's position)
+        blk64 = blk.to(tl.int64)
+        page = tl.load(bt_ptr + r64 * bt_s0 + blk64 * bt_s1, mask=blk64 < bt_cols,
+                       other=-1).to(tl.int64)
+        page_ok = (page >= 0) & (page < num_pages)
+        pg = tl.where(page_ok, page, 0)
+        key = blk64 * P + jj
+        kmask = (key <= lim) & page_ok
+        src = kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2 + dd[None, :]
+        k_raw = tl.load(src, mask=kmask[:, None], other=0)
+        v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
+        if FP8:
+            slot = pg * P + jj
+            ksc = tl.load(ks_ptr + g64 * ks_s0 + slot * ks_s1, mask=kmask, other=1.0)
+            vsc = tl.load(vs_ptr + g64 * vs_s0 + slot * vs_s1, mask=kmask, other=1.0)
+            k = (decode_fp8(k_raw, FMT, HW) * ksc[:, None]).to(q_ptr.dtype.element_ty)
+            v = (decode_fp8(v_raw, FMT, HW) * vsc[:, None]).to(q_ptr.dtype.element_ty)
+        else:
+            k = k_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
+            v = v_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, P], fp32 accumulation
+        vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
+        s2 = tl.where(vis, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s2 - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_act = p.to(q_ptr.dtype.element_ty)
+        pv = tl.dot(p_act, v)
+        if ROWS > 1:
+            # Rows that do not all see the loaded keys: guard non-finite V (see docstring).
+            lo = tl.where((takes & 1) != 0, 0, tl.where((takes & 2) != 0, 1,
+                                                        tl.where((takes & 4) != 0, 2, 3)))
+            last = tl.minimum(lim, blk64 * P + P - 1)
+            if (takes != live) | (seq - ROWS + lo < last):
+                vf = v.to(tl.float32)
+                bad = (vf != vf) | (tl.abs(vf) == float("inf"))
+                if tl.sum(bad.to(tl.int32)) > 0:
+                    pv = _guarded_pv(p_act, v, vis, bad)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    empty = l_i == 0.0  # no key in this split (NaN sums are not empty: they propagate)
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    if DIRECT:
+        dst = out_ptr + m_t[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        row = (m_t * num_q_heads + m_hq) * num_splits + c
+        tl.store(part_ptr + row[:, None] * D + dd[None, :], o, mask=m_ok[:, None])
+        tl.store(lse_ptr + row, lse, mask=m_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, out_s0, out_s1, num_q_heads, num_splits,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, SP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_q_heads
+    row = (t * num_q_heads + heads.to(tl.int64)) * num_splits
+    sp = tl.arange(0, SP)
+    lse = tl.load(lse_ptr + row[:, None] + sp[None, :],
+                  mask=hmask[:, None] & (sp < num_splits)[None, :], other=float("-inf"))
+    top = tl.max(lse, axis=1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    wsum = tl.sum(tl.exp2(lse - top[:, None]), axis=1)
+    dd = tl.arange(0, D)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    for c in range(num_splits):
+        w = tl.exp2(tl.load(lse_ptr + row + c, mask=hmask, other=float("-inf")) - top)
+        o = tl.load(part_ptr + (row + c)[:, None] * D + dd[None, :], mask=hmask[:, None],
+                    other=0.0)
+        acc += w[:, None] * o
+    none = wsum == 0.0
+    out = tl.where(none[:, None], 0.0, acc / tl.where(none, 1.0, wsum)[:, None])
+    dst = out_ptr + t * out_s0 + heads[:, None].to(tl.int64) * out_s1 + dd[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+#: True when the kernels run in the (patched) CPU interpreter.
+INTERPRETED = is_interpreted(_decode_split_kernel)
+
+
+# ---------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class DecodeSchedule:
+    """The kernel's rounding schedule as a function of the model dtype (what the oracle
+    calls ``impl.schedule(model_dtype)``); see the module docstring."""
+
+    blocks_per_split: int = BLOCKS_PER_SPLIT
+
+    def __call__(self, model_dtype: str):
+        from reference.attention import Schedule
+
+        return Schedule(kv_dtype=model_dtype, p_dtype=model_dtype, p_max="running",
+                        blocks_per_tile=1, blocks_per_split=self.blocks_per_split,
+                        partial_dtype="float32", lse_dtype="float32", out_dtype=model_dtype,
+                        order="ascending")
+
+
+# ---------------------------------------------------------------------------- launcher
+
+
+@dataclass
+class DecodePlan:
+    """What ``plan_attention_decode`` checked and derived."""
+
+    t: int
+    hq: int
+    hkv: int
+    d: int
+    page: int
+    num_pages: int
+    batch: int
+    rows: int
+    topk_k: int
+    fp8: bool
+    ks: torch.Tensor
+    ks_strides: tuple[int, int]
+    vs: torch.Tensor
+    vs_strides: tuple[int, int]
+    softmax_scale: float
+    blocks_per_split: int
+    out: torch.Tensor
+
+
+def _validate_contents(block_table, seq_lens, topk, rows, page, num_pages, scales):
+    """``validate=True`` content checks (a host sync), each a ValueError naming the
+    argument: seq_lens 0 or >= rows; the block table wide enough and its used entries
+    pages in range; selections in range (negative = unused, else <= p // P) and without
+    repeats; scales positive and finite."""
+    seq = seq_lens.detach().to("cpu", torch.int64)
+    bad = (seq < 0) | ((seq > 0) & (seq < rows))
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        fail("seq_lens", f"must be 0 (padding) or >= rows_per_request = {rows}; entry {r} "
+                         f"is {int(seq[r])}")
+    validate_block_table(block_table, seq_lens, page, num_pages)
+    row_seq = seq.repeat_interleave(rows)
+    pos = torch.where(row_seq > 0, row_seq - rows + torch.arange(rows).repeat(seq.numel()), -1)
+    validate_selections(topk, pos, page)
+    validate_scales(scales)
+
+
+def plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows_per_request,
+                          k_scale=None, v_scale=None, softmax_scale=None, out=None,
+                          blocks_per_split=BLOCKS_PER_SPLIT, validate=False) -> DecodePlan:
+    """Every host check of ``sparse_attention_decode`` (shapes, dtypes, strides, formats,
+    scales; contents under ``validate=True``) and the output tensor."""
+    check_tensor(q, "q", tuple(MODEL_DTYPES))
+    dev = q.device
+    if q.dim() != 3 or q.shape[1] < 1 or q.shape[2] not in HEAD_DIMS:
+        fail("q", f"must have shape [T, Hq >= 1, D in {list(HEAD_DIMS)}], got {list(q.shape)}")
+    check_last_dim_contiguous(q, "q")
+    t, hq, d = q.shape
+    fp8 = check_kv_fmt(kv_fmt)
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
+        fail("kv_cache", f"must be a 4-D tensor [num_pages, Hkv, P, 2D={2 * d}], got "
+                         f"{getattr(kv_cache, 'shape', type(kv_cache).__name__)}")
+    hkv = kv_cache.shape[1]
+    if hkv < 1:
+        fail("kv_cache", f"must have Hkv >= 1 heads, got shape {list(kv_cache.shape)}")
+    page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
+    if hq % hkv or not 1 <= hq // hkv <= MAX_GROUP:
+        fail("q", f"must have Hq = G * Hkv heads with Hkv = {hkv} (kv_cache) and G in "
+                  f"[1, {MAX_GROUP}], got Hq = {hq}")
+    rows = check_int(rows_per_request, "rows_per_request", 1, MAX_ROWS)
+    check_tensor(seq_lens, "seq_lens", SLOT_DTYPES, device=dev)
+    if seq_lens.dim() != 1:
+        fail("seq_lens", f"must be 1-D [B], got shape {list(seq_lens.shape)}")
+    batch = seq_lens.shape[0]
+    if t != batch * rows:
+        fail("q", f"must have len(seq_lens) * rows_per_request = {batch * rows} rows, got {t}")
+    check_tensor(block_table, "block_table", SLOT_DTYPES, device=dev)
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        fail("block_table", f"must have shape [B={batch}, max_blocks >= 1], got "
+                            f"{list(block_table.shape)}")
+    check_tensor(topk, "topk", SLOT_DTYPES, device=dev)
+    if topk.dim() != 3 or topk.shape[0] != hkv or topk.shape[1] != t \
+            or not 1 <= topk.shape[2] <= MAX_TOPK:
+        fail("topk", f"must have shape [Hkv={hkv}, T={t}, K in [1, {MAX_TOPK}]], got "
+                     f"{list(topk.shape)}")
+    ks, ks0, ks1 = scale_arg(k_scale, "k_scale", fp8, hkv, num_slots, dev)
+    vs, vs0, vs1 = scale_arg(v_scale, "v_scale", fp8, hkv, num_slots, dev)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    elif isinstance(softmax_scale, bool) or not isinstance(
+            softmax_scale, (int, float, np.integer, np.floating)) \
+            or not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        fail("softmax_scale", f"must be None or a finite number > 0, got {softmax_scale!r}")
+    bps = check_int(blocks_per_split, "blocks_per_split", 1, MAX_TOPK)
+    if out is None:
+        out = torch.empty((t, hq, d), dtype=q.dtype, device=dev)
+    else:
+        check_tensor(out, "out", (q.dtype,), (t, hq, d), dev)
+        check_last_dim_contiguous(out, "out")
+    if validate not in (True, False):
+        fail("validate", f"must be True or False, got {validate!r}")
+    if validate and batch:
+        _validate_contents(block_table, seq_lens, topk, rows, page, kv_cache.shape[0],
+                           (("k_scale", ks), ("v_scale", vs)))
+    return DecodePlan(t, hq, hkv, d, page, kv_cache.shape[0], batch, rows, topk.shape[2], fp8,
+                      ks, (ks0, ks1), vs, (vs0, vs1), float(softmax_scale), bps, out)
+
+
+def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows_per_request,
+                            k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
+                            blocks_per_split=BLOCKS_PER_SPLIT, validate=False,
+                            num_warps=None):
+    """Block-sparse GQA decode attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
+
+    q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
+    contiguous), T = B * rows_per_request, rows request-major. kv_cache: logical
+    ``[num_pages, Hkv, P, 2D]`` (K in the first D, V in the second; any non-negative strides,
+    last dim contiguous): uint8 codes of the fp8 format ``kv_fmt``, or bf16/fp16 (``kv_fmt``
+    its name). block_table: int32/int64 ``[B, max_blocks]``; seq_lens: int32/int64 ``[B]``
+    (0 = padding request: its rows output zeros); topk: int32/int64 ``[Hkv, T, K]`` logical
+    block ids (any strides, e.g. a transposed token-major buffer; negative = unused).
+    Scales (fp8 only): None (1.0), a float, or float32 tensors, 0-d or ``[Hkv,
+    num_pages*P]`` (per KV head and physical slot); K/V are ``decode(code) * scale``.
+    softmax_scale: default ``1/sqrt(D)``. out: optional preallocated output (model dtype,
+    any token/head strides, last dim contiguous), written and returned.
+    blocks_per_split: blocks per split-K chunk (fixed; the registered schedule uses
+    ``BLOCKS_PER_SPLIT``). ``validate=True``: also check contents on the host (a sync):
+    seq_lens, block-table entries of used blocks, selections in range without repeats,
+    positive finite scales. Without it, bad contents are guarded in the kernel (never an
+    illegal access; see the module docstring)."""
+    p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
+                              rows_per_request, k_scale, v_scale, softmax_scale, out,
+                              blocks_per_split, validate)
+    if p.t == 0:
+        return p.out
+    grp = p.hq // p.hkv
+    splits = triton.cdiv(p.topk_k, p.blocks_per_split)
+    direct = splits == 1
+    dev = q.device
+    if direct:
+        part = lse = torch.empty(1, dtype=torch.float32, device=dev)
+    else:
+        part = torch.empty((p.t, p.hq, splits, p.d), dtype=torch.float32, device=dev)
+        lse = torch.empty((p.t, p.hq, splits), dtype=torch.float32, device=dev)
+    rows_p = triton.next_power_of_2(p.rows)
+    g_p = triton.next_power_of_2(grp)
+    warps = num_warps or 4
+    ensure_ready(_decode_split_kernel)
+    _decode_split_kernel[(p.batch, p.hkv, splits)](
+        q, q.stride(0), q.stride(1),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
+        block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
+        seq_lens, seq_lens.stride(0),
+        topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
+        p.ks, *p.ks_strides, p.vs, *p.vs_strides,
+        p.out, p.out.stride(0), p.out.stride(1), part, lse,
+        float(np.float32(p.softmax_scale * LOG2E)), grp, p.hq, splits,
+        ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d, P=p.page,
+        KP=triton.next_power_of_2(p.topk_k), NB=p.blocks_per_split,
+        NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
+        FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
+        DIRECT=direct, num_warps=warps)
+    if not direct:
+        block_h = min(16, triton.next_power_of_2(p.hq))
+        ensure_ready(_decode_merge_kernel)
+        _decode_merge_kernel[(p.t, triton.cdiv(p.hq, block_h))](
+            part, lse, p.out, p.out.stride(0), p.out.stride(1), p.hq, splits,
+            D=p.d, BLOCK_H=block_h, SP=triton.next_power_of_2(splits), num_warps=warps)
+    return p.out
+
+
+def compile_signatures():
+    """(kernel, signature, constexprs) triples covering the constexpr branches, for the
+    sm_90 compile check on the CPU (tests/test_compile_sm90.py)."""
+    combos = [  # act, cache, ROWS, G, FMT, HW, DIRECT, K, NB
+        ("bf16", "u8", 1, 16, 0, True, False, 16, 4),  # the model, one row: split-K
+        ("bf16", "u8", 2, 16, 1, True, False, 64, 4),  # rows share tiles: the guarded path
+        ("fp16", "u8", 4, 4, 2, False, True, 4, 4),  # fnuz software decode, direct output
+        ("bf16", "fp16", 3, 1, 0, False, False, 16, 1),  # 16-bit cache converted to act
+    ]
+    out = []
+    for act, cache, rows, grp, fmt, hw, direct, k, nb in combos:
+        sig = {name: "i64" for name in _decode_split_kernel.arg_names}
+        sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", seq_ptr="*i64",
+                   tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", out_ptr=f"*{act}",
+                   part_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32", group="i32",
+                   num_q_heads="i32", num_splits="i32", topk_k="i32", bt_cols="i32",
+                   num_pages="i64")
+        rows_p = triton.next_power_of_2(rows)
+        g_p = triton.next_power_of_2(grp)
+        const = dict(ROWS=rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=128,
+                     P=128 if cache == "u8" else 64, KP=triton.next_power_of_2(k), NB=nb,
+                     NBP=triton.next_power_of_2(nb), FP8=cache == "u8", FMT=fmt, HW=hw,
+                     DIRECT=direct)
+        sig.update(dict.fromkeys(const, "constexpr"))
+        out.append((_decode_split_kernel, sig, const))
+    for act in ("bf16",):
+        sig = {name: "i64" for name in _decode_merge_kernel.arg_names}
+        sig.update(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{act}", num_q_heads="i32",
+                   num_splits="i32")
+        const = dict(D=128, BLOCK_H=16, SP=4)
+        sig.update(dict.fromkeys(const, "constexpr"))
+        out.append((_decode_merge_kernel, sig, const))
+    return out
+
+
+# ----------------------------------------------------------------------------- adapter
+
+
+def _scale_in(s, dev):
+    if s is None:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
+
+
+def run(inputs: dict, validate: bool = True, blocks_per_split: int = BLOCKS_PER_SPLIT) -> dict:
+    """Oracle adapter (op ``attention_decode``): impl_torch's input/output conventions;
+    returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
+    strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
+    keep it), the block table as int32 and the output through a padded strided view."""
+    from oracle.impl_torch import HALF_DTYPES, _ints, _values, device
+
+    x = inputs
+    dev = device()
+    act = HALF_DTYPES[x["model_dtype"]]
+    q_np = np.asarray(x["q"])
+    t, hq, d = q_np.shape
+    q = torch.zeros((t, hq, d + 8), dtype=act, device=dev)[..., 4:4 + d]
+    q.copy_(_values(q_np, act, dev))
+    kv_fmt = x["kv_fmt"]
+    kv = strided_codes_in(x["kv_cache"], dev, HALF_FORMATS.get(kv_fmt))
+    tk_np = np.asarray(x["topk"])
+    topk = torch.from_numpy(np.ascontiguousarray(tk_np.transpose(1, 0, 2), np.int32)).to(dev)
+    topk = topk.permute(1, 0, 2)
+    bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
+    out = torch.zeros((hq, t, d), dtype=act, device=dev).transpose(0, 1)
+    sparse_attention_decode(q, kv, kv_fmt, bt, _ints(x["seq_lens"], dev), topk,
+                            int(x["rows_per_request"]), _scale_in(x["k_scale"], dev),
+                            _scale_in(x["v_scale"], dev), out=out,
+                            blocks_per_split=blocks_per_split, validate=validate)
+    return {"out": codes_of(out)}
+
+
+SCHEDULE = DecodeSchedule()
+
+
+def _register():
+    from oracle.registry import Implementation, register
+
+    # Interpreted (CPU), model shapes take too long: they are left to CUDA.
+    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model")
+    register(Implementation(
+        "triton", "attention_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
+        schedule=SCHEDULE,
+        notes=f"split-K Triton decode: one program per (request, KV head, split of "
+              f"{BLOCKS_PER_SPLIT} blocks), G heads x rows share each K/V tile; K/V "
+              f"dequantised to act, bf16/fp16 P, fp32 partials, exact LSE merge"))
+
+
+_register()

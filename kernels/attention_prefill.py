@@ -1,0 +1,548 @@
+"""Block-sparse GQA attention prefill over a paged KV cache (SPEC.md section 6; issue 9), in
+one Triton kernel.
+
+Contract. A ragged batch of new tokens: request r owns tokens ``cu_seqlens_q[r] ..
+cu_seqlens_q[r+1] - 1``; its prefix is ``seq_lens[r] - query_len[r]`` (any length, not only
+multiples of P) and its i-th new token sits at position ``p = prefix + i``. Query head
+``qh`` reads KV head ``g = qh // G``. A token's selection is the SET of non-negative
+entries of ``topk[g, token, :]`` (negative entries ignored wherever they stand, any order,
+read through strides; entries past ``p // P`` hold no visible key; a repeated entry counts
+once). Its keys: every ``j`` of a selected block with ``j <= p`` (causal inside the
+current block) and ``j < seq_len``, read through ``block_table[r, j // P]`` from the cache
+``[num_pages, Hkv, P, 2D]`` (K the first D, V the second D of the last dim; any strides,
+last dim contiguous). ``out = softmax(softmax_scale * q . K) @ V``, softmax_scale
+``1/sqrt(D)`` by default.
+
+Tiling (the point of this kernel: tokens that share blocks share KV reads).
+- One program per (query tile, KV head). A query tile is ``BLOCK_T`` consecutive new tokens
+  of one request times the ``G`` query heads of the KV group: the M dimension of both
+  ``tl.dot`` is (token, head) = ``BLOCK_T x G_P`` rows (``G_P`` = G padded to a power of
+  two; ``BLOCK_T * G_P`` >= 16, 64 by default: G 16 -> 4 tokens, G 1 -> 64 tokens).
+  Tiles never straddle requests: with ``BLOCK_T`` tokens per tile, request r's tiles get
+  program ids ``cu_seqlens_q[r] // BLOCK_T + r + i`` and a program finds its request by a
+  binary search over ``cu_seqlens_q`` (vLLM's unified-attention trick), so the grid
+  ``T // BLOCK_T + B`` needs no host sync; surplus programs exit at once.
+- The program walks the UNION of its tokens' valid selections in ascending block id,
+  without sorting anything and without a workspace: the tile's entries are held in
+  registers as a ``[BLOCK_T, K]`` array (invalid ones -- negative, past the token's
+  ``p // P``, past the block table -- replaced by a sentinel), and the next block is the
+  minimum entry greater than the current one. A first pass of that recurrence (no loads)
+  counts the union, so the main loop is a ``for`` with a runtime trip count (Triton
+  pipelines ``for`` loops, not ``while`` loops). Each union block is loaded ONCE (K and V
+  ``[P, D]``, converted right after the load: fp8 via ``kernels.fp8.decode_fp8``, hardware
+  casts for e4m3fn/e5m2, the software codec for fnuz) and multiplied with all ``BLOCK_T x
+  G`` rows; a row takes part only if the block is in its own selection (a per-token
+  membership test ``any(entries == block)``), and only in keys ``j <= p``. Logits are
+  masked with ``where``, never by adding -inf.
+- Cost. Per program: ``U`` = |union of the tile's selections| block iterations, each two
+  ``[BLOCK_T*G_P, P] x [P, D]``-sized MMAs plus ``O(BLOCK_T * K)`` integer compares. Useful
+  work is ``K`` blocks per token, so the MMA efficiency is ``K / U``:
+  * local selections (recent blocks plus a few shared far ones, the common case in
+    practice): neighbouring tokens select nearly the same blocks, ``U`` ~ ``K`` + a few,
+    efficiency close to 1, and each block is read once per tile instead of once per token;
+  * random selections among ``V`` visible blocks: ``U`` ~ ``V (1 - (1 - K/V)^BLOCK_T)``;
+    at the issue's benchmark shape (K 16, V 65..128, G 16) 4 tokens per tile (64 rows)
+    give U ~ 44-53 (efficiency ~ 1/3), 8 tokens U ~ 58-84 (~ 1/4). Smaller tiles cut the
+    waste but shrink the MMA M dimension; ``block_rows`` (rows per tile) is the knob, the
+    default 64 a guess to be tuned on the H200 (benchmarks/).
+  The same union walk is what flex_attention does with a block mask (its q-block of 128
+  tokens unions much more: the 13 TFLOP/s of NOTES.md); the per-token (M = G = 16) form
+  wastes nothing but runs its MMAs at M = 16.
+
+Numerics: the rounding schedule declared in the registry (``SCHEDULE(model_dtype)``, act =
+the model dtype = q's dtype), exactly what the kernel does:
+- K/V dequantised to act: ``act(fp32(decode(code) * scale))`` (fp8: exact decode, one fp32
+  multiply by the scalar or per-slot scale, RNE to act); bf16/fp16 caches: the value
+  converted to act (exact when the cache has the model dtype). ``kv_dtype = act``.
+- ``S = q . K`` by ``tl.dot`` on act operands, fp32 accumulation; logits in log2 units
+  ``S * fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
+  in ascending block id (a row's own blocks in ascending order: ``p_max="running"``,
+  ``blocks_per_tile=1``, ``order="ascending"``; blocks the row does not take part in leave
+  its state unchanged); ``P`` rounded to act for ``P @ V`` (``tl.dot`` on act operands,
+  fp32 accumulation), the row sum from the unrounded fp32 P; no split-K; output rounded once
+  to act (RNE). Rows with no key give zeros.
+
+Masking (SPEC.md s.6): every K/V load is masked to keys ``j <= max position of the tile's
+tokens that selected the block`` (hence ``j < seq_len``) in a page whose block-table entry
+is in range; other lanes read 0, so NaN content past seq_len, in unused pages or in
+unselected blocks never enters any arithmetic. Keys loaded for some rows of the tile but
+not seen by others (a token that did not select the block, the causal cut inside the
+current block) are masked in the logits; a non-finite V in such a key would still reach
+the others through ``0 * NaN`` in the shared ``P @ V``, so those tiles, when V holds a
+non-finite value, take ``kernels._attention.guarded_pv`` (exact 0/1 counts of the
+non-finite values each row sees).
+
+In-kernel guards (contents are only checked under ``validate=True``): entries outside
+``[0, p // P]`` or past the block table's width are ignored, repeats count once,
+block-table entries outside ``[0, num_pages)`` read nothing, tokens past ``T`` (a bad
+``cu_seqlens_q``) are skipped, tokens with ``p < 0`` (``seq_len < query_len``) see no key.
+Offsets are 64-bit.
+
+``sparse_attention_prefill(...)`` is the host launcher (validates dtypes, shapes, strides,
+formats and scales; raises ValueError naming the argument); ``run(inputs)`` is the oracle
+adapter registered as implementation ``"triton"`` of op ``"attention_prefill"``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels._attention import (
+    guarded_pv,
+    validate_block_table,
+    validate_scales,
+    validate_selections,
+)
+from kernels._host import (
+    HALF_FORMATS,
+    HEAD_DIMS,
+    MODEL_DTYPES,
+    SLOT_DTYPES,
+    check_int,
+    check_kv_cache,
+    check_kv_fmt,
+    check_last_dim_contiguous,
+    check_tensor,
+    codes_of,
+    fail,
+    scale_arg,
+    strided_codes_in,
+)
+from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from kernels.fp8 import HW_FORMATS, decode_fp8, fmt_code
+
+#: Domain limits (SPEC.md s.7).
+MAX_GROUP = 16
+MAX_TOPK = 64
+#: Query rows (tokens x padded heads) per program by default; see the module docstring.
+BLOCK_ROWS = 64
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+        q_ptr, q_s0, q_s1, num_tokens,
+        kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
+        bt_ptr, bt_s0, bt_s1, bt_cols,
+        cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
+        tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
+        ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
+        out_ptr, out_s0, out_s1,
+        qk_scale, group,
+        BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+        KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
+        SAME: tl.constexpr):
+    NONE: tl.constexpr = 2147483647
+    ROWS: tl.constexpr = BLOCK_T * G_P
+    tile = tl.program_id(0)
+    g64 = tl.program_id(1).to(tl.int64)
+
+    # ---- which request: the largest r with cu[r] // BLOCK_T + r <= tile.
+    lo = tile * 0
+    hi = lo + num_reqs
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        first = tl.load(cu_ptr + mid.to(tl.int64) * cu_s0).to(tl.int32) // BLOCK_T + mid
+        ok = first <= tile
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    r64 = lo.to(tl.int64)
+    cu0 = tl.load(cu_ptr + r64 * cu_s0).to(tl.int64)
+    qlen = tl.load(cu_ptr + (r64 + 1) * cu_s0).to(tl.int64) - cu0
+    local = (tile - (cu0 // BLOCK_T + r64)) * BLOCK_T  # first token of the tile, in request
+    if local < qlen:
+        seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
+        prefix = seq - qlen
+
+        # ---- the tile's tokens and their entries (invalid ones: NONE).
+        ti = tl.arange(0, BLOCK_T)
+        t_loc = local + ti
+        t_glob = cu0 + t_loc
+        t_ok = (t_loc < qlen) & (t_glob >= 0) & (t_glob < num_tokens)
+        t_pos = prefix + t_loc  # < 0: no key (a bad seq_len)
+        kk = tl.arange(0, KP)
+        e = tl.load(tk_ptr + g64 * tk_s0 + t_glob[:, None] * tk_s1
+                    + kk[None, :].to(tl.int64) * tk_s2,
+                    mask=t_ok[:, None] & (kk < topk_k)[None, :], other=-1).to(tl.int64)
+        valid = t_ok[:, None] & (e >= 0) & (e * P <= t_pos[:, None]) & (e < bt_cols)
+        es = tl.where(valid, e, NONE).to(tl.int32)
+
+        # ---- the union's size: the chain "next = min entry > current" (no loads).
+        n_union = tile * 0
+        cur = n_union - 1
+        nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
+        while nxt < NONE:
+            n_union += 1
+            cur = nxt
+            nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
+
+        # ---- the (token, head) rows: m = token * G_P + head.
+        mm = tl.arange(0, ROWS)
+        m_tok = mm // G_P
+        m_head = mm % G_P
+        m_loc = local + m_tok
+        m_glob = cu0 + m_loc
+        m_ok = (m_loc < qlen) & (m_glob >= 0) & (m_glob < num_tokens) & (m_head < group)
+        m_pos = prefix + m_loc
+        m_hq = g64 * group + m_head
+        dd = tl.arange(0, D)
+        q = tl.load(q_ptr + m_glob[:, None] * q_s0 + m_hq[:, None] * q_s1 + dd[None, :],
+                    mask=m_ok[:, None], other=0.0)
+
+        m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+        l_i = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, D), tl.float32)
+        jj = tl.arange(0, P)
+        cur = tile * 0 - 1
+        for _ in range(n_union):
+            blk = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
+            cur = blk
+            takes = tl.max((es == blk).to(tl.int32), axis=1)  # [BLOCK_T]: 1 if selected
+            m_takes = tl.reshape(tl.broadcast_to(takes[:, None], (BLOCK_T, G_P)), (ROWS,)) > 0
+            lim = tl.max(tl.where(takes > 0, t_pos, -1), axis=0)  # the last key any row sees
+            blk64 = blk.to(tl.int64)
+            page = tl.load(bt_ptr + r64 * bt_s0 + blk64 * bt_s1).to(tl.int64)
+            page_ok = (page >= 0) & (page < num_pages)
+            pg = tl.where(page_ok, page, 0)
+            key = blk64 * P + jj
+            kmask = (key <= lim) & page_ok
+            src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2
+                   + dd[None, :])
+            k_raw = tl.load(src, mask=kmask[:, None], other=0)
+            v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
+            if FP8:
+                slot = pg * P + jj
+                ksc = tl.load(ks_ptr + g64 * ks_s0 + slot * ks_s1, mask=kmask, other=1.0)
+                vsc = tl.load(vs_ptr + g64 * vs_s0 + slot * vs_s1, mask=kmask, other=1.0)
+                k = (decode_fp8(k_raw, FMT, HW) * ksc[:, None]).to(q_ptr.dtype.element_ty)
+                v = (decode_fp8(v_raw, FMT, HW) * vsc[:, None]).to(q_ptr.dtype.element_ty)
+            elif SAME:  # the cache holds the model dtype: used as loaded
+                k = k_raw
+                v = v_raw
+            else:  # the other 16-bit dtype: exact widening, one RNE rounding
+                k = k_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
+                v = v_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
+            s = tl.dot(q, tl.trans(k))  # [ROWS, P], fp32 accumulation
+            vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
+            s2 = tl.where(vis, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s2 - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p_act = p.to(q_ptr.dtype.element_ty)
+            pv = tl.dot(p_act, v)
+            # Rows that do not all see the loaded keys: guard non-finite V (docstring).
+            last = tl.minimum(lim, blk64 * P + P - 1)
+            short = tl.sum((t_ok & ((takes == 0) | (t_pos < last))).to(tl.int32), axis=0)
+            if short > 0:
+                vf = v.to(tl.float32)
+                bad = (vf != vf) | (tl.abs(vf) == float("inf"))
+                if tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0) > 0:
+                    pv = guarded_pv(p_act, v, vis, bad)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        empty = l_i == 0.0  # no key (NaN sums are not empty: they propagate)
+        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+        dst = out_ptr + m_glob[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+#: True when the kernel runs in the (patched) CPU interpreter.
+INTERPRETED = is_interpreted(_prefill_kernel)
+
+
+# ---------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class PrefillSchedule:
+    """The kernel's rounding schedule as a function of the model dtype (what the oracle
+    calls ``impl.schedule(model_dtype)``); see the module docstring."""
+
+    def __call__(self, model_dtype: str):
+        from reference.attention import Schedule
+
+        return Schedule(kv_dtype=model_dtype, p_dtype=model_dtype, p_max="running",
+                        blocks_per_tile=1, blocks_per_split=None, out_dtype=model_dtype,
+                        order="ascending")
+
+
+SCHEDULE = PrefillSchedule()
+
+
+# ---------------------------------------------------------------------------- launcher
+
+
+@dataclass
+class PrefillPlan:
+    """What ``plan_attention_prefill`` checked and derived."""
+
+    t: int
+    hq: int
+    hkv: int
+    d: int
+    page: int
+    num_pages: int
+    batch: int
+    topk_k: int
+    fp8: bool
+    ks: torch.Tensor
+    ks_strides: tuple[int, int]
+    vs: torch.Tensor
+    vs_strides: tuple[int, int]
+    softmax_scale: float
+    out: torch.Tensor
+
+
+def _row_positions(cu_seqlens_q, seq_lens, t: int) -> torch.Tensor:
+    """``validate=True``: cu_seqlens_q starts at 0, never decreases, ends at T, and no
+    request has more new tokens than seq_len; returns each token's position (int64 CPU)."""
+    cu = cu_seqlens_q.detach().to("cpu", torch.int64)
+    seq = seq_lens.detach().to("cpu", torch.int64)
+    qlen = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or bool((qlen < 0).any()) or int(cu[-1]) != t:
+        fail("cu_seqlens_q", f"must start at 0, never decrease and end at T = {t}, got "
+                             f"{cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+    if bool((seq < 0).any()):
+        r = int((seq < 0).nonzero()[0, 0])
+        fail("seq_lens", f"must be >= 0; entry {r} is {int(seq[r])}")
+    if bool((qlen > seq).any()):
+        r = int((qlen > seq).nonzero()[0, 0])
+        fail("seq_lens", f"[{r}] = {int(seq[r])} is less than request {r}'s query length "
+                         f"{int(qlen[r])} (seq_lens counts the new tokens too)")
+    req = torch.repeat_interleave(torch.arange(seq.numel()), qlen)
+    return torch.arange(t) - cu[req] + (seq - qlen)[req]
+
+
+def _check_index_tensor(t, name, dev):
+    check_tensor(t, name, SLOT_DTYPES, device=dev)
+    return t
+
+
+def plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
+                           k_scale=None, v_scale=None, softmax_scale=None, out=None,
+                           validate=False) -> PrefillPlan:
+    """Every host check of ``sparse_attention_prefill`` (shapes, dtypes, strides, formats,
+    scales; contents under ``validate=True``) and the output tensor."""
+    check_tensor(q, "q", tuple(MODEL_DTYPES))
+    dev = q.device
+    if q.dim() != 3 or q.shape[1] < 1 or q.shape[2] not in HEAD_DIMS:
+        fail("q", f"must have shape [T, Hq >= 1, D in {list(HEAD_DIMS)}], got {list(q.shape)}")
+    check_last_dim_contiguous(q, "q")
+    t, hq, d = q.shape
+    fp8 = check_kv_fmt(kv_fmt)
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
+        fail("kv_cache", f"must be a 4-D tensor [num_pages, Hkv, P, 2D={2 * d}], got "
+                         f"{getattr(kv_cache, 'shape', type(kv_cache).__name__)}")
+    hkv = kv_cache.shape[1]
+    if hkv < 1:
+        fail("kv_cache", f"must have Hkv >= 1 heads, got shape {list(kv_cache.shape)}")
+    page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
+    if hq % hkv or not 1 <= hq // hkv <= MAX_GROUP:
+        fail("q", f"must have Hq = G * Hkv heads with Hkv = {hkv} (kv_cache) and G in "
+                  f"[1, {MAX_GROUP}], got Hq = {hq}")
+    _check_index_tensor(seq_lens, "seq_lens", dev)
+    if seq_lens.dim() != 1:
+        fail("seq_lens", f"must be 1-D [B], got shape {list(seq_lens.shape)}")
+    batch = seq_lens.shape[0]
+    if batch == 0 and t:
+        fail("seq_lens", f"must name at least one request for T = {t} tokens, got B = 0")
+    _check_index_tensor(cu_seqlens_q, "cu_seqlens_q", dev)
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != batch + 1:
+        fail("cu_seqlens_q", f"must have shape [B + 1] = [{batch + 1}], got "
+                             f"{list(cu_seqlens_q.shape)}")
+    _check_index_tensor(block_table, "block_table", dev)
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        fail("block_table", f"must have shape [B={batch}, max_blocks >= 1], got "
+                            f"{list(block_table.shape)}")
+    _check_index_tensor(topk, "topk", dev)
+    if topk.dim() != 3 or topk.shape[0] != hkv or topk.shape[1] != t \
+            or not 1 <= topk.shape[2] <= MAX_TOPK:
+        fail("topk", f"must have shape [Hkv={hkv}, T={t}, K in [1, {MAX_TOPK}]], got "
+                     f"{list(topk.shape)}")
+    if any(s < 0 for s in topk.stride()) or any(s < 0 for s in block_table.stride()):
+        fail("topk" if any(s < 0 for s in topk.stride()) else "block_table",
+             "must have non-negative strides")
+    ks, ks0, ks1 = scale_arg(k_scale, "k_scale", fp8, hkv, num_slots, dev)
+    vs, vs0, vs1 = scale_arg(v_scale, "v_scale", fp8, hkv, num_slots, dev)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    elif isinstance(softmax_scale, bool) or not isinstance(
+            softmax_scale, (int, float, np.integer, np.floating)) \
+            or not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        fail("softmax_scale", f"must be None or a finite number > 0, got {softmax_scale!r}")
+    if out is None:
+        out = torch.empty((t, hq, d), dtype=q.dtype, device=dev)
+    else:
+        check_tensor(out, "out", (q.dtype,), (t, hq, d), dev)
+        check_last_dim_contiguous(out, "out")
+    if not isinstance(validate, (bool, np.bool_)):
+        fail("validate", f"must be True or False, got {validate!r}")
+    if validate and batch:
+        pos = _row_positions(cu_seqlens_q, seq_lens, t)
+        validate_block_table(block_table, seq_lens, page, kv_cache.shape[0])
+        validate_selections(topk, pos, page)
+        validate_scales((("k_scale", ks), ("v_scale", vs)))
+    return PrefillPlan(t, hq, hkv, d, page, kv_cache.shape[0], batch, topk.shape[2], fp8,
+                       ks, (ks0, ks1), vs, (vs0, vs1), float(softmax_scale), out)
+
+
+def _block_t(block_rows, g_p: int) -> int:
+    """Tokens per tile: ``block_rows // G_P`` (rows = tokens x padded heads), at least 16
+    rows (tl.dot's minimum M)."""
+    rows = BLOCK_ROWS if block_rows is None else check_int(block_rows, "block_rows", 1, 1024)
+    if rows & (rows - 1):
+        fail("block_rows", f"must be a power of two, got {rows}")
+    return max(1, rows // g_p, 16 // g_p)
+
+
+def _num_stages(page: int, d: int, fp8: bool) -> int:
+    """Default software-pipelining depth: the K and V tiles of one block (``2 P D`` codes)
+    per stage must leave shared memory for the dequantised operands and q (a guess to be
+    checked on the H200: 3 stages up to 32 KiB per stage, 2 up to 64 KiB, else 1)."""
+    per_stage = 2 * page * d * (1 if fp8 else 2)
+    return 3 if per_stage <= 32768 else 2 if per_stage <= 65536 else 1
+
+
+def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
+                             k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
+                             validate=False, block_rows=None, num_warps=None,
+                             num_stages=None):
+    """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
+
+    q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
+    contiguous), the new tokens of all requests, request-major. kv_cache: logical
+    ``[num_pages, Hkv, P, 2D]`` (K in the first D, V in the second; any non-negative
+    strides, last dim contiguous): uint8 codes of the fp8 format ``kv_fmt``, or bf16/fp16
+    (``kv_fmt`` its name). block_table: int32/int64 ``[B, max_blocks]``; cu_seqlens_q:
+    int32/int64 ``[B + 1]``; seq_lens: int32/int64 ``[B]`` (total length including the new
+    tokens); topk: int32/int64 ``[Hkv, T, K]`` logical block ids (any strides, e.g. a
+    transposed token-major buffer; negative = unused). Scales (fp8 only): None (1.0), a
+    float, or float32 tensors, 0-d or ``[Hkv, num_pages*P]`` (per KV head and physical
+    slot); K/V are ``decode(code) * scale``. softmax_scale: default ``1/sqrt(D)``. out:
+    optional preallocated output (model dtype, any token/head strides, last dim
+    contiguous), written and returned. ``validate=True``: also check contents on the host
+    (a sync): cu_seqlens_q against T and seq_lens, block-table entries of used blocks,
+    selections in range without repeats, positive finite scales. Without it, bad contents
+    are guarded in the kernel (never an illegal access; see the module docstring).
+    block_rows: query rows (tokens x padded heads) per program, a power of two (default
+    ``BLOCK_ROWS``); num_warps / num_stages: Triton launch options (default 4 warps, and
+    ``_num_stages``)."""
+    p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
+                               k_scale, v_scale, softmax_scale, out, validate)
+    if p.t == 0:
+        return p.out
+    grp = p.hq // p.hkv
+    g_p = triton.next_power_of_2(grp)
+    block_t = _block_t(block_rows, g_p)
+    opts = {"num_stages": _num_stages(p.page, p.d, p.fp8) if num_stages is None
+            else check_int(num_stages, "num_stages", 1, 8)}
+    if num_warps is not None:
+        opts["num_warps"] = check_int(num_warps, "num_warps", 1, 16)
+    ensure_ready(_prefill_kernel)
+    _prefill_kernel[(p.t // block_t + p.batch, p.hkv)](
+        q, q.stride(0), q.stride(1), p.t,
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
+        block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
+        cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0), p.batch,
+        max(1, p.batch.bit_length()),
+        topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
+        p.ks, *p.ks_strides, p.vs, *p.vs_strides,
+        p.out, p.out.stride(0), p.out.stride(1),
+        float(np.float32(p.softmax_scale * LOG2E)), grp,
+        BLOCK_T=block_t, G_P=g_p, D=p.d, P=p.page, KP=triton.next_power_of_2(p.topk_k),
+        FP8=p.fp8, FMT=fmt_code(kv_fmt) if p.fp8 else 0,
+        HW=p.fp8 and kv_fmt in HW_FORMATS, SAME=not p.fp8 and kv_cache.dtype == q.dtype,
+        **opts)
+    return p.out
+
+
+def compile_signatures():
+    """(kernel, signature, constexprs) triples covering the constexpr branches, for the
+    sm_90 compile check on the CPU (tests/test_compile_sm90.py)."""
+    combos = [  # act, cache, G, FMT, HW, K, P, D
+        ("bf16", "u8", 16, 0, True, 16, 128, 128),
+        ("fp16", "u8", 8, 1, True, 64, 64, 128),
+        ("bf16", "u8", 3, 2, False, 5, 32, 64),
+        ("fp16", "u8", 2, 3, False, 16, 16, 64),
+        ("bf16", "bf16", 16, 0, False, 16, 128, 128),
+        ("fp16", "fp16", 1, 0, False, 3, 16, 256),
+        ("bf16", "fp16", 2, 0, False, 16, 64, 64),
+    ]
+    out = []
+    for act, cache, grp, fmt, hw, k, page, d in combos:
+        sig = {name: "i64" for name in _prefill_kernel.arg_names}
+        sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", cu_ptr="*i32",
+                   seq_ptr="*i64", tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32",
+                   out_ptr=f"*{act}", qk_scale="fp32", group="i32", topk_k="i32",
+                   bt_cols="i32", num_reqs="i32", search_steps="i32", num_tokens="i64",
+                   num_pages="i64")
+        g_p = triton.next_power_of_2(grp)
+        const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
+                     KP=triton.next_power_of_2(k), FP8=cache == "u8", FMT=fmt, HW=hw,
+                     SAME=cache == act)
+        sig.update(dict.fromkeys(const, "constexpr"))
+        out.append((_prefill_kernel, sig, const))
+    return out
+
+
+# ----------------------------------------------------------------------------- adapter
+
+
+def _scale_in(s, dev):
+    if s is None:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
+
+
+def run(inputs: dict, validate: bool = True, block_rows: int | None = None) -> dict:
+    """Oracle adapter (op ``attention_prefill``): impl_torch's input/output conventions;
+    returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
+    strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
+    keep it), the block table and cu_seqlens_q as int32, seq_lens as int64, and the output
+    through a head-major buffer seen token-major."""
+    from oracle.impl_torch import HALF_DTYPES, _ints, _values, device
+
+    x = inputs
+    dev = device()
+    act = HALF_DTYPES[x["model_dtype"]]
+    q_np = np.asarray(x["q"])
+    t, hq, d = q_np.shape
+    q = torch.zeros((t, hq, d + 8), dtype=act, device=dev)[..., 4:4 + d]
+    q.copy_(_values(q_np, act, dev))
+    kv_fmt = x["kv_fmt"]
+    kv = strided_codes_in(x["kv_cache"], dev, HALF_FORMATS.get(kv_fmt))
+    tk_np = np.asarray(x["topk"])
+    topk = torch.from_numpy(np.ascontiguousarray(tk_np.transpose(1, 0, 2), np.int32)).to(dev)
+    topk = topk.permute(1, 0, 2)
+    bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
+    cu = torch.from_numpy(np.ascontiguousarray(x["cu_seqlens_q"], np.int32)).to(dev)
+    out = torch.zeros((hq, t, d), dtype=act, device=dev).transpose(0, 1)
+    sparse_attention_prefill(q, kv, kv_fmt, bt, cu, _ints(x["seq_lens"], dev), topk,
+                             _scale_in(x["k_scale"], dev), _scale_in(x["v_scale"], dev),
+                             out=out, validate=validate, block_rows=block_rows)
+    return {"out": codes_of(out)}
+
+
+def _register():
+    from oracle.registry import Implementation, register
+
+    # Interpreted (CPU): tiny shapes only (the small class costs seconds per case in the
+    # interpreter and the float64 checker); model shapes are left to CUDA.
+    classes = ("tiny",) if INTERPRETED else ("tiny", "small", "model")
+    register(Implementation(
+        "triton", "attention_prefill", run, devices=("cpu", "cuda"), shape_classes=classes,
+        schedule=SCHEDULE,
+        notes=f"Triton prefill: one program per (tile of {BLOCK_ROWS} tokens x heads rows, KV "
+              f"head) walking the union of the tile's selected blocks in ascending order, "
+              f"each block read once per tile; K/V dequantised to act, bf16/fp16 P, no "
+              f"split-K"))
+
+
+_register()

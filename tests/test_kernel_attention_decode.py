@@ -1,0 +1,510 @@
+"""kernels/attention_decode.py: every cache format, layouts, scales, GQA groups, rows per
+request, splits, padded requests, selections as sets, NaN/Inf content a row must not see,
+guarded bad contents and host validation, judged by the oracle (oracle.checks.run_check)
+against the reference run with the kernel's declared schedule. Runs the kernel in the
+(patched) CPU interpreter when no CUDA device is present (conftest.py sets
+TRITON_INTERPRET=1), compiled on a GPU otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import attention_decode as ad
+from oracle import rand
+from oracle.cases import Case, poison_code, random_selections
+from oracle.checks import Tally, run_check
+from oracle.impl_torch import HALF_DTYPES, device
+from oracle.registry import implementations
+from reference import attention
+from reference.codec import FORMATS, decode, round_to
+from reference.kv_cache import empty_cache, quantize
+
+pytestmark = pytest.mark.interp
+
+_KV_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "e4m3fn": "fp8",
+             "e4m3fnuz": "fp8", "e5m2": "fp8_e5m2", "e5m2fnuz": "fp8_e5m2"}
+
+
+def make_inputs(kv_fmt="bfloat16", md="bfloat16", layout="HND", pad=0, scales="none", hkv=2,
+                group=2, d=64, page=16, rows=1, seq_lens=(37,), k=2, seed=0):
+    """An oracle input set of op attention_decode (oracle.cases' keys), built by hand so the
+    format, layout, scales, shape, rows per request and sequence lengths can be chosen.
+    Everything but the keys of the requests (other pages, the tail of the last page) holds
+    the format's NaN code; selections come from oracle.cases.random_selections (random
+    sets, the last visible block always in, -1 entries scattered anywhere, random order).
+    Scales: random float32 (never powers of two), k_scale != v_scale."""
+    bg = np.random.default_rng(seed)
+    seq = np.asarray(seq_lens, np.int64)
+    blocks = -(-seq // page)
+    num_pages = int(blocks.sum()) + 2
+    perm = bg.permutation(num_pages).astype(np.int32)
+    table = np.full((len(seq), max(1, int(blocks.max(initial=1)))), -1, np.int32)
+    used = 0
+    for r, nb in enumerate(blocks):
+        table[r, :nb] = perm[used:used + nb]
+        used += nb
+    cache = empty_cache(num_pages, hkv, page, d, kv_fmt, layout, pad,
+                        fill_code=poison_code(kv_fmt))
+    num_slots = num_pages * page
+
+    def scale():
+        if scales == "none":
+            return None
+        shape = () if scales == "tensor" else (hkv, num_slots)
+        s = np.exp(bg.uniform(np.log(0.25), np.log(4.0), shape)).astype(np.float32)
+        return np.float32(s) if scales == "tensor" else s
+
+    k_scale, v_scale = scale(), scale()
+    for r, s in enumerate(seq):
+        pos = np.arange(s)
+        pages, offs = table[r, pos // page], pos % page
+        slots = pages.astype(np.int64) * page + offs
+        for h in range(hkv):
+            kv = round_to(bg.normal(size=(2, s, d)), md)
+            cache[pages, h, offs, :d] = quantize(kv[0], kv_fmt, _scale_rows(k_scale, h, slots))
+            cache[pages, h, offs, d:] = quantize(kv[1], kv_fmt, _scale_rows(v_scale, h, slots))
+    positions = np.concatenate([np.arange(s - rows, s) if s else np.full(rows, -1)
+                                for s in seq]) if len(seq) else np.zeros(0, np.int64)
+    topk = random_selections(rand.generator(seed), positions, page, hkv, k)
+    q = round_to(2.5 * bg.normal(size=(len(positions), group * hkv, d)), md)
+    return dict(q=q, kv_cache=cache, kv_fmt=kv_fmt, block_table=table, seq_lens=seq,
+                topk=topk, k_scale=k_scale, v_scale=v_scale, model_dtype=md,
+                cache_layout=layout, rows_per_request=rows)
+
+
+def _scale_rows(scale, head, slots):
+    """The scale of each slot of one head as a column (or the scalar, or 1.0)."""
+    if scale is None:
+        return 1.0
+    return scale if np.ndim(scale) == 0 else scale[head, slots][:, None]
+
+
+def _case(x):
+    fmt = x["kv_fmt"]
+    sc = "none" if x["k_scale"] is None else ("tensor" if np.ndim(x["k_scale"]) == 0 else "slot")
+    return Case("attention_decode", "tiny", "normal", "rocm-fnuz" if "fnuz" in fmt else "cuda",
+                _KV_DTYPE[fmt], x["model_dtype"], sc, 0)
+
+
+def _impl(bps=ad.BLOCKS_PER_SPLIT):
+    """The registered implementation, run (and declared) with ``bps`` blocks per split."""
+    (impl,) = implementations("attention_decode", ["triton"])
+    if bps == ad.BLOCKS_PER_SPLIT:
+        return impl
+    return replace(impl, run=functools.partial(ad.run, blocks_per_split=bps),
+                   schedule=ad.DecodeSchedule(bps))
+
+
+def _passes(x, bps=ad.BLOCKS_PER_SPLIT):
+    res = run_check(_case(x), _impl(bps), inputs=x)
+    assert res.passed, res.summary()
+    return res
+
+
+def _out(x, bps=ad.BLOCKS_PER_SPLIT, validate=True):
+    """The kernel's output values (float64) for an input set."""
+    return decode(ad.run(x, validate=validate, blocks_per_split=bps)["out"], x["model_dtype"])
+
+
+def _zero_rows_of_padding(x, out):
+    rows = x["rows_per_request"]
+    for r in np.flatnonzero(np.asarray(x["seq_lens"]) == 0):
+        assert not np.any(out[r * rows:(r + 1) * rows]), f"padding request {r} is not zero"
+
+
+# ----------------------------------------------------------------- formats and shapes
+
+
+@pytest.mark.parametrize("kv_fmt, md, layout, pad, scales", [
+    ("bfloat16", "bfloat16", "HND", 0, "none"),
+    ("float16", "float16", "NHD", 8, "none"),
+    ("bfloat16", "float16", "HND", 8, "none"),
+    ("float16", "bfloat16", "NHD", 0, "none"),
+    ("e4m3fn", "bfloat16", "NHD", 0, "slot"),
+    ("e4m3fn", "float16", "HND", 8, "tensor"),
+    ("e5m2", "bfloat16", "HND", 8, "slot"),
+    ("e5m2", "float16", "NHD", 0, "none"),
+    ("e4m3fnuz", "bfloat16", "HND", 0, "slot"),
+    ("e4m3fnuz", "float16", "NHD", 8, "tensor"),
+    ("e5m2fnuz", "bfloat16", "NHD", 8, "tensor"),
+    ("e5m2fnuz", "bfloat16", "HND", 0, "slot"),
+])
+def test_every_format_layout_and_scale_matches_reference(kv_fmt, md, layout, pad, scales):
+    """For every cache format (bf16 and fp16, also read by the other activation dtype, and
+    the four fp8 formats), HND/NHD and padded layouts, none/tensor/per-slot scales (random,
+    k_scale != v_scale), Hkv = 3, two rows per request, sequence lengths not multiples of
+    P, a padding request (seq_len 0) in the middle and two splits per row, the output is
+    what the oracle admits for the declared schedule, and the padding rows are zeros."""
+    x = make_inputs(kv_fmt, md, layout, pad, scales, hkv=3, rows=2, seq_lens=(37, 0, 50), k=3,
+                    seed=len(kv_fmt) + pad + len(md))
+    _passes(x, bps=2)
+    _zero_rows_of_padding(x, _out(x, bps=2))
+
+
+@pytest.mark.parametrize("group, rows, hkv, bps, kv_fmt", [
+    (1, 1, 3, 1, "e4m3fn"),
+    (1, 4, 1, 2, "bfloat16"),
+    (2, 3, 3, 1, "e5m2fnuz"),
+    (2, 1, 2, 4, "float16"),
+    (8, 2, 3, 2, "e4m3fnuz"),
+    (8, 4, 2, 3, "e4m3fn"),
+    (3, 4, 1, 1, "e5m2"),
+])
+def test_groups_rows_and_splits_match_reference(group, rows, hkv, bps, kv_fmt):
+    """GQA groups G in {1, 2, 3, 8} (query head qh reads KV head qh // G), 1..4 rows per
+    request (each with its own selection and causal position), Hkv not a power of two,
+    1, 2, 3 or 4 blocks per split, padding requests and lengths not multiples of P: the
+    output is admitted by the oracle for the matching schedule."""
+    x = make_inputs(kv_fmt, "bfloat16", "NHD", 8, "slot" if kv_fmt.startswith("e") else "none",
+                    hkv=hkv, group=group, rows=rows, seq_lens=(61, 0, 23, 44), k=4,
+                    seed=group * 10 + rows)
+    _passes(x, bps=bps)
+
+
+def test_model_head_shape():
+    """The model's head shape (G 16, D 128, P 128, K 16) with two rows per request and an
+    e4m3fn cache with per-slot scales: four splits of four blocks, merged."""
+    x = make_inputs("e4m3fn", "bfloat16", "HND", 0, "slot", hkv=1, group=16, d=128, page=128,
+                    rows=2, seq_lens=(2100,), k=16, seed=5)
+    _passes(x)
+
+
+def test_more_splits_than_selected_blocks():
+    """With one block per split and K = 6 entries, rows see 1..4 blocks: the splits past a
+    row's blocks are empty (weight 0 in the merge, never NaN); rows with no block at all
+    (padding) are zeros."""
+    x = make_inputs("e4m3fn", "bfloat16", scales="slot", rows=3, seq_lens=(5, 0, 40, 19), k=6,
+                    seed=3)
+    _passes(x, bps=1)
+    _zero_rows_of_padding(x, _out(x, bps=1))
+
+
+# -------------------------------------------------------------- selections are sets
+
+
+def _shuffled(topk, seed, dup=False):
+    """The same sets in another order with the -1 entries moved; with ``dup`` a valid entry
+    of every row also overwrites one of its -1 entries (a repeat)."""
+    bg = np.random.default_rng(seed)
+    tk = np.array(topk, copy=True)
+    for idx in np.ndindex(tk.shape[:2]):
+        row = tk[idx]
+        row[:] = row[bg.permutation(row.size)]
+        if dup and (row >= 0).any() and (row < 0).any():
+            row[np.flatnonzero(row < 0)[0]] = row[np.flatnonzero(row >= 0)[0]]
+    return tk
+
+
+@pytest.mark.parametrize("bps", [1, 4])
+def test_selection_is_a_set(bps):
+    """The output depends only on each row's SET of blocks: permuting the entries, moving
+    the -1 entries anywhere and (with validate=False) repeating an entry give bit-identical
+    outputs."""
+    x = make_inputs("e5m2", "bfloat16", scales="tensor", rows=2, seq_lens=(70, 33), k=6, seed=9)
+    base = ad.run(x, blocks_per_split=bps)["out"]
+    perm = dict(x, topk=_shuffled(x["topk"], 1))
+    assert np.array_equal(ad.run(perm, blocks_per_split=bps)["out"], base)
+    rep = dict(x, topk=_shuffled(x["topk"], 2, dup=True))
+    assert (np.sort(rep["topk"], -1) != np.sort(x["topk"], -1)).any()
+    assert np.array_equal(ad.run(rep, validate=False, blocks_per_split=bps)["out"], base)
+
+
+# ----------------------------------------------------- content a row must not see
+
+
+def _poison_unselected(x):
+    """Every block no row of a request selected (through that KV head) becomes NaN codes."""
+    x = dict(x, kv_cache=np.array(x["kv_cache"], copy=True))
+    cache, page, rows = x["kv_cache"], x["kv_cache"].shape[2], x["rows_per_request"]
+    for r, s in enumerate(x["seq_lens"]):
+        for g in range(cache.shape[1]):
+            chosen = set(x["topk"][g, r * rows:(r + 1) * rows].ravel().tolist())
+            for b in range(-(-int(s) // page)):
+                if b not in chosen:
+                    cache[x["block_table"][r, b], g] = poison_code(x["kv_fmt"])
+    return x
+
+
+@pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fnuz"])
+def test_unselected_blocks_full_of_nan_do_not_leak(kv_fmt):
+    """Blocks no row selected hold NaN codes (keys past seq_len, other pages and the tail
+    of the last page already do): the output is still admitted and finite."""
+    x = _poison_unselected(make_inputs(kv_fmt, "bfloat16", scales="slot" if "e" in kv_fmt
+                                       else "none", rows=2, seq_lens=(90, 47), k=3, seed=4))
+    res = _passes(x, bps=2)
+    assert res.tally.elements and np.isfinite(_out(x, bps=2)).all()
+
+
+def _specials_case(kv_fmt):
+    """One request, 3 rows at positions 37, 38, 39 (all in block 2), G = 2, Hkv = 1:
+    row 0 selects {0, 2}, row 1 {1, 2}, row 2 {0, 1, 2}. V holds NaN (column 5) and +Inf
+    (column 7, bf16 only) at key 39 (seen by row 2 only) and -Inf (column 9, bf16 only) at
+    key 20 of block 1 (seen by rows 1 and 2, not by row 0)."""
+    x = make_inputs(kv_fmt, "bfloat16", hkv=1, group=2, rows=3, seq_lens=(40,), k=4, seed=8)
+    x["topk"] = np.array([[[2, -1, 0, -1], [-1, 1, 2, -1], [0, 2, -1, 1]]], np.int32)
+    cache, page, d = x["kv_cache"], 16, 64
+    bt = x["block_table"][0]
+    nan = FORMATS[kv_fmt].nan_code
+    cache[bt[39 // page], 0, 39 % page, d + 5] = nan
+    if kv_fmt == "bfloat16":
+        cache[bt[39 // page], 0, 39 % page, d + 7] = 0x7F80  # +Inf
+        cache[bt[20 // page], 0, 20 % page, d + 9] = 0xFF80  # -Inf
+    return x
+
+
+@pytest.mark.parametrize("kv_fmt, bps", [("bfloat16", 1), ("bfloat16", 4), ("e4m3fn", 1)])
+def test_nonfinite_values_reach_only_the_rows_that_see_them(kv_fmt, bps):
+    """Rows of one request share each K/V tile, but a NaN/Inf in V reaches only the rows
+    that see that key (not through 0 * NaN in the shared P @ V): row 2 gets NaN in column 5
+    (and +Inf in 7), rows 1 and 2 get -Inf in column 9, row 0 stays finite; the oracle
+    admits every element (a non-finite exact value admits only itself)."""
+    x = _specials_case(kv_fmt)
+    _passes(x, bps=bps)
+    out = _out(x, bps=bps)
+    assert np.isfinite(out[0]).all()
+    assert np.isnan(out[2, :, 5]).all() and np.isfinite(out[1, :, 5]).all()
+    if kv_fmt == "bfloat16":
+        assert (out[2, :, 7] == np.inf).all() and (out[1:, :, 9] == -np.inf).all()
+        assert np.isfinite(np.delete(out[1], 9, axis=-1)).all()
+
+
+def test_nan_key_reaches_only_the_rows_that_see_it():
+    """A NaN in K at key 38 (seen by rows 1 and 2 of the request, not by row 0) makes
+    exactly those rows NaN."""
+    x = _specials_case("e5m2")
+    page, bt = 16, x["block_table"][0]
+    x["kv_cache"][bt[38 // page], 0, 38 % page, 3] = FORMATS["e5m2"].nan_code
+    _passes(x, bps=2)
+    out = _out(x, bps=2)
+    assert np.isfinite(out[0]).all() and np.isnan(out[1:]).all()
+
+
+# ------------------------------------------------------------------ other properties
+
+
+def test_batch_invariance():
+    """A request's output is bit-identical whether it runs alone or inside a batch with
+    other requests and padding (the split size never depends on the batch)."""
+    x = make_inputs("e4m3fn", "bfloat16", scales="slot", rows=2, seq_lens=(0, 75, 130, 9),
+                    k=5, seed=12)
+    full = ad.run(x)["out"]
+    r, rows = 2, 2
+    alone = dict(x, q=x["q"][r * rows:(r + 1) * rows], seq_lens=x["seq_lens"][r:r + 1],
+                 block_table=x["block_table"][r:r + 1],
+                 topk=x["topk"][:, r * rows:(r + 1) * rows])
+    assert np.array_equal(ad.run(alone)["out"], full[r * rows:(r + 1) * rows])
+
+
+def test_softmax_scale_is_applied():
+    """An explicit softmax_scale (here 0.3, not 1/sqrt(D)) is the one used: the output is
+    admitted by the schedule's reference and bound computed with that scale."""
+    from oracle.attention_bound import attention_bound
+
+    x = make_inputs("e4m3fn", "float16", scales="slot", rows=2, seq_lens=(50, 21), k=3, seed=6)
+    dev = device()
+    act = HALF_DTYPES["float16"]
+    q = torch.from_numpy(x["q"]).to(act).to(dev)
+    kv = torch.from_numpy(np.ascontiguousarray(x["kv_cache"])).to(dev)
+    got = ad.sparse_attention_decode(
+        q, kv, "e4m3fn", torch.from_numpy(x["block_table"]).to(dev),
+        torch.from_numpy(x["seq_lens"]).to(dev), torch.from_numpy(x["topk"]).to(dev), 2,
+        torch.from_numpy(x["k_scale"]).to(dev), torch.from_numpy(x["v_scale"]).to(dev),
+        softmax_scale=0.3)
+    sched = ad.SCHEDULE("float16")
+    res = attention.sparse_attention_decode(
+        x["q"], x["kv_cache"], "e4m3fn", x["block_table"], x["seq_lens"], x["topk"], 2,
+        x["k_scale"], x["v_scale"], softmax_scale=0.3, schedule=sched, return_details=True)
+    t = Tally()
+    t.add("out", got.view(torch.int16).cpu().numpy().view(np.uint16), res.unrounded,
+          attention_bound(x, sched, _impl().arith, softmax_scale=0.3), "float16")
+    assert t.violations == 0 and t.elements == x["q"].size
+
+
+def test_out_of_range_contents_are_guarded():
+    """With validate=False, entries past a row's last visible block, huge or negative
+    entries are ignored, and a block whose block-table entry is out of range reads nothing:
+    the output equals (bit for bit) the output without those entries / that block."""
+    x = make_inputs("e5m2fnuz", "bfloat16", scales="slot", rows=2, seq_lens=(70, 40), k=5,
+                    seed=13)
+    bps = 5  # one split: the bad entries change no chunk boundary
+    base = ad.run(x, blocks_per_split=bps)["out"]
+    tk = np.array(x["topk"], copy=True)
+    free = np.argwhere(tk < 0)
+    for n, (g, t, k) in enumerate(free):
+        tk[g, t, k] = (10**6, -7, 5 + t // 2)[n % 3]  # huge, negative, past p // P
+    assert np.array_equal(ad.run(dict(x, topk=tk), validate=False, blocks_per_split=bps)["out"],
+                          base)
+    # Block 1 of request 0 points past the cache: as if no row had selected it.
+    assert (x["topk"][:, :2] == 1).any()
+    bt = np.array(x["block_table"], copy=True)
+    bt[0, 1] = 10**6
+    sel = np.where(np.arange(tk.shape[1])[None, :, None] < 2,
+                   np.where(x["topk"] == 1, -1, x["topk"]), x["topk"])
+    want = ad.run(dict(x, topk=sel), blocks_per_split=bps)["out"]
+    got = ad.run(dict(x, block_table=bt), validate=False, blocks_per_split=bps)["out"]
+    assert np.array_equal(got, want)
+
+
+def test_no_rows_is_a_no_op(monkeypatch):
+    """B = 0 (T = 0): nothing is launched and the (empty) output is returned."""
+    x = make_inputs(seq_lens=())
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("launched for T = 0")
+
+    monkeypatch.setattr(ad, "_decode_split_kernel", NoLaunch())
+    assert ad.run(x)["out"].shape == (0, 4, 64)
+
+
+def test_writes_into_a_preallocated_strided_output():
+    """``out`` given (a head-major buffer seen token-major): the kernel writes it and
+    returns it, with the values it returns when it allocates the output itself, through
+    the merge path and the direct path."""
+    a = _good_args("e4m3fn")
+    for bps in (1, 2):
+        out = torch.zeros(a["q"].shape[1], a["q"].shape[0], 64, dtype=torch.bfloat16,
+                          device=a["q"].device).transpose(0, 1)
+        res = ad.sparse_attention_decode(**a, out=out, blocks_per_split=bps)
+        assert res is out and bool(out.abs().sum() > 0)
+        own = ad.sparse_attention_decode(**a, blocks_per_split=bps)
+        assert torch.equal(own.view(torch.int16), out.view(torch.int16))
+
+
+# ------------------------------------------------------------------ host validation
+
+
+def _good_args(kv_fmt="e4m3fn"):
+    dev = device()
+    b, rows, hkv, grp, d, page, pages = 2, 2, 2, 2, 64, 16, 4
+    fp8 = kv_fmt not in HALF_DTYPES
+    cache = torch.randint(0, 0x70, (pages, hkv, page, 2 * d), dtype=torch.uint8) if fp8 \
+        else torch.randn(pages, hkv, page, 2 * d).to(HALF_DTYPES[kv_fmt])
+    return dict(
+        q=torch.randn(b * rows, hkv * grp, d).to(torch.bfloat16).to(dev),
+        kv_cache=cache.to(dev), kv_fmt=kv_fmt,
+        block_table=torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([20, 5], device=dev),
+        topk=torch.tensor([[[1, 0], [0, -1], [-1, 0], [0, -1]]] * hkv, dtype=torch.int32,
+                          device=dev),
+        rows_per_request=rows)
+
+
+def _bad(name, **changes):
+    def make():
+        args = _good_args()
+        args.update({k: (v(args) if callable(v) else v) for k, v in changes.items()})
+        return args
+    return pytest.param(make, name, id=f"{name}-{'-'.join(changes)}")
+
+
+@pytest.mark.parametrize("make, name", [
+    _bad("q", q=lambda a: a["q"].float()),
+    _bad("q", q=lambda a: a["q"][0]),
+    _bad("q", q=lambda a: a["q"][..., :48], kv_cache=lambda a: a["kv_cache"][..., :96]),
+    _bad("q", q=lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+    _bad("q", q=lambda a: a["q"][:3]),
+    _bad("q", q=lambda a: a["q"][:, :3]),
+    _bad("q", q=lambda a: a["q"].repeat(1, 9, 1)),
+    _bad("q", q=[[0.0]]),
+    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"].to(torch.bfloat16)),
+    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"][..., :64]),
+    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"][:, :, :, None, :]),
+    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"].new_zeros(4, 2, 24, 128)),
+    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"].new_zeros(4, 2, 16, 128, 2)[..., 0]),
+    _bad("kv_fmt", kv_fmt="fp8"),
+    _bad("kv_fmt", kv_fmt="e4m3"),
+    _bad("rows_per_request", rows_per_request=5),
+    _bad("rows_per_request", rows_per_request=0),
+    _bad("rows_per_request", rows_per_request=2.0),
+    _bad("seq_lens", seq_lens=lambda a: a["seq_lens"].float()),
+    _bad("seq_lens", seq_lens=lambda a: a["seq_lens"][None]),
+    _bad("block_table", block_table=lambda a: a["block_table"].float()),
+    _bad("block_table", block_table=lambda a: a["block_table"][:1]),
+    _bad("block_table", block_table=lambda a: a["block_table"][:, :0]),
+    _bad("topk", topk=lambda a: a["topk"].float()),
+    _bad("topk", topk=lambda a: a["topk"][:1]),
+    _bad("topk", topk=lambda a: a["topk"][:, :3]),
+    _bad("topk", topk=lambda a: a["topk"].repeat(1, 1, 33)),
+    _bad("k_scale", k_scale=lambda a: torch.ones(3, device=a["q"].device)),
+    _bad("k_scale", k_scale=lambda a: torch.ones((), dtype=torch.float64, device=a["q"].device)),
+    _bad("v_scale", v_scale=lambda a: torch.ones(1, 64, device=a["q"].device)),
+    _bad("softmax_scale", softmax_scale=0.0),
+    _bad("softmax_scale", softmax_scale=float("nan")),
+    _bad("out", out=lambda a: torch.empty_like(a["q"], dtype=torch.float16)),
+    _bad("out", out=lambda a: torch.empty_like(a["q"])[:3]),
+    _bad("out", out=lambda a: torch.empty_like(a["q"]).transpose(1, 2).contiguous()
+         .transpose(1, 2)),
+    _bad("blocks_per_split", blocks_per_split=0),
+    _bad("blocks_per_split", blocks_per_split=65),
+])
+def test_bad_host_input_raises_value_error_naming_it(make, name):
+    """Wrong dtypes, shapes (T != B * rows, Hq not G * Hkv with G <= 16, K outside 1..64),
+    head dims, strides, cache dtypes and page sizes, unknown or mismatched format strings,
+    rows_per_request outside 1..4, bad scales, softmax_scale, out and split sizes raise
+    ValueError whose message starts with the argument's name, before any launch."""
+    args = make()
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        ad.sparse_attention_decode(**args)
+
+
+def test_model_dtype_cache_rejects_a_scale():
+    """A bf16/fp16 cache takes no (non-unit) scale: ValueError naming k_scale / v_scale."""
+    args = _good_args("bfloat16")
+    with pytest.raises(ValueError, match=r"^k_scale\b"):
+        ad.sparse_attention_decode(**args, k_scale=0.5)
+    with pytest.raises(ValueError, match=r"^v_scale\b"):
+        ad.sparse_attention_decode(**args, v_scale=torch.full((), 2.0, device=device()))
+
+
+def _set(name, value):
+    def change(a):
+        t = a[name].clone()
+        idx, v = value
+        t[idx] = v
+        return t
+    return change
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"seq_lens": _set("seq_lens", (1, 1))}, r"^seq_lens\b.*>= rows_per_request"),
+    ({"seq_lens": _set("seq_lens", (0, 40))}, r"^block_table\b.*too few"),
+    ({"block_table": _set("block_table", ((0, 1), 4))}, r"^block_table\b.*\[0, 1\]"),
+    ({"block_table": _set("block_table", ((1, 0), -1))}, r"^block_table\b.*\[1, 0\]"),
+    ({"topk": _set("topk", ((0, 2, 1), 1))}, r"^topk\b.*past"),
+    ({"topk": _set("topk", ((1, 0, 1), 1))}, r"^topk\b.*more than once"),
+    ({"k_scale": lambda a: torch.tensor(0.0, device=device())}, r"^k_scale\b.*positive"),
+    ({"v_scale": lambda a: torch.full((2, 64), float("inf"), device=device())},
+     r"^v_scale\b.*positive"),
+])
+def test_validate_rejects_bad_contents(changes, match):
+    """validate=True checks contents on the host: a non-zero seq_len below the row count, a
+    block table too narrow or with a used entry outside the cache, a selection past the
+    row's last visible block or repeating a block, a zero or infinite scale raise
+    ValueError naming the argument; the unused -1 entries and padding are accepted."""
+    args = _good_args()
+    ad.sparse_attention_decode(**args, validate=True)  # the baseline is valid
+    args.update({k: v(args) for k, v in changes.items()})
+    with pytest.raises(ValueError, match=match):
+        ad.sparse_attention_decode(**args, validate=True)
+
+
+def test_registered_with_its_schedule():
+    """Registered as implementation "triton" of attention_decode for cpu and cuda, model
+    shapes only when compiled; its schedule: K/V and P in the model dtype, running-max
+    tiles of one block, ascending block order, fp32 partials and LSE, BLOCKS_PER_SPLIT
+    blocks per split, output in the model dtype."""
+    impl = _impl()
+    assert impl.devices == ("cpu", "cuda")
+    assert ("model" in impl.shape_classes) == (not ad.INTERPRETED)
+    s = impl.schedule("float16")
+    assert (s.kv_dtype, s.p_dtype, s.out_dtype) == ("float16",) * 3
+    assert (s.p_max, s.blocks_per_tile, s.order) == ("running", 1, "ascending")
+    assert (s.blocks_per_split, s.partial_dtype, s.lse_dtype) == (ad.BLOCKS_PER_SPLIT,
+                                                                  "float32", "float32")

@@ -1,0 +1,551 @@
+"""kernels/attention_prefill.py: every cache format, layouts, scales, GQA groups, ragged
+multi-request batches with prefixes that are not multiples of P, tiles of several tokens,
+selections as sets, NaN/Inf content a row must not see, guarded bad contents and host
+validation, judged by the oracle (oracle.checks.run_check) against the reference run with
+the kernel's declared schedule. Runs the kernel in the (patched) CPU interpreter when no
+CUDA device is present (conftest.py sets TRITON_INTERPRET=1), compiled on a GPU otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import attention_prefill as ap
+from oracle import rand
+from oracle.cases import Case, poison_code, random_selections
+from oracle.checks import Tally, run_check
+from oracle.impl_torch import HALF_DTYPES, device
+from oracle.registry import implementations
+from reference import attention
+from reference.codec import FORMATS, decode, round_to
+from reference.kv_cache import empty_cache, quantize
+from tests.helpers import bad_args
+
+pytestmark = pytest.mark.interp
+
+_KV_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "e4m3fn": "fp8",
+             "e4m3fnuz": "fp8", "e5m2": "fp8_e5m2", "e5m2fnuz": "fp8_e5m2"}
+
+
+def make_inputs(kv_fmt="bfloat16", md="bfloat16", layout="HND", pad=0, scales="none", hkv=2,
+                group=2, d=64, page=16, seq_lens=(37,), qlens=(5,), k=2, seed=0):
+    """An oracle input set of op attention_prefill (oracle.cases' keys), built by hand so
+    the format, layout, scales, shape and the ragged batch (seq_lens, query lengths) can be
+    chosen. Everything but the keys of the requests (other pages, the tail of the last
+    page) holds the format's NaN code; selections come from oracle.cases.random_selections
+    (random sets, the token's own block always in, -1 entries scattered anywhere, random
+    order). Scales: random float32 (never powers of two), k_scale != v_scale."""
+    bg = np.random.default_rng(seed)
+    seq = np.asarray(seq_lens, np.int64)
+    qlen = np.asarray(qlens, np.int64)
+    assert seq.shape == qlen.shape and (qlen <= seq).all()
+    blocks = -(-seq // page)
+    num_pages = int(blocks.sum()) + 2
+    perm = bg.permutation(num_pages).astype(np.int32)
+    table = np.full((len(seq), max(1, int(blocks.max(initial=1)))), -1, np.int32)
+    used = 0
+    for r, nb in enumerate(blocks):
+        table[r, :nb] = perm[used:used + nb]
+        used += nb
+    cache = empty_cache(num_pages, hkv, page, d, kv_fmt, layout, pad,
+                        fill_code=poison_code(kv_fmt))
+    num_slots = num_pages * page
+
+    def scale():
+        if scales == "none":
+            return None
+        shape = () if scales == "tensor" else (hkv, num_slots)
+        s = np.exp(bg.uniform(np.log(0.25), np.log(4.0), shape)).astype(np.float32)
+        return np.float32(s) if scales == "tensor" else s
+
+    k_scale, v_scale = scale(), scale()
+    for r, s in enumerate(seq):
+        pos = np.arange(s)
+        pages, offs = table[r, pos // page], pos % page
+        slots = pages.astype(np.int64) * page + offs
+        for h in range(hkv):
+            kv = round_to(bg.normal(size=(2, s, d)), md)
+            cache[pages, h, offs, :d] = quantize(kv[0], kv_fmt, _slot_scale(k_scale, h, slots))
+            cache[pages, h, offs, d:] = quantize(kv[1], kv_fmt, _slot_scale(v_scale, h, slots))
+    positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq, qlen)]
+                               + [np.zeros(0, np.int64)])
+    topk = random_selections(rand.generator(seed), positions, page, hkv, k)
+    q = round_to(2.5 * bg.normal(size=(len(positions), group * hkv, d)), md)
+    cu = np.concatenate([[0], np.cumsum(qlen)]).astype(np.int32)
+    return dict(q=q, kv_cache=cache, kv_fmt=kv_fmt, block_table=table, seq_lens=seq,
+                topk=topk, k_scale=k_scale, v_scale=v_scale, model_dtype=md,
+                cache_layout=layout, cu_seqlens_q=cu)
+
+
+def _slot_scale(scale, head, slots):
+    """The scale of each slot of one head as a column (or the scalar, or 1.0)."""
+    if scale is None:
+        return 1.0
+    return scale if np.ndim(scale) == 0 else scale[head, slots][:, None]
+
+
+def _case(x):
+    fmt = x["kv_fmt"]
+    sc = "none" if x["k_scale"] is None else ("tensor" if np.ndim(x["k_scale"]) == 0 else "slot")
+    return Case("attention_prefill", "tiny", "normal", "rocm-fnuz" if "fnuz" in fmt else "cuda",
+                _KV_DTYPE[fmt], x["model_dtype"], sc, 0)
+
+
+def _impl(block_rows=None):
+    """The registered implementation, run with ``block_rows`` rows per tile."""
+    (impl,) = implementations("attention_prefill", ["triton"])
+    if block_rows is None:
+        return impl
+    return replace(impl, run=functools.partial(ap.run, block_rows=block_rows))
+
+
+def _passes(x, block_rows=None):
+    res = run_check(_case(x), _impl(block_rows), inputs=x)
+    assert res.passed, res.summary()
+    assert res.tally.elements == np.asarray(x["q"]).size
+    return res
+
+
+def _out(x, block_rows=None, validate=True):
+    """The kernel's output values (float64) for an input set."""
+    return decode(ap.run(x, validate=validate, block_rows=block_rows)["out"], x["model_dtype"])
+
+
+# ----------------------------------------------------------------- formats and shapes
+
+
+@pytest.mark.parametrize("kv_fmt, md, layout, pad, scales", [
+    ("bfloat16", "bfloat16", "HND", 0, "none"),
+    ("float16", "float16", "NHD", 8, "none"),
+    ("bfloat16", "float16", "HND", 8, "none"),
+    ("float16", "bfloat16", "NHD", 0, "none"),
+    ("e4m3fn", "bfloat16", "NHD", 0, "slot"),
+    ("e4m3fn", "float16", "HND", 8, "tensor"),
+    ("e5m2", "bfloat16", "HND", 8, "slot"),
+    ("e5m2", "float16", "NHD", 0, "none"),
+    ("e4m3fnuz", "bfloat16", "HND", 0, "slot"),
+    ("e4m3fnuz", "float16", "NHD", 8, "tensor"),
+    ("e5m2fnuz", "bfloat16", "NHD", 8, "tensor"),
+    ("e5m2fnuz", "bfloat16", "HND", 0, "slot"),
+])
+def test_every_format_layout_and_scale_matches_reference(kv_fmt, md, layout, pad, scales):
+    """For every cache format (bf16 and fp16, also read by the other activation dtype, and
+    the four fp8 formats), HND/NHD and padded layouts, none/tensor/per-slot scales (random,
+    k_scale != v_scale), Hkv = 3, a ragged batch of three requests with prefixes 31, 0 (a
+    whole prompt) and 43 (not multiples of P) whose new tokens straddle block boundaries,
+    the output is what the oracle admits for the declared schedule."""
+    x = make_inputs(kv_fmt, md, layout, pad, scales, hkv=3, seq_lens=(37, 9, 50),
+                    qlens=(6, 9, 7), k=3, seed=len(kv_fmt) + pad + len(md))
+    _passes(x)
+
+
+@pytest.mark.parametrize("group, hkv, block_rows, kv_fmt", [
+    (1, 3, 16, "e4m3fn"),
+    (1, 1, 64, "bfloat16"),
+    (2, 3, 16, "e5m2fnuz"),
+    (2, 2, 32, "float16"),
+    (8, 3, 32, "e4m3fnuz"),
+    (8, 2, 64, "e4m3fn"),
+    (3, 1, 16, "e5m2"),
+])
+def test_groups_and_tiles_match_reference(group, hkv, block_rows, kv_fmt):
+    """GQA groups G in {1, 2, 3, 8} (query head qh reads KV head qh // G; G = 3 padded to
+    4 heads per token), Hkv not a power of two, tiles of 4..64 tokens (16..64 rows) that
+    start mid-request (cu_seqlens_q not multiples of the tile) and requests spanning
+    several tiles: the output is admitted by the oracle."""
+    x = make_inputs(kv_fmt, "bfloat16", "NHD", 8, "slot" if kv_fmt.startswith("e") else "none",
+                    hkv=hkv, group=group, seq_lens=(61, 23, 44, 80), qlens=(9, 3, 12, 7),
+                    k=4, seed=group * 10 + hkv)
+    _passes(x, block_rows)
+
+
+def test_model_head_shape():
+    """The model's head shape (G 16, D 128, P 128, K 16) on a 1000-token prefix with 24 new
+    tokens crossing a block boundary, an e4m3fn cache with per-slot scales."""
+    x = make_inputs("e4m3fn", "bfloat16", "HND", 0, "slot", hkv=1, group=16, d=128, page=128,
+                    seq_lens=(1024,), qlens=(24,), k=16, seed=5)
+    _passes(x)
+
+
+def test_dense_selection_is_causal_attention():
+    """Selections covering every visible block make this dense causal attention: the output
+    is admitted by the oracle and, as an independent cross-check, within bf16 rounding of
+    torch's scaled_dot_product_attention (fp32, causal with the prefix offset) on the same
+    dequantised keys."""
+    x = make_inputs("e4m3fn", "bfloat16", scales="slot", hkv=1, group=2, seq_lens=(45,),
+                    qlens=(12,), k=3, seed=17)
+    pos = np.arange(33, 45)
+    x["topk"] = np.where(np.arange(3)[None, None, :] <= (pos // 16)[None, :, None],
+                         np.arange(3)[None, None, :], -1).astype(np.int32)
+    _passes(x)
+    got = _out(x)
+    cache, d, bt = x["kv_cache"], 64, x["block_table"][0]
+    j = np.arange(45)
+    codes = cache[bt[j // 16], 0, j % 16]
+    slots = bt[j // 16].astype(np.int64) * 16 + j % 16
+    k = decode(codes[:, :d], "e4m3fn") * x["k_scale"][0, slots][:, None]
+    v = decode(codes[:, d:], "e4m3fn") * x["v_scale"][0, slots][:, None]
+    mask = torch.from_numpy(j[None, :] <= pos[:, None])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        torch.from_numpy(x["q"]).float().permute(1, 0, 2), torch.from_numpy(k).float()[None],
+        torch.from_numpy(v).float()[None], attn_mask=mask).permute(1, 0, 2).numpy()
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+
+
+# -------------------------------------------------------------- selections are sets
+
+
+def _shuffled(topk, seed, dup=False):
+    """The same sets in another order with the -1 entries moved; with ``dup`` a valid entry
+    of every row also overwrites one of its -1 entries (a repeat)."""
+    bg = np.random.default_rng(seed)
+    tk = np.array(topk, copy=True)
+    for idx in np.ndindex(tk.shape[:2]):
+        row = tk[idx]
+        row[:] = row[bg.permutation(row.size)]
+        if dup and (row >= 0).any() and (row < 0).any():
+            row[np.flatnonzero(row < 0)[0]] = row[np.flatnonzero(row >= 0)[0]]
+    return tk
+
+
+def test_selection_is_a_set():
+    """The output depends only on each token's SET of blocks: permuting the entries (so they
+    are unsorted), moving the -1 entries anywhere and (with validate=False) repeating an
+    entry give bit-identical outputs."""
+    x = make_inputs("e5m2", "bfloat16", scales="tensor", seq_lens=(70, 33), qlens=(10, 6), k=6,
+                    seed=9)
+    base = ap.run(x)["out"]
+    perm = dict(x, topk=_shuffled(x["topk"], 1))
+    assert np.array_equal(ap.run(perm)["out"], base)
+    rep = dict(x, topk=_shuffled(x["topk"], 2, dup=True))
+    assert (np.sort(rep["topk"], -1) != np.sort(x["topk"], -1)).any()
+    assert np.array_equal(ap.run(rep, validate=False)["out"], base)
+
+
+# ----------------------------------------------------- content a row must not see
+
+
+def _poison_unselected(x):
+    """Every block no token of a request selected (through that KV head) becomes NaN
+    codes."""
+    x = dict(x, kv_cache=np.array(x["kv_cache"], copy=True))
+    cache, page, cu = x["kv_cache"], x["kv_cache"].shape[2], x["cu_seqlens_q"]
+    for r, s in enumerate(x["seq_lens"]):
+        for g in range(cache.shape[1]):
+            chosen = set(x["topk"][g, cu[r]:cu[r + 1]].ravel().tolist())
+            for b in range(-(-int(s) // page)):
+                if b not in chosen:
+                    cache[x["block_table"][r, b], g] = poison_code(x["kv_fmt"])
+    return x
+
+
+@pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fnuz"])
+def test_unselected_blocks_full_of_nan_do_not_leak(kv_fmt):
+    """Blocks no token selected hold NaN codes (keys past seq_len, other pages and the tail
+    of the last page already do): the output is still admitted and finite."""
+    x = _poison_unselected(make_inputs(kv_fmt, "bfloat16", scales="slot" if "e" in kv_fmt
+                                       else "none", seq_lens=(90, 47), qlens=(6, 11), k=3,
+                                       seed=4))
+    _passes(x)
+    assert np.isfinite(_out(x)).all()
+
+
+def _specials_case(kv_fmt):
+    """One request of 40 keys, its last 3 tokens new (positions 37, 38, 39, all in block 2;
+    one tile), G = 2, Hkv = 1: token 0 selects {0, 2}, token 1 {1, 2}, token 2 {0, 1, 2}.
+    V holds NaN (column 5) and +Inf (column 7, bf16 only) at key 39 (seen by token 2 only,
+    the causal cut) and -Inf (column 9, bf16 only) at key 20 of block 1 (seen by tokens 1
+    and 2, not by token 0, which did not select the block)."""
+    x = make_inputs(kv_fmt, "bfloat16", hkv=1, group=2, seq_lens=(40,), qlens=(3,), k=4,
+                    seed=8)
+    x["topk"] = np.array([[[2, -1, 0, -1], [-1, 1, 2, -1], [0, 2, -1, 1]]], np.int32)
+    cache, page, d = x["kv_cache"], 16, 64
+    bt = x["block_table"][0]
+    cache[bt[39 // page], 0, 39 % page, d + 5] = FORMATS[kv_fmt].nan_code
+    if kv_fmt == "bfloat16":
+        cache[bt[39 // page], 0, 39 % page, d + 7] = 0x7F80  # +Inf
+        cache[bt[20 // page], 0, 20 % page, d + 9] = 0xFF80  # -Inf
+    return x
+
+
+@pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fn"])
+def test_nonfinite_values_reach_only_the_tokens_that_see_them(kv_fmt):
+    """Tokens of one tile share each K/V tile, but a NaN/Inf in V reaches only the tokens
+    that see that key (not through 0 * NaN in the shared P @ V): token 2 gets NaN in column
+    5 (and +Inf in 7), tokens 1 and 2 get -Inf in column 9, token 0 stays finite; the oracle
+    admits every element (a non-finite exact value admits only itself)."""
+    x = _specials_case(kv_fmt)
+    _passes(x)
+    out = _out(x)
+    assert np.isfinite(out[0]).all()
+    assert np.isnan(out[2, :, 5]).all() and np.isfinite(out[1, :, 5]).all()
+    if kv_fmt == "bfloat16":
+        assert (out[2, :, 7] == np.inf).all() and (out[1:, :, 9] == -np.inf).all()
+        assert np.isfinite(np.delete(out[1], 9, axis=-1)).all()
+
+
+def test_nan_key_reaches_only_the_tokens_that_see_it():
+    """A NaN in K at key 38 (seen by tokens 1 and 2, not by token 0 at position 37) makes
+    exactly those tokens' outputs NaN."""
+    x = _specials_case("e5m2")
+    page, bt = 16, x["block_table"][0]
+    x["kv_cache"][bt[38 // page], 0, 38 % page, 3] = FORMATS["e5m2"].nan_code
+    _passes(x)
+    out = _out(x)
+    assert np.isfinite(out[0]).all() and np.isnan(out[1:]).all()
+
+
+# ------------------------------------------------------------------ other properties
+
+
+def test_batch_invariance():
+    """A request's output is bit-identical whether it runs alone or inside a batch with
+    other requests (an empty one included): tiles never straddle requests."""
+    x = make_inputs("e4m3fn", "bfloat16", scales="slot", seq_lens=(20, 75, 130, 9),
+                    qlens=(0, 13, 21, 9), k=5, seed=12)
+    full = ap.run(x)["out"]
+    cu, r = x["cu_seqlens_q"], 2
+    rows = slice(cu[r], cu[r + 1])
+    alone = dict(x, q=x["q"][rows], seq_lens=x["seq_lens"][r:r + 1],
+                 block_table=x["block_table"][r:r + 1], topk=x["topk"][:, rows],
+                 cu_seqlens_q=np.array([0, cu[r + 1] - cu[r]], np.int32))
+    assert np.array_equal(ap.run(alone)["out"], full[rows])
+
+
+def test_softmax_scale_is_applied():
+    """An explicit softmax_scale (here 0.3, not 1/sqrt(D)) is the one used: the output is
+    admitted by the schedule's reference and bound computed with that scale."""
+    from oracle.attention_bound import attention_bound
+
+    x = make_inputs("e4m3fn", "float16", scales="slot", seq_lens=(50, 21), qlens=(4, 5), k=3,
+                    seed=6)
+    dev = device()
+    act = HALF_DTYPES["float16"]
+
+    def t(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+    got = ap.sparse_attention_prefill(
+        torch.from_numpy(x["q"]).to(act).to(dev), t(x["kv_cache"]), "e4m3fn",
+        t(x["block_table"]), t(x["cu_seqlens_q"]), t(x["seq_lens"]), t(x["topk"]),
+        t(x["k_scale"]), t(x["v_scale"]), softmax_scale=0.3)
+    sched = ap.SCHEDULE("float16")
+    res = attention.sparse_attention_prefill(
+        x["q"], x["kv_cache"], "e4m3fn", x["block_table"], x["cu_seqlens_q"], x["seq_lens"],
+        x["topk"], x["k_scale"], x["v_scale"], softmax_scale=0.3, schedule=sched,
+        return_details=True)
+    tally = Tally()
+    tally.add("out", got.view(torch.int16).cpu().numpy().view(np.uint16), res.unrounded,
+              attention_bound(x, sched, _impl().arith, softmax_scale=0.3), "float16")
+    assert tally.violations == 0 and tally.elements == x["q"].size
+
+
+def test_out_of_range_contents_are_guarded():
+    """With validate=False, entries past a token's last visible block, huge or negative
+    entries are ignored, and a block whose block-table entry is out of range reads nothing:
+    the output equals (bit for bit) the output without those entries / that block."""
+    x = make_inputs("e5m2fnuz", "bfloat16", scales="slot", seq_lens=(70, 40), qlens=(8, 5),
+                    k=5, seed=13)
+    base = ap.run(x)["out"]
+    tk = np.array(x["topk"], copy=True)
+    free = np.argwhere(tk < 0)
+    for n, (g, t, k) in enumerate(free):
+        tk[g, t, k] = (10**6, -7, 5 + t // 2)[n % 3]  # huge, negative, past p // P
+    assert np.array_equal(ap.run(dict(x, topk=tk), validate=False)["out"], base)
+    # Block 1 of request 0 points past the cache: as if no token had selected it.
+    assert (x["topk"][:, :8] == 1).any()
+    bt = np.array(x["block_table"], copy=True)
+    bt[0, 1] = 10**6
+    sel = np.where(np.arange(tk.shape[1])[None, :, None] < 8,
+                   np.where(x["topk"] == 1, -1, x["topk"]), x["topk"])
+    want = ap.run(dict(x, topk=sel))["out"]
+    got = ap.run(dict(x, block_table=bt), validate=False)["out"]
+    assert np.array_equal(got, want)
+
+
+def test_inconsistent_lengths_are_guarded():
+    """With validate=False, a request whose seq_len is below its query length gives zeros
+    for the tokens at negative positions (they see no key) and the same output as before
+    for the others, and a cu_seqlens_q that runs past T reads and writes no token outside
+    the call (the other requests are unchanged)."""
+    x = make_inputs("bfloat16", seq_lens=(20, 30), qlens=(6, 4), k=2, seed=14)
+    base = decode(ap.run(x)["out"], "bfloat16")
+    short = dict(x, seq_lens=np.array([3, 30]))  # request 0: positions -3 .. 2
+    short["topk"] = np.where(np.arange(10)[None, :, None] < 6, np.minimum(x["topk"], 0), x["topk"])
+    out = decode(ap.run(short, validate=False)["out"], "bfloat16")
+    assert not out[:3].any() and np.isfinite(out).all()
+    assert np.array_equal(out[6:], base[6:])
+    long = dict(x, cu_seqlens_q=np.array([0, 6, 40], np.int32))
+    out = decode(ap.run(long, validate=False)["out"], "bfloat16")
+    assert np.array_equal(out[:6], base[:6]) and np.isfinite(out).all()
+
+
+def test_no_tokens_is_a_no_op(monkeypatch):
+    """T = 0 (no request, or requests without new tokens): nothing is launched and the
+    (empty) output is returned."""
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("launched for T = 0")
+
+    monkeypatch.setattr(ap, "_prefill_kernel", NoLaunch())
+    assert ap.run(make_inputs(seq_lens=(), qlens=()))["out"].shape == (0, 4, 64)
+    assert ap.run(make_inputs(seq_lens=(5, 9), qlens=(0, 0)))["out"].shape == (0, 4, 64)
+
+
+def test_writes_into_a_preallocated_strided_output():
+    """``out`` given (a head-major buffer seen token-major): the kernel writes it and
+    returns it, with the values it returns when it allocates the output itself."""
+    a = _good_args("e4m3fn")
+    out = torch.zeros(a["q"].shape[1], a["q"].shape[0], 64, dtype=torch.bfloat16,
+                      device=a["q"].device).transpose(0, 1)
+    res = ap.sparse_attention_prefill(**a, out=out)
+    assert res is out and bool(out.abs().sum() > 0)
+    own = ap.sparse_attention_prefill(**a)
+    assert torch.equal(own.view(torch.int16), out.view(torch.int16))
+
+
+# ------------------------------------------------------------------ host validation
+
+
+def _good_args(kv_fmt="e4m3fn"):
+    """Two requests (seq_lens 20 and 5, 3 and 2 new tokens), Hkv 2, G 2, D 64, P 16."""
+    dev = device()
+    hkv, grp, d, page, pages = 2, 2, 64, 16, 4
+    fp8 = kv_fmt not in HALF_DTYPES
+    cache = torch.randint(0, 0x70, (pages, hkv, page, 2 * d), dtype=torch.uint8) if fp8 \
+        else torch.randn(pages, hkv, page, 2 * d).to(HALF_DTYPES[kv_fmt])
+    # token positions: 17, 18, 19 (request 0, blocks 0..1), 3, 4 (request 1, block 0)
+    sel = [[1, 0], [-1, 1], [0, 1], [0, -1], [-1, 0]]
+    return dict(
+        q=torch.randn(5, hkv * grp, d).to(torch.bfloat16).to(dev),
+        kv_cache=cache.to(dev), kv_fmt=kv_fmt,
+        block_table=torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=dev),
+        cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([20, 5], device=dev),
+        topk=torch.tensor([sel] * hkv, dtype=torch.int32, device=dev))
+
+
+def _bad(name, **changes):
+    return bad_args(_good_args, name, **changes)
+
+
+@pytest.mark.parametrize("make, name", [
+    _bad("q", q=lambda a: a["q"].float()),
+    _bad("q", q=lambda a: a["q"][0]),
+    _bad("q", q=lambda a: a["q"][..., :48], kv_cache=lambda a: a["kv_cache"][..., :96]),
+    _bad("q", q=lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+    _bad("q", q=lambda a: a["q"][:, :3]),
+    _bad("q", q=lambda a: a["q"].repeat(1, 9, 1)),
+    _bad("q", q=[[0.0]]),
+    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"].to(torch.bfloat16)),
+    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"][..., :64]),
+    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"][:, :, :, None, :]),
+    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"].new_zeros(4, 2, 24, 128)),
+    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"].new_zeros(4, 2, 16, 128, 2)[..., 0]),
+    _bad("kv_fmt", kv_fmt="fp8"),
+    _bad("kv_fmt", kv_fmt="e4m3"),
+    _bad("seq_lens", seq_lens=lambda a: a["seq_lens"].float()),
+    _bad("seq_lens", seq_lens=lambda a: a["seq_lens"][None]),
+    _bad("seq_lens", seq_lens=lambda a: a["seq_lens"][:0], cu_seqlens_q=lambda a:
+         a["cu_seqlens_q"][:1], block_table=lambda a: a["block_table"][:0]),
+    _bad("cu_seqlens_q", cu_seqlens_q=lambda a: a["cu_seqlens_q"][:2]),
+    _bad("cu_seqlens_q", cu_seqlens_q=lambda a: a["cu_seqlens_q"].float()),
+    _bad("cu_seqlens_q", cu_seqlens_q=lambda a: a["cu_seqlens_q"][None]),
+    _bad("block_table", block_table=lambda a: a["block_table"].float()),
+    _bad("block_table", block_table=lambda a: a["block_table"][:1]),
+    _bad("block_table", block_table=lambda a: a["block_table"][:, :0]),
+    _bad("topk", topk=lambda a: a["topk"].float()),
+    _bad("topk", topk=lambda a: a["topk"][:1]),
+    _bad("topk", topk=lambda a: a["topk"][:, :3]),
+    _bad("topk", topk=lambda a: a["topk"].repeat(1, 1, 33)),
+    _bad("k_scale", k_scale=lambda a: torch.ones(3, device=a["q"].device)),
+    _bad("k_scale", k_scale=lambda a: torch.ones((), dtype=torch.float64, device=a["q"].device)),
+    _bad("v_scale", v_scale=lambda a: torch.ones(1, 64, device=a["q"].device)),
+    _bad("softmax_scale", softmax_scale=0.0),
+    _bad("softmax_scale", softmax_scale=float("nan")),
+    _bad("out", out=lambda a: torch.empty_like(a["q"], dtype=torch.float16)),
+    _bad("out", out=lambda a: torch.empty_like(a["q"])[:3]),
+    _bad("out", out=lambda a: torch.empty_like(a["q"]).transpose(1, 2).contiguous()
+         .transpose(1, 2)),
+    _bad("block_rows", block_rows=48),
+    _bad("block_rows", block_rows=0),
+    _bad("validate", validate=1),
+    _bad("num_stages", num_stages=0),
+    _bad("num_warps", num_warps=2.0),
+])
+def test_bad_host_input_raises_value_error_naming_it(make, name):
+    """Wrong dtypes, shapes (Hq not G * Hkv with G <= 16, K outside 1..64, cu_seqlens_q not
+    [B + 1], no request for T > 0), head dims, strides, cache dtypes and page sizes, unknown
+    format strings, bad scales, softmax_scale, out, block_rows, validate and the launch
+    options raise
+    ValueError whose message starts with the argument's name, before any launch."""
+    args = make()
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        ap.sparse_attention_prefill(**args)
+
+
+def test_model_dtype_cache_rejects_a_scale():
+    """A bf16/fp16 cache takes no (non-unit) scale: ValueError naming k_scale / v_scale."""
+    args = _good_args("bfloat16")
+    with pytest.raises(ValueError, match=r"^k_scale\b"):
+        ap.sparse_attention_prefill(**args, k_scale=0.5)
+    with pytest.raises(ValueError, match=r"^v_scale\b"):
+        ap.sparse_attention_prefill(**args, v_scale=torch.full((), 2.0, device=device()))
+
+
+def _set(name, value):
+    def change(a):
+        t = a[name].clone()
+        idx, v = value
+        t[idx] = v
+        return t
+    return change
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"cu_seqlens_q": _set("cu_seqlens_q", (0, 1))}, r"^cu_seqlens_q\b.*start at 0"),
+    ({"cu_seqlens_q": _set("cu_seqlens_q", (1, 6))}, r"^cu_seqlens_q\b.*never decrease"),
+    ({"cu_seqlens_q": _set("cu_seqlens_q", (2, 4))}, r"^cu_seqlens_q\b.*end at T"),
+    ({"seq_lens": _set("seq_lens", (1, 1))}, r"^seq_lens\b.*query length"),
+    ({"seq_lens": _set("seq_lens", (1, -1))}, r"^seq_lens\b.*>= 0"),
+    ({"seq_lens": _set("seq_lens", (1, 40))}, r"^block_table\b.*too few"),
+    ({"block_table": _set("block_table", ((0, 1), 4))}, r"^block_table\b.*\[0, 1\]"),
+    ({"block_table": _set("block_table", ((1, 0), -1))}, r"^block_table\b.*\[1, 0\]"),
+    ({"topk": _set("topk", ((0, 3, 1), 1))}, r"^topk\b.*past"),
+    ({"topk": _set("topk", ((1, 0, 1), 1))}, r"^topk\b.*more than once"),
+    ({"k_scale": lambda a: torch.tensor(0.0, device=device())}, r"^k_scale\b.*positive"),
+    ({"v_scale": lambda a: torch.full((2, 64), float("inf"), device=device())},
+     r"^v_scale\b.*positive"),
+])
+def test_validate_rejects_bad_contents(changes, match):
+    """validate=True checks contents on the host: cu_seqlens_q not starting at 0,
+    decreasing or not ending at T, a seq_len below its query length or negative, a block
+    table too narrow or with a used entry outside the cache, a selection past the token's
+    last visible block or repeating a block, a zero or infinite scale raise ValueError
+    naming the argument; the unused -1 entries are accepted."""
+    args = _good_args()
+    ap.sparse_attention_prefill(**args, validate=True)  # the baseline is valid
+    args.update({k: v(args) for k, v in changes.items()})
+    with pytest.raises(ValueError, match=match):
+        ap.sparse_attention_prefill(**args, validate=True)
+
+
+def test_registered_with_its_schedule():
+    """Registered as implementation "triton" of attention_prefill for cpu and cuda, tiny
+    shapes only when interpreted and model shapes when compiled; its schedule: K/V and P in
+    the model dtype, running-max tiles of one block, ascending block order, no split-K,
+    output in the model dtype."""
+    impl = _impl()
+    assert impl.devices == ("cpu", "cuda")
+    assert ("model" in impl.shape_classes) == (not ap.INTERPRETED)
+    assert ("small" in impl.shape_classes) == (not ap.INTERPRETED)
+    s = impl.schedule("float16")
+    assert (s.kv_dtype, s.p_dtype, s.out_dtype) == ("float16",) * 3
+    assert (s.p_max, s.blocks_per_tile, s.order) == ("running", 1, "ascending")
+    assert s.blocks_per_split is None
