@@ -23,8 +23,8 @@ def guarded_pv(p_act, v, vis, bad):
     contributions of the keys each row sees are added from exact 0/1 counts (NaN; +-Inf
     where the row's rounded P > 0; NaN for an Inf where it is 0, as 0 * Inf; +Inf and -Inf
     together give NaN), so a row never meets V it cannot see through ``0 * NaN``. The
-    counts are bf16 MMAs (exact: see below) where the decode kernel's copy uses fp32
-    "ieee" dots. At most 255 keys per tile (``N <= 128`` here)."""
+    counts are bf16 MMAs (exact: see below). At most 255 keys per tile (``N <= 128`` in
+    the prefill and decode kernels that use it)."""
     vf = v.to(tl.float32)
     finite_part = tl.dot(p_act, tl.where(bad, 0.0, vf).to(v.dtype))
     flags = tl.where(vf != vf, 1.0, tl.where(vf == float("inf"), 256.0,

@@ -78,6 +78,7 @@ import numpy as np
 import torch
 
 from kernels._attention import (
+    guarded_pv,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -107,35 +108,6 @@ MAX_ROWS = 4
 MAX_GROUP = 16
 MAX_TOPK = 64
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _guarded_pv(p_act, v, vis, bad):
-    """``P @ V`` for a tile whose rows do not all see the same keys and whose V holds
-    non-finite values (``bad``: the non-finite elements of ``v`` ``[N, D]``; ``vis``: the
-    ``[M, N]`` keys each row sees; ``p_act``: P rounded to V's dtype, 0 where not seen).
-    The finite part is one dot on V with its non-finite elements zeroed; the non-finite
-    contributions of the keys each row sees come from exact counts (NaN; +-Inf where the
-    row's rounded P > 0; NaN for an Inf where it is 0, as 0 * Inf; +Inf and -Inf together
-    give NaN), so a row never meets V it cannot see through ``0 * NaN``. The counts are
-    bf16 dots of 0/1 against 1/256/65536 flags with fp32 accumulation: exact (integer
-    partial sums below 2^24) and tensor-core friendly (fp32 "ieee" dots here would cost
-    minutes of sm_90 compile time per configuration)."""
-    vf = v.to(tl.float32)
-    finite_part = tl.dot(p_act, tl.where(bad, 0.0, vf).to(v.dtype))
-    flags = tl.where(vf != vf, 1.0, tl.where(vf == float("inf"), 256.0,
-                                             tl.where(vf == float("-inf"), 65536.0, 0.0)))
-    cnt = tl.dot(vis.to(tl.bfloat16), flags.to(tl.bfloat16)).to(tl.int32)
-    zero_p = (vis & (p_act == 0)).to(tl.bfloat16)
-    is_inf = (tl.abs(vf) == float("inf")).to(tl.bfloat16)
-    inf_at_zero = tl.dot(zero_p, is_inf)
-    n_nan = cnt & 255
-    n_pos = (cnt >> 8) & 255
-    n_neg = cnt >> 16
-    nan_hit = (n_nan > 0) | (inf_at_zero > 0) | ((n_pos > 0) & (n_neg > 0))
-    special = tl.where(nan_hit, float("nan"), tl.where(n_pos > 0, float("inf"),
-                                                       tl.where(n_neg > 0, float("-inf"), 0.0)))
-    return finite_part + special
 
 
 @triton.jit
@@ -254,7 +226,7 @@ def _decode_split_kernel(
                 vf = v.to(tl.float32)
                 bad = (vf != vf) | (tl.abs(vf) == float("inf"))
                 if tl.sum(bad.to(tl.int32)) > 0:
-                    pv = _guarded_pv(p_act, v, vis, bad)
+                    pv = guarded_pv(p_act, v, vis, bad)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
