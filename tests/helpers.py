@@ -42,3 +42,53 @@ def compile_env(tmp_path) -> dict:
     root = Path(__file__).resolve().parents[1]
     return dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root),
                 TRITON_CACHE_DIR=str(tmp_path))
+
+
+def paged_attention_inputs(positions_of, kv_fmt="bfloat16", md="bfloat16", layout="HND",
+                           pad=0, scales="none", hkv=2, group=2, d=64, page=16,
+                           seq_lens=(37,), k=2, seed=0) -> dict:
+    """The op-independent part of a hand-built attention input set (oracle.cases' keys):
+    requests' keys on shuffled pages, everything else (other pages, the tail of the last
+    page) the format's NaN code; random float32 scales (never powers of two, k != v);
+    queries at ``positions_of(seq_lens)``, selections from oracle.cases.random_selections
+    (random sets, the query's own block always in, -1 anywhere, random order)."""
+    from oracle import rand
+    from oracle.cases import _scale_rows, poison_code, random_selections
+    from reference.codec import round_to
+    from reference.kv_cache import empty_cache, quantize
+
+    bg = np.random.default_rng(seed)
+    seq = np.asarray(seq_lens, np.int64)
+    blocks = -(-seq // page)
+    num_pages = int(blocks.sum()) + 2
+    perm = bg.permutation(num_pages).astype(np.int32)
+    table = np.full((len(seq), max(1, int(blocks.max(initial=1)))), -1, np.int32)
+    used = 0
+    for r, nb in enumerate(blocks):
+        table[r, :nb] = perm[used:used + nb]
+        used += nb
+    cache = empty_cache(num_pages, hkv, page, d, kv_fmt, layout, pad,
+                        fill_code=poison_code(kv_fmt))
+
+    def scale():
+        if scales == "none":
+            return None
+        shape = () if scales == "tensor" else (hkv, num_pages * page)
+        s = np.exp(bg.uniform(np.log(0.25), np.log(4.0), shape)).astype(np.float32)
+        return np.float32(s) if scales == "tensor" else s
+
+    k_scale, v_scale = scale(), scale()
+    for r, s in enumerate(seq):
+        pos = np.arange(s)
+        pages, offs = table[r, pos // page], pos % page
+        slots = pages.astype(np.int64) * page + offs
+        for h in range(hkv):
+            kv = round_to(bg.normal(size=(2, s, d)), md)
+            cache[pages, h, offs, :d] = quantize(kv[0], kv_fmt, _scale_rows(k_scale, h, slots))
+            cache[pages, h, offs, d:] = quantize(kv[1], kv_fmt, _scale_rows(v_scale, h, slots))
+    positions = positions_of(seq)
+    topk = random_selections(rand.generator(seed), positions, page, hkv, k)
+    q = round_to(2.5 * bg.normal(size=(len(positions), group * hkv, d)), md)
+    return dict(q=q, kv_cache=cache, kv_fmt=kv_fmt, block_table=table, seq_lens=seq,
+                topk=topk, k_scale=k_scale, v_scale=v_scale, model_dtype=md,
+                cache_layout=layout)

@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from kernels import attention_decode as ad
-from oracle import rand
-from oracle.cases import Case, poison_code, random_selections
+from oracle.cases import Case, poison_code
 from oracle.checks import Tally, run_check
 from oracle.impl_torch import HALF_DTYPES, device
 from oracle.registry import implementations
 from reference import attention
-from reference.codec import FORMATS, decode, round_to
-from reference.kv_cache import empty_cache, quantize
+from reference.codec import FORMATS, decode
+from tests.helpers import paged_attention_inputs
 
 pytestmark = pytest.mark.interp
 
@@ -39,50 +38,16 @@ def make_inputs(kv_fmt="bfloat16", md="bfloat16", layout="HND", pad=0, scales="n
     the format's NaN code; selections come from oracle.cases.random_selections (random
     sets, the last visible block always in, -1 entries scattered anywhere, random order).
     Scales: random float32 (never powers of two), k_scale != v_scale."""
-    bg = np.random.default_rng(seed)
-    seq = np.asarray(seq_lens, np.int64)
-    blocks = -(-seq // page)
-    num_pages = int(blocks.sum()) + 2
-    perm = bg.permutation(num_pages).astype(np.int32)
-    table = np.full((len(seq), max(1, int(blocks.max(initial=1)))), -1, np.int32)
-    used = 0
-    for r, nb in enumerate(blocks):
-        table[r, :nb] = perm[used:used + nb]
-        used += nb
-    cache = empty_cache(num_pages, hkv, page, d, kv_fmt, layout, pad,
-                        fill_code=poison_code(kv_fmt))
-    num_slots = num_pages * page
+    def positions_of(seq):
+        if not len(seq):
+            return np.zeros(0, np.int64)
+        return np.concatenate([np.arange(s - rows, s) if s else np.full(rows, -1)
+                               for s in seq])
 
-    def scale():
-        if scales == "none":
-            return None
-        shape = () if scales == "tensor" else (hkv, num_slots)
-        s = np.exp(bg.uniform(np.log(0.25), np.log(4.0), shape)).astype(np.float32)
-        return np.float32(s) if scales == "tensor" else s
+    x = paged_attention_inputs(positions_of, kv_fmt, md, layout, pad, scales, hkv, group, d,
+                               page, seq_lens, k, seed)
+    return dict(x, rows_per_request=rows)
 
-    k_scale, v_scale = scale(), scale()
-    for r, s in enumerate(seq):
-        pos = np.arange(s)
-        pages, offs = table[r, pos // page], pos % page
-        slots = pages.astype(np.int64) * page + offs
-        for h in range(hkv):
-            kv = round_to(bg.normal(size=(2, s, d)), md)
-            cache[pages, h, offs, :d] = quantize(kv[0], kv_fmt, _scale_rows(k_scale, h, slots))
-            cache[pages, h, offs, d:] = quantize(kv[1], kv_fmt, _scale_rows(v_scale, h, slots))
-    positions = np.concatenate([np.arange(s - rows, s) if s else np.full(rows, -1)
-                                for s in seq]) if len(seq) else np.zeros(0, np.int64)
-    topk = random_selections(rand.generator(seed), positions, page, hkv, k)
-    q = round_to(2.5 * bg.normal(size=(len(positions), group * hkv, d)), md)
-    return dict(q=q, kv_cache=cache, kv_fmt=kv_fmt, block_table=table, seq_lens=seq,
-                topk=topk, k_scale=k_scale, v_scale=v_scale, model_dtype=md,
-                cache_layout=layout, rows_per_request=rows)
-
-
-def _scale_rows(scale, head, slots):
-    """The scale of each slot of one head as a column (or the scalar, or 1.0)."""
-    if scale is None:
-        return 1.0
-    return scale if np.ndim(scale) == 0 else scale[head, slots][:, None]
 
 
 def _case(x):
