@@ -153,6 +153,13 @@ def strided_codes_in(codes: np.ndarray, dev, torch_dtype=None) -> torch.Tensor:
     return t if torch_dtype is None else t.view(torch_dtype)
 
 
+def scale_in(s, dev):
+    """An oracle input's scale (None, a float32 scalar or array) as a float32 tensor."""
+    if s is None:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
+
+
 def codes_of(t: torch.Tensor) -> np.ndarray:
     """A device tensor's codes as numpy (uint8, or uint16 bits of bf16/fp16)."""
     from oracle.impl_torch import _codes_out
@@ -380,11 +387,6 @@ def insert_adapter(launch):
         if x.get("index_cache") is not None:
             ic = strided_codes_in(x["index_cache"], dev, act if index_fmt == md else None)
 
-        def scale(s):
-            if s is None:
-                return None
-            return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
-
         w = {kind: _values(x[f"weights_{kind}"], act, dev)
              for kind in ("q", "k", "index_q", "index_k")}
         out = launch(
@@ -393,8 +395,9 @@ def insert_adapter(launch):
             rotary_dim=x["rotary_dim"], eps=x["eps"], kv_cache=kv, kv_fmt=kv_fmt,
             slot_mapping=_ints(x["slot_mapping"], dev), num_index_heads=x["num_index_heads"],
             has_index_k=x["has_index_k"], w_index_q=w["index_q"], w_index_k=w["index_k"],
-            k_scale=scale(x["k_scale"]), v_scale=scale(x["v_scale"]), index_cache=ic,
-            index_fmt=index_fmt if ic is not None else None, q_out=q_out, validate=validate)
+            k_scale=scale_in(x["k_scale"], dev), v_scale=scale_in(x["v_scale"], dev),
+            index_cache=ic, index_fmt=index_fmt if ic is not None else None, q_out=q_out,
+            validate=validate)
         res = {key: codes_of(t) for key, t in out.items()}
         res["kv_cache"] = codes_of(kv)
         if ic is not None:

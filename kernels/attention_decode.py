@@ -96,6 +96,7 @@ from kernels._host import (
     codes_of,
     fail,
     scale_arg,
+    scale_in,
     strided_codes_in,
 )
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
@@ -498,12 +499,6 @@ def compile_signatures():
 # ----------------------------------------------------------------------------- adapter
 
 
-def _scale_in(s, dev):
-    if s is None:
-        return None
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
-
-
 def run(inputs: dict, validate: bool = True, blocks_per_split: int = BLOCKS_PER_SPLIT) -> dict:
     """Oracle adapter (op ``attention_decode``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
@@ -526,8 +521,8 @@ def run(inputs: dict, validate: bool = True, blocks_per_split: int = BLOCKS_PER_
     bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
     out = torch.zeros((hq, t, d), dtype=act, device=dev).transpose(0, 1)
     sparse_attention_decode(q, kv, kv_fmt, bt, _ints(x["seq_lens"], dev), topk,
-                            int(x["rows_per_request"]), _scale_in(x["k_scale"], dev),
-                            _scale_in(x["v_scale"], dev), out=out,
+                            int(x["rows_per_request"]), scale_in(x["k_scale"], dev),
+                            scale_in(x["v_scale"], dev), out=out,
                             blocks_per_split=blocks_per_split, validate=validate)
     return {"out": codes_of(out)}
 

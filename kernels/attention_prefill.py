@@ -110,6 +110,7 @@ from kernels._host import (
     codes_of,
     fail,
     scale_arg,
+    scale_in,
     strided_codes_in,
 )
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
@@ -495,12 +496,6 @@ def compile_signatures():
 # ----------------------------------------------------------------------------- adapter
 
 
-def _scale_in(s, dev):
-    if s is None:
-        return None
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
-
-
 def run(inputs: dict, validate: bool = True, block_rows: int | None = None) -> dict:
     """Oracle adapter (op ``attention_prefill``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
@@ -525,7 +520,7 @@ def run(inputs: dict, validate: bool = True, block_rows: int | None = None) -> d
     cu = torch.from_numpy(np.ascontiguousarray(x["cu_seqlens_q"], np.int32)).to(dev)
     out = torch.zeros((hq, t, d), dtype=act, device=dev).transpose(0, 1)
     sparse_attention_prefill(q, kv, kv_fmt, bt, cu, _ints(x["seq_lens"], dev), topk,
-                             _scale_in(x["k_scale"], dev), _scale_in(x["v_scale"], dev),
+                             scale_in(x["k_scale"], dev), scale_in(x["v_scale"], dev),
                              out=out, validate=validate, block_rows=block_rows)
     return {"out": codes_of(out)}
 

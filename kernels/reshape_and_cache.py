@@ -41,6 +41,7 @@ from kernels._host import (
     codes_of,
     fail,
     scale_arg,
+    scale_in,
     strided_codes_in,
     validate_slots,
 )
@@ -185,12 +186,6 @@ def compile_signatures():
 # ----------------------------------------------------------------------------- adapter
 
 
-def _scale_in(s, dev):
-    if s is None:
-        return None
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
-
-
 def _strided_heads(values, act, dev, transposed):
     """K or V on the device with non-trivial strides, as servers pass them: a head-major
     buffer seen token-major (``transposed``), or heads padded by 8 elements."""
@@ -220,7 +215,7 @@ def run(inputs: dict, validate: bool = True) -> dict:
     kv_fmt = x["kv_fmt"]
     kv = strided_codes_in(x["kv_cache"], dev, HALF_DTYPES.get(kv_fmt))
     reshape_and_cache(k, v, kv, kv_fmt, _ints(x["slot_mapping"], dev),
-                      _scale_in(x["k_scale"], dev), _scale_in(x["v_scale"], dev),
+                      scale_in(x["k_scale"], dev), scale_in(x["v_scale"], dev),
                       validate=validate)
     return {"kv_cache": codes_of(kv)}
 
