@@ -28,7 +28,7 @@ def configs(args):
         for nw in args.num_warps:
             for hf in args.heads_fast:
                 yield "triton", {"block_h": bh, "num_warps": nw, "heads_fast": hf}
-    for hf in args.heads_fast:
+    for hf in args.heads_fast if not args.no_cuda else ():
         yield "cuda", {"variant": 0, "block_h": 32, "heads_fast": hf}
         for v in args.cuda_variants:
             for w in (1, 2, 4, 8):
@@ -55,8 +55,9 @@ def main(argv=None) -> int:
                     default=[1, 2, 4, 8])
     ap.add_argument("--heads-fast", type=lambda s: [bool(int(v)) for v in s.split(",")],
                     default=[False, True])
-    ap.add_argument("--cuda-variants", type=lambda s: [int(v) for v in s.split(",")],
+    ap.add_argument("--cuda-variants", type=lambda s: [int(v) for v in s.split(",") if v],
                     default=[1, 2])
+    ap.add_argument("--no-cuda", action="store_true", help="Triton configurations only")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "reports"),
                                                   "tune.json"))
     args = ap.parse_args(argv)

@@ -5,9 +5,11 @@ One launch per batch. The grid is ``(N, blocks)``: axis 1 enumerates blocks of B
 of q, then of k (each k program also inserts its K and V heads into the paged cache), then
 of index_q, then (when present) the single index_k head (which also goes into the index
 cache). Per head: ``n = x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, then rotate-half
-RoPE with the table row of the token's position, as given. Any even R <= D: every lane d
-loads its partner lane (d + R/2 for d < R/2, d - R/2 for R/2 <= d < R, itself beyond R)
-with a second, gathered load, so R/2 need not be a power of two and no reshuffle is needed.
+RoPE with the table row of the token's position, as given. Any even R <= D: a head is
+loaded as three contiguous segments, the rotated halves [0, R/2) and [R/2, R) (each other's
+RoPE partners, element by element) and the pass-through dims [R, D), each padded to a power
+of two and masked, so R/2 need not be a power of two and every load is a vector load (a
+gathered partner load made the first version instruction-bound on the H200).
 
 Outputs: q, k, index_k rounded once (RNE) to the model dtype; index_q in the index cache's
 format (e4m3 codes of the fp32 value when the index cache is fp8). K goes into the cache
@@ -30,33 +32,57 @@ from kernels.fp8 import HW_FORMATS, encode_fp8, fmt_code
 
 
 @triton.jit
-def _norm_rope_tile(row_ptr, col0, head0, n_heads, w_ptr, cs_ptr, pos_ok, half, eps,
-                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """fp32 norm + RoPE of heads head0.. of one kind (starting at column col0 of the row):
-    returns y [BLOCK_H, BLOCK_D], the head and dim indices and the valid-lane mask."""
+def _norm_rope_head(row_ptr, col0, head0, n_heads, w_ptr, cs_ptr, pos_ok, eps,
+                    D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """fp32 norm + RoPE of heads head0.. of one kind (starting at column col0 of the row),
+    in three segments of a head: the rotated halves [0, HALF) and [HALF, 2 HALF), and the
+    pass-through dims [2 HALF, D). Each segment is a contiguous (vectorised) load: no
+    gathered partner lanes, and any even R works (a segment's tail is masked). Returns the
+    three fp32 segments, the heads and their mask."""
     heads = head0 + tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
     hmask = heads < n_heads
-    dmask = dims < D
-    mask = hmask[:, None] & dmask[None, :]
-    first = dims < half
-    rot = dims < 2 * half
-    partner = tl.where(first, dims + half, tl.where(rot, dims - half, dims))
+    a = tl.arange(0, BLOCK_HALF)
+    amask = hmask[:, None] & (a < HALF)[None, :]
     base = row_ptr + col0 + heads[:, None].to(tl.int64) * D
-    x = tl.load(base + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    w1 = 1.0 + tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)
-    wp1 = 1.0 + tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-    r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    n = x * r[:, None] * w1[None, :]
-    n_partner = xp * r[:, None] * wp1[None, :]
-    j = tl.where(first, dims, dims - half)
-    cmask = rot & pos_ok
-    c = tl.load(cs_ptr + j, mask=cmask, other=0.0).to(tl.float32)
-    s = tl.load(cs_ptr + half + j, mask=cmask, other=0.0).to(tl.float32)
-    sign = tl.where(first, -1.0, 1.0)
-    y = tl.where(rot[None, :], n * c[None, :] + (sign[None, :] * n_partner) * s[None, :], n)
-    return y, heads, dims, mask
+    x1 = tl.load(base + a[None, :], mask=amask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + a[None, :], mask=amask, other=0.0).to(tl.float32)
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    if 2 * HALF < D:
+        p = 2 * HALF + tl.arange(0, BLOCK_REST)
+        pmask = p < D
+        x3 = tl.load(base + p[None, :], mask=hmask[:, None] & pmask[None, :],
+                     other=0.0).to(tl.float32)
+        ss += tl.sum(x3 * x3, axis=1)
+        w3 = 1.0 + tl.load(w_ptr + p, mask=pmask, other=0.0).to(tl.float32)
+    r = tl.math.rsqrt(ss / D + eps)[:, None]
+    w1 = 1.0 + tl.load(w_ptr + a, mask=a < HALF, other=0.0).to(tl.float32)
+    w2 = 1.0 + tl.load(w_ptr + HALF + a, mask=a < HALF, other=0.0).to(tl.float32)
+    n1 = x1 * r * w1[None, :]
+    n2 = x2 * r * w2[None, :]
+    cmask = (a < HALF) & pos_ok
+    c = tl.load(cs_ptr + a, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(cs_ptr + HALF + a, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    y1 = n1 * c - n2 * s
+    y2 = n2 * c + n1 * s
+    if 2 * HALF < D:
+        y3 = x3 * r * w3[None, :]
+    else:
+        y3 = tl.zeros((BLOCK_H, BLOCK_REST), tl.float32)
+    return y1, y2, y3, heads, hmask
+
+
+@triton.jit
+def _store_head(dst, y1, y2, y3, hmask, D: tl.constexpr, HALF: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """Store the three segments of heads (dst: [BLOCK_H, 1] pointers to their dim 0)."""
+    a = tl.arange(0, BLOCK_HALF)
+    amask = hmask[:, None] & (a < HALF)[None, :]
+    tl.store(dst + a[None, :], y1, mask=amask)
+    tl.store(dst + HALF + a[None, :], y2, mask=amask)
+    if 2 * HALF < D:
+        p = 2 * HALF + tl.arange(0, BLOCK_REST)
+        tl.store(dst + p[None, :], y3, mask=hmask[:, None] & (p < D)[None, :])
 
 
 @triton.jit
@@ -67,14 +93,15 @@ def _norm_rope_insert_kernel(
         kv_ptr, kv_s0, kv_s1, kv_s2, page_size, num_slots, slot_ptr,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
         ic_ptr, ic_s0, ic_s1, ic_page, ic_num_slots, islot_ptr,
-        hq, hkv, hi, half, eps,
-        D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        hq, hkv, hi, eps,
+        D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
         KV_FP8: tl.constexpr, KV_FMT: tl.constexpr, KV_HW: tl.constexpr,
         IDX_FP8: tl.constexpr, IDX_FMT: tl.constexpr, IDX_HW: tl.constexpr,
         HAS_IK: tl.constexpr, HEADS_FAST: tl.constexpr):
     # k and index_k are written back into the row (k_out / ik_out: the row's k and index_k
     # columns, row stride row_stride); q and index_q go to (s0, s1)-strided outputs, which
-    # may be the row itself. A program owns whole heads and loads a head (both halves)
+    # may be the row itself. A program owns whole heads and loads a head (all segments)
     # before storing it, so the in-place writes cannot race.
     nqb = tl.cdiv(hq, BLOCK_H)
     nkb = tl.cdiv(hkv, BLOCK_H)
@@ -92,59 +119,77 @@ def _norm_rope_insert_kernel(
     pos_ok = (pos >= 0) & (pos < max_pos)
     cs = table_ptr + tl.where(pos_ok, pos, 0) * table_stride
     if b < nqb:
-        y, heads, dims, mask = _norm_rope_tile(row, 0, b * BLOCK_H, hq, wq_ptr, cs, pos_ok,
-                                               half, eps, D, BLOCK_H, BLOCK_D)
+        y1, y2, y3, heads, hmask = _norm_rope_head(
+            row, 0, b * BLOCK_H, hq, wq_ptr, cs, pos_ok, eps, D, HALF, BLOCK_H, BLOCK_HALF,
+            BLOCK_REST)
         # Names differ per branch: compiled Triton merges same-named values across branches.
-        q_dst = q_out + tok * q_s0 + heads[:, None].to(tl.int64) * q_s1 + dims[None, :]
-        tl.store(q_dst, y.to(q_out.dtype.element_ty), mask=mask)
+        q_dst = q_out + tok * q_s0 + heads[:, None].to(tl.int64) * q_s1
+        qt = q_out.dtype.element_ty
+        _store_head(q_dst, y1.to(qt), y2.to(qt), y3.to(qt), hmask, D, HALF, BLOCK_HALF,
+                    BLOCK_REST)
     elif b < nqb + nkb:
-        y, heads, dims, mask = _norm_rope_tile(row, hq * D, (b - nqb) * BLOCK_H, hkv, wk_ptr,
-                                               cs, pos_ok, half, eps, D, BLOCK_H, BLOCK_D)
+        y1, y2, y3, heads, hmask = _norm_rope_head(
+            row, hq * D, (b - nqb) * BLOCK_H, hkv, wk_ptr, cs, pos_ok, eps, D, HALF, BLOCK_H,
+            BLOCK_HALF, BLOCK_REST)
         h64 = heads.to(tl.int64)
-        v = tl.load(row + (hq + hkv) * D + h64[:, None] * D + dims[None, :], mask=mask,
+        dims = tl.arange(0, BLOCK_D)
+        vmask = hmask[:, None] & (dims < D)[None, :]
+        v = tl.load(row + (hq + hkv) * D + h64[:, None] * D + dims[None, :], mask=vmask,
                     other=0.0)
-        k_dst = k_out + tok * row_stride + h64[:, None] * D + dims[None, :]
-        tl.store(k_dst, y.to(k_out.dtype.element_ty), mask=mask)
+        kt = k_out.dtype.element_ty
+        _store_head(k_out + tok * row_stride + h64[:, None] * D, y1.to(kt), y2.to(kt),
+                    y3.to(kt), hmask, D, HALF, BLOCK_HALF, BLOCK_REST)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         ok = (slot >= 0) & (slot < num_slots)
         sl = tl.where(ok, slot, 0)
-        page = sl // page_size
-        off = sl % page_size
-        kv = kv_ptr + page * kv_s0 + h64[:, None] * kv_s1 + off * kv_s2 + dims[None, :]
-        wmask = mask & ok
+        kv = kv_ptr + (sl // page_size) * kv_s0 + h64[:, None] * kv_s1 + (sl % page_size) * kv_s2
+        wmask = hmask & ok
         if KV_FP8:
-            hmask = heads < hkv
-            ks = tl.load(ks_ptr + h64 * ks_s0 + sl * ks_s1, mask=hmask, other=1.0)
-            vs = tl.load(vs_ptr + h64 * vs_s0 + sl * vs_s1, mask=hmask, other=1.0)
-            tl.store(kv, encode_fp8(y / ks[:, None], KV_FMT, KV_HW), mask=wmask)
-            tl.store(kv + D, encode_fp8(v.to(tl.float32) / vs[:, None], KV_FMT, KV_HW),
-                     mask=wmask)
+            ks = tl.load(ks_ptr + h64 * ks_s0 + sl * ks_s1, mask=hmask, other=1.0)[:, None]
+            vs = tl.load(vs_ptr + h64 * vs_s0 + sl * vs_s1, mask=hmask, other=1.0)[:, None]
+            _store_head(kv, encode_fp8(y1 / ks, KV_FMT, KV_HW),
+                        encode_fp8(y2 / ks, KV_FMT, KV_HW), encode_fp8(y3 / ks, KV_FMT, KV_HW),
+                        wmask, D, HALF, BLOCK_HALF, BLOCK_REST)
+            tl.store(kv + D + dims[None, :], encode_fp8(v.to(tl.float32) / vs, KV_FMT, KV_HW),
+                     mask=vmask & ok)
         else:
-            tl.store(kv, y.to(kv_ptr.dtype.element_ty), mask=wmask)
-            tl.store(kv + D, v.to(kv_ptr.dtype.element_ty), mask=wmask)
+            ct = kv_ptr.dtype.element_ty
+            _store_head(kv, y1.to(ct), y2.to(ct), y3.to(ct), wmask, D, HALF, BLOCK_HALF,
+                        BLOCK_REST)
+            tl.store(kv + D + dims[None, :], v.to(ct), mask=vmask & ok)
     elif b < nqb + nkb + nib:
-        y, heads, dims, mask = _norm_rope_tile(row, (hq + 2 * hkv) * D, (b - nqb - nkb) * BLOCK_H,
-                                               hi, wiq_ptr, cs, pos_ok, half, eps, D, BLOCK_H,
-                                               BLOCK_D)
-        iq_dst = iq_out + tok * iq_s0 + heads[:, None].to(tl.int64) * iq_s1 + dims[None, :]
+        y1, y2, y3, heads, hmask = _norm_rope_head(
+            row, (hq + 2 * hkv) * D, (b - nqb - nkb) * BLOCK_H, hi, wiq_ptr, cs, pos_ok, eps,
+            D, HALF, BLOCK_H, BLOCK_HALF, BLOCK_REST)
+        iq_dst = iq_out + tok * iq_s0 + heads[:, None].to(tl.int64) * iq_s1
         if IDX_FP8:
-            tl.store(iq_dst, encode_fp8(y, IDX_FMT, IDX_HW), mask=mask)
+            _store_head(iq_dst, encode_fp8(y1, IDX_FMT, IDX_HW), encode_fp8(y2, IDX_FMT, IDX_HW),
+                        encode_fp8(y3, IDX_FMT, IDX_HW), hmask, D, HALF, BLOCK_HALF,
+                        BLOCK_REST)
         else:
-            tl.store(iq_dst, y.to(iq_out.dtype.element_ty), mask=mask)
+            it = iq_out.dtype.element_ty
+            _store_head(iq_dst, y1.to(it), y2.to(it), y3.to(it), hmask, D, HALF, BLOCK_HALF,
+                        BLOCK_REST)
     elif HAS_IK:
-        y, heads, dims, mask = _norm_rope_tile(row, (hq + 2 * hkv + hi) * D, 0, 1, wik_ptr, cs,
-                                               pos_ok, half, eps, D, BLOCK_H, BLOCK_D)
-        ik_dst = ik_out + tok * row_stride + heads[:, None].to(tl.int64) * D + dims[None, :]
-        tl.store(ik_dst, y.to(ik_out.dtype.element_ty), mask=mask)
+        y1, y2, y3, heads, hmask = _norm_rope_head(
+            row, (hq + 2 * hkv + hi) * D, 0, 1, wik_ptr, cs, pos_ok, eps, D, HALF, BLOCK_H,
+            BLOCK_HALF, BLOCK_REST)
+        ikt = ik_out.dtype.element_ty
+        _store_head(ik_out + tok * row_stride + heads[:, None].to(tl.int64) * D, y1.to(ikt),
+                    y2.to(ikt), y3.to(ikt), hmask, D, HALF, BLOCK_HALF, BLOCK_REST)
         islot = tl.load(islot_ptr + tok).to(tl.int64)
         iok = (islot >= 0) & (islot < ic_num_slots)
         isl = tl.where(iok, islot, 0)
         ic = (ic_ptr + (isl // ic_page) * ic_s0 + (isl % ic_page) * ic_s1
-              + heads[:, None].to(tl.int64) * 0 + dims[None, :])
+              + heads[:, None].to(tl.int64) * 0)
         if IDX_FP8:
-            tl.store(ic, encode_fp8(y, IDX_FMT, IDX_HW), mask=mask & iok)
+            _store_head(ic, encode_fp8(y1, IDX_FMT, IDX_HW), encode_fp8(y2, IDX_FMT, IDX_HW),
+                        encode_fp8(y3, IDX_FMT, IDX_HW), hmask & iok, D, HALF, BLOCK_HALF,
+                        BLOCK_REST)
         else:
-            tl.store(ic, y.to(ic_ptr.dtype.element_ty), mask=mask & iok)
+            ict = ic_ptr.dtype.element_ty
+            _store_head(ic, y1.to(ict), y2.to(ict), y3.to(ict), hmask & iok, D, HALF,
+                        BLOCK_HALF, BLOCK_REST)
 
 
 #: True when the kernel runs in the (patched) CPU interpreter.
@@ -223,8 +268,10 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.page,
         p.num_slots, slot_mapping, p.ks, *p.ks_strides, p.vs, *p.vs_strides,
         p.ic, *p.ic_strides, p.ic_page, p.ic_slots, p.islots,
-        hq, hkv, hi if p.transform_iq else 0, rotary_dim // 2, float(eps),
-        D=d, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d),
+        hq, hkv, hi if p.transform_iq else 0, float(eps),
+        D=d, HALF=rotary_dim // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
+        BLOCK_REST=triton.next_power_of_2(max(d - rotary_dim, 1)),
         KV_FP8=p.kv_fp8, KV_FMT=fmt_code(p.kv_fmt) if p.kv_fp8 else 0,
         KV_HW=p.kv_fp8 and p.kv_fmt in HW_FORMATS,
         IDX_FP8=p.idx_fp8, IDX_FMT=fmt_code(p.index_fmt) if p.idx_fp8 else 0,
@@ -251,10 +298,12 @@ def compile_signatures():
             sig[name] = f"*{act}"
         sig.update(pos_ptr="*i64", slot_ptr="*i32", islot_ptr="*i64", ks_ptr="*fp32",
                    vs_ptr="*fp32", kv_ptr=f"*{kv}", ic_ptr=f"*{idx}", iq_out=f"*{idx}",
-                   hq="i32", hkv="i32", hi="i32", half="i32", eps="fp32")
-        const = dict(D=128, BLOCK_H=4, BLOCK_D=128, KV_FP8=kv == "u8", KV_FMT=kv_fmt,
-                     KV_HW=kv_hw, IDX_FP8=idx == "u8", IDX_FMT=idx_fmt, IDX_HW=idx_hw,
-                     HAS_IK=has_ik, HEADS_FAST=kv_fmt == 1)
+                   hq="i32", hkv="i32", hi="i32", eps="fp32")
+        half = 32 if kv_fmt != 3 else 24  # R 64, and R 48 (segments not powers of two)
+        const = dict(D=128, HALF=half, BLOCK_H=4, BLOCK_D=128, BLOCK_HALF=32,
+                     BLOCK_REST=triton.next_power_of_2(128 - 2 * half), KV_FP8=kv == "u8",
+                     KV_FMT=kv_fmt, KV_HW=kv_hw, IDX_FP8=idx == "u8", IDX_FMT=idx_fmt,
+                     IDX_HW=idx_hw, HAS_IK=has_ik, HEADS_FAST=kv_fmt == 1)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_norm_rope_insert_kernel, sig, const))
     return out
@@ -274,8 +323,9 @@ def _register():
     register(Implementation(
         "triton", "norm_rope_insert", run, devices=("cpu", "cuda"), shape_classes=classes,
         quantize_from="value",
-        notes="one Triton launch: fp32 Gemma RMSNorm + partial NeoX RoPE (gathered partner "
-              "lanes, any even R), K from its fp32 value, fp8 via kernels.fp8.encode_fp8"))
+        notes="one Triton launch: fp32 Gemma RMSNorm + partial NeoX RoPE (three contiguous "
+              "segments per head, any even R), K from its fp32 value, fp8 via "
+              "kernels.fp8.encode_fp8"))
 
 
 _register()
