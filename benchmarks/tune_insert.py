@@ -1,6 +1,7 @@
 """Tuning sweep of the fused insert's launch parameters at the model shape (16,384 tokens):
-Triton ``block_h`` x ``num_warps`` x program order; CUDA variant x warps per block x heads
-per warp x program order (variant 0: the first kernel, 32 heads per block), timed like
+Triton configurations (``--triton block_h:num_warps:num_stages:programs_per_sm,...``); CUDA
+variant x warps per block x heads per warp x program order (variant 0: the first kernel, 32
+heads per block), timed like
 bench_insert (graph replay over rotating input sets). Prints a table and writes
 ``$OUT/tune.json`` (or reports/tune.json): the defaults in the launchers come from here.
 
@@ -22,12 +23,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_insert as bi  # noqa: E402
 from benchmarks import harness  # noqa: E402
 
+TRITON_KNOBS = ("block_h", "num_warps", "num_stages", "programs_per_sm")
+
+
+def triton_configs(text: str) -> list[dict]:
+    """``"16:4:3:4,8:2:4:8"`` -> block_h:num_warps:num_stages:programs_per_sm dicts."""
+    return [dict(zip(TRITON_KNOBS, map(int, c.split(":")), strict=True))
+            for c in text.split(",") if c]
+
 
 def configs(args):
-    for bh in args.block_h:
-        for nw in args.num_warps:
-            for hf in args.heads_fast:
-                yield "triton", {"block_h": bh, "num_warps": nw, "heads_fast": hf}
+    for knobs in args.triton:
+        yield "triton", knobs
     for hf in args.heads_fast if not args.no_cuda else ():
         yield "cuda", {"variant": 0, "block_h": 32, "heads_fast": hf}
         for v in args.cuda_variants:
@@ -39,7 +46,13 @@ def configs(args):
 
 def launcher(name, params):
     if name == "triton":
-        from kernels.norm_rope_insert import norm_rope_insert as launch
+        from kernels import norm_rope_insert as nri
+
+        params = dict(params)
+        pps = params.pop("programs_per_sm", None)
+        if pps:
+            params["programs"] = pps * nri._sm_count(torch.device("cuda"))
+        launch = nri.norm_rope_insert
     else:
         from kernels.cuda_norm_rope_insert import norm_rope_insert as launch
     return lambda *a, **kw: launch(*a, **kw, **params)
@@ -49,10 +62,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--caches", default="bf16,e4m3")
-    ap.add_argument("--block-h", type=lambda s: [int(v) for v in s.split(",")],
-                    default=[1, 2, 4, 8, 16])
-    ap.add_argument("--num-warps", type=lambda s: [int(v) for v in s.split(",")],
-                    default=[1, 2, 4, 8])
+    ap.add_argument("--triton", type=triton_configs, default=triton_configs(
+        "4:1:3:16,8:2:3:8,16:4:3:4,16:4:4:4,16:4:6:4,32:4:4:2,32:8:4:2,16:8:4:4"),
+        help="block_h:num_warps:num_stages:programs_per_sm,...")
     ap.add_argument("--heads-fast", type=lambda s: [bool(int(v)) for v in s.split(",")],
                     default=[False, True])
     ap.add_argument("--cuda-variants", type=lambda s: [int(v) for v in s.split(",") if v],

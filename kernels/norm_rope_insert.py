@@ -1,15 +1,16 @@
 """Fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert in ONE Triton
 kernel (SPEC.md sections 3, 4; issue 5).
 
-One launch per batch. The grid is ``(N, blocks)``: axis 1 enumerates blocks of BLOCK_H heads
-of q, then of k (each k program also inserts its K and V heads into the paged cache), then
-of index_q, then (when present) the single index_k head (which also goes into the index
-cache). Per head: ``n = x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, then rotate-half
-RoPE with the table row of the token's position, as given. Any even R <= D: a head is
-loaded as three contiguous segments, the rotated halves [0, R/2) and [R/2, R) (each other's
-RoPE partners, element by element) and the pass-through dims [R, D), each padded to a power
-of two and masked, so R/2 need not be a power of two and every load is a vector load (a
-gathered partner load made the first version instruction-bound on the H200).
+One launch per batch, a persistent grid: every program strides over the work items
+(token, block of BLOCK_H heads) of q, then of k (a k item also inserts its K and V heads
+into the paged cache), then of index_q, then (when present) of the single index_k head
+(which also goes into the index cache); each loop's loads are software-pipelined through
+shared memory (``num_stages``). Per head: ``n = x * rsqrt(mean(x^2) + eps) * (1 + w)`` in
+fp32, then rotate-half RoPE with the table row of the token's position, as given. Any even
+R <= D: a head is loaded as three contiguous segments, the rotated halves [0, R/2) and
+[R/2, R) (each other's RoPE partners, element by element) and the pass-through dims [R, D),
+each padded to a power of two and masked, so R/2 need not be a power of two and every load
+is a vector load (a gathered partner load cost instructions on the H200).
 
 Outputs: q, k, index_k rounded once (RNE) to the model dtype; index_q in the index cache's
 format (e4m3 codes of the fp32 value when the index cache is fp8). K goes into the cache
@@ -26,20 +27,48 @@ registered as implementation ``"triton"`` of op ``"norm_rope_insert"``.
 
 from __future__ import annotations
 
-from kernels._host import fail, insert_adapter, plan_norm_rope_insert
+import functools
+
+import torch
+
+from kernels._host import check_int, fail, insert_adapter, plan_norm_rope_insert
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, encode_fp8, fmt_code
 
 
 @triton.jit
-def _norm_rope_head(row_ptr, col0, head0, n_heads, w_ptr, cs_ptr, pos_ok, eps,
+def _weights(w_ptr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+             BLOCK_REST: tl.constexpr):
+    """1 + w (fp32) of the three segments of a head: loaded once per program."""
+    a = tl.arange(0, BLOCK_HALF)
+    w1 = 1.0 + tl.load(w_ptr + a, mask=a < HALF, other=0.0).to(tl.float32)
+    w2 = 1.0 + tl.load(w_ptr + HALF + a, mask=a < HALF, other=0.0).to(tl.float32)
+    p = 2 * HALF + tl.arange(0, BLOCK_REST)
+    w3 = 1.0 + tl.load(w_ptr + p, mask=p < D, other=0.0).to(tl.float32)
+    return w1, w2, w3
+
+
+@triton.jit
+def _token(i, nblocks, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos):
+    """Work item i = (token, head block): the token, its block, its row and its RoPE table
+    row (row 0, masked off by pos_ok, for a position outside the table)."""
+    tok = tl.cast(i // nblocks, tl.int64)  # i: a Python int in the interpreter
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < max_pos)
+    cs = table_ptr + tl.where(pos_ok, pos, 0) * table_stride
+    return tok, i % nblocks, rows_ptr + tok * row_stride, cs, pos_ok
+
+
+@triton.jit
+def _norm_rope_head(row_ptr, col0, head0, n_heads, w1, w2, w3, cs_ptr, pos_ok, eps,
                     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
     """fp32 norm + RoPE of heads head0.. of one kind (starting at column col0 of the row),
     in three segments of a head: the rotated halves [0, HALF) and [HALF, 2 HALF), and the
-    pass-through dims [2 HALF, D). Each segment is a contiguous (vectorised) load: no
-    gathered partner lanes, and any even R works (a segment's tail is masked). Returns the
-    three fp32 segments, the heads and their mask."""
+    pass-through dims [2 HALF, D). Each segment is a contiguous load (vectorised, and
+    pipelined through shared memory by the caller's loop): no gathered partner lanes, and
+    any even R works (a segment's tail is masked). Returns the three fp32 segments, the
+    heads and their mask."""
     heads = head0 + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     a = tl.arange(0, BLOCK_HALF)
@@ -50,19 +79,15 @@ def _norm_rope_head(row_ptr, col0, head0, n_heads, w_ptr, cs_ptr, pos_ok, eps,
     ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     if 2 * HALF < D:
         p = 2 * HALF + tl.arange(0, BLOCK_REST)
-        pmask = p < D
-        x3 = tl.load(base + p[None, :], mask=hmask[:, None] & pmask[None, :],
+        x3 = tl.load(base + p[None, :], mask=hmask[:, None] & (p < D)[None, :],
                      other=0.0).to(tl.float32)
         ss += tl.sum(x3 * x3, axis=1)
-        w3 = 1.0 + tl.load(w_ptr + p, mask=pmask, other=0.0).to(tl.float32)
     r = tl.math.rsqrt(ss / D + eps)[:, None]
-    w1 = 1.0 + tl.load(w_ptr + a, mask=a < HALF, other=0.0).to(tl.float32)
-    w2 = 1.0 + tl.load(w_ptr + HALF + a, mask=a < HALF, other=0.0).to(tl.float32)
-    n1 = x1 * r * w1[None, :]
-    n2 = x2 * r * w2[None, :]
     cmask = (a < HALF) & pos_ok
     c = tl.load(cs_ptr + a, mask=cmask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(cs_ptr + HALF + a, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    n1 = x1 * r * w1[None, :]
+    n2 = x2 * r * w2[None, :]
     y1 = n1 * c - n2 * s
     y2 = n2 * c + n1 * s
     if 2 * HALF < D:
@@ -87,7 +112,7 @@ def _store_head(dst, y1, y2, y3, hmask, D: tl.constexpr, HALF: tl.constexpr,
 
 @triton.jit
 def _norm_rope_insert_kernel(
-        rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos,
+        rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos, n,
         wq_ptr, wk_ptr, wiq_ptr, wik_ptr,
         q_out, q_s0, q_s1, k_out, iq_out, iq_s0, iq_s1, ik_out,
         kv_ptr, kv_s0, kv_s1, kv_s2, page_size, num_slots, slot_ptr,
@@ -95,101 +120,112 @@ def _norm_rope_insert_kernel(
         ic_ptr, ic_s0, ic_s1, ic_page, ic_num_slots, islot_ptr,
         hq, hkv, hi, eps,
         D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+        BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, NUM_STAGES: tl.constexpr,
         KV_FP8: tl.constexpr, KV_FMT: tl.constexpr, KV_HW: tl.constexpr,
         IDX_FP8: tl.constexpr, IDX_FMT: tl.constexpr, IDX_HW: tl.constexpr,
-        HAS_IK: tl.constexpr, HEADS_FAST: tl.constexpr):
-    # k and index_k are written back into the row (k_out / ik_out: the row's k and index_k
-    # columns, row stride row_stride); q and index_q go to (s0, s1)-strided outputs, which
-    # may be the row itself. A program owns whole heads and loads a head (all segments)
-    # before storing it, so the in-place writes cannot race.
+        HAS_IK: tl.constexpr):
+    # A persistent grid: each program strides over the work items of four loops, one per
+    # head kind (q, k + V + KV insert, index_q, index_k + index insert); item = (token,
+    # block of BLOCK_H heads). A loop body has no branches, so Triton pipelines its loads
+    # through shared memory NUM_STAGES deep: loads in flight no longer cost registers
+    # (the first, one-program-per-item kernel was register-bound at ~30 KB in flight per
+    # SM, ~60% of the copy bandwidth). k and index_k are written back into the row (k_out /
+    # ik_out: the row's k and index_k columns, row stride row_stride); q and index_q go to
+    # (s0, s1)-strided outputs, which may be the row itself. An item's heads are read only
+    # by that item, so prefetching later items cannot see a half-written head.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     nqb = tl.cdiv(hq, BLOCK_H)
-    nkb = tl.cdiv(hkv, BLOCK_H)
-    nib = tl.cdiv(hi, BLOCK_H)
-    if HEADS_FAST:  # 1-D grid, a token's head blocks adjacent (axis 1 would cap N at 65,535)
-        pid = tl.program_id(0).to(tl.int64)
-        nblocks = nqb + nkb + nib + (1 if HAS_IK else 0)
-        tok = pid // nblocks
-        b = (pid % nblocks).to(tl.int32)
-    else:  # grid (N, head blocks): one block kind's programs for consecutive tokens adjacent
-        tok = tl.program_id(0).to(tl.int64)
-        b = tl.program_id(1)
-    row = rows_ptr + tok * row_stride
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    pos_ok = (pos >= 0) & (pos < max_pos)
-    cs = table_ptr + tl.where(pos_ok, pos, 0) * table_stride
-    if b < nqb:
+    w1, w2, w3 = _weights(wq_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
+    for i in tl.range(pid, n * nqb, nprog, num_stages=NUM_STAGES):
+        tok, b, row, cs, pos_ok = _token(i, nqb, rows_ptr, row_stride, pos_ptr, table_ptr,
+                                         table_stride, max_pos)
         y1, y2, y3, heads, hmask = _norm_rope_head(
-            row, 0, b * BLOCK_H, hq, wq_ptr, cs, pos_ok, eps, D, HALF, BLOCK_H, BLOCK_HALF,
-            BLOCK_REST)
-        # Names differ per branch: compiled Triton merges same-named values across branches.
-        q_dst = q_out + tok * q_s0 + heads[:, None].to(tl.int64) * q_s1
-        qt = q_out.dtype.element_ty
-        _store_head(q_dst, y1.to(qt), y2.to(qt), y3.to(qt), hmask, D, HALF, BLOCK_HALF,
-                    BLOCK_REST)
-    elif b < nqb + nkb:
-        y1, y2, y3, heads, hmask = _norm_rope_head(
-            row, hq * D, (b - nqb) * BLOCK_H, hkv, wk_ptr, cs, pos_ok, eps, D, HALF, BLOCK_H,
+            row, 0, b * BLOCK_H, hq, w1, w2, w3, cs, pos_ok, eps, D, HALF, BLOCK_H,
             BLOCK_HALF, BLOCK_REST)
-        h64 = heads.to(tl.int64)
-        dims = tl.arange(0, BLOCK_D)
-        vmask = hmask[:, None] & (dims < D)[None, :]
+        qt = q_out.dtype.element_ty
+        _store_head(q_out + tok * q_s0 + heads[:, None].to(tl.int64) * q_s1, y1.to(qt),
+                    y2.to(qt), y3.to(qt), hmask, D, HALF, BLOCK_HALF, BLOCK_REST)
+
+    nkb = tl.cdiv(hkv, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    kw1, kw2, kw3 = _weights(wk_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
+    for i in tl.range(pid, n * nkb, nprog, num_stages=NUM_STAGES):
+        tok, b, row, cs, pos_ok = _token(i, nkb, rows_ptr, row_stride, pos_ptr, table_ptr,
+                                         table_stride, max_pos)
+        ky1, ky2, ky3, kheads, khmask = _norm_rope_head(
+            row, hq * D, b * BLOCK_H, hkv, kw1, kw2, kw3, cs, pos_ok, eps, D, HALF, BLOCK_H,
+            BLOCK_HALF, BLOCK_REST)
+        h64 = kheads.to(tl.int64)
+        vmask = khmask[:, None] & (dims < D)[None, :]
         v = tl.load(row + (hq + hkv) * D + h64[:, None] * D + dims[None, :], mask=vmask,
                     other=0.0)
         kt = k_out.dtype.element_ty
-        _store_head(k_out + tok * row_stride + h64[:, None] * D, y1.to(kt), y2.to(kt),
-                    y3.to(kt), hmask, D, HALF, BLOCK_HALF, BLOCK_REST)
+        _store_head(k_out + tok * row_stride + h64[:, None] * D, ky1.to(kt), ky2.to(kt),
+                    ky3.to(kt), khmask, D, HALF, BLOCK_HALF, BLOCK_REST)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         ok = (slot >= 0) & (slot < num_slots)
         sl = tl.where(ok, slot, 0)
-        kv = kv_ptr + (sl // page_size) * kv_s0 + h64[:, None] * kv_s1 + (sl % page_size) * kv_s2
-        wmask = hmask & ok
+        kv = (kv_ptr + (sl // page_size) * kv_s0 + h64[:, None] * kv_s1
+              + (sl % page_size) * kv_s2)
         if KV_FP8:
-            ks = tl.load(ks_ptr + h64 * ks_s0 + sl * ks_s1, mask=hmask, other=1.0)[:, None]
-            vs = tl.load(vs_ptr + h64 * vs_s0 + sl * vs_s1, mask=hmask, other=1.0)[:, None]
-            _store_head(kv, encode_fp8(y1 / ks, KV_FMT, KV_HW),
-                        encode_fp8(y2 / ks, KV_FMT, KV_HW), encode_fp8(y3 / ks, KV_FMT, KV_HW),
-                        wmask, D, HALF, BLOCK_HALF, BLOCK_REST)
+            ks = tl.load(ks_ptr + h64 * ks_s0 + sl * ks_s1, mask=khmask, other=1.0)[:, None]
+            vs = tl.load(vs_ptr + h64 * vs_s0 + sl * vs_s1, mask=khmask, other=1.0)[:, None]
+            _store_head(kv, encode_fp8(ky1 / ks, KV_FMT, KV_HW),
+                        encode_fp8(ky2 / ks, KV_FMT, KV_HW),
+                        encode_fp8(ky3 / ks, KV_FMT, KV_HW),
+                        khmask & ok, D, HALF, BLOCK_HALF, BLOCK_REST)
             tl.store(kv + D + dims[None, :], encode_fp8(v.to(tl.float32) / vs, KV_FMT, KV_HW),
                      mask=vmask & ok)
         else:
             ct = kv_ptr.dtype.element_ty
-            _store_head(kv, y1.to(ct), y2.to(ct), y3.to(ct), wmask, D, HALF, BLOCK_HALF,
-                        BLOCK_REST)
+            _store_head(kv, ky1.to(ct), ky2.to(ct), ky3.to(ct), khmask & ok, D, HALF,
+                        BLOCK_HALF, BLOCK_REST)
             tl.store(kv + D + dims[None, :], v.to(ct), mask=vmask & ok)
-    elif b < nqb + nkb + nib:
-        y1, y2, y3, heads, hmask = _norm_rope_head(
-            row, (hq + 2 * hkv) * D, (b - nqb - nkb) * BLOCK_H, hi, wiq_ptr, cs, pos_ok, eps,
-            D, HALF, BLOCK_H, BLOCK_HALF, BLOCK_REST)
-        iq_dst = iq_out + tok * iq_s0 + heads[:, None].to(tl.int64) * iq_s1
+
+    nib = tl.cdiv(hi, BLOCK_H)
+    iw1, iw2, iw3 = _weights(wiq_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
+    for i in tl.range(pid, n * nib, nprog, num_stages=NUM_STAGES):
+        tok, b, row, cs, pos_ok = _token(i, nib, rows_ptr, row_stride, pos_ptr, table_ptr,
+                                         table_stride, max_pos)
+        iy1, iy2, iy3, iheads, ihmask = _norm_rope_head(
+            row, (hq + 2 * hkv) * D, b * BLOCK_H, hi, iw1, iw2, iw3, cs, pos_ok, eps, D, HALF,
+            BLOCK_H, BLOCK_HALF, BLOCK_REST)
+        iq_dst = iq_out + tok * iq_s0 + iheads[:, None].to(tl.int64) * iq_s1
         if IDX_FP8:
-            _store_head(iq_dst, encode_fp8(y1, IDX_FMT, IDX_HW), encode_fp8(y2, IDX_FMT, IDX_HW),
-                        encode_fp8(y3, IDX_FMT, IDX_HW), hmask, D, HALF, BLOCK_HALF,
-                        BLOCK_REST)
+            _store_head(iq_dst, encode_fp8(iy1, IDX_FMT, IDX_HW),
+                        encode_fp8(iy2, IDX_FMT, IDX_HW), encode_fp8(iy3, IDX_FMT, IDX_HW),
+                        ihmask, D, HALF, BLOCK_HALF, BLOCK_REST)
         else:
             it = iq_out.dtype.element_ty
-            _store_head(iq_dst, y1.to(it), y2.to(it), y3.to(it), hmask, D, HALF, BLOCK_HALF,
-                        BLOCK_REST)
-    elif HAS_IK:
-        y1, y2, y3, heads, hmask = _norm_rope_head(
-            row, (hq + 2 * hkv + hi) * D, 0, 1, wik_ptr, cs, pos_ok, eps, D, HALF, BLOCK_H,
-            BLOCK_HALF, BLOCK_REST)
-        ikt = ik_out.dtype.element_ty
-        _store_head(ik_out + tok * row_stride + heads[:, None].to(tl.int64) * D, y1.to(ikt),
-                    y2.to(ikt), y3.to(ikt), hmask, D, HALF, BLOCK_HALF, BLOCK_REST)
-        islot = tl.load(islot_ptr + tok).to(tl.int64)
-        iok = (islot >= 0) & (islot < ic_num_slots)
-        isl = tl.where(iok, islot, 0)
-        ic = (ic_ptr + (isl // ic_page) * ic_s0 + (isl % ic_page) * ic_s1
-              + heads[:, None].to(tl.int64) * 0)
-        if IDX_FP8:
-            _store_head(ic, encode_fp8(y1, IDX_FMT, IDX_HW), encode_fp8(y2, IDX_FMT, IDX_HW),
-                        encode_fp8(y3, IDX_FMT, IDX_HW), hmask & iok, D, HALF, BLOCK_HALF,
-                        BLOCK_REST)
-        else:
-            ict = ic_ptr.dtype.element_ty
-            _store_head(ic, y1.to(ict), y2.to(ict), y3.to(ict), hmask & iok, D, HALF,
+            _store_head(iq_dst, iy1.to(it), iy2.to(it), iy3.to(it), ihmask, D, HALF,
                         BLOCK_HALF, BLOCK_REST)
+
+    if HAS_IK:
+        jw1, jw2, jw3 = _weights(wik_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
+        for i in tl.range(pid, n, nprog, num_stages=NUM_STAGES):
+            tok, b, row, cs, pos_ok = _token(i, 1, rows_ptr, row_stride, pos_ptr, table_ptr,
+                                             table_stride, max_pos)
+            jy1, jy2, jy3, jheads, jhmask = _norm_rope_head(
+                row, (hq + 2 * hkv + hi) * D, 0, 1, jw1, jw2, jw3, cs, pos_ok, eps, D, HALF,
+                BLOCK_H, BLOCK_HALF, BLOCK_REST)
+            ikt = ik_out.dtype.element_ty
+            _store_head(ik_out + tok * row_stride + jheads[:, None].to(tl.int64) * D,
+                        jy1.to(ikt), jy2.to(ikt), jy3.to(ikt), jhmask, D, HALF, BLOCK_HALF,
+                        BLOCK_REST)
+            islot = tl.load(islot_ptr + tok).to(tl.int64)
+            iok = (islot >= 0) & (islot < ic_num_slots)
+            isl = tl.where(iok, islot, 0)
+            ic = (ic_ptr + (isl // ic_page) * ic_s0 + (isl % ic_page) * ic_s1
+                  + jheads[:, None].to(tl.int64) * 0)
+            if IDX_FP8:
+                _store_head(ic, encode_fp8(jy1, IDX_FMT, IDX_HW),
+                            encode_fp8(jy2, IDX_FMT, IDX_HW), encode_fp8(jy3, IDX_FMT, IDX_HW),
+                            jhmask & iok, D, HALF, BLOCK_HALF, BLOCK_REST)
+            else:
+                ict = ic_ptr.dtype.element_ty
+                _store_head(ic, jy1.to(ict), jy2.to(ict), jy3.to(ict), jhmask & iok, D, HALF,
+                            BLOCK_HALF, BLOCK_REST)
 
 
 #: True when the kernel runs in the (patched) CPU interpreter.
@@ -197,6 +233,14 @@ INTERPRETED = is_interpreted(_norm_rope_insert_kernel)
 
 
 # ---------------------------------------------------------------------------- launcher
+
+#: Launch defaults, tuned on the H200 (benchmarks/tune_insert.py; reports/tune-insert-h200.json).
+BLOCK_H, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM = 16, 4, 3, 4
+
+
+@functools.cache
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
@@ -206,7 +250,7 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
                      k_scale=None, v_scale=None, index_cache=None, index_fmt=None,
                      index_slot_mapping=None, q_out=None, index_q_out=None,
                      skip_index=False, validate=False, block_h=None, num_warps=None,
-                     heads_fast=False):
+                     num_stages=None, programs=None):
     """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]``.
 
     rows: bf16/fp16 ``[N, row_width]``, last dim contiguous, any row stride (a column slice
@@ -228,8 +272,9 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     ``skip_index=True``: the index heads are neither transformed nor inserted (rows keep
     them as they are; no index cache is needed).
     Tuning knobs (defaults from benchmarks/tune_insert.py on the H200): ``block_h`` heads
-    per program, ``num_warps``, ``heads_fast`` (program order: a token's head blocks
-    adjacent, instead of one head block's tokens adjacent).
+    per work item, ``num_warps``, ``num_stages`` (depth of the loads' shared-memory
+    pipeline), ``programs`` (the persistent grid; default: PROGRAMS_PER_SM per SM, never
+    more than the work items).
     ``validate=True``: also check tensor contents on the host (slot ranges, duplicate
     slots, positions within the table, positive finite scales) -- a device sync. Without
     it, bad contents are guarded in the kernel: out-of-range or negative slots write
@@ -250,18 +295,22 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     if n == 0:
         return out
     if block_h is None:
-        block_h = 64 if INTERPRETED else 4  # tuned: benchmarks/tune_insert.py
+        block_h = 64 if INTERPRETED else BLOCK_H
     if block_h <= 0 or block_h & (block_h - 1):
         fail("block_h", f"must be a power of two, got {block_h}")
     block_h = min(block_h, triton.next_power_of_2(max(hq, hkv, hi, 1)))
-    blocks = (triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h)
-              + (triton.cdiv(hi, block_h) if p.transform_iq else 0) + int(p.write_ik))
+    items = n * max(triton.cdiv(hq, block_h), 1)  # the longest loop: q
+    if n * triton.cdiv(max(hq, hkv, hi, 1), block_h) >= 2**31:
+        fail("rows", f"N x head blocks must stay below 2^31 (int32 work items), got N = {n}")
+    if programs is None:
+        programs = 4 if INTERPRETED else PROGRAMS_PER_SM * _sm_count(rows.device)
+    check_int(programs, "programs", 1, 2**31 - 1)
     iq = out.get("index_q", rows)
     iq_s = (iq.stride(0), iq.stride(1)) if "index_q" in out else (0, 0)
     ensure_ready(_norm_rope_insert_kernel)
-    grid = (n * blocks,) if heads_fast else (n, blocks)
+    grid = (min(programs, items),)
     _norm_rope_insert_kernel[grid](
-        rows, rows.stride(0), positions, rope_table, rope_table.stride(0), rope_table.shape[0],
+        rows, rows.stride(0), positions, rope_table, rope_table.stride(0), rope_table.shape[0], n,
         w_q, w_k, w_index_q if p.transform_iq else w_q, w_index_k if p.write_ik else w_q,
         out["q"], out["q"].stride(0), out["q"].stride(1), rows[:, hq * d:],
         iq, iq_s[0], iq_s[1], rows[:, p.width - d:],
@@ -276,7 +325,7 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         KV_HW=p.kv_fp8 and p.kv_fmt in HW_FORMATS,
         IDX_FP8=p.idx_fp8, IDX_FMT=fmt_code(p.index_fmt) if p.idx_fp8 else 0,
         IDX_HW=p.idx_fp8 and p.index_fmt in HW_FORMATS, HAS_IK=p.write_ik,
-        HEADS_FAST=bool(heads_fast), num_warps=num_warps or (4 if INTERPRETED else 1))
+        NUM_STAGES=num_stages or NUM_STAGES, num_warps=num_warps or NUM_WARPS)
     return out
 
 
@@ -296,14 +345,14 @@ def compile_signatures():
         for name in ("rows_ptr", "table_ptr", "wq_ptr", "wk_ptr", "wiq_ptr", "wik_ptr",
                      "q_out", "k_out", "ik_out"):
             sig[name] = f"*{act}"
-        sig.update(pos_ptr="*i64", slot_ptr="*i32", islot_ptr="*i64", ks_ptr="*fp32",
+        sig.update(n="i32", pos_ptr="*i64", slot_ptr="*i32", islot_ptr="*i64", ks_ptr="*fp32",
                    vs_ptr="*fp32", kv_ptr=f"*{kv}", ic_ptr=f"*{idx}", iq_out=f"*{idx}",
                    hq="i32", hkv="i32", hi="i32", eps="fp32")
         half = 32 if kv_fmt != 3 else 24  # R 64, and R 48 (segments not powers of two)
         const = dict(D=128, HALF=half, BLOCK_H=4, BLOCK_D=128, BLOCK_HALF=32,
                      BLOCK_REST=triton.next_power_of_2(128 - 2 * half), KV_FP8=kv == "u8",
                      KV_FMT=kv_fmt, KV_HW=kv_hw, IDX_FP8=idx == "u8", IDX_FMT=idx_fmt,
-                     IDX_HW=idx_hw, HAS_IK=has_ik, HEADS_FAST=kv_fmt == 1)
+                     IDX_HW=idx_hw, HAS_IK=has_ik, NUM_STAGES=3 if kv_fmt != 1 else 1)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_norm_rope_insert_kernel, sig, const))
     return out

@@ -356,14 +356,16 @@ def test_kv_cache_dtype_errors_name_the_argument():
             nri.norm_rope_insert(**{**a, **kw})
 
 
-@pytest.mark.parametrize("block_h, heads_fast", [(1, True), (2, False), (4, True)])
-def test_launch_knobs_do_not_change_results(block_h, heads_fast):
-    """The tuning knobs (heads per program, program order) change only speed: rows, caches
-    and index_q are bit-identical to the default launch."""
+@pytest.mark.parametrize("knobs", [dict(block_h=1, programs=1), dict(block_h=2, programs=3),
+                                   dict(block_h=4, programs=1000, num_stages=2)])
+def test_launch_knobs_do_not_change_results(knobs):
+    """The tuning knobs (heads per work item, persistent programs, pipeline depth) change
+    only speed: rows, caches and index_q are bit-identical to the default launch, whether a
+    program strides over many work items or over none."""
     a, b = _good_args(), _good_args()
     b["rows"] = a["rows"].clone()
     out_a = nri.norm_rope_insert(**a)
-    out_b = nri.norm_rope_insert(**b, block_h=block_h, heads_fast=heads_fast)
+    out_b = nri.norm_rope_insert(**b, **knobs)
     assert torch.equal(_bits(a["rows"]), _bits(b["rows"]))
     assert torch.equal(a["kv_cache"], b["kv_cache"])
     assert torch.equal(a["index_cache"], b["index_cache"])
