@@ -18,7 +18,9 @@ Method (NOTES.md "Timing"; .library METHOD.md):
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -137,3 +139,107 @@ def source_state(paths=("kernels", "benchmarks")) -> dict:
 
     return {"commit": git("rev-parse", "HEAD"),
             "modified": git("status", "--porcelain", "--", *paths).splitlines()}
+
+
+# ------------------------------------------------------------------- shared by benches
+# Helpers of the paged-attention benchmarks (bench_indexer.py, bench_attention_decode.py):
+# their inputs, their result records and their report files.
+
+FP8_DTYPES = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz,
+              "e5m2": torch.float8_e5m2, "e5m2fnuz": torch.float8_e5m2fnuz}
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+FILL_CHUNK_BYTES = 2**28
+
+
+def element_bytes(fmt: str) -> int:
+    """Bytes per cache element: 1 for an fp8 format (uint8 codes), 2 for bf16/fp16."""
+    return 1 if fmt in FP8_DTYPES else 2
+
+
+def shuffled_block_table(batch: int, blocks: int, g: torch.Generator, dev,
+                         pool_factor: int = 2) -> tuple[torch.Tensor, int]:
+    """(int32 block table ``[batch, blocks]``, pool pages): every request's pages are
+    distinct pages drawn at random from a pool ``pool_factor`` times the pages used, as
+    bench_insert.make_set places its slots (no request reads contiguous memory)."""
+    used = batch * blocks
+    pool = max(1, pool_factor * used)
+    pages = torch.randperm(pool, generator=g, device=dev)[:used]
+    return pages.view(batch, blocks).to(torch.int32), pool
+
+
+def random_cache(shape, fmt: str, g: torch.Generator, dev) -> torch.Tensor:
+    """N(0, 1) values stored in a cache format: bf16/fp16 values, or uint8 codes of an fp8
+    format (torch's cast; never NaN, never zero as a whole). Filled in chunks along dim 0
+    so that the fp32 temporaries stay small for caches of tens of GiB."""
+    fp8 = FP8_DTYPES.get(fmt)
+    out = torch.empty(shape, dtype=torch.uint8 if fp8 else HALF_DTYPES[fmt], device=dev)
+    row = max(1, out[0].numel() * 4) if out.numel() else 1
+    step = max(1, FILL_CHUNK_BYTES // row)
+    for i in range(0, out.shape[0], step):
+        x = torch.randn(out[i:i + step].shape, generator=g, device=dev)
+        out[i:i + step] = x.to(fp8).view(torch.uint8) if fp8 else x
+    return out
+
+
+def record(name: str, op: str, cache: str, min_bytes: int, timing: Timing | None = None,
+           error: str | None = None, **extra) -> dict:
+    """One bench/1 result: the raw measurement (or the error, on one line so that it fits
+    a Markdown table cell) and ``extra`` fields."""
+    note = " ".join((error or "").split())
+    r = {"name": name, "op": op, "cache": cache, "min_bytes": int(min_bytes),
+         "median_us": None, "mode": "error", "calls_per_replay": None, "note": note}
+    if timing is not None:
+        r.update(timing.as_dict())
+    r.update(extra)
+    return r
+
+
+def timed_record(name: str, op: str, cache: str, min_bytes: int, calls, args,
+                 **extra) -> dict:
+    """``record`` of ``time_calls(calls)`` with args' warmup_ms / rep_ms / eager; a failure
+    of the calls is recorded as the result's error (the other results are still worth
+    having)."""
+    try:
+        t = time_calls(calls, args.warmup_ms, args.rep_ms, graph=not args.eager)
+    except Exception as e:  # noqa: BLE001 - record the failure, bench the rest
+        return record(name, op, cache, min_bytes, error=f"{type(e).__name__}: {e}"[:400],
+                      **extra)
+    return record(name, op, cache, min_bytes, t, **extra)
+
+
+def report_path(name: str) -> str:
+    """$OUT/<name>.json on the device machine (OUT is what comes back), else
+    reports/<name>.json."""
+    if os.environ.get("OUT"):
+        return str(Path(os.environ["OUT"]) / f"{name}.json")
+    return str(Path(__file__).resolve().parents[1] / "reports" / f"{name}.json")
+
+
+def add_timing_args(ap, name: str) -> None:
+    """The flags every benchmark shares: output path and timing settings."""
+    ap.add_argument("--out", default=report_path(name), help="JSON path (Markdown beside it)")
+    ap.add_argument("--warmup-ms", type=float, default=25)
+    ap.add_argument("--rep-ms", type=float, default=300)
+    ap.add_argument("--copy-mib", type=int, default=COPY_BYTES // 2**20,
+                    help="size of the copy that measures the bandwidth ceiling")
+    ap.add_argument("--eager", action="store_true", help="time eagerly (no CUDA graphs)")
+
+
+def report_base(schema: str, what: str, args) -> dict:
+    """A report's measured context: device, timing method, source state, copy bandwidth
+    (measured in this run, eagerly: the roofline the results are compared against)."""
+    return {"schema": schema, "what": what, **device_info(),
+            "timing": {"method": "median of triton.testing.do_bench over CUDA-graph replays "
+                                 "of one call per rotating input set (L2 flushed per "
+                                 "replay)", "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms},
+            "source": source_state(),
+            "copy": copy_bandwidth(args.copy_mib * 2**20, args.warmup_ms, args.rep_ms)}
+
+
+def write_report(doc: dict, out, md: str) -> None:
+    """The JSON at ``out`` and the Markdown ``md`` beside it (.md)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.with_suffix(".md").write_text(md)
+    print(f"wrote {out} and {out.with_suffix('.md')}\n")
