@@ -51,7 +51,7 @@ def launcher(name, params):
         params = dict(params)
         pps = params.pop("programs_per_sm", None)
         if pps:
-            params["programs"] = pps * nri._sm_count(torch.device("cuda"))
+            params["programs"] = pps * torch.cuda.get_device_properties(0).multi_processor_count
         launch = nri.norm_rope_insert
     else:
         from kernels.cuda_norm_rope_insert import norm_rope_insert as launch
@@ -63,8 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--caches", default="bf16,e4m3")
     ap.add_argument("--triton", type=triton_configs, default=triton_configs(
-        "4:1:3:16,8:2:3:8,16:4:3:4,16:4:4:4,16:4:6:4,32:4:4:2,32:8:4:2,16:8:4:4"),
-        help="block_h:num_warps:num_stages:programs_per_sm,...")
+        "8:2:3:0,8:2:4:0,8:2:2:0,4:1:3:0,4:1:4:0,8:4:3:0,16:4:3:0,16:8:3:0"),
+        help="block_h:num_warps:num_stages:programs_per_sm,... (programs_per_sm 0: as many "
+             "as fit, the launcher's default)")
     ap.add_argument("--heads-fast", type=lambda s: [bool(int(v)) for v in s.split(",")],
                     default=[False, True])
     ap.add_argument("--cuda-variants", type=lambda s: [int(v) for v in s.split(",") if v],

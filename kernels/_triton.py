@@ -34,4 +34,34 @@ def ensure_ready(kernel) -> None:
         patch_interpreter()
 
 
-__all__ = ["INTERPRET", "ensure_ready", "is_interpreted", "patch_interpreter", "tl", "triton"]
+_RESIDENT: dict = {}
+
+
+def _spec_key(kernel, args, kwargs) -> tuple:
+    kinds = tuple(str(a.dtype) if hasattr(a, "dtype") else type(a).__name__ for a in args)
+    return kernel, kinds, tuple(sorted(kwargs.items()))
+
+
+def resident_programs(kernel, args, kwargs, device) -> int:
+    """How many programs of ``kernel`` (compiled for these arguments and launch options)
+    the whole GPU holds at once: SMs x the per-SM occupancy from the compiled kernel's
+    registers and shared memory (as Triton's fused-softmax tutorial sizes its persistent
+    grid). A persistent grid larger than this runs its last programs as a second wave, a
+    long tail. Compiles the kernel on the first call for a key (dtypes and options; the
+    integer arguments' divisibility specialisation is not in the key: close enough for a
+    grid size) and caches the answer."""
+    key = _spec_key(kernel, args, kwargs)
+    if key not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        compiled._init_handles()
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+        warps = kwargs.get("num_warps", 4)
+        smem = compiled.metadata.shared
+        per_sm = min(props["max_num_regs"] // max(compiled.n_regs * 32 * warps, 1),
+                     props["max_shared_mem"] // smem if smem else 32, 32, 64 // warps)
+        _RESIDENT[key] = max(per_sm, 1) * props["multiprocessor_count"]
+    return _RESIDENT[key]
+
+
+__all__ = ["INTERPRET", "ensure_ready", "is_interpreted", "patch_interpreter",
+           "resident_programs", "tl", "triton"]

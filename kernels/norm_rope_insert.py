@@ -27,12 +27,8 @@ registered as implementation ``"triton"`` of op ``"norm_rope_insert"``.
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 from kernels._host import check_int, fail, insert_adapter, plan_norm_rope_insert
-from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from kernels._triton import ensure_ready, is_interpreted, resident_programs, tl, triton
 from kernels.fp8 import HW_FORMATS, encode_fp8, fmt_code
 
 
@@ -235,12 +231,7 @@ INTERPRETED = is_interpreted(_norm_rope_insert_kernel)
 # ---------------------------------------------------------------------------- launcher
 
 #: Launch defaults, tuned on the H200 (benchmarks/tune_insert.py; reports/tune-insert-h200.json).
-BLOCK_H, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM = 16, 4, 3, 4
-
-
-@functools.cache
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+BLOCK_H, NUM_WARPS, NUM_STAGES = 8, 2, 3
 
 
 def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
@@ -273,8 +264,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     them as they are; no index cache is needed).
     Tuning knobs (defaults from benchmarks/tune_insert.py on the H200): ``block_h`` heads
     per work item, ``num_warps``, ``num_stages`` (depth of the loads' shared-memory
-    pipeline), ``programs`` (the persistent grid; default: PROGRAMS_PER_SM per SM, never
-    more than the work items).
+    pipeline), ``programs`` (the persistent grid; default: as many as the GPU holds at once,
+    ``kernels._triton.resident_programs``; never more than the work items).
     ``validate=True``: also check tensor contents on the host (slot ranges, duplicate
     slots, positions within the table, positive finite scales) -- a device sync. Without
     it, bad contents are guarded in the kernel: out-of-range or negative slots write
@@ -302,14 +293,10 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     items = n * max(triton.cdiv(hq, block_h), 1)  # the longest loop: q
     if n * triton.cdiv(max(hq, hkv, hi, 1), block_h) >= 2**31:
         fail("rows", f"N x head blocks must stay below 2^31 (int32 work items), got N = {n}")
-    if programs is None:
-        programs = 4 if INTERPRETED else PROGRAMS_PER_SM * _sm_count(rows.device)
-    check_int(programs, "programs", 1, 2**31 - 1)
     iq = out.get("index_q", rows)
     iq_s = (iq.stride(0), iq.stride(1)) if "index_q" in out else (0, 0)
     ensure_ready(_norm_rope_insert_kernel)
-    grid = (min(programs, items),)
-    _norm_rope_insert_kernel[grid](
+    args = (
         rows, rows.stride(0), positions, rope_table, rope_table.stride(0), rope_table.shape[0], n,
         w_q, w_k, w_index_q if p.transform_iq else w_q, w_index_k if p.write_ik else w_q,
         out["q"], out["q"].stride(0), out["q"].stride(1), rows[:, hq * d:],
@@ -317,7 +304,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.page,
         p.num_slots, slot_mapping, p.ks, *p.ks_strides, p.vs, *p.vs_strides,
         p.ic, *p.ic_strides, p.ic_page, p.ic_slots, p.islots,
-        hq, hkv, hi if p.transform_iq else 0, float(eps),
+        hq, hkv, hi if p.transform_iq else 0, float(eps))
+    kwargs = dict(
         D=d, HALF=rotary_dim // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
         BLOCK_REST=triton.next_power_of_2(max(d - rotary_dim, 1)),
@@ -326,6 +314,11 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         IDX_FP8=p.idx_fp8, IDX_FMT=fmt_code(p.index_fmt) if p.idx_fp8 else 0,
         IDX_HW=p.idx_fp8 and p.index_fmt in HW_FORMATS, HAS_IK=p.write_ik,
         NUM_STAGES=num_stages or NUM_STAGES, num_warps=num_warps or NUM_WARPS)
+    if programs is None:
+        programs = 4 if INTERPRETED else resident_programs(_norm_rope_insert_kernel, args,
+                                                           kwargs, rows.device)
+    check_int(programs, "programs", 1, 2**31 - 1)
+    _norm_rope_insert_kernel[(min(programs, items),)](*args, **kwargs)
     return out
 
 
