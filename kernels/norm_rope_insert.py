@@ -115,20 +115,23 @@ def _norm_rope_insert_kernel(
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
         ic_ptr, ic_s0, ic_s1, ic_page, ic_num_slots, islot_ptr,
         hq, hkv, hi, eps,
-        D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, NUM_STAGES: tl.constexpr,
+        D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+        BLOCK_IQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        BLOCK_REST: tl.constexpr, NUM_STAGES: tl.constexpr,
         KV_FP8: tl.constexpr, KV_FMT: tl.constexpr, KV_HW: tl.constexpr,
         IDX_FP8: tl.constexpr, IDX_FMT: tl.constexpr, IDX_HW: tl.constexpr,
         HAS_IK: tl.constexpr):
     # A persistent grid: each program strides over the work items of four loops, one per
     # head kind (q, k + V + KV insert, index_q, index_k + index insert); item = (token,
-    # block of BLOCK_H heads). A loop body has no branches, so Triton pipelines its loads
-    # through shared memory NUM_STAGES deep: loads in flight no longer cost registers
-    # (the first, one-program-per-item kernel was register-bound at ~30 KB in flight per
-    # SM, ~60% of the copy bandwidth). k and index_k are written back into the row (k_out /
-    # ik_out: the row's k and index_k columns, row stride row_stride); q and index_q go to
-    # (s0, s1)-strided outputs, which may be the row itself. An item's heads are read only
-    # by that item, so prefetching later items cannot see a half-written head.
+    # block of BLOCK_H q heads, BLOCK_KV k heads, BLOCK_IQ index_q heads, the index_k head):
+    # blocks no wider than the kind's head count, so no lanes compute masked-off heads. A
+    # loop body has no branches, so Triton pipelines its loads through shared memory
+    # NUM_STAGES deep: loads in flight no longer cost registers (the first,
+    # one-program-per-item kernel was register-bound at ~30 KB in flight per SM, ~60% of
+    # the copy bandwidth). k and index_k are written back into the row (k_out / ik_out: the
+    # row's k and index_k columns, row stride row_stride); q and index_q go to (s0,
+    # s1)-strided outputs, which may be the row itself. An item's heads are read only by
+    # that item, so prefetching later items cannot see a half-written head.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nqb = tl.cdiv(hq, BLOCK_H)
@@ -143,14 +146,14 @@ def _norm_rope_insert_kernel(
         _store_head(q_out + tok * q_s0 + heads[:, None].to(tl.int64) * q_s1, y1.to(qt),
                     y2.to(qt), y3.to(qt), hmask, D, HALF, BLOCK_HALF, BLOCK_REST)
 
-    nkb = tl.cdiv(hkv, BLOCK_H)
+    nkb = tl.cdiv(hkv, BLOCK_KV)
     dims = tl.arange(0, BLOCK_D)
     kw1, kw2, kw3 = _weights(wk_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
     for i in tl.range(pid, n * nkb, nprog, num_stages=NUM_STAGES):
         tok, b, row, cs, pos_ok = _token(i, nkb, rows_ptr, row_stride, pos_ptr, table_ptr,
                                          table_stride, max_pos)
         ky1, ky2, ky3, kheads, khmask = _norm_rope_head(
-            row, hq * D, b * BLOCK_H, hkv, kw1, kw2, kw3, cs, pos_ok, eps, D, HALF, BLOCK_H,
+            row, hq * D, b * BLOCK_KV, hkv, kw1, kw2, kw3, cs, pos_ok, eps, D, HALF, BLOCK_KV,
             BLOCK_HALF, BLOCK_REST)
         h64 = kheads.to(tl.int64)
         vmask = khmask[:, None] & (dims < D)[None, :]
@@ -179,14 +182,14 @@ def _norm_rope_insert_kernel(
                         BLOCK_HALF, BLOCK_REST)
             tl.store(kv + D + dims[None, :], v.to(ct), mask=vmask & ok)
 
-    nib = tl.cdiv(hi, BLOCK_H)
+    nib = tl.cdiv(hi, BLOCK_IQ)
     iw1, iw2, iw3 = _weights(wiq_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
     for i in tl.range(pid, n * nib, nprog, num_stages=NUM_STAGES):
         tok, b, row, cs, pos_ok = _token(i, nib, rows_ptr, row_stride, pos_ptr, table_ptr,
                                          table_stride, max_pos)
         iy1, iy2, iy3, iheads, ihmask = _norm_rope_head(
-            row, (hq + 2 * hkv) * D, b * BLOCK_H, hi, iw1, iw2, iw3, cs, pos_ok, eps, D, HALF,
-            BLOCK_H, BLOCK_HALF, BLOCK_REST)
+            row, (hq + 2 * hkv) * D, b * BLOCK_IQ, hi, iw1, iw2, iw3, cs, pos_ok, eps, D,
+            HALF, BLOCK_IQ, BLOCK_HALF, BLOCK_REST)
         iq_dst = iq_out + tok * iq_s0 + iheads[:, None].to(tl.int64) * iq_s1
         if IDX_FP8:
             _store_head(iq_dst, encode_fp8(iy1, IDX_FMT, IDX_HW),
@@ -204,7 +207,7 @@ def _norm_rope_insert_kernel(
                                              table_stride, max_pos)
             jy1, jy2, jy3, jheads, jhmask = _norm_rope_head(
                 row, (hq + 2 * hkv + hi) * D, 0, 1, jw1, jw2, jw3, cs, pos_ok, eps, D, HALF,
-                BLOCK_H, BLOCK_HALF, BLOCK_REST)
+                1, BLOCK_HALF, BLOCK_REST)
             ikt = ik_out.dtype.element_ty
             _store_head(ik_out + tok * row_stride + jheads[:, None].to(tl.int64) * D,
                         jy1.to(ikt), jy2.to(ikt), jy3.to(ikt), jhmask, D, HALF, BLOCK_HALF,
@@ -306,7 +309,10 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         p.ic, *p.ic_strides, p.ic_page, p.ic_slots, p.islots,
         hq, hkv, hi if p.transform_iq else 0, float(eps))
     kwargs = dict(
-        D=d, HALF=rotary_dim // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d),
+        D=d, HALF=rotary_dim // 2, BLOCK_H=block_h,
+        BLOCK_KV=min(block_h, triton.next_power_of_2(hkv)),
+        BLOCK_IQ=min(block_h, triton.next_power_of_2(max(hi, 1))),
+        BLOCK_D=triton.next_power_of_2(d),
         BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
         BLOCK_REST=triton.next_power_of_2(max(d - rotary_dim, 1)),
         KV_FP8=p.kv_fp8, KV_FMT=fmt_code(p.kv_fmt) if p.kv_fp8 else 0,
@@ -342,7 +348,8 @@ def compile_signatures():
                    vs_ptr="*fp32", kv_ptr=f"*{kv}", ic_ptr=f"*{idx}", iq_out=f"*{idx}",
                    hq="i32", hkv="i32", hi="i32", eps="fp32")
         half = 32 if kv_fmt != 3 else 24  # R 64, and R 48 (segments not powers of two)
-        const = dict(D=128, HALF=half, BLOCK_H=4, BLOCK_D=128, BLOCK_HALF=32,
+        const = dict(D=128, HALF=half, BLOCK_H=8, BLOCK_KV=4, BLOCK_IQ=2, BLOCK_D=128,
+                     BLOCK_HALF=32,
                      BLOCK_REST=triton.next_power_of_2(128 - 2 * half), KV_FP8=kv == "u8",
                      KV_FMT=kv_fmt, KV_HW=kv_hw, IDX_FP8=idx == "u8", IDX_FMT=idx_fmt,
                      IDX_HW=idx_hw, HAS_IK=has_ik, NUM_STAGES=3 if kv_fmt != 1 else 1)
