@@ -23,12 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_insert as bi  # noqa: E402
 from benchmarks import harness  # noqa: E402
 
-TRITON_KNOBS = ("block_h", "num_warps", "num_stages", "programs_per_sm")
+TRITON_KNOBS = ("block_h", "num_warps", "num_stages", "programs_per_sm", "max_registers")
 
 
 def triton_configs(text: str) -> list[dict]:
-    """``"16:4:3:4,8:2:4:8"`` -> block_h:num_warps:num_stages:programs_per_sm dicts."""
-    return [dict(zip(TRITON_KNOBS, map(int, c.split(":")), strict=True))
+    """``"16:4:3:4:0,8:2:4:8:96"`` -> block_h:num_warps:num_stages:programs_per_sm:
+    max_registers dicts (the last field may be left out: the launcher's default)."""
+    return [dict(zip(TRITON_KNOBS, map(int, c.split(":")), strict=False))
             for c in text.split(",") if c]
 
 
@@ -63,9 +64,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--caches", default="bf16,e4m3")
     ap.add_argument("--triton", type=triton_configs, default=triton_configs(
-        "8:2:3:0,8:2:4:0,8:2:2:0,4:1:3:0,4:1:4:0,8:4:3:0,16:4:3:0,16:8:3:0"),
-        help="block_h:num_warps:num_stages:programs_per_sm,... (programs_per_sm 0: as many "
-             "as fit, the launcher's default)")
+        "8:2:3:0:0,8:2:3:0:96,8:2:3:0:80,8:2:4:0:96,8:2:4:0:80,16:4:3:0:96,4:1:3:0:64"),
+        help="block_h:num_warps:num_stages:programs_per_sm[:max_registers],... "
+             "(programs_per_sm 0: as many as fit, the launcher's default; max_registers 0: "
+             "the compiler's choice)")
     ap.add_argument("--heads-fast", type=lambda s: [bool(int(v)) for v in s.split(",")],
                     default=[False, True])
     ap.add_argument("--cuda-variants", type=lambda s: [int(v) for v in s.split(",") if v],

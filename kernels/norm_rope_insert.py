@@ -235,6 +235,12 @@ INTERPRETED = is_interpreted(_norm_rope_insert_kernel)
 
 #: Launch defaults, tuned on the H200 (benchmarks/tune_insert.py; reports/tune-insert-h200.json).
 BLOCK_H, NUM_WARPS, NUM_STAGES = 8, 2, 3
+#: Registers per thread (ptxas maxnreg). Left alone, the e4m3 path takes 114 (8 programs of
+#: 2 warps per SM; 74.8% of the copy bandwidth) where bf16 takes 96 (10 programs; 80.7%);
+#: capped at 96, e4m3 and fnuz compile to 96 with no spill at D <= 128 (D = 256 with an fp8
+#: cache spills 8 bytes). Chosen from that static count (cuobjdump -res-usage), to be
+#: confirmed by the H200 tuning run (benchmarks/tune_insert.py).
+MAX_REGISTERS = 96
 
 
 def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
@@ -244,7 +250,7 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
                      k_scale=None, v_scale=None, index_cache=None, index_fmt=None,
                      index_slot_mapping=None, q_out=None, index_q_out=None,
                      skip_index=False, validate=False, block_h=None, num_warps=None,
-                     num_stages=None, programs=None):
+                     num_stages=None, programs=None, max_registers=None):
     """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]``.
 
     rows: bf16/fp16 ``[N, row_width]``, last dim contiguous, any row stride (a column slice
@@ -268,7 +274,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     Tuning knobs (defaults from benchmarks/tune_insert.py on the H200): ``block_h`` heads
     per work item, ``num_warps``, ``num_stages`` (depth of the loads' shared-memory
     pipeline), ``programs`` (the persistent grid; default: as many as the GPU holds at once,
-    ``kernels._triton.resident_programs``; never more than the work items).
+    ``kernels._triton.resident_programs``; never more than the work items),
+    ``max_registers`` (ptxas ``maxnreg``; default MAX_REGISTERS; 0: the compiler's choice).
     ``validate=True``: also check tensor contents on the host (slot ranges, duplicate
     slots, positions within the table, positive finite scales) -- a device sync. Without
     it, bad contents are guarded in the kernel: out-of-range or negative slots write
@@ -320,6 +327,10 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         IDX_FP8=p.idx_fp8, IDX_FMT=fmt_code(p.index_fmt) if p.idx_fp8 else 0,
         IDX_HW=p.idx_fp8 and p.index_fmt in HW_FORMATS, HAS_IK=p.write_ik,
         NUM_STAGES=num_stages or NUM_STAGES, num_warps=num_warps or NUM_WARPS)
+    if max_registers is None:
+        max_registers = MAX_REGISTERS
+    if check_int(max_registers, "max_registers", 0, 255) and not INTERPRETED:
+        kwargs["maxnreg"] = max_registers
     if programs is None:
         programs = 4 if INTERPRETED else resident_programs(_norm_rope_insert_kernel, args,
                                                            kwargs, rows.device)

@@ -191,10 +191,14 @@ def _bad(name, **changes):
     _bad("index_cache", index_cache=None),
     _bad("num_q_heads", num_q_heads=3, num_kv_heads=2),
     _bad("eps", eps=float("nan")),
+    _bad("block_h", block_h=3),
+    _bad("programs", programs=0),
+    _bad("max_registers", max_registers=-1),
+    _bad("max_registers", max_registers=300),
 ])
 def test_bad_host_input_raises_value_error_naming_it(make, name):
-    """Wrong dtypes, shapes, odd or too large R, wrong cache dtypes and unknown format
-    strings raise ValueError whose message starts with the argument's name, before any
+    """Wrong dtypes, shapes, odd or too large R, wrong cache dtypes, unknown format
+    strings and out-of-range launch knobs raise ValueError whose message starts with the argument's name, before any
     launch (the caches are left untouched)."""
     args = make()
     kv_before = args["kv_cache"].clone()
