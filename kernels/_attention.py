@@ -1,6 +1,8 @@
 """Pieces shared by the block-sparse attention kernels (SPEC.md section 6): a device
-function for ``P @ V`` over a tile whose rows do not all see the same keys, and the host's
-``validate=True`` content checks of the paged inputs.
+function for ``P @ V`` over a tile whose rows do not all see the same keys, the host checks
+both launchers make (q and the paged cache, block table and selections, scales, softmax
+scale and output), the host's ``validate=True`` content checks of the paged inputs, and
+the oracle adapters' conversion of a case's inputs to the kernels' tensors.
 
 ``guarded_pv`` is the algorithm of ``kernels.attention_decode``'s private ``_guarded_pv``
 (issue 8), made public here so that both attention kernels can share one copy.
@@ -8,10 +10,31 @@ function for ``P @ V`` over a tile whose rows do not all see the same keys, and 
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from kernels._host import fail
+from kernels._host import (
+    HALF_FORMATS,
+    HEAD_DIMS,
+    MODEL_DTYPES,
+    SLOT_DTYPES,
+    check_kv_cache,
+    check_kv_fmt,
+    check_last_dim_contiguous,
+    check_tensor,
+    fail,
+    scale_arg,
+    scale_in,
+    strided_codes_in,
+)
 from kernels._triton import tl, triton
+
+#: Domain limits (SPEC.md s.7).
+MAX_GROUP = 16
+MAX_TOPK = 64
 
 
 @triton.jit
@@ -93,3 +116,117 @@ def validate_scales(scales) -> None:
     for name, sc in scales:
         if not bool(torch.isfinite(sc).all() & (sc > 0).all()):
             fail(name, "must hold positive finite values")
+
+
+# ------------------------------------------------------------------------ host checks
+
+
+@dataclass
+class PagedArgs:
+    """What ``check_q_and_cache`` found: q ``[T, Hq, D]`` over a paged cache of Hkv heads."""
+
+    t: int
+    hq: int
+    hkv: int
+    d: int
+    page: int
+    num_pages: int
+    num_slots: int
+    fp8: bool
+
+
+def check_q_and_cache(q, kv_cache, kv_fmt) -> PagedArgs:
+    """q: model dtype ``[T, Hq, D]`` (D in HEAD_DIMS, last dim contiguous); kv_cache:
+    logical ``[num_pages, Hkv, P, 2D]`` in ``kv_fmt``; Hq = G * Hkv with G <= MAX_GROUP."""
+    check_tensor(q, "q", tuple(MODEL_DTYPES))
+    if q.dim() != 3 or q.shape[1] < 1 or q.shape[2] not in HEAD_DIMS:
+        fail("q", f"must have shape [T, Hq >= 1, D in {list(HEAD_DIMS)}], got {list(q.shape)}")
+    check_last_dim_contiguous(q, "q")
+    t, hq, d = q.shape
+    fp8 = check_kv_fmt(kv_fmt)
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
+        fail("kv_cache", f"must be a 4-D tensor [num_pages, Hkv, P, 2D={2 * d}], got "
+                         f"{getattr(kv_cache, 'shape', type(kv_cache).__name__)}")
+    hkv = kv_cache.shape[1]
+    if hkv < 1:
+        fail("kv_cache", f"must have Hkv >= 1 heads, got shape {list(kv_cache.shape)}")
+    page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, q.device)
+    if hq % hkv or not 1 <= hq // hkv <= MAX_GROUP:
+        fail("q", f"must have Hq = G * Hkv heads with Hkv = {hkv} (kv_cache) and G in "
+                  f"[1, {MAX_GROUP}], got Hq = {hq}")
+    return PagedArgs(t, hq, hkv, d, page, kv_cache.shape[0], num_slots, fp8)
+
+
+def check_index_tensor(t, name: str, dev, dims: int):
+    """An int32/int64 tensor of ``dims`` dimensions on ``dev`` with non-negative strides."""
+    check_tensor(t, name, SLOT_DTYPES, device=dev)
+    if t.dim() != dims:
+        fail(name, f"must be {dims}-D, got shape {list(t.shape)}")
+    if any(s < 0 for s in t.stride()):
+        fail(name, "must have non-negative strides")
+    return t
+
+
+def check_table_and_selections(block_table, topk, a: PagedArgs, batch: int, dev) -> int:
+    """block_table ``[B, max_blocks >= 1]``; topk ``[Hkv, T, K]`` with K <= MAX_TOPK (any
+    strides: a transposed token-major buffer too). Returns K."""
+    check_index_tensor(block_table, "block_table", dev, 2)
+    if block_table.shape[0] != batch or block_table.shape[1] < 1:
+        fail("block_table", f"must have shape [B={batch}, max_blocks >= 1], got "
+                            f"{list(block_table.shape)}")
+    check_index_tensor(topk, "topk", dev, 3)
+    if topk.shape[0] != a.hkv or topk.shape[1] != a.t or not 1 <= topk.shape[2] <= MAX_TOPK:
+        fail("topk", f"must have shape [Hkv={a.hkv}, T={a.t}, K in [1, {MAX_TOPK}]], got "
+                     f"{list(topk.shape)}")
+    return topk.shape[2]
+
+
+def check_scales_and_out(q, a: PagedArgs, k_scale, v_scale, softmax_scale, out, validate):
+    """Scales (fp8 caches only: None, a float, 0-d or ``[Hkv, slots]`` float32), softmax
+    scale (None: 1/sqrt(D); else finite > 0), ``out`` (allocated when None; else q's dtype
+    and shape, last dim contiguous) and ``validate`` (a bool). Returns
+    ``(ks, ks_strides, vs, vs_strides, softmax_scale, out)``."""
+    dev = q.device
+    ks, ks0, ks1 = scale_arg(k_scale, "k_scale", a.fp8, a.hkv, a.num_slots, dev)
+    vs, vs0, vs1 = scale_arg(v_scale, "v_scale", a.fp8, a.hkv, a.num_slots, dev)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(a.d)
+    elif isinstance(softmax_scale, bool) or not isinstance(
+            softmax_scale, (int, float, np.integer, np.floating)) \
+            or not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        fail("softmax_scale", f"must be None or a finite number > 0, got {softmax_scale!r}")
+    if out is None:
+        out = torch.empty((a.t, a.hq, a.d), dtype=q.dtype, device=dev)
+    else:
+        check_tensor(out, "out", (q.dtype,), (a.t, a.hq, a.d), dev)
+        check_last_dim_contiguous(out, "out")
+    if not isinstance(validate, (bool, np.bool_)):
+        fail("validate", f"must be True or False, got {validate!r}")
+    return ks, (ks0, ks1), vs, (vs0, vs1), float(softmax_scale), out
+
+
+# ---------------------------------------------------------------------------- adapters
+
+
+def adapter_tensors(x: dict):
+    """A case's inputs (impl_torch's conventions) as the attention kernels take them, the
+    way servers hold them: q with padded head strides, the cache in its format's storage
+    (through strides), topk as the transposed view of a token-major ``[T, Hkv, K]`` int32
+    buffer, the block table as int32, the scales, and a zeroed output seen token-major
+    through a head-major buffer. Returns ``(q, kv, topk, block_table, k_scale, v_scale,
+    out, dev)``."""
+    from oracle.impl_torch import HALF_DTYPES, _values, device
+
+    dev = device()
+    act = HALF_DTYPES[x["model_dtype"]]
+    q_np = np.asarray(x["q"])
+    t, hq, d = q_np.shape
+    q = torch.zeros((t, hq, d + 8), dtype=act, device=dev)[..., 4:4 + d]
+    q.copy_(_values(q_np, act, dev))
+    kv = strided_codes_in(x["kv_cache"], dev, HALF_FORMATS.get(x["kv_fmt"]))
+    tk_np = np.asarray(x["topk"])
+    topk = torch.from_numpy(np.ascontiguousarray(tk_np.transpose(1, 0, 2), np.int32)).to(dev)
+    bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
+    out = torch.zeros((hq, t, d), dtype=act, device=dev).transpose(0, 1)
+    return (q, kv, topk.permute(1, 0, 2), bt, scale_in(x["k_scale"], dev),
+            scale_in(x["v_scale"], dev), out, dev)

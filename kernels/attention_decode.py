@@ -71,43 +71,35 @@ adapter registered as implementation ``"triton"`` of op ``"attention_decode"``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kernels._attention import (
+    MAX_TOPK,
+    adapter_tensors,
+    check_index_tensor,
+    check_q_and_cache,
+    check_scales_and_out,
+    check_table_and_selections,
     guarded_pv,
     validate_block_table,
     validate_scales,
     validate_selections,
 )
 from kernels._host import (
-    HALF_FORMATS,
-    HEAD_DIMS,
-    MODEL_DTYPES,
-    SLOT_DTYPES,
     check_int,
-    check_kv_cache,
-    check_kv_fmt,
-    check_last_dim_contiguous,
-    check_tensor,
     codes_of,
     fail,
-    scale_arg,
-    scale_in,
-    strided_codes_in,
 )
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, decode_fp8, fmt_code
 
 #: Blocks per split-K chunk of the registered implementation (model: K 16 -> 4 splits).
 BLOCKS_PER_SPLIT = 4
-#: Domain limits (SPEC.md s.7).
+#: Domain limit (SPEC.md s.7); MAX_GROUP and MAX_TOPK: kernels._attention.
 MAX_ROWS = 4
-MAX_GROUP = 16
-MAX_TOPK = 64
 LOG2E = 1.4426950408889634
 
 
@@ -342,60 +334,22 @@ def plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows
                           blocks_per_split=BLOCKS_PER_SPLIT, validate=False) -> DecodePlan:
     """Every host check of ``sparse_attention_decode`` (shapes, dtypes, strides, formats,
     scales; contents under ``validate=True``) and the output tensor."""
-    check_tensor(q, "q", tuple(MODEL_DTYPES))
+    a = check_q_and_cache(q, kv_cache, kv_fmt)
     dev = q.device
-    if q.dim() != 3 or q.shape[1] < 1 or q.shape[2] not in HEAD_DIMS:
-        fail("q", f"must have shape [T, Hq >= 1, D in {list(HEAD_DIMS)}], got {list(q.shape)}")
-    check_last_dim_contiguous(q, "q")
-    t, hq, d = q.shape
-    fp8 = check_kv_fmt(kv_fmt)
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
-        fail("kv_cache", f"must be a 4-D tensor [num_pages, Hkv, P, 2D={2 * d}], got "
-                         f"{getattr(kv_cache, 'shape', type(kv_cache).__name__)}")
-    hkv = kv_cache.shape[1]
-    if hkv < 1:
-        fail("kv_cache", f"must have Hkv >= 1 heads, got shape {list(kv_cache.shape)}")
-    page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
-    if hq % hkv or not 1 <= hq // hkv <= MAX_GROUP:
-        fail("q", f"must have Hq = G * Hkv heads with Hkv = {hkv} (kv_cache) and G in "
-                  f"[1, {MAX_GROUP}], got Hq = {hq}")
     rows = check_int(rows_per_request, "rows_per_request", 1, MAX_ROWS)
-    check_tensor(seq_lens, "seq_lens", SLOT_DTYPES, device=dev)
-    if seq_lens.dim() != 1:
-        fail("seq_lens", f"must be 1-D [B], got shape {list(seq_lens.shape)}")
-    batch = seq_lens.shape[0]
-    if t != batch * rows:
-        fail("q", f"must have len(seq_lens) * rows_per_request = {batch * rows} rows, got {t}")
-    check_tensor(block_table, "block_table", SLOT_DTYPES, device=dev)
-    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-        fail("block_table", f"must have shape [B={batch}, max_blocks >= 1], got "
-                            f"{list(block_table.shape)}")
-    check_tensor(topk, "topk", SLOT_DTYPES, device=dev)
-    if topk.dim() != 3 or topk.shape[0] != hkv or topk.shape[1] != t \
-            or not 1 <= topk.shape[2] <= MAX_TOPK:
-        fail("topk", f"must have shape [Hkv={hkv}, T={t}, K in [1, {MAX_TOPK}]], got "
-                     f"{list(topk.shape)}")
-    ks, ks0, ks1 = scale_arg(k_scale, "k_scale", fp8, hkv, num_slots, dev)
-    vs, vs0, vs1 = scale_arg(v_scale, "v_scale", fp8, hkv, num_slots, dev)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
-    elif isinstance(softmax_scale, bool) or not isinstance(
-            softmax_scale, (int, float, np.integer, np.floating)) \
-            or not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        fail("softmax_scale", f"must be None or a finite number > 0, got {softmax_scale!r}")
+    batch = check_index_tensor(seq_lens, "seq_lens", dev, 1).shape[0]
+    if a.t != batch * rows:
+        fail("q", f"must have len(seq_lens) * rows_per_request = {batch * rows} rows, got "
+                  f"{a.t}")
+    topk_k = check_table_and_selections(block_table, topk, a, batch, dev)
+    ks, ks_strides, vs, vs_strides, softmax_scale, out = check_scales_and_out(
+        q, a, k_scale, v_scale, softmax_scale, out, validate)
     bps = check_int(blocks_per_split, "blocks_per_split", 1, MAX_TOPK)
-    if out is None:
-        out = torch.empty((t, hq, d), dtype=q.dtype, device=dev)
-    else:
-        check_tensor(out, "out", (q.dtype,), (t, hq, d), dev)
-        check_last_dim_contiguous(out, "out")
-    if validate not in (True, False):
-        fail("validate", f"must be True or False, got {validate!r}")
     if validate and batch:
-        _validate_contents(block_table, seq_lens, topk, rows, page, kv_cache.shape[0],
+        _validate_contents(block_table, seq_lens, topk, rows, a.page, a.num_pages,
                            (("k_scale", ks), ("v_scale", vs)))
-    return DecodePlan(t, hq, hkv, d, page, kv_cache.shape[0], batch, rows, topk.shape[2], fp8,
-                      ks, (ks0, ks1), vs, (vs0, vs1), float(softmax_scale), bps, out)
+    return DecodePlan(a.t, a.hq, a.hkv, a.d, a.page, a.num_pages, batch, rows, topk_k, a.fp8,
+                      ks, ks_strides, vs, vs_strides, softmax_scale, bps, out)
 
 
 def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows_per_request,
@@ -504,25 +458,11 @@ def run(inputs: dict, validate: bool = True, blocks_per_split: int = BLOCKS_PER_
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
     keep it), the block table as int32 and the output through a padded strided view."""
-    from oracle.impl_torch import HALF_DTYPES, _ints, _values, device
+    from oracle.impl_torch import _ints
 
-    x = inputs
-    dev = device()
-    act = HALF_DTYPES[x["model_dtype"]]
-    q_np = np.asarray(x["q"])
-    t, hq, d = q_np.shape
-    q = torch.zeros((t, hq, d + 8), dtype=act, device=dev)[..., 4:4 + d]
-    q.copy_(_values(q_np, act, dev))
-    kv_fmt = x["kv_fmt"]
-    kv = strided_codes_in(x["kv_cache"], dev, HALF_FORMATS.get(kv_fmt))
-    tk_np = np.asarray(x["topk"])
-    topk = torch.from_numpy(np.ascontiguousarray(tk_np.transpose(1, 0, 2), np.int32)).to(dev)
-    topk = topk.permute(1, 0, 2)
-    bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
-    out = torch.zeros((hq, t, d), dtype=act, device=dev).transpose(0, 1)
-    sparse_attention_decode(q, kv, kv_fmt, bt, _ints(x["seq_lens"], dev), topk,
-                            int(x["rows_per_request"]), scale_in(x["k_scale"], dev),
-                            scale_in(x["v_scale"], dev), out=out,
+    q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
+    sparse_attention_decode(q, kv, inputs["kv_fmt"], bt, _ints(inputs["seq_lens"], dev), topk,
+                            int(inputs["rows_per_request"]), ks, vs, out=out,
                             blocks_per_split=blocks_per_split, validate=validate)
     return {"out": codes_of(out)}
 

@@ -85,40 +85,30 @@ adapter registered as implementation ``"triton"`` of op ``"attention_prefill"``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kernels._attention import (
+    adapter_tensors,
+    check_index_tensor,
+    check_q_and_cache,
+    check_scales_and_out,
+    check_table_and_selections,
     guarded_pv,
     validate_block_table,
     validate_scales,
     validate_selections,
 )
 from kernels._host import (
-    HALF_FORMATS,
-    HEAD_DIMS,
-    MODEL_DTYPES,
-    SLOT_DTYPES,
     check_int,
-    check_kv_cache,
-    check_kv_fmt,
-    check_last_dim_contiguous,
-    check_tensor,
     codes_of,
     fail,
-    scale_arg,
-    scale_in,
-    strided_codes_in,
 )
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, decode_fp8, fmt_code
 
-#: Domain limits (SPEC.md s.7).
-MAX_GROUP = 16
-MAX_TOPK = 64
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
 BLOCK_ROWS = 64
 LOG2E = 1.4426950408889634
@@ -321,77 +311,30 @@ def _row_positions(cu_seqlens_q, seq_lens, t: int) -> torch.Tensor:
     return torch.arange(t) - cu[req] + (seq - qlen)[req]
 
 
-def _check_index_tensor(t, name, dev):
-    check_tensor(t, name, SLOT_DTYPES, device=dev)
-    return t
-
-
 def plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                            k_scale=None, v_scale=None, softmax_scale=None, out=None,
                            validate=False) -> PrefillPlan:
     """Every host check of ``sparse_attention_prefill`` (shapes, dtypes, strides, formats,
     scales; contents under ``validate=True``) and the output tensor."""
-    check_tensor(q, "q", tuple(MODEL_DTYPES))
+    a = check_q_and_cache(q, kv_cache, kv_fmt)
     dev = q.device
-    if q.dim() != 3 or q.shape[1] < 1 or q.shape[2] not in HEAD_DIMS:
-        fail("q", f"must have shape [T, Hq >= 1, D in {list(HEAD_DIMS)}], got {list(q.shape)}")
-    check_last_dim_contiguous(q, "q")
-    t, hq, d = q.shape
-    fp8 = check_kv_fmt(kv_fmt)
-    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
-        fail("kv_cache", f"must be a 4-D tensor [num_pages, Hkv, P, 2D={2 * d}], got "
-                         f"{getattr(kv_cache, 'shape', type(kv_cache).__name__)}")
-    hkv = kv_cache.shape[1]
-    if hkv < 1:
-        fail("kv_cache", f"must have Hkv >= 1 heads, got shape {list(kv_cache.shape)}")
-    page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
-    if hq % hkv or not 1 <= hq // hkv <= MAX_GROUP:
-        fail("q", f"must have Hq = G * Hkv heads with Hkv = {hkv} (kv_cache) and G in "
-                  f"[1, {MAX_GROUP}], got Hq = {hq}")
-    _check_index_tensor(seq_lens, "seq_lens", dev)
-    if seq_lens.dim() != 1:
-        fail("seq_lens", f"must be 1-D [B], got shape {list(seq_lens.shape)}")
-    batch = seq_lens.shape[0]
-    if batch == 0 and t:
-        fail("seq_lens", f"must name at least one request for T = {t} tokens, got B = 0")
-    _check_index_tensor(cu_seqlens_q, "cu_seqlens_q", dev)
-    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != batch + 1:
+    batch = check_index_tensor(seq_lens, "seq_lens", dev, 1).shape[0]
+    if batch == 0 and a.t:
+        fail("seq_lens", f"must name at least one request for T = {a.t} tokens, got B = 0")
+    check_index_tensor(cu_seqlens_q, "cu_seqlens_q", dev, 1)
+    if cu_seqlens_q.shape[0] != batch + 1:
         fail("cu_seqlens_q", f"must have shape [B + 1] = [{batch + 1}], got "
                              f"{list(cu_seqlens_q.shape)}")
-    _check_index_tensor(block_table, "block_table", dev)
-    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-        fail("block_table", f"must have shape [B={batch}, max_blocks >= 1], got "
-                            f"{list(block_table.shape)}")
-    _check_index_tensor(topk, "topk", dev)
-    if topk.dim() != 3 or topk.shape[0] != hkv or topk.shape[1] != t \
-            or not 1 <= topk.shape[2] <= MAX_TOPK:
-        fail("topk", f"must have shape [Hkv={hkv}, T={t}, K in [1, {MAX_TOPK}]], got "
-                     f"{list(topk.shape)}")
-    if any(s < 0 for s in topk.stride()) or any(s < 0 for s in block_table.stride()):
-        fail("topk" if any(s < 0 for s in topk.stride()) else "block_table",
-             "must have non-negative strides")
-    ks, ks0, ks1 = scale_arg(k_scale, "k_scale", fp8, hkv, num_slots, dev)
-    vs, vs0, vs1 = scale_arg(v_scale, "v_scale", fp8, hkv, num_slots, dev)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
-    elif isinstance(softmax_scale, bool) or not isinstance(
-            softmax_scale, (int, float, np.integer, np.floating)) \
-            or not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        fail("softmax_scale", f"must be None or a finite number > 0, got {softmax_scale!r}")
-    if out is None:
-        out = torch.empty((t, hq, d), dtype=q.dtype, device=dev)
-    else:
-        check_tensor(out, "out", (q.dtype,), (t, hq, d), dev)
-        check_last_dim_contiguous(out, "out")
-    if not isinstance(validate, (bool, np.bool_)):
-        fail("validate", f"must be True or False, got {validate!r}")
+    topk_k = check_table_and_selections(block_table, topk, a, batch, dev)
+    ks, ks_strides, vs, vs_strides, softmax_scale, out = check_scales_and_out(
+        q, a, k_scale, v_scale, softmax_scale, out, validate)
     if validate and batch:
-        pos = _row_positions(cu_seqlens_q, seq_lens, t)
-        validate_block_table(block_table, seq_lens, page, kv_cache.shape[0])
-        validate_selections(topk, pos, page)
+        pos = _row_positions(cu_seqlens_q, seq_lens, a.t)
+        validate_block_table(block_table, seq_lens, a.page, a.num_pages)
+        validate_selections(topk, pos, a.page)
         validate_scales((("k_scale", ks), ("v_scale", vs)))
-    return PrefillPlan(t, hq, hkv, d, page, kv_cache.shape[0], batch, topk.shape[2], fp8,
-                       ks, (ks0, ks1), vs, (vs0, vs1), float(softmax_scale), out)
+    return PrefillPlan(a.t, a.hq, a.hkv, a.d, a.page, a.num_pages, batch, topk_k, a.fp8,
+                       ks, ks_strides, vs, vs_strides, softmax_scale, out)
 
 
 def _block_t(block_rows, g_p: int) -> int:
@@ -502,26 +445,12 @@ def run(inputs: dict, validate: bool = True, block_rows: int | None = None) -> d
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
     keep it), the block table and cu_seqlens_q as int32, seq_lens as int64, and the output
     through a head-major buffer seen token-major."""
-    from oracle.impl_torch import HALF_DTYPES, _ints, _values, device
+    from oracle.impl_torch import _ints
 
-    x = inputs
-    dev = device()
-    act = HALF_DTYPES[x["model_dtype"]]
-    q_np = np.asarray(x["q"])
-    t, hq, d = q_np.shape
-    q = torch.zeros((t, hq, d + 8), dtype=act, device=dev)[..., 4:4 + d]
-    q.copy_(_values(q_np, act, dev))
-    kv_fmt = x["kv_fmt"]
-    kv = strided_codes_in(x["kv_cache"], dev, HALF_FORMATS.get(kv_fmt))
-    tk_np = np.asarray(x["topk"])
-    topk = torch.from_numpy(np.ascontiguousarray(tk_np.transpose(1, 0, 2), np.int32)).to(dev)
-    topk = topk.permute(1, 0, 2)
-    bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
-    cu = torch.from_numpy(np.ascontiguousarray(x["cu_seqlens_q"], np.int32)).to(dev)
-    out = torch.zeros((hq, t, d), dtype=act, device=dev).transpose(0, 1)
-    sparse_attention_prefill(q, kv, kv_fmt, bt, cu, _ints(x["seq_lens"], dev), topk,
-                             scale_in(x["k_scale"], dev), scale_in(x["v_scale"], dev),
-                             out=out, validate=validate, block_rows=block_rows)
+    q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
+    cu = torch.from_numpy(np.ascontiguousarray(inputs["cu_seqlens_q"], np.int32)).to(dev)
+    sparse_attention_prefill(q, kv, inputs["kv_fmt"], bt, cu, _ints(inputs["seq_lens"], dev),
+                             topk, ks, vs, out=out, validate=validate, block_rows=block_rows)
     return {"out": codes_of(out)}
 
 

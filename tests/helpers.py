@@ -92,3 +92,45 @@ def paged_attention_inputs(positions_of, kv_fmt="bfloat16", md="bfloat16", layou
     return dict(q=q, kv_cache=cache, kv_fmt=kv_fmt, block_table=table, seq_lens=seq,
                 topk=topk, k_scale=k_scale, v_scale=v_scale, model_dtype=md,
                 cache_layout=layout)
+
+
+def shuffled_selections(topk, seed, dup=False):
+    """The same selection sets in another order with the -1 entries moved; with ``dup`` a
+    valid entry of every row also overwrites one of its -1 entries (a repeat)."""
+    bg = np.random.default_rng(seed)
+    tk = np.array(topk, copy=True)
+    for idx in np.ndindex(tk.shape[:2]):
+        row = tk[idx]
+        row[:] = row[bg.permutation(row.size)]
+        if dup and (row >= 0).any() and (row < 0).any():
+            row[np.flatnonzero(row < 0)[0]] = row[np.flatnonzero(row >= 0)[0]]
+    return tk
+
+
+def poison_unselected(x, spans):
+    """A copy of attention inputs ``x`` in which every block that no row of a request
+    selected (through that KV head) holds NaN codes; ``spans[r]`` = (first, end) of request
+    r's rows in ``topk``."""
+    from oracle.cases import poison_code
+
+    x = dict(x, kv_cache=np.array(x["kv_cache"], copy=True))
+    cache, page = x["kv_cache"], x["kv_cache"].shape[2]
+    for r, s in enumerate(x["seq_lens"]):
+        lo, hi = spans[r]
+        for g in range(cache.shape[1]):
+            chosen = set(x["topk"][g, lo:hi].ravel().tolist())
+            for b in range(-(-int(s) // page)):
+                if b not in chosen:
+                    cache[x["block_table"][r, b], g] = poison_code(x["kv_fmt"])
+    return x
+
+
+def set_entry(name, value):
+    """A bad-contents change: argument ``name`` (a tensor) with ``value = (index, v)``
+    written into a clone."""
+    def change(a):
+        t = a[name].clone()
+        idx, v = value
+        t[idx] = v
+        return t
+    return change

@@ -16,13 +16,19 @@ import pytest
 import torch
 
 from kernels import attention_decode as ad
-from oracle.cases import Case, poison_code
+from oracle.cases import Case
 from oracle.checks import Tally, run_check
 from oracle.impl_torch import HALF_DTYPES, device
 from oracle.registry import implementations
 from reference import attention
 from reference.codec import FORMATS, decode
-from tests.helpers import paged_attention_inputs
+from tests.helpers import (
+    bad_args,
+    paged_attention_inputs,
+    poison_unselected,
+    set_entry,
+    shuffled_selections,
+)
 
 pytestmark = pytest.mark.interp
 
@@ -153,19 +159,6 @@ def test_more_splits_than_selected_blocks():
 # -------------------------------------------------------------- selections are sets
 
 
-def _shuffled(topk, seed, dup=False):
-    """The same sets in another order with the -1 entries moved; with ``dup`` a valid entry
-    of every row also overwrites one of its -1 entries (a repeat)."""
-    bg = np.random.default_rng(seed)
-    tk = np.array(topk, copy=True)
-    for idx in np.ndindex(tk.shape[:2]):
-        row = tk[idx]
-        row[:] = row[bg.permutation(row.size)]
-        if dup and (row >= 0).any() and (row < 0).any():
-            row[np.flatnonzero(row < 0)[0]] = row[np.flatnonzero(row >= 0)[0]]
-    return tk
-
-
 @pytest.mark.parametrize("bps", [1, 4])
 def test_selection_is_a_set(bps):
     """The output depends only on each row's SET of blocks: permuting the entries, moving
@@ -173,9 +166,9 @@ def test_selection_is_a_set(bps):
     outputs."""
     x = make_inputs("e5m2", "bfloat16", scales="tensor", rows=2, seq_lens=(70, 33), k=6, seed=9)
     base = ad.run(x, blocks_per_split=bps)["out"]
-    perm = dict(x, topk=_shuffled(x["topk"], 1))
+    perm = dict(x, topk=shuffled_selections(x["topk"], 1))
     assert np.array_equal(ad.run(perm, blocks_per_split=bps)["out"], base)
-    rep = dict(x, topk=_shuffled(x["topk"], 2, dup=True))
+    rep = dict(x, topk=shuffled_selections(x["topk"], 2, dup=True))
     assert (np.sort(rep["topk"], -1) != np.sort(x["topk"], -1)).any()
     assert np.array_equal(ad.run(rep, validate=False, blocks_per_split=bps)["out"], base)
 
@@ -183,25 +176,13 @@ def test_selection_is_a_set(bps):
 # ----------------------------------------------------- content a row must not see
 
 
-def _poison_unselected(x):
-    """Every block no row of a request selected (through that KV head) becomes NaN codes."""
-    x = dict(x, kv_cache=np.array(x["kv_cache"], copy=True))
-    cache, page, rows = x["kv_cache"], x["kv_cache"].shape[2], x["rows_per_request"]
-    for r, s in enumerate(x["seq_lens"]):
-        for g in range(cache.shape[1]):
-            chosen = set(x["topk"][g, r * rows:(r + 1) * rows].ravel().tolist())
-            for b in range(-(-int(s) // page)):
-                if b not in chosen:
-                    cache[x["block_table"][r, b], g] = poison_code(x["kv_fmt"])
-    return x
-
-
 @pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fnuz"])
 def test_unselected_blocks_full_of_nan_do_not_leak(kv_fmt):
     """Blocks no row selected hold NaN codes (keys past seq_len, other pages and the tail
     of the last page already do): the output is still admitted and finite."""
-    x = _poison_unselected(make_inputs(kv_fmt, "bfloat16", scales="slot" if "e" in kv_fmt
-                                       else "none", rows=2, seq_lens=(90, 47), k=3, seed=4))
+    x = make_inputs(kv_fmt, "bfloat16", scales="slot" if "e" in kv_fmt else "none", rows=2,
+                    seq_lens=(90, 47), k=3, seed=4)
+    x = poison_unselected(x, [(2 * r, 2 * r + 2) for r in range(2)])
     res = _passes(x, bps=2)
     assert res.tally.elements and np.isfinite(_out(x, bps=2)).all()
 
@@ -362,11 +343,7 @@ def _good_args(kv_fmt="e4m3fn"):
 
 
 def _bad(name, **changes):
-    def make():
-        args = _good_args()
-        args.update({k: (v(args) if callable(v) else v) for k, v in changes.items()})
-        return args
-    return pytest.param(make, name, id=f"{name}-{'-'.join(changes)}")
+    return bad_args(_good_args, name, **changes)
 
 
 @pytest.mark.parametrize("make, name", [
@@ -428,22 +405,13 @@ def test_model_dtype_cache_rejects_a_scale():
         ad.sparse_attention_decode(**args, v_scale=torch.full((), 2.0, device=device()))
 
 
-def _set(name, value):
-    def change(a):
-        t = a[name].clone()
-        idx, v = value
-        t[idx] = v
-        return t
-    return change
-
-
 @pytest.mark.parametrize("changes, match", [
-    ({"seq_lens": _set("seq_lens", (1, 1))}, r"^seq_lens\b.*>= rows_per_request"),
-    ({"seq_lens": _set("seq_lens", (0, 40))}, r"^block_table\b.*too few"),
-    ({"block_table": _set("block_table", ((0, 1), 4))}, r"^block_table\b.*\[0, 1\]"),
-    ({"block_table": _set("block_table", ((1, 0), -1))}, r"^block_table\b.*\[1, 0\]"),
-    ({"topk": _set("topk", ((0, 2, 1), 1))}, r"^topk\b.*past"),
-    ({"topk": _set("topk", ((1, 0, 1), 1))}, r"^topk\b.*more than once"),
+    ({"seq_lens": set_entry("seq_lens", (1, 1))}, r"^seq_lens\b.*>= rows_per_request"),
+    ({"seq_lens": set_entry("seq_lens", (0, 40))}, r"^block_table\b.*too few"),
+    ({"block_table": set_entry("block_table", ((0, 1), 4))}, r"^block_table\b.*\[0, 1\]"),
+    ({"block_table": set_entry("block_table", ((1, 0), -1))}, r"^block_table\b.*\[1, 0\]"),
+    ({"topk": set_entry("topk", ((0, 2, 1), 1))}, r"^topk\b.*past"),
+    ({"topk": set_entry("topk", ((1, 0, 1), 1))}, r"^topk\b.*more than once"),
     ({"k_scale": lambda a: torch.tensor(0.0, device=device())}, r"^k_scale\b.*positive"),
     ({"v_scale": lambda a: torch.full((2, 64), float("inf"), device=device())},
      r"^v_scale\b.*positive"),

@@ -16,13 +16,19 @@ import pytest
 import torch
 
 from kernels import attention_prefill as ap
-from oracle.cases import Case, poison_code
+from oracle.cases import Case
 from oracle.checks import Tally, run_check
 from oracle.impl_torch import HALF_DTYPES, device
 from oracle.registry import implementations
 from reference import attention
 from reference.codec import FORMATS, decode
-from tests.helpers import bad_args, paged_attention_inputs
+from tests.helpers import (
+    bad_args,
+    paged_attention_inputs,
+    poison_unselected,
+    set_entry,
+    shuffled_selections,
+)
 
 pytestmark = pytest.mark.interp
 
@@ -163,19 +169,6 @@ def test_dense_selection_is_causal_attention():
 # -------------------------------------------------------------- selections are sets
 
 
-def _shuffled(topk, seed, dup=False):
-    """The same sets in another order with the -1 entries moved; with ``dup`` a valid entry
-    of every row also overwrites one of its -1 entries (a repeat)."""
-    bg = np.random.default_rng(seed)
-    tk = np.array(topk, copy=True)
-    for idx in np.ndindex(tk.shape[:2]):
-        row = tk[idx]
-        row[:] = row[bg.permutation(row.size)]
-        if dup and (row >= 0).any() and (row < 0).any():
-            row[np.flatnonzero(row < 0)[0]] = row[np.flatnonzero(row >= 0)[0]]
-    return tk
-
-
 def test_selection_is_a_set():
     """The output depends only on each token's SET of blocks: permuting the entries (so they
     are unsorted), moving the -1 entries anywhere and (with validate=False) repeating an
@@ -183,9 +176,9 @@ def test_selection_is_a_set():
     x = make_inputs("e5m2", "bfloat16", scales="tensor", seq_lens=(70, 33), qlens=(10, 6), k=6,
                     seed=9)
     base = ap.run(x)["out"]
-    perm = dict(x, topk=_shuffled(x["topk"], 1))
+    perm = dict(x, topk=shuffled_selections(x["topk"], 1))
     assert np.array_equal(ap.run(perm)["out"], base)
-    rep = dict(x, topk=_shuffled(x["topk"], 2, dup=True))
+    rep = dict(x, topk=shuffled_selections(x["topk"], 2, dup=True))
     assert (np.sort(rep["topk"], -1) != np.sort(x["topk"], -1)).any()
     assert np.array_equal(ap.run(rep, validate=False)["out"], base)
 
@@ -193,27 +186,14 @@ def test_selection_is_a_set():
 # ----------------------------------------------------- content a row must not see
 
 
-def _poison_unselected(x):
-    """Every block no token of a request selected (through that KV head) becomes NaN
-    codes."""
-    x = dict(x, kv_cache=np.array(x["kv_cache"], copy=True))
-    cache, page, cu = x["kv_cache"], x["kv_cache"].shape[2], x["cu_seqlens_q"]
-    for r, s in enumerate(x["seq_lens"]):
-        for g in range(cache.shape[1]):
-            chosen = set(x["topk"][g, cu[r]:cu[r + 1]].ravel().tolist())
-            for b in range(-(-int(s) // page)):
-                if b not in chosen:
-                    cache[x["block_table"][r, b], g] = poison_code(x["kv_fmt"])
-    return x
-
-
 @pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fnuz"])
 def test_unselected_blocks_full_of_nan_do_not_leak(kv_fmt):
     """Blocks no token selected hold NaN codes (keys past seq_len, other pages and the tail
     of the last page already do): the output is still admitted and finite."""
-    x = _poison_unselected(make_inputs(kv_fmt, "bfloat16", scales="slot" if "e" in kv_fmt
-                                       else "none", seq_lens=(90, 47), qlens=(6, 11), k=3,
-                                       seed=4))
+    x = make_inputs(kv_fmt, "bfloat16", scales="slot" if "e" in kv_fmt else "none",
+                    seq_lens=(90, 47), qlens=(6, 11), k=3, seed=4)
+    cu = x["cu_seqlens_q"]
+    x = poison_unselected(x, [(cu[r], cu[r + 1]) for r in range(2)])
     _passes(x)
     assert np.isfinite(_out(x)).all()
 
@@ -462,26 +442,17 @@ def test_model_dtype_cache_rejects_a_scale():
         ap.sparse_attention_prefill(**args, v_scale=torch.full((), 2.0, device=device()))
 
 
-def _set(name, value):
-    def change(a):
-        t = a[name].clone()
-        idx, v = value
-        t[idx] = v
-        return t
-    return change
-
-
 @pytest.mark.parametrize("changes, match", [
-    ({"cu_seqlens_q": _set("cu_seqlens_q", (0, 1))}, r"^cu_seqlens_q\b.*start at 0"),
-    ({"cu_seqlens_q": _set("cu_seqlens_q", (1, 6))}, r"^cu_seqlens_q\b.*never decrease"),
-    ({"cu_seqlens_q": _set("cu_seqlens_q", (2, 4))}, r"^cu_seqlens_q\b.*end at T"),
-    ({"seq_lens": _set("seq_lens", (1, 1))}, r"^seq_lens\b.*query length"),
-    ({"seq_lens": _set("seq_lens", (1, -1))}, r"^seq_lens\b.*>= 0"),
-    ({"seq_lens": _set("seq_lens", (1, 40))}, r"^block_table\b.*too few"),
-    ({"block_table": _set("block_table", ((0, 1), 4))}, r"^block_table\b.*\[0, 1\]"),
-    ({"block_table": _set("block_table", ((1, 0), -1))}, r"^block_table\b.*\[1, 0\]"),
-    ({"topk": _set("topk", ((0, 3, 1), 1))}, r"^topk\b.*past"),
-    ({"topk": _set("topk", ((1, 0, 1), 1))}, r"^topk\b.*more than once"),
+    ({"cu_seqlens_q": set_entry("cu_seqlens_q", (0, 1))}, r"^cu_seqlens_q\b.*start at 0"),
+    ({"cu_seqlens_q": set_entry("cu_seqlens_q", (1, 6))}, r"^cu_seqlens_q\b.*never decrease"),
+    ({"cu_seqlens_q": set_entry("cu_seqlens_q", (2, 4))}, r"^cu_seqlens_q\b.*end at T"),
+    ({"seq_lens": set_entry("seq_lens", (1, 1))}, r"^seq_lens\b.*query length"),
+    ({"seq_lens": set_entry("seq_lens", (1, -1))}, r"^seq_lens\b.*>= 0"),
+    ({"seq_lens": set_entry("seq_lens", (1, 40))}, r"^block_table\b.*too few"),
+    ({"block_table": set_entry("block_table", ((0, 1), 4))}, r"^block_table\b.*\[0, 1\]"),
+    ({"block_table": set_entry("block_table", ((1, 0), -1))}, r"^block_table\b.*\[1, 0\]"),
+    ({"topk": set_entry("topk", ((0, 3, 1), 1))}, r"^topk\b.*past"),
+    ({"topk": set_entry("topk", ((1, 0, 1), 1))}, r"^topk\b.*more than once"),
     ({"k_scale": lambda a: torch.tensor(0.0, device=device())}, r"^k_scale\b.*positive"),
     ({"v_scale": lambda a: torch.full((2, 64), float("inf"), device=device())},
      r"^v_scale\b.*positive"),

@@ -198,8 +198,8 @@ def _bad(name, **changes):
 ])
 def test_bad_host_input_raises_value_error_naming_it(make, name):
     """Wrong dtypes, shapes, odd or too large R, wrong cache dtypes, unknown format
-    strings and out-of-range launch knobs raise ValueError whose message starts with the argument's name, before any
-    launch (the caches are left untouched)."""
+    strings and out-of-range launch knobs raise ValueError whose message starts with the
+    argument's name, before any launch (the caches are left untouched)."""
     args = make()
     kv_before = args["kv_cache"].clone()
     with pytest.raises(ValueError, match=rf"^{name}\b"):
