@@ -159,14 +159,17 @@ def make_set(batch: int, kv_fmt: str, seed: int, seq_len: int = SEQ_LEN, s: Shap
     return DecodeSet(q, kv, table, seq, topk, scale, torch.empty_like(q))
 
 
-def triton_decode(kv_fmt: str):
-    """A factory: DecodeSet -> zero-argument call of the Triton decode attention."""
+def triton_decode(kv_fmt: str, knobs: dict | None = None):
+    """A factory: DecodeSet -> zero-argument call of the Triton decode attention (with the
+    launcher's tuning keywords ``knobs``)."""
     from kernels.attention_decode import sparse_attention_decode
+
+    knobs = knobs or {}
 
     def bind(t: DecodeSet):
         topk = t.topk.transpose(0, 1)
         return lambda: sparse_attention_decode(t.q, t.kv, kv_fmt, t.table, t.seq_lens, topk,
-                                               1, t.scale, t.scale, out=t.out)
+                                               1, t.scale, t.scale, out=t.out, **knobs)
 
     return bind
 
@@ -215,24 +218,24 @@ def _finite(t: DecodeSet) -> bool:
     return bool(torch.isfinite(t.out).all())
 
 
-def bench_one(cache: str, batch: int, args) -> dict:
+def bench_one(cache: str, batch: int, args, knobs: dict | None = None) -> dict:
     """One result: the kernel at one cache and batch over its rotating input sets."""
     fmt = CACHES[cache]
     parts = minimal_bytes(batch, fmt, args.seq_len)
     n_sets = harness.rotation_count(parts["total"], harness.l2_bytes())
     sets = [make_set(batch, fmt, seed=i, seq_len=args.seq_len) for i in range(n_sets)]
-    extra = {"kv_fmt": fmt, "batch": batch, "bytes_parts": parts}
+    extra = {"kv_fmt": fmt, "batch": batch, "bytes_parts": parts, "knobs": knobs or {}}
     if batch == TARGET_BATCH and cache in TARGETS:
         extra["targets"] = dict(TARGETS[cache])
     try:
-        calls = [triton_decode(fmt)(st) for st in sets]
+        calls = [triton_decode(fmt, knobs)(st) for st in sets]
     except Exception as e:  # noqa: BLE001 - e.g. the kernel module fails to import
         return harness.record(IMPL, OP, cache, parts["total"],
                               error=f"{type(e).__name__}: {e}"[:400], **extra)
     r = harness.timed_record(IMPL, OP, cache, parts["total"], calls, args, **extra)
     if r["median_us"] is not None:
         r["finite_output"] = _finite(sets[0])
-    print(f"{cache} batch {batch}: {r['mode']} {r['median_us']} us", flush=True)
+    print(f"{cache} batch {batch} {knobs or ''}: {r['mode']} {r['median_us']} us", flush=True)
     del sets, calls
     torch.cuda.empty_cache()
     return r
@@ -243,6 +246,9 @@ def parse_args(argv):
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens of every context")
     ap.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES))
+    ap.add_argument("--knobs", nargs="*", type=harness.parse_knobs, default=[],
+                    help="launcher tuning keywords, one set per argument (k=v,...): the "
+                         "first set makes the results, the others a 'sweep' list beside them")
     harness.add_timing_args(ap, NAME)
     return ap.parse_args(argv)
 
@@ -257,9 +263,12 @@ def build_report(args) -> dict:
                       "the own block always in; scalar fp8 scale 1.0.",
                       "vLLM column: the issue's numbers, for scale, not measured here."],
                for_scale=FOR_SCALE, results=[])
+    knob_sets = args.knobs or [{}]
     for batch in args.batches:
         for cache in args.caches:
-            doc["results"].append(bench_one(cache, batch, args))
+            doc["results"].append(bench_one(cache, batch, args, knob_sets[0]))
+    doc["sweep"] = [bench_one(cache, batch, args, k) for k in knob_sets[1:]
+                    for batch in args.batches for cache in args.caches]
     for r, derived in zip(doc["results"], render_bench.derive(doc)):
         r.update(derived)
     doc["checks"] = checks(doc["results"])

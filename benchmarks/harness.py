@@ -243,3 +243,9 @@ def write_report(doc: dict, out, md: str) -> None:
     out.write_text(json.dumps(doc, indent=1) + "\n")
     out.with_suffix(".md").write_text(md)
     print(f"wrote {out} and {out.with_suffix('.md')}\n")
+
+
+def parse_knobs(text: str) -> dict:
+    """A launcher's tuning keywords from the command line: ``"num_warps=8,num_stages=2"``
+    -> ``{"num_warps": 8, "num_stages": 2}`` (integers)."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}

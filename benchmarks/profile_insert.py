@@ -19,11 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_insert as bi  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.tune_insert import launcher  # noqa: E402
-
-
-def parse_knobs(text: str) -> dict:
-    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
 
 
 def main(argv=None) -> int:
@@ -31,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", choices=("triton", "cuda"), default="triton")
     ap.add_argument("--cache", choices=tuple(bi.CACHES), default="bf16")
     ap.add_argument("--tokens", type=int, default=bi.TOKENS)
-    ap.add_argument("--knobs", type=parse_knobs, default={})
+    ap.add_argument("--knobs", type=harness.parse_knobs, default={})
     args = ap.parse_args(argv)
     kv_fmt, index_fmt = bi.CACHES[args.cache]
     call = bi.fused_insert(launcher(args.impl, args.knobs), kv_fmt, index_fmt)(

@@ -355,7 +355,7 @@ def plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows
 def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows_per_request,
                             k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                             blocks_per_split=BLOCKS_PER_SPLIT, validate=False,
-                            num_warps=None):
+                            num_warps=None, num_stages=None, max_registers=None):
     """Block-sparse GQA decode attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -373,7 +373,11 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     ``BLOCKS_PER_SPLIT``). ``validate=True``: also check contents on the host (a sync):
     seq_lens, block-table entries of used blocks, selections in range without repeats,
     positive finite scales. Without it, bad contents are guarded in the kernel (never an
-    illegal access; see the module docstring)."""
+    illegal access; see the module docstring).
+    Launch knobs (speed only): ``num_warps`` (default 4), ``num_stages`` (depth of the
+    K/V loads' shared-memory pipeline across blocks; Triton's default 3: with bf16 at
+    P = D = 128 that is 139 KB of shared memory, one program per SM), ``max_registers``
+    (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape)."""
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
                               rows_per_request, k_scale, v_scale, softmax_scale, out,
                               blocks_per_split, validate)
@@ -390,7 +394,12 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
         lse = torch.empty((p.t, p.hq, splits), dtype=torch.float32, device=dev)
     rows_p = triton.next_power_of_2(p.rows)
     g_p = triton.next_power_of_2(grp)
-    warps = num_warps or 4
+    warps = check_int(num_warps or 4, "num_warps", 1, 16)
+    opts = {"num_warps": warps}
+    if num_stages is not None:
+        opts["num_stages"] = check_int(num_stages, "num_stages", 1, 8)
+    if max_registers and not INTERPRETED:
+        opts["maxnreg"] = check_int(max_registers, "max_registers", 24, 255)
     ensure_ready(_decode_split_kernel)
     _decode_split_kernel[(p.batch, p.hkv, splits)](
         q, q.stride(0), q.stride(1),
@@ -405,7 +414,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
         KP=triton.next_power_of_2(p.topk_k), NB=p.blocks_per_split,
         NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
         FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
-        DIRECT=direct, num_warps=warps)
+        DIRECT=direct, **opts)
     if not direct:
         block_h = min(16, triton.next_power_of_2(p.hq))
         ensure_ready(_decode_merge_kernel)
