@@ -235,12 +235,11 @@ INTERPRETED = is_interpreted(_norm_rope_insert_kernel)
 
 #: Launch defaults, tuned on the H200 (benchmarks/tune_insert.py; reports/tune-insert-h200.json).
 BLOCK_H, NUM_WARPS, NUM_STAGES = 8, 2, 3
-#: Registers per thread (ptxas maxnreg). Left alone, the e4m3 path takes 114 (8 programs of
-#: 2 warps per SM; 74.8% of the copy bandwidth) where bf16 takes 96 (10 programs; 80.7%);
-#: capped at 96, e4m3 and fnuz compile to 96 with no spill at D <= 128 (D = 256 with an fp8
-#: cache spills 8 bytes). Chosen from that static count (cuobjdump -res-usage), to be
-#: confirmed by the H200 tuning run (benchmarks/tune_insert.py).
-MAX_REGISTERS = 96
+#: Registers per thread (ptxas maxnreg; 0: the compiler's choice). The e4m3 path takes 114
+#: (8 programs of 2 warps per SM) where bf16 takes 96 (10); capped at 96 it compiles with no
+#: spill, but the H200 timed it the same (201.7 vs 201.6 us, reports/tune-insert-maxnreg-
+#: h200.json): occupancy is not what holds e4m3 back, so the compiler keeps its choice.
+MAX_REGISTERS = 0
 
 
 def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
