@@ -1,7 +1,8 @@
 """Tuning sweep of the fused insert's launch parameters at the model shape (16,384 tokens):
 Triton configurations (``--triton block_h:num_warps:num_stages:programs_per_sm,...``); CUDA
 variant x warps per block x heads per warp x program order (variant 0: the first kernel, 32
-heads per block), timed like
+heads per block), and variant 3 (persistent, cp.async pipeline) as warps per block x heads
+per warp x stages (``--stream warps:heads_per_warp:stages,...``), timed like
 bench_insert (graph replay over rotating input sets). Prints a table and writes
 ``$OUT/tune.json`` (or reports/tune.json): the defaults in the launchers come from here.
 
@@ -33,9 +34,24 @@ def triton_configs(text: str) -> list[dict]:
             for c in text.split(",") if c]
 
 
+#: Variant 3's knobs and default sweep at D = 128 (heads per warp 2, 4, 8: 1, 2, 4 head
+#: rounds): the default 4:4:3 first, then warps x rounds at 3 stages, then 2 and 4 stages.
+STREAM_KNOBS = ("warps_per_block", "heads_per_warp", "num_stages")
+STREAM_DEFAULT = ("4:4:3,2:4:3,8:4:3,4:2:3,4:8:3,8:2:3,2:8:3,1:4:3,4:4:2,4:4:4,8:4:2,"
+                  "8:4:4,4:8:2")
+
+
+def stream_configs(text: str) -> list[dict]:
+    """``"4:4:3,8:2:2"`` -> warps_per_block:heads_per_warp:num_stages dicts (variant 3)."""
+    return [dict(zip(STREAM_KNOBS, map(int, c.split(":")), strict=True))
+            for c in text.split(",") if c]
+
+
 def configs(args):
     for knobs in args.triton:
         yield "triton", knobs
+    for knobs in args.stream if not args.no_cuda else ():
+        yield "cuda", {"variant": 3, **knobs}
     for hf in args.heads_fast if not args.no_cuda else ():
         yield "cuda", {"variant": 0, "block_h": 32, "heads_fast": hf}
         for v in args.cuda_variants:
@@ -71,7 +87,11 @@ def main(argv=None) -> int:
     ap.add_argument("--heads-fast", type=lambda s: [bool(int(v)) for v in s.split(",")],
                     default=[False, True])
     ap.add_argument("--cuda-variants", type=lambda s: [int(v) for v in s.split(",") if v],
-                    default=[1, 2])
+                    default=[1, 2], help="variants swept over warps x heads x grid order "
+                                         "(variant 0 always runs; variant 3: --stream)")
+    ap.add_argument("--stream", type=stream_configs, default=stream_configs(STREAM_DEFAULT),
+                    help="variant 3 configurations warps_per_block:heads_per_warp:num_stages,"
+                         "... (heads_per_warp a multiple of 256 / D; empty: none)")
     ap.add_argument("--no-cuda", action="store_true", help="Triton configurations only")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "reports"),
                                                   "tune.json"))

@@ -1,14 +1,20 @@
 // Fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert (SPEC.md sections
 // 3 and 4): the CUDA twin of kernels/norm_rope_insert.py, same contract.
 //
-// nri_launch picks one of three kernels by NriParams::variant (all compute the same
+// nri_launch picks one of four kernels by NriParams::variant (all compute the same
 // function; the knobs only change speed):
 //   0  this file's kernel, described below: a warp per head (the verified fallback);
 //   1  csrc/nri_vec.cuh with XCHG_SHFL: 16-byte lanes (8 dims per lane, 256 / D heads per
 //      warp instruction), 1, 2 or 4 such passes per warp with every x load issued first,
 //      RoPE partners by warp shuffles, no shared memory;
-//   2  csrc/nri_vec.cuh with XCHG_GLOBAL: as 1, partners re-read from global memory.
-// heads_fast (any variant) launches a 1-D grid with a token's head blocks adjacent instead
+//   2  csrc/nri_vec.cuh with XCHG_GLOBAL: as 1, partners re-read from global memory;
+//   3  csrc/nri_stream.cuh: persistent blocks owning whole tokens, the rows copied into a
+//      pipeline of shared-memory stages by cp.async, the 16-byte lane arithmetic of 1 and 2
+//      (the same bits as 1 and 2); rows, table or slots misaligned for cp.async, or rows too
+//      wide for two stages with the default stage count, run variant 1 instead.
+// Variants 1-3 give identical bits; variant 0 sums the squares in another order (D / 32
+// dims per lane, a 32-lane butterfly), so it may differ from them by an fp32 rounding.
+// heads_fast (variants 0-2) launches a 1-D grid with a token's head blocks adjacent instead
 // of the (N, head blocks) grid.
 //
 // Variant 0: grid (N, ceil(heads / heads_per_block)), 4 warps per block. A token's heads are
@@ -43,6 +49,7 @@
 #include "norm_rope_insert.h"
 #include "nri_device.cuh"
 #include "nri_lanes.h"
+#include "nri_stream.cuh"
 
 namespace {
 
@@ -232,7 +239,8 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
       q.hi >= 0 && (q.write_ik == 0 || q.write_ik == 1) && q.heads_per_block >= 1 &&
       q.page_size >= 1 && q.ic_page >= 1 && valid_fmt(q.kv_fmt, true, q.act_fmt) &&
       valid_fmt(q.iq_fmt, true, q.act_fmt) && valid_fmt(q.ic_fmt, true, q.act_fmt) &&
-      q.variant >= 0 && q.variant <= 2 && (q.heads_fast == 0 || q.heads_fast == 1);
+      q.variant >= 0 && q.variant <= 3 && (q.heads_fast == 0 || q.heads_fast == 1) &&
+      (q.stages == 0 || (q.variant == 3 && q.stages >= 2 && q.stages <= kStreamMaxStages));
   if (!ok) return (int)cudaErrorInvalidValue;
   // The kernels count heads, head blocks and row columns in 32 bits.
   const int64_t total = q.hq + q.hkv + q.hi + q.write_ik;
@@ -242,23 +250,57 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
   // Launch shape; 0 means the variant's default. Variant 0: 4 warps per block, one head per
   // warp at a time, any heads_per_block (the warps loop). Variants 1, 2: 1, 2, 4 or 8 warps
   // per block (default 2), G * {1, 2, 4} heads per warp (G = 256 / D heads per 16-byte
-  // pass; default 2 G), heads_per_block = warps * heads per warp (no loop).
+  // pass; default 2 G), heads_per_block = warps * heads per warp (no loop). Variant 3: the
+  // same choices with 4 warps by default (a block's pass over a token's heads), the (N,
+  // head blocks) grid order only (its grid is persistent), 2 .. 8 stages (default: 3, fewer
+  // when the rows are too wide for the shared memory).
+  const int64_t g = 256 / q.head_dim;
   int rounds = 0;
   if (q.variant == 0) {
     if (q.warps_per_block == 0) q.warps_per_block = kWarps;
     if (q.heads_per_warp == 0) q.heads_per_warp = 1;
     if (q.warps_per_block != kWarps || q.heads_per_warp != 1) return (int)cudaErrorInvalidValue;
   } else {
-    const int64_t g = 256 / q.head_dim;
-    if (q.warps_per_block == 0) q.warps_per_block = 2;
+    if (q.warps_per_block == 0) q.warps_per_block = q.variant == 3 ? kStreamDefaultWarps : 2;
     if (q.heads_per_warp == 0) q.heads_per_warp = 2 * g;
     const int64_t w = q.warps_per_block, r = q.heads_per_warp / g;
     if ((w != 1 && w != 2 && w != 4 && w != kVecMaxWarps) || q.heads_per_warp % g != 0 ||
-        (r != 1 && r != 2 && r != 4) || q.heads_per_block != w * q.heads_per_warp)
+        (r != 1 && r != 2 && r != 4) || q.heads_per_block != w * q.heads_per_warp ||
+        (q.variant == 3 && q.heads_fast != 0))
       return (int)cudaErrorInvalidValue;
     rounds = (int)r;
   }
   if (q.n == 0) return (int)cudaSuccess;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const bool bf16 = q.act_fmt == cvt::FMT_BF16;
+  if (q.variant == 3) {
+    int sms = 0, optin = 0;
+    const cudaError_t e = stream_device_limits(&sms, &optin);
+    if (e != cudaSuccess) return (int)e;
+    const auto fits = [&](int64_t stages) {
+      return stream_smem_bytes(q, q.warps_per_block, rounds, stages) <= optin;
+    };
+    bool stream_ok = stream_eligible(q);
+    if (q.stages != 0) {
+      if (!fits(q.stages)) return (int)cudaErrorInvalidValue;
+    } else {
+      int64_t st = kStreamDefaultStages;
+      while (st >= 2 && !fits(st)) --st;
+      stream_ok = stream_ok && st >= 2;
+      q.stages = st;
+    }
+    if (stream_ok) {
+      using Entry = cudaError_t (*)(const NriParams&, int, cudaStream_t);
+      const int di = q.head_dim == 64 ? 0 : q.head_dim == 128 ? 1 : 2;
+      static const Entry kEntries[2][3] = {
+          {nri_launch_stream_bf16_d64, nri_launch_stream_bf16_d128, nri_launch_stream_bf16_d256},
+          {nri_launch_stream_f16_d64, nri_launch_stream_f16_d128, nri_launch_stream_f16_d256}};
+      return (int)kEntries[bf16 ? 0 : 1][di](q, rounds, s);
+    }
+    // Variant 1 with its default shape: the same bits.
+    q.variant = 1, q.warps_per_block = 2, q.heads_per_warp = 2 * g;
+    q.heads_per_block = 4 * g, q.stages = 0, rounds = 2;
+  }
   const int64_t blocks_y = nri::head_blocks((uint32_t)total, (uint32_t)q.heads_per_block);
   dim3 grid;
   if (q.heads_fast) {
@@ -269,8 +311,6 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
     grid = dim3((unsigned)q.n, (unsigned)blocks_y);
   }
   const dim3 block((unsigned)(q.warps_per_block * 32));
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const bool bf16 = q.act_fmt == cvt::FMT_BF16;
   cudaError_t err;
   if (q.variant == 0) {
     err = bf16 ? launch_act<cvt::FMT_BF16>(q, grid, block, s)
@@ -283,6 +323,21 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
                : nri_launch_vec_global_f16(q, rounds, grid, block, s);
   }
   return (int)err;
+}
+
+extern "C" int64_t nri_stream_smem_bytes(const NriParams* p) {
+  if (p == nullptr || p->head_dim < 64 || p->head_dim > 256) return -1;
+  const int64_t g = 256 / p->head_dim;
+  const int64_t w = p->warps_per_block ? p->warps_per_block : kStreamDefaultWarps;
+  const int64_t r = p->heads_per_warp ? p->heads_per_warp / g : 2;
+  return stream_smem_bytes(*p, w, r, p->stages ? p->stages : kStreamDefaultStages);
+}
+
+extern "C" int nri_device_smem_optin(int64_t* bytes) {
+  int sms = 0, optin = 0;
+  const cudaError_t e = stream_device_limits(&sms, &optin);
+  if (bytes) *bytes = optin;
+  return (int)e;
 }
 
 extern "C" const char* nri_params_fields(void) {

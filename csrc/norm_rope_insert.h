@@ -75,12 +75,14 @@
   X(int64_t, act_fmt)                                                                       \
   X(int64_t, heads_per_block)                                                               \
   /* launch variant (0: a warp per head, the original kernel; 1: 16-byte lanes, RoPE    */   \
-  /* partners by warp shuffles; 2: 16-byte lanes, partners re-read from global memory),  */   \
-  /* warps per block, heads per warp, grid order (0 for any: the variant's default) */        \
+  /* partners by warp shuffles; 2: 16-byte lanes, partners re-read from global memory;    */   \
+  /* 3: persistent, rows pipelined through shared memory by cp.async), warps per block,   */   \
+  /* heads per warp, grid order, pipeline stages of variant 3 (0 for any: the default)   */   \
   X(int64_t, variant)                                                                       \
   X(int64_t, warps_per_block)                                                               \
   X(int64_t, heads_per_warp)                                                                \
   X(int64_t, heads_fast)                                                                    \
+  X(int64_t, stages)                                                                        \
   X(double, eps)
 
 extern "C" {
@@ -94,6 +96,12 @@ struct NriParams {
 // Launches the kernel on `stream` (a cudaStream_t); returns the cudaError_t as int
 // (cudaGetLastError after the launch; invalid parameters give cudaErrorInvalidValue).
 int nri_launch(const NriParams* p, void* stream);
+
+// Variant 3's dynamic shared memory per block for these parameters (launch-shape fields 0:
+// the defaults, 4 warps, 2 head rounds, 3 stages), -1 for an unsupported head dim; and the
+// current device's opt-in limit per block (returns the cudaError_t).
+int64_t nri_stream_smem_bytes(const NriParams* p);
+int nri_device_smem_optin(int64_t* bytes);
 
 // "type:name,type:name,..." of NriParams in order, and sizeof(NriParams).
 const char* nri_params_fields(void);

@@ -1,6 +1,7 @@
 // Device helpers shared by the fused insert's translation units (csrc/norm_rope_insert.cu:
 // variant 0 and the launcher; csrc/nri_vec_*.cu: variants 1 and 2, kernel in
-// csrc/nri_vec.cuh), and the entry points of the vectorised variants.
+// csrc/nri_vec.cuh; csrc/nri_stream_*.cu: variant 3, kernel in csrc/nri_stream.cuh), and
+// the entry points of variants 1-3.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -145,3 +146,15 @@ NRI_VEC_ENTRY(nri_launch_vec_shfl_bf16);
 NRI_VEC_ENTRY(nri_launch_vec_shfl_f16);
 NRI_VEC_ENTRY(nri_launch_vec_global_bf16);
 NRI_VEC_ENTRY(nri_launch_vec_global_f16);
+
+// Variant 3 (csrc/nri_stream.cuh), one translation unit per activation format
+// (csrc/nri_stream_{bf16,f16}.cu): the persistent grid with `rounds` head rounds per warp
+// and pass (1, 2 or 4) and p.stages stages (2 .. 8, explicit); return the first failing
+// CUDA call's error (cudaErrorInvalidValue when the shared memory exceeds the device's).
+#define NRI_STREAM_ENTRY(name) cudaError_t name(const NriParams& p, int rounds, cudaStream_t s)
+NRI_STREAM_ENTRY(nri_launch_stream_bf16_d64);
+NRI_STREAM_ENTRY(nri_launch_stream_bf16_d128);
+NRI_STREAM_ENTRY(nri_launch_stream_bf16_d256);
+NRI_STREAM_ENTRY(nri_launch_stream_f16_d64);
+NRI_STREAM_ENTRY(nri_launch_stream_f16_d128);
+NRI_STREAM_ENTRY(nri_launch_stream_f16_d256);

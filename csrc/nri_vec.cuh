@@ -113,6 +113,91 @@ __device__ __forceinline__ void load_pass(const NriParams& p, const uint16_t* ro
   if (XCHG == XCHG_GLOBAL) load_partner8(row + hd.col, c, rot, hr, xpb);
 }
 
+// The outputs of head hd (kind >= 0) from its fp32 values y (the lane's dims c .. c + 7):
+// q -> q_out, index_q -> iq_out (model dtype or fp8 codes), k and index_k in place in the
+// token's row (global memory) and into the caches at kv_base / ic_base (the token's slot
+// offsets page * s0 + offset * s2 / s1; -1: not written), V from its model-dtype codes vb
+// (k heads only). Shared by variants 1, 2 (this file) and 3 (csrc/nri_stream.cuh), so that
+// they write the same bits.
+template <int ACT, int D>
+__device__ __forceinline__ void store_head(const NriParams& p, const HeadRef& hd, int64_t tok,
+                                           uint16_t* row, int c, const float (&y)[nri::kChunk],
+                                           const uint32_t (&vb)[4], int64_t slot,
+                                           int64_t kv_base, int64_t ic_base) {
+  constexpr int C = nri::kChunk;
+  const int kind = hd.kind;
+  const int64_t h = hd.h;
+  if (kind == 0) {
+    uint32_t ob[4];
+    pack8(y, ACT, ob);
+    store8(static_cast<uint16_t*>(p.q_out) + tok * p.q_s0 + h * p.q_s1 + c, ob);
+  } else if (kind == 2) {
+    const int64_t off = tok * p.iq_s0 + h * p.iq_s1 + c;
+    if (cvt::is_fp8((int)p.iq_fmt)) {
+      uint32_t qc[2];
+      encode8(y, (int)p.iq_fmt, qc);
+      store8b(static_cast<uint8_t*>(p.iq_out) + off, qc);
+    } else {
+      uint32_t ob[4];
+      pack8(y, ACT, ob);
+      store8(static_cast<uint16_t*>(p.iq_out) + off, ob);
+    }
+  } else if (kind == 1) {
+    uint32_t ob[4];
+    pack8(y, ACT, ob);
+    store8(row + hd.col + c, ob);
+    if (kv_base >= 0) {
+      const int64_t base = kv_base + h * p.kv_s1 + c;
+      const int fmt = (int)p.kv_fmt;
+      if (cvt::is_fp8(fmt)) {
+        const float ks = p.k_scale[h * p.ks_s0 + slot * p.ks_s1];
+        const float vs = p.v_scale[h * p.vs_s0 + slot * p.vs_s1];
+        float kq[C], vq[C];
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+          kq[j] = y[j] / ks;
+          vq[j] = widen<ACT>(vb, j) / vs;
+        }
+        uint32_t kc[2], vc[2];
+        encode8(kq, fmt, kc);
+        encode8(vq, fmt, vc);
+        uint8_t* dst = static_cast<uint8_t*>(p.kv) + base;
+        store8b(dst, kc);
+        store8b(dst + D, vc);
+      } else {
+        uint32_t kc[4], vc[4];
+        pack8(y, fmt, kc);
+        if (fmt == ACT) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) vc[k] = vb[k];  // a bit copy
+        } else {
+          float v[C];
+#pragma unroll
+          for (int j = 0; j < C; ++j) v[j] = widen<ACT>(vb, j);
+          pack8(v, fmt, vc);
+        }
+        uint16_t* dst = static_cast<uint16_t*>(p.kv) + base;
+        store8(dst, kc);
+        store8(dst + D, vc);
+      }
+    }
+  } else if (kind == 3) {
+    uint32_t ob[4];
+    pack8(y, ACT, ob);
+    store8(row + hd.col + c, ob);
+    if (ic_base >= 0) {
+      const int64_t base = ic_base + c;
+      if (cvt::is_fp8((int)p.ic_fmt)) {
+        uint32_t qc[2];
+        encode8(y, (int)p.ic_fmt, qc);
+        store8b(static_cast<uint8_t*>(p.ic) + base, qc);
+      } else {
+        store8(static_cast<uint16_t*>(p.ic) + base, ob);
+      }
+    }
+  }
+}
+
 // Registers per pass limit the loads in flight, so a lane keeps per pass only the 16 raw
 // bytes of x (and of the partner x for XCHG_GLOBAL), packed in 4 words; head indices are
 // recomputed, the weight (an L1 hit) and V (k heads only) are loaded when the pass is
@@ -245,76 +330,7 @@ nri_vec_kernel(const NriParams p) {
       for (int k = 0; k < 4; ++k) xpb[q][k] = xpb[q + 1][k];
     }
 
-    const int64_t h = hd.h;
-    if (kind == 0) {
-      uint32_t ob[4];
-      pack8(y, ACT, ob);
-      store8(static_cast<uint16_t*>(p.q_out) + tok * p.q_s0 + h * p.q_s1 + c, ob);
-    } else if (kind == 2) {
-      const int64_t off = tok * p.iq_s0 + h * p.iq_s1 + c;
-      if (cvt::is_fp8((int)p.iq_fmt)) {
-        uint32_t qc[2];
-        encode8(y, (int)p.iq_fmt, qc);
-        store8b(static_cast<uint8_t*>(p.iq_out) + off, qc);
-      } else {
-        uint32_t ob[4];
-        pack8(y, ACT, ob);
-        store8(static_cast<uint16_t*>(p.iq_out) + off, ob);
-      }
-    } else if (kind == 1) {
-      uint32_t ob[4];
-      pack8(y, ACT, ob);
-      store8(row + hd.col + c, ob);
-      if (kv_base >= 0) {
-        const int64_t base = kv_base + h * p.kv_s1 + c;
-        const int fmt = (int)p.kv_fmt;
-        if (cvt::is_fp8(fmt)) {
-          const float ks = p.k_scale[h * p.ks_s0 + slot * p.ks_s1];
-          const float vs = p.v_scale[h * p.vs_s0 + slot * p.vs_s1];
-          float kq[C], vq[C];
-#pragma unroll
-          for (int j = 0; j < C; ++j) {
-            kq[j] = y[j] / ks;
-            vq[j] = widen<ACT>(vb, j) / vs;
-          }
-          uint32_t kc[2], vc[2];
-          encode8(kq, fmt, kc);
-          encode8(vq, fmt, vc);
-          uint8_t* dst = static_cast<uint8_t*>(p.kv) + base;
-          store8b(dst, kc);
-          store8b(dst + D, vc);
-        } else {
-          uint32_t kc[4], vc[4];
-          pack8(y, fmt, kc);
-          if (fmt == ACT) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) vc[k] = vb[k];  // a bit copy
-          } else {
-            float v[C];
-#pragma unroll
-            for (int j = 0; j < C; ++j) v[j] = widen<ACT>(vb, j);
-            pack8(v, fmt, vc);
-          }
-          uint16_t* dst = static_cast<uint16_t*>(p.kv) + base;
-          store8(dst, kc);
-          store8(dst + D, vc);
-        }
-      }
-    } else if (kind == 3) {
-      uint32_t ob[4];
-      pack8(y, ACT, ob);
-      store8(row + hd.col + c, ob);
-      if (ic_base >= 0) {
-        const int64_t base = ic_base + c;
-        if (cvt::is_fp8((int)p.ic_fmt)) {
-          uint32_t qc[2];
-          encode8(y, (int)p.ic_fmt, qc);
-          store8b(static_cast<uint8_t*>(p.ic) + base, qc);
-        } else {
-          store8(static_cast<uint16_t*>(p.ic) + base, ob);
-        }
-      }
-    }
+    store_head<ACT, D>(p, hd, tok, row, c, y, vb, slot, kv_base, ic_base);
   }
 }
 

@@ -3,8 +3,9 @@
 
 ``norm_rope_insert(...)`` has the signature and contract of the Triton launcher
 ``kernels.norm_rope_insert.norm_rope_insert`` (plus its own launch knobs ``variant``,
-``warps_per_block``, ``heads_per_warp``: three kernels computing the same function, for
-tuning sweeps; the default is the original kernel); its host checks are the shared
+``warps_per_block``, ``heads_per_warp``, ``heads_fast``, and ``num_stages`` like Triton's:
+four kernels computing the same function, for tuning sweeps; the default is the original
+kernel); its host checks are the shared
 ``kernels._host.plan_norm_rope_insert`` (ValueError naming the argument), then the launch
 knobs (``launch_shape``), then the tensors must be on a CUDA device. The kernel runs on
 ``torch.cuda.current_stream()``; a nonzero cudaError_t from the launch raises RuntimeError
@@ -18,7 +19,8 @@ CUDA device and nvcc are present.
 
 Numerics (declared to the oracle with the default ``Fp32Arith``; every variant): fp32 sums
 of squares in warp-shuffle order, correctly rounded ``/`` (no fast math), ``rsqrtf`` (2
-ulp), FMA contraction; outputs rounded once (RNE); K quantised from its fp32 value
+ulp), FMA contraction; variants 1, 2 and 3 give identical bits (variant 0 sums the squares
+in another order); outputs rounded once (RNE); K quantised from its fp32 value
 (``quantize_from="value"``), fp8 satfinite via cvt.rn.satfinite (e4m3fn, e5m2) or the
 software codec (fnuz), csrc/fp8_convert.h.
 """
@@ -75,7 +77,7 @@ class NriParams(ctypes.Structure):
         ("act_fmt", ctypes.c_int64), ("heads_per_block", ctypes.c_int64),
         ("variant", ctypes.c_int64), ("warps_per_block", ctypes.c_int64),
         ("heads_per_warp", ctypes.c_int64), ("heads_fast", ctypes.c_int64),
-        ("eps", ctypes.c_double),
+        ("stages", ctypes.c_int64), ("eps", ctypes.c_double),
     ]
 
 
@@ -123,6 +125,10 @@ def load_library(path=None) -> ctypes.CDLL:
         lib.cvt_device.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         lib.cvt_device.restype = ctypes.c_int
+        lib.nri_stream_smem_bytes.argtypes = [ctypes.POINTER(NriParams)]
+        lib.nri_stream_smem_bytes.restype = ctypes.c_int64
+        lib.nri_device_smem_optin.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        lib.nri_device_smem_optin.restype = ctypes.c_int
         _check_layout(lib)
         if path is None:
             _LIB = lib
@@ -144,10 +150,11 @@ def _stream(dev: torch.device) -> int:
 # ----------------------------------------------------------------------------- launcher
 
 
-#: The kernel variants (csrc/norm_rope_insert.cu, csrc/nri_vec.cuh): 0 the original warp
-#: per head (the verified fallback), 1 16-byte lanes with shuffled RoPE partners, 2 16-byte
-#: lanes with partners re-read from global memory.
-VARIANTS = (0, 1, 2)
+#: The kernel variants (csrc/norm_rope_insert.cu, csrc/nri_vec.cuh, csrc/nri_stream.cuh):
+#: 0 the original warp per head (the verified fallback), 1 16-byte lanes with shuffled RoPE
+#: partners, 2 16-byte lanes with partners re-read from global memory, 3 persistent blocks
+#: with the rows pipelined through shared memory by cp.async (the lanes of 1 and 2).
+VARIANTS = (0, 1, 2, 3)
 #: Variant 0's launch shape: 4 warps per block, one head per warp at a time, 32 heads per
 #: block (tuned on the H200: benchmarks/tune_insert.py).
 V0_WARPS, V0_BLOCK_H = 4, 32
@@ -155,6 +162,11 @@ V0_WARPS, V0_BLOCK_H = 4, 32
 VEC_WARPS, VEC_ROUNDS = 2, 2
 VEC_WARP_CHOICES = (1, 2, 4, 8)
 VEC_ROUND_CHOICES = (1, 2, 4)
+#: Variant 3 by default: 4 warps per block, 2 rounds of 256 / D heads per warp and pass,
+#: 3 pipeline stages (fewer when the row is too wide for the shared memory: see
+#: ``norm_rope_insert``); 2 .. 8 stages may be asked for.
+STREAM_WARPS, STREAM_ROUNDS, STREAM_STAGES = 4, 2, 3
+STREAM_STAGE_CHOICES = tuple(range(2, 9))
 
 
 def _is_int(v) -> bool:
@@ -162,12 +174,27 @@ def _is_int(v) -> bool:
 
 
 def launch_shape(head_dim, variant=0, block_h=None, warps_per_block=None,
-                 heads_per_warp=None):
-    """(variant, warps_per_block, heads_per_warp, heads_per_block) of a launch, defaults
-    filled in; ValueError naming the argument for an unsupported combination (see
+                 heads_per_warp=None, num_stages=None, heads_fast=False):
+    """(variant, warps_per_block, heads_per_warp, heads_per_block, stages) of a launch,
+    defaults filled in (stages 0: variant 3's automatic choice, or not variant 3);
+    ValueError naming the argument for an unsupported combination (see
     ``norm_rope_insert``)."""
     if not _is_int(variant) or variant not in VARIANTS:
         fail("variant", f"must be one of {list(VARIANTS)}, got {variant!r}")
+    if heads_fast not in (False, True, 0, 1):
+        fail("heads_fast", f"must be a bool, got {heads_fast!r}")
+    if variant == 3:
+        if heads_fast:
+            fail("heads_fast", "must be False for variant 3 (a persistent grid), got "
+                               f"{heads_fast!r}")
+        if num_stages is not None and (not _is_int(num_stages)
+                                       or num_stages not in STREAM_STAGE_CHOICES):
+            fail("num_stages", f"must be one of {list(STREAM_STAGE_CHOICES)} (or None) for "
+                               f"variant 3, got {num_stages!r}")
+    elif num_stages is not None:
+        fail("num_stages", f"must be None for variant {variant} (variant 3's pipeline "
+                           f"stages), got {num_stages!r}")
+    stages = 0 if num_stages is None else int(num_stages)
     if variant == 0:
         if warps_per_block not in (None, V0_WARPS):
             fail("warps_per_block", f"must be {V0_WARPS} (or None) for variant 0, got "
@@ -178,13 +205,15 @@ def launch_shape(head_dim, variant=0, block_h=None, warps_per_block=None,
             block_h = V0_BLOCK_H
         if not _is_int(block_h) or block_h <= 0 or block_h & (block_h - 1):
             fail("block_h", f"must be a power of two, got {block_h!r}")
-        return 0, V0_WARPS, 1, int(block_h)
+        return 0, V0_WARPS, 1, int(block_h), 0
     g = 256 // head_dim  # heads per 16-byte pass of a warp
-    wpb = VEC_WARPS if warps_per_block is None else warps_per_block
+    default_wpb = STREAM_WARPS if variant == 3 else VEC_WARPS
+    wpb = default_wpb if warps_per_block is None else warps_per_block
     if not _is_int(wpb) or wpb not in VEC_WARP_CHOICES:
         fail("warps_per_block", f"must be one of {list(VEC_WARP_CHOICES)} for variant "
                                 f"{variant}, got {warps_per_block!r}")
-    hpw = g * VEC_ROUNDS if heads_per_warp is None else heads_per_warp
+    default_rounds = STREAM_ROUNDS if variant == 3 else VEC_ROUNDS
+    hpw = g * default_rounds if heads_per_warp is None else heads_per_warp
     choices = [g * r for r in VEC_ROUND_CHOICES]
     if not _is_int(hpw) or hpw not in choices:
         fail("heads_per_warp", f"must be one of {choices} (256 / head_dim = {g} heads per "
@@ -193,7 +222,7 @@ def launch_shape(head_dim, variant=0, block_h=None, warps_per_block=None,
     if block_h is not None and block_h != wpb * hpw:
         fail("block_h", f"must be warps_per_block * heads_per_warp = {wpb * hpw} (or None) "
                         f"for variant {variant}, got {block_h!r}")
-    return int(variant), int(wpb), int(hpw), int(wpb * hpw)
+    return int(variant), int(wpb), int(hpw), int(wpb * hpw), stages
 
 
 def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
@@ -202,8 +231,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
                      num_index_heads=0, has_index_k=False, w_index_q=None, w_index_k=None,
                      k_scale=None, v_scale=None, index_cache=None, index_fmt=None,
                      index_slot_mapping=None, q_out=None, index_q_out=None,
-                     skip_index=False, validate=False, block_h=None, heads_fast=False,
-                     variant=0, warps_per_block=None, heads_per_warp=None):
+                     skip_index=False, validate=False, block_h=None, num_stages=None,
+                     heads_fast=False, variant=0, warps_per_block=None, heads_per_warp=None):
     """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]`` on
     the GPU: the contract of ``kernels.norm_rope_insert.norm_rope_insert`` (see there).
 
@@ -216,16 +245,30 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
       RoPE partners by warp shuffles inside the head's lanes (8 per lane and pass when
       R/2 % 8 is 0 or 4, else 16), cos/sin read once per warp straight from the table;
       2: as 1, but each lane re-reads its partner dims' x and weight from global memory
-      (L1/L2 hits; 16-byte loads when R/2 % 8 == 0) instead of shuffling.
+      (L1/L2 hits; 16-byte loads when R/2 % 8 == 0) instead of shuffling;
+      3: persistent (a grid of SMs x resident blocks, each block owning whole tokens in
+      turn), every token's row bytes, table row and slots copied into a pipeline of
+      ``num_stages`` shared-memory stages by cp.async (loads in flight cost no registers),
+      then the lanes of 1 and 2 compute from shared memory (RoPE partners through a per-warp
+      shared scratch): csrc/nri_stream.cuh. Rows not 16-byte aligned (base or row stride),
+      a table not 4-byte aligned, or (with ``num_stages=None``) a row too wide for two
+      stages in the device's shared memory run variant 1 instead (the same bits).
+      Variants 1, 2 and 3 give bit-identical results; variant 0 may differ from them by
+      fp32 roundings (another summation order).
     - ``block_h``: heads per CUDA block. Variant 0: a power of two (default 32, tuned; the
-      4 warps loop over them). Variants 1, 2: must be ``warps_per_block * heads_per_warp``
-      (the default).
-    - ``heads_fast``: grid order. False (default): grid (N, head blocks), one head block's
-      tokens adjacent in launch order; True: a 1-D grid with a token's head blocks adjacent
-      (the rows walked in memory order; needs N * head blocks < 2^31). As Triton's knob.
-    - ``warps_per_block``: variant 0: 4 only; variants 1, 2: 1, 2, 4 or 8 (default 2).
-    - ``heads_per_warp``: variant 0: 1 only; variants 1, 2: (256 / D) x {1, 2, 4} passes
-      (default 2 passes: 4 heads at D = 128, 8 at 64, 2 at 256).
+      4 warps loop over them). Variants 1-3: must be ``warps_per_block * heads_per_warp``
+      (the default; variant 3: heads per block and pass over a token).
+    - ``num_stages``: variant 3 only: shared-memory stages of the pipeline, 2 .. 8 (default
+      None: 3, or fewer when the row is too wide); a count whose stages do not fit the
+      device's shared memory per block raises ValueError. As Triton's knob.
+    - ``heads_fast``: grid order (variants 0-2). False (default): grid (N, head blocks), one
+      head block's tokens adjacent in launch order; True: a 1-D grid with a token's head
+      blocks adjacent (the rows walked in memory order; needs N * head blocks < 2^31).
+    - ``warps_per_block``: variant 0: 4 only; variants 1, 2: 1, 2, 4 or 8 (default 2);
+      variant 3: 1, 2, 4 or 8 (default 4).
+    - ``heads_per_warp``: variant 0: 1 only; variants 1-3: (256 / D) x {1, 2, 4} passes
+      (default 2 passes: 4 heads at D = 128, 8 at 64, 2 at 256; variant 3 processes them
+      together in each pass over a token).
 
     Raises ValueError (naming the argument) for bad arguments, including tensors that are
     not on a CUDA device, and RuntimeError with the CUDA error text if the launch fails."""
@@ -237,31 +280,47 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         has_index_k=has_index_k, w_index_q=w_index_q, w_index_k=w_index_k, k_scale=k_scale,
         v_scale=v_scale, index_cache=index_cache, index_fmt=index_fmt,
         index_slot_mapping=index_slot_mapping, q_out=q_out, index_q_out=index_q_out,
-        skip_index=skip_index, validate=validate, block_h=block_h, heads_fast=heads_fast,
-        variant=variant, warps_per_block=warps_per_block, heads_per_warp=heads_per_warp)
+        skip_index=skip_index, validate=validate, block_h=block_h, num_stages=num_stages,
+        heads_fast=heads_fast, variant=variant, warps_per_block=warps_per_block,
+        heads_per_warp=heads_per_warp)
     if p is None:
         return out
     dev = rows.device
     lib = load_library()
     with torch.cuda.device(dev):
+        if p.variant == 3 and p.stages:
+            check_stream_smem(p, lib)
         code = lib.nri_launch(ctypes.byref(p), ctypes.c_void_p(_stream(dev)))
     check_cuda(code, "norm_rope_insert (CUDA) launch", lib)
     return out
 
 
-def launch_params(rows, positions, rope_table, w_q, w_k, *, block_h=None, heads_fast=False,
-                  variant=0, warps_per_block=None, heads_per_warp=None, device_type="cuda",
-                  **kwargs):
+def check_stream_smem(p, lib=None) -> None:
+    """ValueError naming num_stages when variant 3's explicit stages do not fit the current
+    device's shared memory per block (nri_launch would return cudaErrorInvalidValue)."""
+    lib = lib or load_library()
+    need, limit = lib.nri_stream_smem_bytes(ctypes.byref(p)), ctypes.c_int64(0)
+    check_cuda(lib.nri_device_smem_optin(ctypes.byref(limit)), "shared memory query", lib)
+    if need > limit.value:
+        fail("num_stages", f"{p.stages} stages of a {p.head_dim}-dim row of "
+                           f"{p.hq} + 2 x {p.hkv} + {p.hi} + {p.write_ik} heads need {need} "
+                           f"bytes of shared memory per block, the device allows "
+                           f"{limit.value}: ask for fewer stages (or None)")
+
+
+def launch_params(rows, positions, rope_table, w_q, w_k, *, block_h=None, num_stages=None,
+                  heads_fast=False, variant=0, warps_per_block=None, heads_per_warp=None,
+                  device_type="cuda", **kwargs):
     """Every host check of ``norm_rope_insert`` (the shared plan, then the launch knobs, then
     the device: ``device_type``), and the kernel's parameters: ``(outputs, NriParams)``, or
     ``(outputs, None)`` for N = 0. ``kwargs`` are the other arguments of
-    ``norm_rope_insert``. The CPU tests pass ``device_type="cpu"`` to run the vectorised
-    kernels' source on the host (csrc/nri_vec_host.cpp) with these very parameters."""
+    ``norm_rope_insert``. The CPU tests pass ``device_type="cpu"`` to run the kernels'
+    source on the host (csrc/nri_vec_host.cpp: variants 1, 2; csrc/nri_stream_host.cpp:
+    variant 3) with these very parameters."""
     plan = plan_norm_rope_insert(rows, positions, rope_table, w_q, w_k, **kwargs)
-    variant, wpb, hpw, block_h = launch_shape(plan.d, variant, block_h, warps_per_block,
-                                              heads_per_warp)
-    if heads_fast not in (False, True, 0, 1):
-        fail("heads_fast", f"must be a bool, got {heads_fast!r}")
+    variant, wpb, hpw, block_h, stages = launch_shape(plan.d, variant, block_h,
+                                                      warps_per_block, heads_per_warp,
+                                                      num_stages, heads_fast)
     dev = rows.device
     if dev.type != device_type:
         where = "a CUDA device" if device_type == "cuda" else f"device type {device_type}"
@@ -275,7 +334,7 @@ def launch_params(rows, positions, rope_table, w_q, w_k, *, block_h=None, heads_
     blocks = -(-heads // block_h)
     if heads_fast and n * blocks > 2**31 - 1:
         fail("heads_fast", f"needs N * head blocks < 2^31, got {n} * {blocks}")
-    if not heads_fast and blocks > 65535:
+    if not heads_fast and variant != 3 and blocks > 65535:
         fail("block_h", f"gives {blocks} head blocks, more than the grid's 65535")
     act_code = FORMAT_CODES[plan.md]
     iq = out.get("index_q")
@@ -311,7 +370,7 @@ def launch_params(rows, positions, rope_table, w_q, w_k, *, block_h=None, heads_
         write_ik=int(plan.write_ik), ik_col=plan.width - d, head_dim=d,
         rotary_dim=int(kwargs["rotary_dim"]), act_fmt=act_code, heads_per_block=block_h,
         variant=variant, warps_per_block=wpb, heads_per_warp=hpw, heads_fast=int(heads_fast),
-        eps=float(np.float32(kwargs["eps"])))
+        stages=stages, eps=float(np.float32(kwargs["eps"])))
     return out, p
 
 
@@ -329,8 +388,9 @@ def _register():
     register(Implementation(
         "cuda", "norm_rope_insert", run, devices=("cuda",),
         shape_classes=("tiny", "small", "model", "sweep"), quantize_from="value",
-        notes="csrc/norm_rope_insert.cu via ctypes: one launch, a warp per head, fp32 Gemma "
-              "RMSNorm + partial NeoX RoPE (partners through shared memory, any even R), "
+        notes="csrc/norm_rope_insert.cu via ctypes: one launch (variant 0 by default), a warp "
+              "per head, fp32 Gemma RMSNorm + partial NeoX RoPE (partners through shared "
+              "memory, any even R), "
               "K from its fp32 value, fp8 satfinite via cvt.rn.satfinite / software fnuz"))
 
 

@@ -1,0 +1,7 @@
+// Variant 3 of the fused insert for bf16 activations and D = 256: the persistent kernel
+// with its row loads pipelined through shared memory by cp.async (csrc/nri_stream.cuh).
+#include "nri_stream.cuh"
+
+NRI_STREAM_ENTRY(nri_launch_stream_bf16_d256) {
+  return nri_dev::launch_stream<cvt::FMT_BF16, 256>(p, rounds, s);
+}
