@@ -39,7 +39,9 @@ Writes a ``bench/1`` JSON (default ``$OUT/bench_indexer.json`` when OUT is set, 
 reports/bench_indexer.json; ``--out``) and the Markdown table beside it (render_bench.py).
 
 Run on the GPU machine: ``python -m benchmarks.bench_indexer``; ``--batch 2 --seq-len 2048``
-for a quick check.
+for a quick check. Tuning: ``--knobs "blocks_per_split=8" "lanes_d=8,num_warps=8" ...`` (the
+first set makes the results, the others a ``sweep`` list, all in one call), or ``--tune``
+for the TUNE list (the launcher's knobs: kernels/indexer_decode.py).
 """
 
 from __future__ import annotations
@@ -132,15 +134,18 @@ def make_set(batch: int, seq_len: int, index_fmt: str, seed: int, rows: int = RO
 # ----------------------------------------------------------------------- the callables
 
 
-def triton_indexer(index_fmt: str, s: Shape = SHAPE):
-    """A factory: IndexerSet -> zero-argument call of the Triton decode indexer."""
+def triton_indexer(index_fmt: str, s: Shape = SHAPE, knobs: dict | None = None):
+    """A factory: IndexerSet -> zero-argument call of the Triton decode indexer (with the
+    launcher's tuning keywords ``knobs``)."""
     from kernels.indexer_decode import indexer_decode
+
+    knobs = knobs or {}
 
     def bind(t: IndexerSet):
         out = t.out.transpose(0, 1)
         return lambda: indexer_decode(t.index_q, t.cache, index_fmt, t.table, t.seq_lens,
                                       t.rows, topk=s.topk, local_blocks=s.local_blocks,
-                                      initial_blocks=s.initial_blocks, out=out)
+                                      initial_blocks=s.initial_blocks, out=out, **knobs)
 
     return bind
 
@@ -198,11 +203,11 @@ def selection_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def agreement(index_fmt: str, batch: int, seq_len: int, rows: int = ROWS,
-              dev: str = "cuda") -> dict:
+              dev: str = "cuda", knobs: dict | None = None) -> dict:
     """The kernel and the torch composition on one fresh set: equal selections expected
     except for fp32 near-ties (different summation orders)."""
     a = make_set(batch, seq_len, index_fmt, seed=12345, rows=rows, dev=dev)
-    triton_indexer(index_fmt)(a)()
+    triton_indexer(index_fmt, knobs=knobs)(a)()
     got = a.out.clone()
     torch_baseline(index_fmt)(a)()
     return {"batch": batch, "seq_len": seq_len, **selection_agreement(got, a.out)}
@@ -211,41 +216,92 @@ def agreement(index_fmt: str, batch: int, seq_len: int, rows: int = ROWS,
 # ----------------------------------------------------------------------------- bench
 
 
-def _binders(index_fmt: str, impls) -> dict:
-    make = {"triton": lambda: triton_indexer(index_fmt),
+def _binders(index_fmt: str, impls, knobs: dict | None = None) -> dict:
+    make = {"triton": lambda: triton_indexer(index_fmt, knobs=knobs),
             "torch_eager": lambda: torch_baseline(index_fmt)}
     return {name: make[name]() for name in impls}
 
 
-def bench_cache(cache: str, args) -> tuple[list[dict], dict]:
-    """Results of every implementation for one cache, and the agreement check."""
+#: ``--tune``: the knob sets a GPU tuning run times (the launcher's defaults first; see
+#: kernels/indexer_decode.py). Static numbers (sm_90, model shape, per thread and key
+#: block): defaults (4 lanes along D, 32-key tiles, 4 warps, 3 stages, 16 blocks per split)
+#: 233 / 226 registers (bf16 / e4m3: 2 programs per SM), 897 / 945 SASS instructions;
+#: lanes_d=8: 128 / 122 registers (3-4 programs per SM), 1083 / 1139 instructions;
+#: num_warps=8 (64-key tiles): 230 / 220 registers, 504 / 529 instructions per warp.
+TUNE = [
+    {},
+    {"blocks_per_split": 8}, {"blocks_per_split": 32}, {"blocks_per_split": 64},
+    {"num_stages": 2}, {"num_stages": 4},
+    {"lanes_d": 8}, {"lanes_d": 8, "num_stages": 2}, {"lanes_d": 8, "num_stages": 4},
+    {"lanes_d": 8, "blocks_per_split": 8},
+    {"num_warps": 8}, {"num_warps": 8, "num_stages": 2}, {"num_warps": 8, "lanes_d": 8},
+    {"num_warps": 2}, {"merge_chunk": 4},
+    {"scan": "dot"},
+]
+
+
+def parse_knob_set(text: str) -> dict:
+    """A launcher knob set from the command line: ``"num_warps=8,scan=dot,pairs=false"`` ->
+    ``{"num_warps": 8, "scan": "dot", "pairs": False}`` (integers, true / false, else
+    strings)."""
+    def value(v: str):
+        if v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        try:
+            return int(v)
+        except ValueError:
+            return v
+
+    return {k: value(v) for k, v in (kv.split("=", 1) for kv in text.split(",") if kv)}
+
+
+def bench_cache(cache: str, args) -> tuple[list[dict], dict, list[dict]]:
+    """Results of every implementation for one cache (triton with the first knob set), the
+    agreement check, and the triton results of the other knob sets (the sweep)."""
     fmt = CACHES[cache]
+    knob_sets = knob_list(args)
     parts = minimal_bytes(args.batch, args.seq_len, fmt, args.rows)
     n_sets = harness.rotation_count(parts["total"], harness.l2_bytes())
     sets = [make_set(args.batch, args.seq_len, fmt, seed=i, rows=args.rows)
             for i in range(n_sets)]
     try:
-        agree = agreement(fmt, min(args.batch, CHECK_BATCH), args.seq_len, args.rows)
+        agree = agreement(fmt, min(args.batch, CHECK_BATCH), args.seq_len, args.rows,
+                          knobs=knob_sets[0])
     except Exception as e:  # noqa: BLE001 - the timings are still worth having
         agree = {"error": f"{type(e).__name__}: {e}"[:400]}
-    results = []
-    for name, bind in _binders(fmt, args.impls).items():
-        extra = {"index_fmt": fmt, "bytes_parts": parts}
-        if name == "triton":
-            extra.update(baselines=list(BASELINES), targets=dict(TARGETS))
+
+    def one(name, bind, extra):
         try:
             calls = [bind(st) for st in sets]
         except Exception as e:  # noqa: BLE001 - e.g. the kernel module fails to import
-            results.append(harness.record(name, OP, cache, parts["total"],
-                                          error=f"{type(e).__name__}: {e}"[:400], **extra))
-            continue
-        results.append(harness.timed_record(name, OP, cache, parts["total"], calls, args,
-                                            **extra))
-        print(f"{cache} {name}: {results[-1]['mode']} {results[-1]['median_us']} us",
+            return harness.record(name, OP, cache, parts["total"],
+                                  error=f"{type(e).__name__}: {e}"[:400], **extra)
+        r = harness.timed_record(name, OP, cache, parts["total"], calls, args, **extra)
+        print(f"{cache} {name} {extra.get('knobs', '')}: {r['mode']} {r['median_us']} us",
               flush=True)
-    del sets
+        return r
+
+    results = []
+    for name, bind in _binders(fmt, args.impls, knob_sets[0]).items():
+        extra = {"index_fmt": fmt, "bytes_parts": parts}
+        if name == "triton":
+            extra.update(baselines=list(BASELINES), targets=dict(TARGETS),
+                         knobs=knob_sets[0])
+        results.append(one(name, bind, extra))
+    sweep = [one("triton", triton_indexer(fmt, knobs=k),
+                 {"index_fmt": fmt, "bytes_parts": parts, "knobs": k})
+             for k in knob_sets[1:]]
+    sets.clear()
     torch.cuda.empty_cache()
-    return results, agree
+    return results, agree, sweep
+
+
+def knob_list(args) -> list[dict]:
+    """The knob sets of a run: ``--tune``'s list, else ``--knobs`` (one set per argument),
+    else the defaults."""
+    if getattr(args, "tune", False):
+        return [dict(k) for k in TUNE]
+    return list(getattr(args, "knobs", None) or [{}])
 
 
 def parse_args(argv):
@@ -255,6 +311,13 @@ def parse_args(argv):
     ap.add_argument("--rows", type=int, default=ROWS, help="query rows per request (1..4)")
     ap.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES))
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--knobs", nargs="*", type=parse_knob_set, default=[],
+                    help="decode-indexer launcher knobs, one set per argument (k=v,...): the "
+                         "first set makes the triton results, the others a 'sweep' list "
+                         "beside them (one GPU call times them all)")
+    ap.add_argument("--tune", action="store_true",
+                    help="time the TUNE knob sets (the first, the defaults, makes the "
+                         "results); overrides --knobs")
     harness.add_timing_args(ap, NAME)
     return ap.parse_args(argv)
 
@@ -269,14 +332,34 @@ def build_report(args) -> dict:
                       "(no launch overhead counted).",
                       "for_scale: vLLM 0.33 Triton index decode, the issue's numbers, "
                       "not measured here."],
-               for_scale=FOR_SCALE, results=[], agreement={})
+               for_scale=FOR_SCALE, results=[], agreement={}, sweep=[])
     for cache in args.caches:
-        results, agree = bench_cache(cache, args)
+        results, agree, sweep = bench_cache(cache, args)
         doc["results"] += results
         doc["agreement"][cache] = agree
+        doc["sweep"] += sweep
     for r, derived in zip(doc["results"], render_bench.derive(doc)):
         r.update(derived)
+    copy_bps = doc["copy"]["bytes_per_s"]
+    for r in doc["sweep"]:
+        r.update(render_bench.derive_one(r, doc["sweep"], copy_bps))
     return doc
+
+
+def sweep_lines(doc: dict) -> str:
+    """The knob sweep as a Markdown table (empty when there is none), fastest first per
+    cache."""
+    rows = sorted(doc.get("sweep", ()), key=lambda r: (r["cache"], r.get("median_us") or 1e30))
+    if not rows:
+        return ""
+    lines = ["", "Knob sweep (triton):", "", "| cache | knobs | median us | copy BW |",
+             "|---|---|---|---|"]
+    for r in rows:
+        us, frac = r.get("median_us"), r.get("copy_fraction")
+        lines.append(f"| {r['cache']} | {r.get('knobs') or 'defaults'} | "
+                     f"{'-' if us is None else f'{us:.1f}'} | "
+                     f"{'-' if frac is None else f'{100 * frac:.1f}%'} |")
+    return "\n".join(lines) + "\n"
 
 
 def for_scale_lines(doc: dict) -> str:
@@ -293,7 +376,7 @@ def main(argv=None) -> int:
         print(f"{NAME} needs a CUDA device", file=sys.stderr)
         return 2
     doc = build_report(args)
-    md = render_bench.markdown(doc) + for_scale_lines(doc)
+    md = render_bench.markdown(doc) + for_scale_lines(doc) + sweep_lines(doc)
     harness.write_report(doc, args.out, md)
     print(doc["agreement"])
     print(md)

@@ -13,9 +13,11 @@ is ``max over visible keys j (j <= p) of q . k_j`` with fp32 products and fp32 a
 q and k are widened exactly to fp32 (bf16/fp16 by a cast, fp8 codes by
 ``kernels.fp8.decode_fp8``: hardware conversion for e4m3fn/e5m2, software codec for the
 fnuz formats) and multiplied by ``tl.dot(..., input_precision="ieee")`` (no TF32, no
-reduced-precision fp8 MMA), so the registry declares ``score_rel = 0``. A NaN dot on a
-visible key makes the score NaN (tracked explicitly: hardware max drops NaNs); -0 is
-normalised to +0.
+reduced-precision fp8 MMA) or, in the decode kernel's ``scan_blocks_fma``, by exact fp32
+products summed in FMA chains (another fp32 summation order: the oracle's bound covers any
+order), so the registry declares ``score_rel = 0``. A NaN dot on a visible key makes the
+score NaN (tracked explicitly: hardware max drops NaNs; the FMA scan uses the
+NaN-propagating max); -0 is normalised to +0.
 
 Selection: one 64-bit key per (row, block) encodes the whole order of SPEC.md s.5 so that
 "larger key" means "ranks first", and keys of one row are unique:
@@ -30,7 +32,8 @@ the lower id wins through the low word). Keys below 2^32 mean "empty".
 
 Each row keeps a list of BK = next_pow2(K) keys (unsorted), initialised with the distinct
 empty keys 0..BK-1; after the last block it holds the BK largest keys of the row. Two exact
-strategies fill it (``strategy`` picks one; both produce the same list):
+strategies fill it in ``scan_blocks`` (``strategy`` picks one; both produce the same list;
+``scan_blocks_fma`` also fills a column per block when it scans at most BK blocks):
 - replace-min (compiled default): one block per step; its key takes the slot of the row's
   smallest key if larger (keys are unique, so exactly one slot changes). O(BK) per block.
 - rank merge (``VEC``, interpreted default): CH blocks per step; every key of the list and
@@ -243,6 +246,181 @@ def write_list(top, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk, BK: tl
     tl.store(dst, ids, mask=row_in[:, None] & (rank < topk))
 
 
+# ------------------------------------------- streaming FMA scan and merge (decode kernel)
+
+
+@triton.jit
+def _fma_pair(s1, w1, s2, w2):
+    """Combine of a tuple reduction whose elements (s, w) stand for the products s * w: the
+    sum of two is one FMA (w is 1 after the first combine and LLVM folds the multiply by 1),
+    so a reduction within a thread is one FMA chain over the thread's elements."""
+    return tl.fma(s2, w2, s1 * w1), tl.full(s1.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _nanmax(a, b):
+    """max that propagates NaN (hardware max.NaN): a NaN dot anywhere makes the max NaN."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _key_dots(k, q, CHAIN: tl.constexpr):
+    """k, q [LANES, BN, M, V] fp32 (q the same vector for every key) -> [BN]: each key's
+    dot product. Dims M and V are held by each thread (CHAIN: one FMA chain of M * V
+    products per key), LANES by lanes of a warp (log2(LANES) shuffle-adds at the end).
+    Without CHAIN: ``tl.sum`` of the products (same fp32 values up to the summation order;
+    the interpreter runs a tuple reduction's combine element by element, this vectorised)."""
+    BN: tl.constexpr = k.shape[1]
+    MV: tl.constexpr = k.shape[2] * k.shape[3]
+    kk = tl.reshape(tl.permute(k, (1, 0, 2, 3)), [BN, k.shape[0], MV])
+    qq = tl.reshape(tl.permute(q, (1, 0, 2, 3)), [BN, q.shape[0], MV])
+    if CHAIN:
+        s, _ = tl.reduce((kk, qq), 2, _fma_pair)
+    else:
+        s = tl.sum(kk * qq, axis=2)
+    return tl.sum(s, axis=1)
+
+
+@triton.jit
+def _load_key_tile(kp, ok, LANES: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
+                   FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr, PAIRS: tl.constexpr):
+    """Key tile [LANES, BN, M, V] widened exactly to fp32 (masked: 0); element d = m *
+    LANES * V + lane * V + v of each key. kp: [1, BN, 1, 1] pointers to the keys' rows.
+    PAIRS (bf16 only; rows 4-byte aligned): read as int32 words of two bf16 values, widened
+    by one integer op per value (``w << 16`` and ``w & 0xFFFF0000``: exactly the bf16 ->
+    fp32 cast), instead of an extract and a shift."""
+    if PAIRS:
+        H: tl.constexpr = V // 2
+        offs = (tl.arange(0, LANES)[:, None, None, None] * H
+                + tl.arange(0, M)[None, None, :, None] * (LANES * H)
+                + tl.arange(0, H)[None, None, None, :])
+        w = tl.load(kp.to(tl.pointer_type(tl.int32), bitcast=True) + offs, mask=ok, other=0)
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+        k = tl.reshape(tl.join(lo, hi), [w.shape[0], w.shape[1], w.shape[2], V])
+    else:
+        offs = (tl.arange(0, LANES)[:, None, None, None] * V
+                + tl.arange(0, M)[None, None, :, None] * (LANES * V)
+                + tl.arange(0, V)[None, None, None, :])
+        k = load_fp32(kp + offs, ok, FP8, FMT, HW)
+    return k
+
+
+@triton.jit
+def scan_blocks_fma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1, b_lo,
+                    b_hi, ic_ptr, ic_s0, ic_s1, num_pages, local_blocks, initial_blocks,
+                    P: tl.constexpr, D: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr,
+                    ROWS: tl.constexpr, LANES: tl.constexpr, BLOCK_N: tl.constexpr,
+                    STAGES: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr,
+                    HW: tl.constexpr, PAIRS: tl.constexpr, DIRECT: tl.constexpr,
+                    CHAIN: tl.constexpr):
+    """The decode kernel's compiled strategy: score key blocks b_lo .. b_hi-1 of one
+    request for its QR * HI rows (row i = token i // HI of the request, head i % HI; ROWS >=
+    QR * HI the list's padded row count) without tl.dot, and collect their keys in ``top``:
+    DIRECT (at most BK blocks, b_hi - b_lo <= BK): block b's key goes to column b - b_lo
+    (a select; rows that do not see the block keep their distinct empty keys), so a
+    block costs no min-reduction over the list (the caller merges the lists later); else
+    replace-min ``insert``. (No store in the loop: it would keep the q loads from being
+    hoisted.)
+
+    Keys of a block are read as BLOCK_N-key tiles [LANES, BLOCK_N, M, V] of one 16-byte
+    vector (V = 8 half or 16 fp8 elements) per thread and (LANES, M, V) = D: Triton's
+    coalescing gives the V dim to a thread, LANES lanes along D, the other lanes and the warps
+    along keys, and M to each thread (element d = m * LANES * V + lane * V + v), so every
+    load is a 16-byte vector and every key's M * V products of a thread are one fp32 FMA
+    chain (``_key_dots``), then log2(LANES) shuffle-adds; per row of the program, one static
+    pass over the tile (no padding rows: the rows are constexpr). Each row's q vector is
+    loaded as a tile of the same shape (every key the same vector, so it gets the tile's
+    layout) inside the loop; it does not depend on the block, and Triton's loop-invariant
+    code motion hoists it into registers (QR * HI * D / LANES fp32 per thread).
+    The block loop is ``tl.range(..., num_stages=STAGES)``: Triton pipelines the key tiles
+    (and the block-table entry they depend on) through shared memory with cp.async,
+    STAGES - 1 blocks ahead. A block's per-key maxima live in a [BLOCK_N, ROWS] tile whose
+    layout is the dot products' own (rows along the D lanes), reduced once per block.
+
+    Scores are exact fp32 products accumulated in fp32 (another summation order than the
+    dot path, within the same fp32 bound: ``score_rel = 0``); invisible keys (past the row's
+    position) are -inf before a NaN-propagating max, so a NaN dot on a visible key makes
+    the block's score NaN and an invisible one never does."""
+    V: tl.constexpr = 16 if FP8 else 8
+    M: tl.constexpr = D // (LANES * V)
+    cols = tl.arange(0, top.shape[1])
+    tl.static_assert(M * LANES * V == D, "LANES * (16-byte vector) must divide D")
+    tl.static_assert(P % BLOCK_N == 0, "BLOCK_N must divide P")
+    NR: tl.constexpr = QR * HI
+    rows = tl.arange(0, ROWS)
+    tq = rows // HI  # token of each row within the request
+    pos = seq - QR + tq
+    live = (rows < NR) & (tok0 + tq < num_tokens) & (seq > 0) & (pos >= 0)
+    own = pos // P  # each row's last visible block
+    nvis = own + 1
+    nn = tl.arange(0, BLOCK_N)[None, :, None, None]
+    dofs = (tl.arange(0, LANES)[:, None, None, None] * V
+            + tl.arange(0, M)[None, None, :, None] * (LANES * V)
+            + tl.arange(0, V)[None, None, None, :])
+    kn = tl.arange(0, BLOCK_N)
+    for b in tl.range(b_lo, b_hi, num_stages=STAGES):
+        page = tl.load(bt_row + b * bt_s1).to(tl.int64)
+        ok = (page >= 0) & (page < num_pages)  # else no memory is read (keys 0)
+        kblk = ic_ptr + tl.where(ok, page, 0) * ic_s0
+        sblk = tl.full([BLOCK_N, ROWS], float("-inf"), tl.float32)
+        for n0 in tl.static_range(0, P, BLOCK_N):
+            k = _load_key_tile(kblk + (n0 + nn).to(tl.int64) * ic_s1, ok, LANES, M, V, FP8,
+                               FMT, HW, PAIRS)
+            kpos = b * P + n0 + kn
+            for i in tl.static_range(NR):
+                p_i = seq - QR + i // HI
+                live_i = (tok0 + i // HI < num_tokens) & (seq > 0) & (p_i >= 0)
+                q = load_fp32(q_req + (i // HI) * q_s0 + (i % HI) * q_s1 + nn * 0 + dofs,
+                              live_i, FP8, FMT, HW)
+                s = tl.where(kpos <= p_i, _key_dots(k, q, CHAIN), float("-inf"))
+                sblk = tl.where(rows[None, :] == i, _nanmax(sblk, s[:, None]), sblk)
+        best = tl.reduce(sblk, 0, _nanmax)
+        b1 = b + 0  # a tensor also in the interpreter (where loop variables are ints)
+        forced = (b1 < initial_blocks) | (b1 >= nvis - local_blocks)
+        key = block_key(best, best != best, forced, b1)
+        if DIRECT:
+            put = (cols[None, :] == b1 - b_lo) & (live & (b1 <= own))[:, None]
+            top = tl.where(put, key[:, None], top)
+        else:
+            top = insert(top, key, live & (b1 <= own))
+    return top
+
+
+@triton.jit
+def merge_partials(part, num_splits, rows, ROWS: tl.constexpr, BK: tl.constexpr,
+                   MC: tl.constexpr):
+    """The BK largest keys per row of ``num_splits`` partial lists stored at ``part`` as
+    int64 ``[num_splits, ROWS, BK]`` (read through L2, ``.cg``: other programs wrote them),
+    sorted in descending order: MC lists per step, ``tl.topk`` (bitonic) of the step's
+    MC * BK keys, then of those BK and the running BK. Exact: keys of a row are unique
+    except empty ones (< 2^32, which rank below every valid key)."""
+    cols = tl.arange(0, BK)
+    mc = tl.arange(0, MC)
+    merged = empty_list(ROWS, BK)
+    for s0 in range(0, num_splits, MC):
+        sp = s0 + mc
+        ptrs = (part + sp.to(tl.int64)[None, :, None] * (ROWS * BK)
+                + rows.to(tl.int64)[:, None, None] * BK + cols[None, None, :])
+        cand = tl.load(ptrs, mask=(sp < num_splits)[None, :, None], other=0,
+                       cache_modifier=".cg").to(tl.uint64, bitcast=True)
+        best = tl.topk(tl.reshape(cand, [ROWS, MC * BK]), BK)
+        merged = tl.topk(tl.reshape(tl.join(merged, best), [ROWS, 2 * BK]), BK)
+    return merged
+
+
+@triton.jit
+def write_sorted(top, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk, BK: tl.constexpr):
+    """``write_list`` for a list already in descending key order (``merge_partials``):
+    entry i goes to column i."""
+    cols = tl.arange(0, BK)
+    valid = (top >> 32) != 0
+    ids = tl.where(valid, 4294967295 - (top & 0xFFFFFFFF).to(tl.int64), -1).to(tl.int32)
+    dst = (out_ptr + heads.to(tl.int64)[:, None] * o_s0 + toks.to(tl.int64)[:, None] * o_s1
+           + cols.to(tl.int64)[None, :] * o_s2)
+    tl.store(dst, ids, mask=row_in[:, None] & (cols[None, :] < topk))
+
+
 # ---------------------------------------------------------------------------- host side
 
 
@@ -250,10 +428,12 @@ def write_list(top, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk, BK: tl
 MAX_NUMEL = 1 << 20
 
 
-def _pow2_arg(name, v, lo):
+def pow2_arg(name, v, lo):
+    """v as an int when it is a power of two >= lo, else ValueError naming it."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo or v & (v - 1):
         fail(name, f"must be a power of two >= {lo}, got {v!r}")
     return int(v)
+
 
 
 def strategy(rows_wanted: int, hi: int, page: int, d: int, blocks: int, topk: int,
@@ -274,7 +454,7 @@ def strategy(rows_wanted: int, hi: int, page: int, d: int, blocks: int, topk: in
         vec = interpreted
     rows_min = max(16, triton.next_power_of_2(hi))
     if block_rows is not None:
-        rows = _pow2_arg("block_rows", block_rows, 16)
+        rows = pow2_arg("block_rows", block_rows, 16)
         if rows < hi:
             fail("block_rows", f"must be >= the number of index heads {hi}, got {rows}")
     else:
@@ -285,11 +465,11 @@ def strategy(rows_wanted: int, hi: int, page: int, d: int, blocks: int, topk: in
     if block_d is None:
         block_d = d if interpreted else min(d, 32)
     for name, v, whole in (("block_n", block_n, page), ("block_d", block_d, d)):
-        if _pow2_arg(name, v, 16) > whole or whole % v:
+        if pow2_arg(name, v, 16) > whole or whole % v:
             fail(name, f"must be a power of two >= 16 dividing {whole}, got {v!r}")
     bk = triton.next_power_of_2(topk)
     if blocks_per_step is not None:
-        ch = _pow2_arg("blocks_per_step", blocks_per_step, 1)
+        ch = pow2_arg("blocks_per_step", blocks_per_step, 1)
     elif vec:
         ch = triton.next_power_of_2(max(1, blocks))
     else:

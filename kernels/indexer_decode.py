@@ -3,25 +3,64 @@ selection for 1..4 query rows per request, fused, split over key blocks with an 
 of the partial top-k lists in the same launch.
 
 Grid ``(B, S)``: program (r, s) owns all ``rows_per_request * Hi`` rows of request r (row j
-of the request at position ``seq_lens[r] - rows_per_request + j``; all index heads: ROWS
-rows, see kernels/_indexer.py) and the key blocks ``s*BPS .. (s+1)*BPS - 1`` (BPS blocks
-per split), so every key block is read once per request and shared by all its rows and
-heads. Each program keeps each row's running top-k list of 64-bit order keys (forced
-class, score, NaN, lower-id tie rule in one unsigned integer), exactly as the prefill
-kernel does (kernels/_indexer.py: replace-min compiled, rank merge interpreted).
+of the request at position ``seq_lens[r] - rows_per_request + j``; all index heads) and
+the key blocks ``s*BPS .. (s+1)*BPS - 1`` (BPS blocks per split), so every key block is read
+once per request and shared by all its rows and heads. Selection keys: 64-bit order keys
+(forced class, score, NaN, lower-id tie rule in one unsigned integer; kernels/_indexer.py).
 
-Split merge (S > 1), in the same kernel: each program stores its lists to a workspace
-``[B, S, ROWS, BK]`` int64, then takes a ticket from a per-request counter (``atomic_add``,
-acq_rel, after a CTA barrier); the program that draws the last ticket reads the S partial
-lists (L2 loads, ``.cg``), merges them into one list (inserting every valid key of every
-partial list; rank merges interpreted), writes the selection and resets the counter to
-0. The merge is exact: the order keys are unique per row, so the BK largest keys
-of the union of the partial lists are the BK largest keys of the whole request, whatever
-the split or the order of arrival. S = 1 writes directly (no workspace).
+Two scans (``scan=``):
+- "fma", compiled default (``kernels._indexer.scan_blocks_fma``): decode has few rows (the
+  model: Hi 4 x 1 row), so instead of a tl.dot padded to 16 rows (4x the FMAs, the former
+  default) each row's scores are exact fp32 products in one FMA chain per key and thread
+  (a tuple reduction), over 16-byte-vector key tiles ``[LANES, BLOCK_N, M, V]`` pipelined
+  through shared memory by cp.async (``tl.range(num_stages=STAGES)``), q hoisted into
+  registers, bf16 widened from int32 pairs by one integer op per value. A split of at most
+  BK blocks (the default) puts each block's key into its own list column (no min-reduction
+  per block); longer splits use replace-min. Used for up to 8 rows whose q vectors fit 128
+  registers per thread (``fma_fits``: the model with 1..2 rows per request), else "dot".
+- "dot" (interpreted default; the prefill kernel's strategy): tl.dot ieee tiles with ROWS
+  >= 16 rows, replace-min compiled, rank merges interpreted (fast there).
 
-Rows of padded requests (seq_lens 0) select nothing: all -1. Scores as in the prefill
-kernel: exact fp32 widening (fp8 via ``kernels.fp8.decode_fp8``), ``tl.dot(...,
-input_precision="ieee")``, fp32 accumulation: ``score_rel = 0``.
+Merge, in the same kernel (always for "fma", S > 1 for "dot"): each program stores its
+lists to a workspace ``[B, S, ROWS, BK]`` int64, then takes a ticket from a per-request
+counter (``atomic_add``, acq_rel, after a CTA barrier); the program that draws the last
+ticket reads the S partial lists (L2 loads, ``.cg``), merges them (compiled: bitonic
+``tl.topk`` of MC lists per step, ``kernels._indexer.merge_partials``; interpreted "dot":
+rank merges), writes the selection in order and resets the counter to 0. Exact: valid
+keys are unique per row, so the BK largest keys of the union of the partial lists are the
+BK largest of the whole request, whatever the split or the order of arrival.
+
+Rows of padded requests (seq_lens 0) select nothing: all -1. Scores: exact fp32 widening
+(fp8 via ``kernels.fp8.decode_fp8``), exact products, fp32 accumulation (FMA chains, or
+``tl.dot(..., input_precision="ieee")``): another summation order than the reference's,
+inside the oracle's fp32 bound (gamma(D) |q||k|, any order): ``score_rel = 0``.
+
+Design numbers (model shape: Hi 4, 1 row, D 128, P 128, K 16; B 64 x 32k tokens; sm_90
+compiled on the CPU, ``tests/test_compile_sm90.py``'s way, 16-byte divisibility of the
+pointers and strides; one key block = 128 keys; per thread of 4 warps):
+
+    ==================  =====================================  ============================
+                        before ("dot": ROWS 16, [16,32]x[32,64] after ("fma": LANES 4,
+                        FMA dot, replace-min)                  BLOCK_N 32, STAGES 3, direct)
+    ==================  =====================================  ============================
+    grid                64 x 5 = 320 programs                   64 x 16 = 1024 programs
+    registers/thread    128 (spills: 8 B stack)                 bf16 233, e4m3 226 (no spill)
+    shared memory       20 KB (4 KB key chunks)                 bf16 64 KB, e4m3 32 KB
+                                                                (2 blocks in flight)
+    key loads           cp.async of 4 KB chunks inside the      cp.async.cg 16 B
+                        D loop, ~1 chunk in flight              (LDGSTS.E.BYPASS.128), whole
+                                                                blocks, 2 blocks ahead
+    SASS per block      ~3,700 (2,048 FFMA: 4x padding)         bf16 897, e4m3 945 (512
+                                                                FFMA/FMUL = 4 rows x 128)
+    ==================  =====================================  ============================
+
+At 4.27 TB/s a 32 KB bf16 block arrives every ~7.7 ns per GPU (~1.0 us per SM): 897 x 4
+warps = 3,588 issue slots per block per SM against ~8,000 at 1.98 GHz (bf16 should be
+memory-bound); e4m3 blocks are half the bytes (~4,400 slots per block at 90% of copy
+bandwidth) with 3,780 needed: near compute-bound at the target. The
+knobs (``num_splits`` / ``blocks_per_split``, ``lanes_d``, ``block_n``, ``num_warps``,
+``num_stages``, ``merge_chunk``, ``scan``) are for the GPU tuning run
+(``python -m benchmarks.bench_indexer --tune``).
 
 ``indexer_decode(...)`` is the host launcher (ValueError naming the argument; contents
 under ``validate=True``); ``run(inputs)`` is the oracle adapter registered as
@@ -48,7 +87,10 @@ def _indexer_decode_kernel(
         hi, q_rows, topk, local_blocks, initial_blocks, blocks_per_split, num_splits,
         P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         ROWS: tl.constexpr, BK: tl.constexpr, CH: tl.constexpr, VEC: tl.constexpr,
-        SPLIT: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
+        SPLIT: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
+        FMA: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr, LANES: tl.constexpr,
+        STAGES: tl.constexpr, MC: tl.constexpr, PAIRS: tl.constexpr, DIRECT: tl.constexpr,
+        CHAIN: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     seq = tl.load(seq_ptr + r).to(tl.int32)
@@ -59,36 +101,45 @@ def _indexer_decode_kernel(
     row_in = (rows < q_rows * hi) & (toks < num_tokens)
     pos = seq - q_rows + qr
     live = row_in & (seq > 0) & (pos >= 0)
-    q_ptrs = q_ptr + toks.to(tl.int64) * q_s0 + heads.to(tl.int64) * q_s1
     nb = tl.minimum(tl.where(seq > 0, (seq - 1) // P + 1, 0), width)
     b_lo = s * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, nb)
+    bt_row = bt_ptr + r.to(tl.int64) * bt_s0
     top = ix.empty_list(ROWS, BK)
-    top = ix.scan_blocks(top, q_ptrs, pos, live, bt_ptr + r.to(tl.int64) * bt_s0, bt_s1,
-                         b_lo, b_hi, ic_ptr, ic_s0, ic_s1, num_pages, local_blocks,
-                         initial_blocks, P, D, BLOCK_N, BLOCK_D, ROWS, CH, VEC, FP8, FMT, HW)
-    if SPLIT:
-        cols = tl.arange(0, BK)
-        tile = rows.to(tl.int64)[:, None] * BK + cols[None, :]
-        mine = part_ptr + (r * num_splits + s).to(tl.int64) * (ROWS * BK)
+    cols = tl.arange(0, BK)
+    tile = rows.to(tl.int64)[:, None] * BK + cols[None, :]
+    mine = part_ptr + (r * num_splits + s).to(tl.int64) * (ROWS * BK)
+    if FMA:  # compiled default (HI == hi, QR == q_rows); always through the workspace
+        top = ix.scan_blocks_fma(top, q_ptr + (r * QR).to(tl.int64) * q_s0, q_s0, q_s1,
+                                 r * QR, num_tokens, seq, bt_row, bt_s1, b_lo, b_hi, ic_ptr,
+                                 ic_s0, ic_s1, num_pages, local_blocks, initial_blocks, P, D,
+                                 HI, QR, ROWS, LANES, BLOCK_N, STAGES, FP8, FMT, HW, PAIRS,
+                                 DIRECT, CHAIN)
         tl.store(mine + tile, top.to(tl.int64, bitcast=True))
+    else:
+        q_ptrs = q_ptr + toks.to(tl.int64) * q_s0 + heads.to(tl.int64) * q_s1
+        top = ix.scan_blocks(top, q_ptrs, pos, live, bt_row, bt_s1, b_lo, b_hi, ic_ptr, ic_s0,
+                             ic_s1, num_pages, local_blocks, initial_blocks, P, D, BLOCK_N,
+                             BLOCK_D, ROWS, CH, VEC, FP8, FMT, HW)
+        if SPLIT:
+            tl.store(mine + tile, top.to(tl.int64, bitcast=True))
+    if SPLIT or FMA:
         tl.debug_barrier()  # every thread's partial list is stored before the ticket
         ticket = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel")
         if ticket == num_splits - 1:  # the last split of this request merges
-            merged = ix.empty_list(ROWS, BK)
-            for s2 in range(0, num_splits):
-                theirs = part_ptr + (r * num_splits + s2).to(tl.int64) * (ROWS * BK)
-                if VEC:
-                    part = tl.load(theirs + tile, cache_modifier=".cg").to(tl.uint64,
-                                                                           bitcast=True)
+            first = part_ptr + (r * num_splits).to(tl.int64) * (ROWS * BK)
+            if VEC:  # interpreted: rank merges, one partial list per step
+                merged = ix.empty_list(ROWS, BK)
+                for s2 in range(0, num_splits):
+                    part = tl.load(first + s2 * (ROWS * BK) + tile,
+                                   cache_modifier=".cg").to(tl.uint64, bitcast=True)
                     merged = ix.rank_merge(merged, part, BK)
-                else:
-                    for j in range(0, BK):
-                        cand = tl.load(theirs + rows.to(tl.int64) * BK + j,
-                                       cache_modifier=".cg").to(tl.uint64, bitcast=True)
-                        merged = ix.insert(merged, cand, (cand >> 32) != 0)
-            ix.write_list(merged, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk, BK,
-                          VEC)
+                ix.write_list(merged, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk,
+                              BK, VEC)
+            else:  # bitonic top-k of MC partial lists per step, written in order
+                merged = ix.merge_partials(first, num_splits, rows, ROWS, BK, MC)
+                ix.write_sorted(merged, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk,
+                                BK)
             tl.atomic_xchg(cnt_ptr + r, 0)  # ready for the next call
     else:
         ix.write_list(top, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk, BK, VEC)
@@ -106,24 +157,90 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _splits(num_splits, b: int, width: int, dev) -> tuple[int, int]:
-    """(S, blocks per split). Default: compiled, enough programs for two waves of the GPU's
-    SMs with at least 8 blocks per split; interpreted, 2 (so the merge runs in CI)."""
-    if num_splits is None:
-        if INTERPRETED or dev.type != "cuda":
-            num_splits = 2
-        else:
-            num_splits = triton.cdiv(2 * _sm_count(dev.index or 0), max(b, 1))
-            num_splits = max(1, min(num_splits, triton.cdiv(width, 8)))
-    s = check_int(num_splits, "num_splits", 1)
-    bps = triton.cdiv(max(width, 1), min(s, max(width, 1)))
-    return triton.cdiv(max(width, 1), bps), bps
+#: Default split (compiled): about this many programs per SM in total (several waves of
+#: the ~2 programs an SM holds, so a short tail), never fewer than MIN_BLOCKS_PER_SPLIT
+#: key blocks per program.
+PROGRAMS_PER_SM = 8
+MIN_BLOCKS_PER_SPLIT = 4
+
+
+def _splits(num_splits, blocks_per_split, b: int, width: int, dev, cap: int = 0
+            ) -> tuple[int, int]:
+    """(S, blocks per split). Either knob may be given, not both. Default: compiled,
+    ``cdiv(B * width, PROGRAMS_PER_SM * SMs)`` blocks per split, at most ``cap`` (the FMA
+    scan passes BK: a split of at most BK blocks keeps no running list) unless that is below
+    MIN_BLOCKS_PER_SPLIT, at least MIN_BLOCKS_PER_SPLIT (model shape, B 64 x 256 blocks on
+    132 SMs: 16 blocks, S = 16, 1024 programs); interpreted, S = 2 (so the merge runs in
+    CI)."""
+    w = max(width, 1)
+    if num_splits is not None and blocks_per_split is not None:
+        fail("blocks_per_split", "and num_splits are alternatives: pass one of them")
+    if blocks_per_split is not None:
+        bps = check_int(blocks_per_split, "blocks_per_split", 1)
+    else:
+        if num_splits is None:
+            if INTERPRETED or dev.type != "cuda":
+                num_splits = 2
+            else:
+                bps = triton.cdiv(max(b, 1) * w, PROGRAMS_PER_SM * _sm_count(dev.index or 0))
+                if cap >= MIN_BLOCKS_PER_SPLIT:
+                    bps = min(bps, cap)
+                num_splits = triton.cdiv(w, max(bps, MIN_BLOCKS_PER_SPLIT))
+        s = check_int(num_splits, "num_splits", 1)
+        bps = triton.cdiv(w, min(s, w))
+    return triton.cdiv(w, bps), bps
+
+
+def _fma_lanes(nr: int, d: int, v: int) -> int:
+    """Default lanes along D: 4 (a warp then reads 64 contiguous bytes per key), more while
+    the rows' q vectors would need more than 128 fp32 registers per thread (nr * d / lanes),
+    at most d / v (one 16-byte vector per lane)."""
+    lanes = 4
+    while lanes < 32 and nr * d // lanes > 128:
+        lanes *= 2
+    return max(1, min(lanes, d // v))
+
+
+def fma_fits(nr: int, d: int, fp8: bool) -> bool:
+    """Whether the FMA scan is the compiled default for nr rows per program: at most 8 rows
+    (tl.dot tiles have 16: the "dot" scan pays >= 2x the FMAs; with 16 rows it pays none,
+    and the FMA scan's 16 lanes along D cost more: sm_90, bf16 D 128, 5,243 SASS
+    instructions per block against ~3,700 for "dot") whose q vectors fit 128 fp32 registers
+    per thread with the widest lane split (D / 16-byte vector lanes, at most 32)."""
+    v = 16 if fp8 else 8
+    return nr <= 8 and nr * d <= 128 * min(32, d // v)
+
+
+def fma_strategy(nr: int, page: int, d: int, fp8: bool, lanes_d=None, block_n=None,
+                 num_warps=None, num_stages=None):
+    """(LANES, BLOCK_N, num_warps, STAGES) of the FMA scan (kernels/_indexer.py
+    ``scan_blocks_fma``) for nr = rows_per_request * Hi rows; explicit values validated
+    (ValueError naming them). BLOCK_N default: one key per thread per tile,
+    (32 / LANES) * num_warps, at most P."""
+    v = 16 if fp8 else 8
+    warps = 4 if num_warps is None else ix.pow2_arg("num_warps", num_warps, 1)
+    if lanes_d is None:
+        lanes = _fma_lanes(nr, d, v)
+    else:
+        lanes = ix.pow2_arg("lanes_d", lanes_d, 1)
+        if lanes > 32 or lanes * v > d:
+            fail("lanes_d", f"must be a power of two <= min(32, D / {v} elements per 16-byte "
+                            f"vector = {d // v}), got {lanes_d!r}")
+    if block_n is None:
+        bn = min(page, (32 // lanes) * warps)
+    else:
+        bn = ix.pow2_arg("block_n", block_n, 1)
+        if bn > page:
+            fail("block_n", f"must be a power of two <= P = {page}, got {block_n!r}")
+    stages = 3 if num_stages is None else check_int(num_stages, "num_stages", 1)
+    return lanes, bn, warps, stages
 
 
 def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_per_request,
                    *, topk, local_blocks=1, initial_blocks=0, out=None, num_splits=None,
-                   validate=False, block_n=None, block_d=None, blocks_per_step=None,
-                   vec=None, num_warps=None):
+                   blocks_per_split=None, validate=False, scan=None, lanes_d=None,
+                   block_n=None, num_warps=None, num_stages=None, merge_chunk=None,
+                   pairs=None, fma_chain=None, block_d=None, blocks_per_step=None, vec=None):
     """Top-k key blocks of decode rows (SPEC.md s.5).
 
     index_q           ``[B * rows_per_request, Hi, D]`` request-major, in the index cache's
@@ -135,12 +252,29 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     rows_per_request  1..4.   topk 1..64, local_blocks, initial_blocks >= 0.
     out               int32 ``[Hi, B * rows, K]``, any strides (a transposed token-major
                       buffer too); allocated head-major when None.
-    num_splits        key-block splits per request (default: see ``_splits``); S > 1 uses
-                      a workspace of B * S * ROWS * BK int64 and B int32 counters.
+    num_splits / blocks_per_split
+                      key-block split of each request (one of them; default: see
+                      ``_splits``); S > 1 uses a workspace of B * S * ROWS * BK int64 and B
+                      int32 counters.
     validate=True     host checks of contents (a sync): seq_lens 0 or >= rows_per_request,
                       block-table entries used in range, table wide enough.
-    Returns ``out``. Tuning knobs as the prefill launcher's (no block_rows: a program
-    always holds one request's rows)."""
+    Returns ``out``.
+
+    Tuning knobs (ValueError naming them when invalid):
+    scan              "fma" (compiled default: ``kernels._indexer.scan_blocks_fma``, exact
+                      fp32 FMA chains, no padded rows, cp.async-pipelined key tiles) or
+                      "dot" (interpreted default: ``scan_blocks``, the prefill kernel's
+                      strategy; its knobs block_n, block_d, blocks_per_step, vec as there).
+    lanes_d, block_n, num_warps, num_stages
+                      "fma": lanes along D, keys per tile, warps, pipeline stages of the
+                      block loop (see ``fma_strategy``).
+    pairs             "fma", bf16 cache: read keys as int32 pairs (default: when the cache's
+                      address and page / row strides allow 4-byte words).
+    fma_chain         "fma": each thread's products of a key as one FMA chain (a tuple
+                      reduction; default compiled) or ``tl.sum`` of products (default
+                      interpreted, where the chain's combine runs element by element).
+    merge_chunk       partial lists merged per step by the last split (power of two;
+                      default min(next_pow2(S), 256 / BK)); not with vec."""
     t, hi, d, page, num_pages, fp8, code, hw, k, loc, ini = ix.check_index_args(
         index_q, index_cache, index_fmt, block_table, seq_lens, topk, local_blocks,
         initial_blocks)
@@ -151,13 +285,53 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
         fail("index_q", f"must have B * rows_per_request = {b} * {q_rows} = {b * q_rows} rows "
                         f"(B from block_table / seq_lens), got {t}")
     out = ix.check_out(out, hi, t, k, dev)
-    splits, bps = _splits(num_splits, b, width, dev)
-    rows, bn, bd, ch, vec, bk = ix.strategy(
-        q_rows * hi, hi, page, d, bps, k, INTERPRETED, None, block_n, block_d,
-        blocks_per_step, vec)
-    if rows < q_rows * hi:
-        fail("blocks_per_step", f"leaves {rows} rows per program, fewer than "
-                                f"rows_per_request * Hi = {q_rows * hi}")
+    if scan is None:
+        scan = "dot" if INTERPRETED or vec or not fma_fits(q_rows * hi, d, fp8) else "fma"
+    if scan not in ("fma", "dot"):
+        fail("scan", f"must be 'fma' or 'dot', got {scan!r}")
+    nr = q_rows * hi
+    fma = scan == "fma"
+    bk = triton.next_power_of_2(k)
+    splits, bps = _splits(num_splits, blocks_per_split, b, width, dev, bk if fma else 0)
+    if fma:
+        for name, v in (("block_d", block_d), ("blocks_per_step", blocks_per_step)):
+            if v is not None:
+                fail(name, "applies to scan='dot' only")
+        if vec:
+            fail("vec", "applies to scan='dot' only (the FMA scan's lists merge by bitonic "
+                        "top-k)")
+        lanes, bn, warps, stages = fma_strategy(nr, page, d, fp8, lanes_d, block_n, num_warps,
+                                                num_stages)
+        rows, bd, ch, vec = triton.next_power_of_2(nr), d, 1, False
+        words = (index_fmt == "bfloat16" and index_cache.data_ptr() % 4 == 0
+                 and index_cache.stride(0) % 2 == 0 and index_cache.stride(1) % 2 == 0)
+        chain = not INTERPRETED if fma_chain is None else fma_chain
+        if chain not in (True, False):
+            fail("fma_chain", f"must be a bool, got {fma_chain!r}")
+        if pairs is None:
+            pairs = words
+        elif pairs not in (True, False) or (pairs and not words):
+            fail("pairs", f"must be a bool, True only for a bf16 cache with a 4-byte aligned "
+                          f"address and even page / row strides, got {pairs!r}")
+    else:
+        chain = False
+        for name, v in (("lanes_d", lanes_d), ("num_stages", num_stages), ("pairs", pairs),
+                        ("fma_chain", fma_chain)):
+            if v is not None:
+                fail(name, "applies to scan='fma' only")
+        rows, bn, bd, ch, vec, bk = ix.strategy(
+            nr, hi, page, d, bps, k, INTERPRETED, None, block_n, block_d, blocks_per_step, vec)
+        if rows < nr:
+            fail("blocks_per_step", f"leaves {rows} rows per program, fewer than "
+                                    f"rows_per_request * Hi = {nr}")
+        lanes, stages = 1, 1
+        warps = 4 if num_warps is None else ix.pow2_arg("num_warps", num_warps, 1)
+    if merge_chunk is None:
+        mc = min(triton.next_power_of_2(splits), max(1, 256 // bk))
+    else:
+        mc = ix.pow2_arg("merge_chunk", merge_chunk, 1)
+        if vec:
+            fail("merge_chunk", "does not apply with vec=True (rank merges)")
     if validate:
         lens = seq_lens.detach().cpu()
         short = (lens != 0) & (lens < q_rows)
@@ -169,9 +343,9 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     if t == 0:
         return out
     split = splits > 1
-    part = torch.empty((b, splits, rows, bk) if split else (1,), dtype=torch.int64,
-                       device=dev)
-    cnt = torch.zeros((b if split else 1,), dtype=torch.int32, device=dev)
+    ws = split or fma  # the FMA scan always merges through the workspace (sorts its list)
+    part = torch.empty((b, splits, rows, bk) if ws else (1,), dtype=torch.int64, device=dev)
+    cnt = torch.zeros((b if ws else 1,), dtype=torch.int32, device=dev)
     ensure_ready(_indexer_decode_kernel)
     _indexer_decode_kernel[(b, splits)](
         index_q, index_q.stride(0), index_q.stride(1),
@@ -180,30 +354,43 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
         out, out.stride(0), out.stride(1), out.stride(2), part, cnt,
         hi, q_rows, k, loc, ini, bps, splits,
         P=page, D=d, BLOCK_N=bn, BLOCK_D=bd, ROWS=rows, BK=bk, CH=ch, VEC=vec, SPLIT=split,
-        FP8=fp8, FMT=code, HW=hw, num_warps=num_warps or 4)
+        FP8=fp8, FMT=code, HW=hw, FMA=fma, HI=hi if fma else 1, QR=q_rows if fma else 1,
+        LANES=lanes, STAGES=stages, MC=mc, PAIRS=bool(fma and pairs), DIRECT=fma and bps <= bk,
+        CHAIN=chain, num_warps=warps)
     return out
 
 
 def compile_signatures():
     """(kernel, signature, constexprs) triples covering the constexpr branches, for the
     sm_90 compile check on the CPU (tests/test_compile_sm90.py)."""
-    combos = [  # q/cache, P, D, BK, ROWS, SPLIT, FP8, FMT, HW, index dtype
-        ("bf16", 128, 128, 16, 16, True, False, 0, False, "i32"),
-        ("fp16", 16, 64, 1, 32, False, False, 0, False, "i64"),
-        ("u8", 64, 256, 64, 32, True, True, 0, True, "i32"),
-        ("u8", 32, 128, 8, 16, True, True, 2, False, "i64"),
+    combos = [  # q/cache, P, D, BK, rows (Hi x rows/request), SPLIT, FP8, FMT, HW, index, FMA
+        ("bf16", 128, 128, 16, (4, 1), True, False, 0, False, "i32", True),  # model shape
+        ("u8", 128, 128, 16, (4, 1), True, True, 0, True, "i32", True),  # model, e4m3
+        ("fp16", 16, 64, 1, (3, 4), False, False, 0, False, "i64", True),
+        ("u8", 32, 256, 64, (8, 1), True, True, 2, False, "i64", True),
+        ("bf16", 128, 128, 16, (16, 1), True, False, 0, False, "i32", False),
+        ("fp16", 16, 64, 1, (32, 1), False, False, 0, False, "i64", False),
+        ("u8", 64, 256, 64, (32, 1), True, True, 0, True, "i32", False),
+        ("u8", 32, 128, 8, (16, 1), True, True, 2, False, "i64", False),
     ]
     out = []
-    for qt, page, d, bk, rows, split, fp8, fmt, hw, it in combos:
+    for qt, page, d, bk, (hi, qr), split, fp8, fmt, hw, it, fma in combos:
         sig = {name: "i32" for name in _indexer_decode_kernel.arg_names}
         for name in ("q_s0", "q_s1", "ic_s0", "ic_s1", "bt_s0", "bt_s1", "o_s0", "o_s1",
                      "o_s2"):
             sig[name] = "i64"
         sig.update(q_ptr=f"*{qt}", ic_ptr=f"*{qt}", bt_ptr=f"*{it}", seq_ptr=f"*{it}",
                    out_ptr="*i32", part_ptr="*i64", cnt_ptr="*i32")
-        _, bn, bd, ch, vec, _ = ix.strategy(rows, 1, page, d, 1, bk, False)
+        if fma:
+            lanes, bn, _, stages = fma_strategy(hi * qr, page, d, fp8)
+            rows, bd, ch, vec = triton.next_power_of_2(hi * qr), d, 1, False
+        else:
+            rows, bn, bd, ch, vec, _ = ix.strategy(hi, 1, page, d, 1, bk, False)
+            lanes, stages, hi, qr = 1, 1, 1, 1
         const = dict(P=page, D=d, BLOCK_N=bn, BLOCK_D=bd, ROWS=rows, BK=bk, CH=ch, VEC=vec,
-                     SPLIT=split, FP8=fp8, FMT=fmt, HW=hw)
+                     SPLIT=split, FP8=fp8, FMT=fmt, HW=hw, FMA=fma, HI=hi, QR=qr, LANES=lanes,
+                     STAGES=stages, MC=max(1, 256 // bk), PAIRS=fma and qt == "bf16",
+                     DIRECT=fma and split, CHAIN=fma)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_indexer_decode_kernel, sig, const))
     return out
@@ -223,9 +410,10 @@ def _register():
         "triton", "indexer_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
         score_rel=0.0,
         notes="one Triton launch: (request x key-block split) per program, all rows and "
-              "heads of a request share each key block, fp32 ieee tl.dot on exactly widened "
-              "q/k, running top-k by replace-min of 64-bit order keys, last split merges the "
-              "partial lists (atomic ticket)"))
+              "heads of a request share each key block; compiled: exact fp32 FMA chains on "
+              "exactly widened q/k (no padded rows), cp.async-pipelined 16-byte key tiles; "
+              "interpreted: fp32 ieee tl.dot; 64-bit order keys per block, the last split "
+              "merges the partial lists by bitonic top-k (atomic ticket)"))
 
 
 _register()

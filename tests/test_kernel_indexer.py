@@ -1,7 +1,8 @@
 """kernels/indexer_prefill.py and kernels/indexer_decode.py: every index format, exact and
 near ties, ragged lengths not multiples of P, forced blocks, K past the visible blocks,
 padded decode rows, token-major output buffers, split-and-merge, prefill/decode agreement,
-both merge strategies, guarded and validated bad inputs, judged by the oracle
+both merge strategies, the decode kernel's FMA scan (its compiled default) and its knobs,
+guarded and validated bad inputs, judged by the oracle
 (oracle.checks.run_check, tie-aware) against the reference or compared exactly with it
 where fp32 scores are exact. Runs the kernels in the (patched) CPU interpreter when no CUDA
 device is present, compiled on a GPU otherwise.
@@ -304,10 +305,11 @@ def test_forced_local_and_initial_blocks(local, initial):
 
 @pytest.mark.parametrize("decode_op", [False, True], ids=["prefill", "decode"])
 def test_compiled_strategy_runs_interpreted(decode_op):
-    """The compiled default strategy (replace-min, one block per step, fp32 tiles of 32
-    dims, key sub-blocks smaller than P, 16 rows per program, 3 splits with the
-    insertion merge) selects exactly the reference, with forced initial blocks and exact
-    ties (duplicated blocks)."""
+    """The tl.dot strategy as compiled (the prefill kernel's default; the decode kernel's
+    "dot" scan): replace-min, one block per step, fp32 tiles of 32 dims, key sub-blocks
+    smaller than P, 16 rows per program; decode with 3 splits merged by bitonic top-k.
+    Selects exactly the reference, with forced initial blocks and exact ties (duplicated
+    blocks)."""
     kw = dict(page=32, kind="grid", topk=5, initial=1, duplicate=[(0, 0, 2)], seed=14)
     if decode_op:
         x = make_index_inputs(seq_lens=(150, 0, 64), rows=4, **kw)
@@ -333,6 +335,108 @@ def test_small_steps_and_tiles_agree():
     want = _exact(x)
     for kw in (dict(blocks_per_step=1), dict(blocks_per_step=2, block_rows=32, block_d=16)):
         assert np.array_equal(_run(x, **kw), want), kw
+
+
+# ------------------------------------------------ the decode kernel's FMA scan (compiled)
+
+
+def _fma_impl(**kw):
+    """The registered decode implementation running the FMA scan (the compiled default)."""
+    launch = functools.partial(idd.indexer_decode, scan="fma", **kw)
+    return replace(_impl("indexer_decode"), run=ix.adapter(launch, decode=True))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fma_scan_every_format_exact(fmt):
+    """The FMA scan (exact fp32 products in FMA chains, no padded rows; the compiled
+    decode default) on every index format, bf16 read as int32 pairs and element-wise, Hi 3
+    with 2 rows per request (6 rows, ROWS 8), a padded request, forced initial blocks, exact
+    ties (duplicated blocks): exactly the reference, order included; the FMA-chain
+    reduction (compiled) and the interpreter's tl.sum agree."""
+    x = make_index_inputs(fmt, seq_lens=(150, 0, 64), rows=2, topk=5, initial=1, page=32,
+                          kind="grid", duplicate=[(0, 0, 2)], seed=14)
+    want = _exact(x, scan="fma", num_splits=3)
+    if fmt == "bfloat16":
+        assert np.array_equal(_run(x, scan="fma", num_splits=3, pairs=False), want)
+    small = make_index_inputs(fmt, seq_lens=(40, 17), rows=1, hi=2, topk=3, kind="grid",
+                              seed=24)
+    _exact(small, scan="fma", fma_chain=True, num_splits=2)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(lanes_d=1), dict(lanes_d=2, block_n=8), dict(lanes_d=8, block_n=4, num_warps=1),
+    dict(block_n=32, num_warps=8), dict(num_stages=1), dict(blocks_per_split=1),
+    dict(blocks_per_split=3), dict(blocks_per_split=100), dict(num_splits=64),
+    dict(num_splits=64, merge_chunk=2), dict(num_splits=5, merge_chunk=1),
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_fma_knobs_select_identically(kw):
+    """Every FMA-scan knob (lanes along D, keys per tile, warps, pipeline stages, blocks
+    per split: at most BK blocks (slots filled directly) or more (replace-min), more splits
+    than blocks, merge chunks of 1..16 partial lists) gives exactly the reference's
+    selection."""
+    x = make_index_inputs("bfloat16", seq_lens=(300, 64, 7), rows=1, hi=5, d=128, page=32,
+                          topk=6, local=1, kind="grid", duplicate=[(0, 2, 6), (0, 3, 8)],
+                          seed=25)
+    _exact(x, scan="fma", **kw)
+
+
+@pytest.mark.parametrize("rows, hi", [(1, 1), (1, 4), (3, 3), (4, 2)])
+def test_fma_rows_and_heads(rows, hi):
+    """1..4 rows per request with 1..4 index heads (1..12 rows per program, powers of two
+    and not): each row its own position, causal inside the last block, exactly the
+    reference."""
+    x = make_index_inputs("e4m3fn", seq_lens=(97, 33), rows=rows, hi=hi, topk=4, local=1,
+                          initial=1, kind="grid", seed=26 + rows * hi)
+    _exact(x, scan="fma", num_splits=2)
+
+
+def test_fma_nan_scores_rank_last_and_bad_pages_never_fault():
+    """FMA scan: NaN keys on visible positions make their blocks rank last (NaN-propagating
+    max), NaN content past the position (the poisoned tail) changes nothing; out-of-range
+    block-table entries read nothing, the other request's selection is unaffected."""
+    x = make_index_inputs("e4m3fn", seq_lens=(80, 45), rows=1, topk=5, local=0, kind="grid",
+                          seed=27)
+    for b in (1, 3):
+        x["index_cache"][x["block_table"][0, b], 2, 7] = 0x7F  # NaN
+    got = _exact(x, scan="fma", num_splits=2)
+    assert (got[:, 0, 3:] == [1, 3]).all()
+    bad = dict(x, block_table=x["block_table"].copy())
+    bad["block_table"][0, 2] = -5
+    bad["block_table"][0, 4] = 10**6
+    launch = functools.partial(idd.indexer_decode, scan="fma", num_splits=2, validate=False)
+    out = ix.adapter(launch, True)(bad, validate=False)["topk"]
+    assert np.array_equal(out[:, 1], _reference(x)[:, 1])
+    assert ((out[:, 0] >= -1) & (out[:, 0] < 5)).all()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_fma_scan_admissible_under_the_oracle(seed):
+    """The FMA scan on the oracle's tiny cases (normal values, exact and near ties,
+    outliers, tiny magnitudes; every platform's e4m3 and bf16 / fp16 caches): admissible
+    under the fp32 score bound (score_rel 0: another fp32 summation order than the
+    reference's is inside it)."""
+    impl = _fma_impl()
+    for dist, plat, kv, md in (("normal", "cuda", "auto", "bfloat16"),
+                               ("ties", "cuda", "fp8", "bfloat16"),
+                               ("ties", "rocm-fnuz", "fp8", "bfloat16"),
+                               ("outliers", "cuda", "auto", "float16"),
+                               ("tiny", "cuda", "fp8", "bfloat16")):
+        case = Case("indexer_decode", "tiny", dist, plat, kv, md, "none", 200 + seed)
+        res = run_check(case, impl)
+        assert res.passed, res.summary()
+
+
+def test_fma_default_scan_choice():
+    """Compiled, the decode launcher scans with FMA for up to 8 rows per program whose q
+    vectors fit 128 registers per thread with at most D / (16-byte vector) lanes along D
+    (model, 4 heads x 1..2 rows, D 128), else with tl.dot (16 rows fill its tiles: no
+    padding); defaults: 4 lanes along D, one key per thread per tile."""
+    assert idd.fma_fits(4, 128, False) and idd.fma_fits(8, 128, True)
+    assert idd.fma_fits(1, 256, False) and idd.fma_fits(8, 256, False)
+    assert not idd.fma_fits(16, 128, False) and not idd.fma_fits(12, 64, False)
+    assert idd.fma_strategy(4, 128, 128, False) == (4, 32, 4, 3)
+    assert idd.fma_strategy(16, 128, 128, False) == (16, 8, 4, 3)
+    assert idd.fma_strategy(4, 16, 64, True)[:2] == (4, 16)
 
 
 # ------------------------------------------------------------------ guards and validation
@@ -425,6 +529,20 @@ def _bad(name, decode_op=False, **changes):
     _bad("rows_per_request", True, rows_per_request=0),
     _bad("index_q", True, rows_per_request=1),
     _bad("num_splits", True, num_splits=0),
+    _bad("blocks_per_split", True, blocks_per_split=0),
+    _bad("blocks_per_split", True, blocks_per_split=2, num_splits=2),
+    _bad("scan", True, scan="tensor"),
+    _bad("lanes_d", True, scan="fma", lanes_d=3),
+    _bad("lanes_d", True, scan="fma", lanes_d=8),  # e4m3, D 64: 4 vectors of 16 bytes
+    _bad("lanes_d", True, scan="dot", lanes_d=4),
+    _bad("block_n", True, scan="fma", block_n=32),  # P = 16
+    _bad("num_stages", True, scan="fma", num_stages=0),
+    _bad("num_warps", True, scan="fma", num_warps=3),
+    _bad("vec", True, scan="fma", vec=True),
+    _bad("block_d", True, scan="fma", block_d=16),
+    _bad("pairs", True, scan="fma", pairs=True),  # an e4m3 cache
+    _bad("fma_chain", True, scan="fma", fma_chain="yes"),
+    _bad("merge_chunk", True, merge_chunk=3),
 ])
 def test_bad_host_input_raises_value_error_naming_it(make, name, decode_op):
     """Wrong dtypes, shapes, strides, formats, K / forced-block counts, output buffers and
