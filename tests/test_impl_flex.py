@@ -20,12 +20,8 @@ from oracle.impl_torch import HALF_DTYPES, _codes_in, device  # noqa: E402
 from oracle.registry import implementations  # noqa: E402
 from reference.attention import prefill_positions  # noqa: E402
 from reference.codec import decode  # noqa: E402
-from tests.test_kernel_attention_prefill import (  # noqa: E402
-    _KV_DTYPE,
-    _poison_unselected,
-    _shuffled,
-    make_inputs,
-)
+from tests.helpers import poison_unselected, shuffled_selections  # noqa: E402
+from tests.test_kernel_attention_prefill import _KV_DTYPE, make_inputs  # noqa: E402
 
 
 def _impl(op="attention_prefill"):
@@ -121,8 +117,10 @@ def test_decode_matches_reference_and_pads_with_zeros(rows, kv_fmt):
 def test_nan_content_no_row_sees_does_not_leak():
     """Blocks no token selected hold NaN codes, as do keys past seq_len and other pages:
     the gather zeroes every key no row sees, so the output is admitted and finite."""
-    x = _poison_unselected(make_inputs("e4m3fnuz", "bfloat16", scales="slot",
-                                       seq_lens=(90, 47), qlens=(6, 11), k=3, seed=4))
+    x = make_inputs("e4m3fnuz", "bfloat16", scales="slot", seq_lens=(90, 47), qlens=(6, 11),
+                    k=3, seed=4)
+    cu = x["cu_seqlens_q"]
+    x = poison_unselected(x, [(cu[r], cu[r + 1]) for r in range(2)])
     _passes(x)
     assert np.isfinite(decode(impl_flex.run(x)["out"], "bfloat16")).all()
 
@@ -133,9 +131,9 @@ def test_selection_is_a_set():
     x = make_inputs("e5m2", "bfloat16", scales="tensor", seq_lens=(70, 33), qlens=(10, 6), k=6,
                     seed=9)
     base = impl_flex.run(x)["out"]
-    assert np.array_equal(impl_flex.run(dict(x, topk=_shuffled(x["topk"], 1)))["out"], base)
-    assert np.array_equal(impl_flex.run(dict(x, topk=_shuffled(x["topk"], 2, True)))["out"],
-                          base)
+    for seed, dup in ((1, False), (2, True)):
+        topk = shuffled_selections(x["topk"], seed, dup)
+        assert np.array_equal(impl_flex.run(dict(x, topk=topk))["out"], base)
 
 
 # ------------------------------------------------------------------------- the pieces
