@@ -398,8 +398,10 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     opts = {"num_warps": warps}
     if num_stages is not None:
         opts["num_stages"] = check_int(num_stages, "num_stages", 1, 8)
-    if max_registers and not INTERPRETED:
-        opts["maxnreg"] = check_int(max_registers, "max_registers", 24, 255)
+    if max_registers is not None:
+        check_int(max_registers, "max_registers", 24, 255)
+        if not INTERPRETED:
+            opts["maxnreg"] = max_registers
     ensure_ready(_decode_split_kernel)
     _decode_split_kernel[(p.batch, p.hkv, splits)](
         q, q.stride(0), q.stride(1),

@@ -134,3 +134,51 @@ def set_entry(name, value):
         t[idx] = v
         return t
     return change
+
+
+#: Bad host arguments both paged-attention launchers reject with a ValueError naming the
+#: argument: (name, changes) pairs for ``bad_args`` (changes applied to the launcher's good
+#: arguments; the args are those of kernels.attention_decode / attention_prefill).
+PAGED_ATTENTION_BAD_ARGS = [
+    ("q", dict(q=lambda a: a["q"].float())),
+    ("q", dict(q=lambda a: a["q"][0])),
+    ("q", dict(q=lambda a: a["q"][..., :48], kv_cache=lambda a: a["kv_cache"][..., :96])),
+    ("q", dict(q=lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2))),
+    ("q", dict(q=lambda a: a["q"][:, :3])),
+    ("q", dict(q=lambda a: a["q"].repeat(1, 9, 1))),
+    ("q", dict(q=[[0.0]])),
+    ("kv_cache", dict(kv_cache=lambda a: a["kv_cache"].to(torch_dtype("bfloat16")))),
+    ("kv_cache", dict(kv_cache=lambda a: a["kv_cache"][..., :64])),
+    ("kv_cache", dict(kv_cache=lambda a: a["kv_cache"][:, :, :, None, :])),
+    ("kv_cache", dict(kv_cache=lambda a: a["kv_cache"].new_zeros(4, 2, 24, 128))),
+    ("kv_cache", dict(kv_cache=lambda a: a["kv_cache"].new_zeros(4, 2, 16, 128, 2)[..., 0])),
+    ("kv_fmt", dict(kv_fmt="fp8")),
+    ("kv_fmt", dict(kv_fmt="e4m3")),
+    ("seq_lens", dict(seq_lens=lambda a: a["seq_lens"].float())),
+    ("seq_lens", dict(seq_lens=lambda a: a["seq_lens"][None])),
+    ("block_table", dict(block_table=lambda a: a["block_table"].float())),
+    ("block_table", dict(block_table=lambda a: a["block_table"][:1])),
+    ("block_table", dict(block_table=lambda a: a["block_table"][:, :0])),
+    ("topk", dict(topk=lambda a: a["topk"].float())),
+    ("topk", dict(topk=lambda a: a["topk"][:1])),
+    ("topk", dict(topk=lambda a: a["topk"][:, :3])),
+    ("topk", dict(topk=lambda a: a["topk"].repeat(1, 1, 33))),
+    ("k_scale", dict(k_scale=lambda a: a["q"].new_ones(3, dtype=torch_dtype("float32")))),
+    ("k_scale", dict(k_scale=lambda a: a["q"].new_ones((), dtype=torch_dtype("float64")))),
+    ("v_scale", dict(v_scale=lambda a: a["q"].new_ones(1, 64, dtype=torch_dtype("float32")))),
+    ("softmax_scale", dict(softmax_scale=0.0)),
+    ("softmax_scale", dict(softmax_scale=float("nan"))),
+    ("out", dict(out=lambda a: a["q"].new_empty(a["q"].shape, dtype=torch_dtype("float16")))),
+    ("out", dict(out=lambda a: a["q"].new_empty(a["q"].shape)[:3])),
+    ("out", dict(out=lambda a: a["q"].new_empty(a["q"].shape).transpose(1, 2).contiguous()
+                 .transpose(1, 2))),
+    ("validate", dict(validate=1)),
+    ("num_warps", dict(num_warps=2.0)),
+    ("num_stages", dict(num_stages=0)),
+]
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)

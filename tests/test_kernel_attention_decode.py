@@ -23,6 +23,7 @@ from oracle.registry import implementations
 from reference import attention
 from reference.codec import FORMATS, decode
 from tests.helpers import (
+    PAGED_ATTENTION_BAD_ARGS,
     bad_args,
     paged_attention_inputs,
     poison_unselected,
@@ -347,50 +348,21 @@ def _bad(name, **changes):
 
 
 @pytest.mark.parametrize("make, name", [
-    _bad("q", q=lambda a: a["q"].float()),
-    _bad("q", q=lambda a: a["q"][0]),
-    _bad("q", q=lambda a: a["q"][..., :48], kv_cache=lambda a: a["kv_cache"][..., :96]),
-    _bad("q", q=lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+    *(_bad(name, **changes) for name, changes in PAGED_ATTENTION_BAD_ARGS),
     _bad("q", q=lambda a: a["q"][:3]),
-    _bad("q", q=lambda a: a["q"][:, :3]),
-    _bad("q", q=lambda a: a["q"].repeat(1, 9, 1)),
-    _bad("q", q=[[0.0]]),
-    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"].to(torch.bfloat16)),
-    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"][..., :64]),
-    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"][:, :, :, None, :]),
-    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"].new_zeros(4, 2, 24, 128)),
-    _bad("kv_cache", kv_cache=lambda a: a["kv_cache"].new_zeros(4, 2, 16, 128, 2)[..., 0]),
-    _bad("kv_fmt", kv_fmt="fp8"),
-    _bad("kv_fmt", kv_fmt="e4m3"),
     _bad("rows_per_request", rows_per_request=5),
     _bad("rows_per_request", rows_per_request=0),
     _bad("rows_per_request", rows_per_request=2.0),
-    _bad("seq_lens", seq_lens=lambda a: a["seq_lens"].float()),
-    _bad("seq_lens", seq_lens=lambda a: a["seq_lens"][None]),
-    _bad("block_table", block_table=lambda a: a["block_table"].float()),
-    _bad("block_table", block_table=lambda a: a["block_table"][:1]),
-    _bad("block_table", block_table=lambda a: a["block_table"][:, :0]),
-    _bad("topk", topk=lambda a: a["topk"].float()),
-    _bad("topk", topk=lambda a: a["topk"][:1]),
-    _bad("topk", topk=lambda a: a["topk"][:, :3]),
-    _bad("topk", topk=lambda a: a["topk"].repeat(1, 1, 33)),
-    _bad("k_scale", k_scale=lambda a: torch.ones(3, device=a["q"].device)),
-    _bad("k_scale", k_scale=lambda a: torch.ones((), dtype=torch.float64, device=a["q"].device)),
-    _bad("v_scale", v_scale=lambda a: torch.ones(1, 64, device=a["q"].device)),
-    _bad("softmax_scale", softmax_scale=0.0),
-    _bad("softmax_scale", softmax_scale=float("nan")),
-    _bad("out", out=lambda a: torch.empty_like(a["q"], dtype=torch.float16)),
-    _bad("out", out=lambda a: torch.empty_like(a["q"])[:3]),
-    _bad("out", out=lambda a: torch.empty_like(a["q"]).transpose(1, 2).contiguous()
-         .transpose(1, 2)),
     _bad("blocks_per_split", blocks_per_split=0),
     _bad("blocks_per_split", blocks_per_split=65),
+    _bad("max_registers", max_registers=8),
 ])
 def test_bad_host_input_raises_value_error_naming_it(make, name):
     """Wrong dtypes, shapes (T != B * rows, Hq not G * Hkv with G <= 16, K outside 1..64),
     head dims, strides, cache dtypes and page sizes, unknown or mismatched format strings,
-    rows_per_request outside 1..4, bad scales, softmax_scale, out and split sizes raise
-    ValueError whose message starts with the argument's name, before any launch."""
+    rows_per_request outside 1..4, bad scales, softmax_scale, out, split sizes, validate
+    and the launch options raise ValueError whose message starts with the argument's name,
+    before any launch."""
     args = make()
     with pytest.raises(ValueError, match=rf"^{name}\b"):
         ad.sparse_attention_decode(**args)
