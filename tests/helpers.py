@@ -182,3 +182,22 @@ def torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
+
+
+#: (kv_fmt, model dtype, layout, pad, scales) cases both paged-attention kernels are checked
+#: on: bf16/fp16 caches, also read by the other activation dtype, the four fp8 formats,
+#: HND/NHD and padded layouts, no / tensor / per-slot scales.
+PAGED_ATTENTION_FORMATS = [
+    ("bfloat16", "bfloat16", "HND", 0, "none"),
+    ("float16", "float16", "NHD", 8, "none"),
+    ("bfloat16", "float16", "HND", 8, "none"),
+    ("float16", "bfloat16", "NHD", 0, "none"),
+    ("e4m3fn", "bfloat16", "NHD", 0, "slot"),
+    ("e4m3fn", "float16", "HND", 8, "tensor"),
+    ("e5m2", "bfloat16", "HND", 8, "slot"),
+    ("e5m2", "float16", "NHD", 0, "none"),
+    ("e4m3fnuz", "bfloat16", "HND", 0, "slot"),
+    ("e4m3fnuz", "float16", "NHD", 8, "tensor"),
+    ("e5m2fnuz", "bfloat16", "NHD", 8, "tensor"),
+    ("e5m2fnuz", "bfloat16", "HND", 0, "slot"),
+]

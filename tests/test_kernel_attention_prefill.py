@@ -24,6 +24,7 @@ from reference import attention
 from reference.codec import FORMATS, decode
 from tests.helpers import (
     PAGED_ATTENTION_BAD_ARGS,
+    PAGED_ATTENTION_FORMATS,
     bad_args,
     paged_attention_inputs,
     poison_unselected,
@@ -89,20 +90,7 @@ def _out(x, block_rows=None, validate=True):
 # ----------------------------------------------------------------- formats and shapes
 
 
-@pytest.mark.parametrize("kv_fmt, md, layout, pad, scales", [
-    ("bfloat16", "bfloat16", "HND", 0, "none"),
-    ("float16", "float16", "NHD", 8, "none"),
-    ("bfloat16", "float16", "HND", 8, "none"),
-    ("float16", "bfloat16", "NHD", 0, "none"),
-    ("e4m3fn", "bfloat16", "NHD", 0, "slot"),
-    ("e4m3fn", "float16", "HND", 8, "tensor"),
-    ("e5m2", "bfloat16", "HND", 8, "slot"),
-    ("e5m2", "float16", "NHD", 0, "none"),
-    ("e4m3fnuz", "bfloat16", "HND", 0, "slot"),
-    ("e4m3fnuz", "float16", "NHD", 8, "tensor"),
-    ("e5m2fnuz", "bfloat16", "NHD", 8, "tensor"),
-    ("e5m2fnuz", "bfloat16", "HND", 0, "slot"),
-])
+@pytest.mark.parametrize("kv_fmt, md, layout, pad, scales", PAGED_ATTENTION_FORMATS)
 def test_every_format_layout_and_scale_matches_reference(kv_fmt, md, layout, pad, scales):
     """For every cache format (bf16 and fp16, also read by the other activation dtype, and
     the four fp8 formats), HND/NHD and padded layouts, none/tensor/per-slot scales (random,
