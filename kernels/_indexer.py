@@ -404,8 +404,12 @@ def merge_partials(part, num_splits, rows, ROWS: tl.constexpr, BK: tl.constexpr,
                 + rows.to(tl.int64)[:, None, None] * BK + cols[None, None, :])
         cand = tl.load(ptrs, mask=(sp < num_splits)[None, :, None], other=0,
                        cache_modifier=".cg").to(tl.uint64, bitcast=True)
-        best = tl.topk(tl.reshape(cand, [ROWS, MC * BK]), BK)
-        merged = tl.topk(tl.reshape(tl.join(merged, best), [ROWS, 2 * BK]), BK)
+        if BK == 1:  # tl.topk with k = 1 does not compile (Triton 3.6): a plain max
+            best = tl.max(tl.reshape(cand, [ROWS, MC]), axis=1)
+            merged = tl.maximum(merged, tl.reshape(best, [ROWS, 1]))
+        else:
+            best = tl.topk(tl.reshape(cand, [ROWS, MC * BK]), BK)
+            merged = tl.topk(tl.reshape(tl.join(merged, best), [ROWS, 2 * BK]), BK)
     return merged
 
 

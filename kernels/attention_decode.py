@@ -485,7 +485,7 @@ def _register():
     from oracle.registry import Implementation, register
 
     # Interpreted (CPU), model shapes take too long: they are left to CUDA.
-    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model")
+    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")
     register(Implementation(
         "triton", "attention_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
         schedule=SCHEDULE,

@@ -459,7 +459,7 @@ def _register():
 
     # Interpreted (CPU): tiny shapes only (the small class costs seconds per case in the
     # interpreter and the float64 checker); model shapes are left to CUDA.
-    classes = ("tiny",) if INTERPRETED else ("tiny", "small", "model")
+    classes = ("tiny",) if INTERPRETED else ("tiny", "small", "model", "long")
     register(Implementation(
         "triton", "attention_prefill", run, devices=("cpu", "cuda"), shape_classes=classes,
         schedule=SCHEDULE,

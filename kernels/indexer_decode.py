@@ -363,10 +363,12 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
 def compile_signatures():
     """(kernel, signature, constexprs) triples covering the constexpr branches, for the
     sm_90 compile check on the CPU (tests/test_compile_sm90.py)."""
+    # BK 1 merges 2 lists (tl.topk of k = 1 on one row broke the compiled merge once).
     combos = [  # q/cache, P, D, BK, rows (Hi x rows/request), SPLIT, FP8, FMT, HW, index, FMA
         ("bf16", 128, 128, 16, (4, 1), True, False, 0, False, "i32", True),  # model shape
         ("u8", 128, 128, 16, (4, 1), True, True, 0, True, "i32", True),  # model, e4m3
         ("fp16", 16, 64, 1, (3, 4), False, False, 0, False, "i64", True),
+        ("u8", 16, 64, 1, (1, 1), True, True, 0, True, "i64", True),  # one row, K = 1
         ("u8", 32, 256, 64, (8, 1), True, True, 2, False, "i64", True),
         ("bf16", 128, 128, 16, (16, 1), True, False, 0, False, "i32", False),
         ("fp16", 16, 64, 1, (32, 1), False, False, 0, False, "i64", False),
@@ -389,7 +391,7 @@ def compile_signatures():
             lanes, stages, hi, qr = 1, 1, 1, 1
         const = dict(P=page, D=d, BLOCK_N=bn, BLOCK_D=bd, ROWS=rows, BK=bk, CH=ch, VEC=vec,
                      SPLIT=split, FP8=fp8, FMT=fmt, HW=hw, FMA=fma, HI=hi, QR=qr, LANES=lanes,
-                     STAGES=stages, MC=max(1, 256 // bk), PAIRS=fma and qt == "bf16",
+                     STAGES=stages, MC=2 if bk == 1 else 256 // bk, PAIRS=fma and qt == "bf16",
                      DIRECT=fma and split, CHAIN=fma)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_indexer_decode_kernel, sig, const))
@@ -405,7 +407,7 @@ run = ix.adapter(indexer_decode, decode=True)
 def _register():
     from oracle.registry import Implementation, register
 
-    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model")
+    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")
     register(Implementation(
         "triton", "indexer_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
         score_rel=0.0,

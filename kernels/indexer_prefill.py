@@ -176,7 +176,7 @@ run = ix.adapter(indexer_prefill, decode=False)
 def _register():
     from oracle.registry import Implementation, register
 
-    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model")
+    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")
     register(Implementation(
         "triton", "indexer_prefill", run, devices=("cpu", "cuda"), shape_classes=classes,
         score_rel=0.0,

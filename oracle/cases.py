@@ -12,7 +12,12 @@ numbers: Hq 64, Hkv 4, D 128, R 64, P 128, K 16; contexts of thousands of tokens
 ``sweep`` (insert ops, for compiled kernels: the whole domain of SPEC.md s.7 -- N 0..16,384
 log-uniform, Hkv 1..8, G 1..16, D 64/128/256, any even R <= min(D, 128), P 16..128 -- with
 N capped so an input set stays under ``SWEEP_ELEMENTS`` elements, which keeps the float64
-reference check to seconds; narrow rows reach N = 16,384).
+reference check to seconds; narrow rows reach N = 16,384) and ``long`` (indexer and
+attention, for compiled kernels: 1-3 requests with contexts log-uniform on 2k..128k tokens
+for decode and prefixes up to 64k for prefill, not multiples of P; Hkv 1, 3 or 4, G 1, 2, 8
+or 16, D 128, P 16/64/128, K 16 or 1..64; the contexts' total times Hkv capped at
+``LONG_TOKEN_HEADS`` so the float64 reference stays at seconds, which lets one request with
+one KV head reach 128k tokens).
 
 Distributions (values before rounding to their storage dtype):
   normal         N(0, 1); attention queries 2.5 N(0, 1) (NOTES.md's accuracy setup)
@@ -56,9 +61,14 @@ OPS = (
     "attention_prefill",
     "attention_decode",
 )
-SHAPE_CLASSES = ("tiny", "small", "model", "sweep")
+SHAPE_CLASSES = ("tiny", "small", "model", "sweep", "long")
 #: Elements per input set a ``sweep`` case may reach (its token count is capped by it).
 SWEEP_ELEMENTS = 1 << 23
+#: A ``long`` case's contexts: decode (and the index decode) up to 128k tokens, prefill
+#: prefixes up to 64k; the sum of the contexts times the KV heads at most LONG_TOKEN_HEADS.
+LONG_DECODE_TOKENS = 1 << 17
+LONG_PREFIX_TOKENS = 1 << 16
+LONG_TOKEN_HEADS = 1 << 18
 DISTRIBUTIONS = ("normal", "outliers", "near_overflow", "tiny", "ties")
 SCALES = ("none", "tensor", "slot")
 
@@ -85,6 +95,9 @@ class Case:
         if self.shape_class == "sweep" and self.op not in ("norm_rope_insert",
                                                            "reshape_and_cache"):
             raise ValueError(f"shape_class 'sweep' applies to the insert ops only, not {self.op}")
+        if self.shape_class == "long" and self.op in ("norm_rope_insert", "reshape_and_cache"):
+            raise ValueError(f"shape_class 'long' applies to the indexer and attention ops "
+                             f"only, not {self.op}")
         if self.dist == "ties" and not self.op.startswith("indexer"):
             raise ValueError(f"dist 'ties' applies to the indexer ops only, not {self.op}")
         if self.scales != "none" and not is_fp8(self.kv_fmt):
@@ -202,6 +215,9 @@ def head_shape(bg, shape_class: str) -> dict:
     if shape_class == "tiny":
         return dict(num_kv_heads=_between(bg, 1, 2), group=_pick(bg, (1, 2, 4)), head_dim=64,
                     page_size=16)
+    if shape_class == "long":
+        return dict(num_kv_heads=_pick(bg, (1, 3, 4)), group=_pick(bg, (1, 2, 8, 16)),
+                    head_dim=MODEL.head_dim, page_size=_pick(bg, (16, 64, 128)))
     if shape_class == "sweep":
         return dict(num_kv_heads=_between(bg, 1, 8), group=_between(bg, 1, 16),
                     head_dim=_pick(bg, (64, 128, 256)), page_size=_pick(bg, (16, 32, 64, 128)))
@@ -301,11 +317,27 @@ def _insert_inputs(case: Case, bg, fused: bool) -> dict:
     return out
 
 
-def _requests(bg, shape_class: str, page: int, decode: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(seq_lens, query_lens): contexts not multiples of P; decode rows share one count."""
-    b = {"tiny": _between(bg, 1, 2), "small": _between(bg, 1, 4), "model": 4}[shape_class]
-    max_blocks = {"tiny": 4, "small": 24, "model": 64}[shape_class]
-    seq = rand.integers(bg, 1, max_blocks * page, (b,))
+def _long_contexts(bg, decode: bool, heads: int) -> np.ndarray:
+    """1-3 contexts log-uniform on 2k..128k (decode) or 2k..64k (prefill prefixes), their
+    total times ``heads`` capped at LONG_TOKEN_HEADS; never a multiple of 16."""
+    b = _between(bg, 1, 3)
+    top = LONG_DECODE_TOKENS if decode else LONG_PREFIX_TOKENS
+    seq = np.exp2(11 + (np.log2(top) - 11) * rand.uniform(bg, (b,))).astype(np.int64)
+    seq = np.minimum(seq, LONG_TOKEN_HEADS // heads // b)
+    return (seq - 1) | 1  # odd (not a multiple of any P) and still within the cap
+
+
+def _requests(bg, shape_class: str, page: int, decode: bool,
+              heads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(seq_lens, query_lens): contexts not multiples of P; decode rows share one count.
+    ``heads``: the KV heads a long case's contexts are capped with."""
+    if shape_class == "long":
+        seq = _long_contexts(bg, decode, heads)
+        b = len(seq)
+    else:
+        b = {"tiny": _between(bg, 1, 2), "small": _between(bg, 1, 4), "model": 4}[shape_class]
+        max_blocks = {"tiny": 4, "small": 24, "model": 64}[shape_class]
+        seq = rand.integers(bg, 1, max_blocks * page, (b,))
     if decode:
         rows = _between(bg, 1, 4)
         seq = np.maximum(seq, rows)
@@ -314,16 +346,20 @@ def _requests(bg, shape_class: str, page: int, decode: bool) -> tuple[np.ndarray
             pad[int(rand.integers(bg, 0, b, ())[()])] = False  # at least one real request
             seq[pad] = 0  # graph padding rows
         return seq, np.where(seq > 0, rows, rows)
-    new = np.minimum(seq, rand.integers(bg, 1, {"tiny": 24, "small": 96, "model": 2048}[
-        shape_class] + 1, (b,)))
-    return seq, new
+    new = rand.integers(bg, 1, {"tiny": 24, "small": 96, "model": 2048, "long": 128}[
+        shape_class] + 1, (b,))
+    if shape_class == "long":
+        return seq + new, new  # a prefix of seq tokens, then the new ones
+    return seq, np.minimum(seq, new)
 
 
 def _draw_topk(bg, shape_class: str, seq_lens, page: int) -> int:
     """K: the model's 16; otherwise mostly below the visible block count (so the selection
     is a real choice), sometimes anywhere in the domain 1..64."""
-    if shape_class == "model":
+    if shape_class == "model" or shape_class == "long" and rand.uniform(bg, ())[()] < 0.5:
         return MODEL.topk
+    if shape_class == "long":
+        return _between(bg, 1, 64)
     blocks = max(1, -(-int(np.max(seq_lens)) // page))
     if shape_class == "small" and rand.uniform(bg, ())[()] < 0.25:
         return _between(bg, 1, 64)
@@ -347,7 +383,7 @@ def _paged_layout(bg, seq_lens, page, extra_pages=2):
 def _index_inputs(case: Case, bg, decode: bool) -> dict:
     hs = head_shape(bg, case.shape_class)
     hi, d, page = hs["num_kv_heads"], hs["head_dim"], hs["page_size"]
-    seq, qlens = _requests(bg, case.shape_class, page, decode)
+    seq, qlens = _requests(bg, case.shape_class, page, decode, heads=1)
     table, num_pages = _paged_layout(bg, seq, page)
     fmt = case.index_fmt
     cache = empty_index_cache(num_pages, page, d, fmt, fill_code=poison_code(fmt))
@@ -428,7 +464,7 @@ def random_selections(bg, positions, page: int, num_heads: int, k: int, local: i
 def _attention_inputs(case: Case, bg, decode: bool) -> dict:
     hs = head_shape(bg, case.shape_class)
     hkv, g, d, page = hs["num_kv_heads"], hs["group"], hs["head_dim"], hs["page_size"]
-    seq, qlens = _requests(bg, case.shape_class, page, decode)
+    seq, qlens = _requests(bg, case.shape_class, page, decode, heads=hkv)
     table, num_pages = _paged_layout(bg, seq, page)
     fmt = case.kv_fmt
     layout_name, pad = _layout(bg, case.shape_class)

@@ -21,13 +21,16 @@ SEED0 = int(os.environ.get("ORACLE_SEED", "0"))
 
 
 SWEPT_OPS = ("norm_rope_insert", "reshape_and_cache")
+LONG_OPS = ("indexer_prefill", "indexer_decode", "attention_prefill", "attention_decode")
 
 
 def differential_cases(op: str, gpu: bool) -> list[Case]:
     """Per platform x distinct format x distribution: one tiny case, one small case on a
     rotating subset, and (GPU) one model-shape case per platform x format plus, for the
     insert ops, two ``sweep`` cases (random shapes over the whole domain, N up to 16,384;
-    the outliers one has V with -0/Inf/NaN). Scales rotate through none/tensor/slot; fp16
+    the outliers one has V with -0/Inf/NaN), for the indexer and attention ops one ``long``
+    case (contexts up to 128k tokens, prefill prefixes up to 64k; the kernels only: the
+    torch and flex baselines stop at the model class). Scales rotate through none/tensor/slot; fp16
     activations on a rotating subset."""
     cases, i = [], 0
     for plat in PLATFORMS:
@@ -49,6 +52,8 @@ def differential_cases(op: str, gpu: bool) -> list[Case]:
                     classes.append("model")
                 if gpu and op in SWEPT_OPS and d < 2:
                     classes.append("sweep")
+                if gpu and op in LONG_OPS and d == 1:
+                    classes.append("long")
                 for sc in classes:
                     cases.append(Case(op, sc, dist, plat, kv_, md, scales, SEED0 + i))
     return cases

@@ -333,7 +333,8 @@ def test_small_steps_and_tiles_agree():
     tiles per request) and D chunks: the same selection as the default tiling."""
     x = make_index_inputs(seq_lens=(99, 40), qlens=(30, 8), topk=6, kind="grid", seed=16)
     want = _exact(x)
-    for kw in (dict(blocks_per_step=1), dict(blocks_per_step=2, block_rows=32, block_d=16)):
+    for kw in (dict(blocks_per_step=1, vec=True),
+               dict(blocks_per_step=2, block_rows=32, block_d=16, vec=True)):
         assert np.array_equal(_run(x, **kw), want), kw
 
 

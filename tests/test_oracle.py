@@ -219,3 +219,34 @@ def test_v_specials_in_the_cache_are_judged(kv):
         bad["kv_cache"][s[tok] // page, h, s[tok] % page, d + j] = wrong[0]
         broken = replace(ref, run=lambda _x, b=bad: b)
         assert not run_check(case, broken, inputs=x).passed, (kv, special)
+
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_long_cases_reach_long_contexts_within_the_cap(decode):
+    """The ``long`` class (GPU differential) draws decode contexts past 64k tokens and
+    prefill prefixes past 32k, at most 128k / 64k, never a multiple of any P for decode,
+    their total times the KV heads within LONG_TOKEN_HEADS (which keeps the float64 check
+    at seconds), new prefill tokens 1..128 after the prefix."""
+    from oracle import rand
+    from oracle.cases import LONG_DECODE_TOKENS, LONG_PREFIX_TOKENS, LONG_TOKEN_HEADS, _requests
+
+    longest = 0
+    for seed in range(200):
+        heads = (1, 3, 4)[seed % 3]
+        seq, new = _requests(rand.generator(seed), "long", 128, decode, heads=heads)
+        prefix = seq if decode else seq - new
+        assert prefix.max() <= (LONG_DECODE_TOKENS if decode else LONG_PREFIX_TOKENS)
+        assert prefix.sum() * heads <= LONG_TOKEN_HEADS
+        if decode:
+            assert np.all(seq[seq > 0] % 16 != 0)  # 0: a padding row
+        else:
+            assert 1 <= new.min() and new.max() <= 128
+        longest = max(longest, int(prefix.max()))
+    assert longest > (LONG_DECODE_TOKENS if decode else LONG_PREFIX_TOKENS) // 2
+
+
+def test_long_class_is_for_the_sparse_ops_only():
+    """An insert case cannot ask for the long class (it has no contexts)."""
+    with pytest.raises(ValueError, match="shape_class 'long'"):
+        Case("norm_rope_insert", "long")
