@@ -13,12 +13,17 @@ same cache and op); a result's ``targets`` (``{"copy_fraction": 0.8, "torch_comp
 a minimum fraction of copy bandwidth, minimum speedups vs named baselines) give "target
 met" yes/no; results without targets show "-".
 
+A report whose benchmark has a table of its own (``OWN_TABLES``, by the op of its results:
+bench_attention_prefill's, with its own derived numbers) is rendered by that benchmark's
+``markdown`` (``render``; importing it needs torch, still no GPU).
+
 Run: ``python benchmarks/render_bench.py [reports/bench.json] [--out reports/bench.md]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -28,6 +33,8 @@ COLUMNS = ("kernel", "cache", "mode", "median (us)", "GB/s", "% of copy BW",
            "x vs compiled", "x vs eager", "target met")
 # Table columns "x vs compiled" / "x vs eager" read these baselines.
 COMPILED, EAGER = "torch_compiled", "torch_eager"
+# Benchmarks rendering their own table (a module with ``markdown(doc)``), by their results' op.
+OWN_TABLES = {"attention_prefill": "benchmarks.bench_attention_prefill"}
 
 
 def _same_group(a: dict, b: dict) -> bool:
@@ -111,13 +118,23 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render(doc: dict) -> str:
+    """The report's table: its benchmark's own (``OWN_TABLES``) or ``markdown``'s."""
+    ops = {r.get("op") for r in doc.get("results", ())}
+    module = OWN_TABLES.get(ops.pop()) if len(ops) == 1 else None
+    if module is None:
+        return markdown(doc)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    return importlib.import_module(module).markdown(doc)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="?", default="reports/bench.json")
     ap.add_argument("--out", help="Markdown file (default: the JSON's name with .md)")
     args = ap.parse_args(argv)
     src = Path(args.json)
-    text = markdown(json.loads(src.read_text()))
+    text = render(json.loads(src.read_text()))
     out = Path(args.out) if args.out else src.with_suffix(".md")
     out.write_text(text)
     print(text)

@@ -1,8 +1,10 @@
-"""benchmarks/bench_indexer.py and benchmarks/bench_attention_decode.py: their minimal-bytes
-counts (hand-derived from the shape arithmetic), their input sets, the indexer's torch
-baseline against the float64 reference, the decode checks and table, their argument
-parsers (CPU); the kernel bindings in the CPU interpreter (interp); one small end-to-end run
-of each benchmark (gpu)."""
+"""benchmarks/bench_indexer.py, benchmarks/bench_attention_decode.py and
+benchmarks/bench_attention_prefill.py: their minimal-bytes counts (hand-derived from the
+shape arithmetic), the prefill's useful-work counts, their input sets and selection
+distributions, the indexer's torch baseline against the float64 reference, the decode and
+prefill checks and tables, their argument parsers (CPU); the kernel bindings in the CPU
+interpreter (interp) and the prefill's flex_attention inputs (eager, CPU); one small
+end-to-end run of each benchmark (gpu)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from benchmarks import bench_attention_decode as bad
+from benchmarks import bench_attention_prefill as bap
 from benchmarks import bench_indexer as bix
 from benchmarks import harness, render_bench
 
@@ -378,3 +381,311 @@ def test_bench_attention_decode_small_run(tmp_path):
         assert r["finite_output"], r["cache"]
     assert len([c for c in doc["checks"] if c["check"] == "fp8 faster than bf16"]) == 6
     assert (tmp_path / "bench_attention_decode.md").exists()
+
+
+# ------------------------------------------------------------------ attention prefill
+
+# A hand-built selection: page 4, KV heads 2, tokens at positions 10, 11, 12 (own blocks
+# 2, 2, 3), K 3, with padding, a repeat (head 0, token 11) and an entry past the own block
+# (head 0, token 12: block 5, ignored).
+_HAND_TOPK = [[[2, 0, -1], [1, 2, 1], [3, 5, -1]],
+              [[-1, -1, 2], [0, 1, 2], [3, 2, 0]]]
+_HAND_POS = [10, 11, 12]
+
+
+def test_prefill_key_counts_hand_example():
+    """Keys attended, counted by hand: head 0: token 10 {0, 2}: 4 + 3 (keys 8..10); token 11
+    {1, 2}: 4 + 4; token 12 {3}: 1 (key 12) -> 16; head 1: token 10 {2}: 3; token 11 {0, 1,
+    2}: 12; token 12 {0, 2, 3}: 4 + 4 + 1 -> 24; total 40. Keys read once: per head blocks 0,
+    1 and 2 whole (4 each; block 2 up to key 11 >= its last key) and key 12 of block 3: 13,
+    26 in all. Both the torch count and its NumPy twin give these; with G 2 and D 8 the
+    useful FLOPs are 4 x 8 x 2 x 40 and the gathered bytes 40 x 16 x 2 (bf16) or x 1 (e4m3)."""
+    topk = torch.tensor(_HAND_TOPK, dtype=torch.int32)
+    pos = torch.tensor(_HAND_POS)
+    assert bap.key_counts(topk, pos, 4) == (40, 26)
+    assert bap.key_counts_reference(np.array(_HAND_TOPK), _HAND_POS, 4) == (40, 26)
+    # The token-major buffer's transposed view (what the kernel gets) counts the same.
+    assert bap.key_counts(topk.transpose(0, 1).contiguous().transpose(0, 1), pos, 4) == (40, 26)
+    s = bap.Shape(hq=4, hkv=2, d=8, page=4, topk=3)
+    assert bap.useful_flops(40, s) == 4 * 8 * 2 * 40 == 2560
+    assert bap.gathered_bytes(40, "bfloat16", s) == 40 * 16 * 2
+    assert bap.gathered_bytes(40, "e4m3fn", s) == 40 * 16
+
+
+def test_prefill_key_counts_agree_with_reference():
+    """On random selections with padding, repeats, negative entries other than -1 and
+    entries past the own block, the torch count equals the plain-Python one."""
+    g = torch.Generator().manual_seed(11)
+    topk = torch.randint(-2, 12, (3, 16, 5), generator=g, dtype=torch.int32)
+    pos = torch.arange(20, 36)
+    assert bap.key_counts(topk, pos, 4) == bap.key_counts_reference(topk.numpy(), pos.numpy(), 4)
+
+
+@pytest.mark.parametrize("dist", bap.DISTS)
+def test_prefill_useful_work_at_model_shape(dist):
+    """At the issue's shape (8192 new tokens on an 8192-token prefix, K 16, P 128) every
+    (token, KV head) of both distributions attends K - 1 full blocks and its own block up to
+    itself: 4 x (8192 x 15 x 128 + 64 x (1 + ... + 128)) = 65,028,096 keys, 532,710,162,432
+    useful FLOPs (G 16, D 128); random selections read every key of every KV head once
+    (4 x 16384), locality ones at least the 75 blocks 53..127 of every head."""
+    g = torch.Generator().manual_seed(0)
+    pos = torch.arange(8192, 16384)
+    sel = bap.SELECTIONS[dist](pos, 4, g, bap.SHAPE)
+    attended, read = bap.key_counts(sel.transpose(0, 1), pos, 128)
+    assert attended == 4 * (8192 * 15 * 128 + 64 * (128 * 129 // 2)) == 65_028_096
+    assert bap.useful_flops(attended) == 532_710_162_432
+    if dist == "random":
+        assert read == 4 * 16384
+    else:
+        assert 4 * 75 * 128 <= read <= 4 * 16384
+
+
+def test_prefill_minimal_bytes_model_shape():
+    """Every key of every KV head read once (4 x 16384 keys x 256 elements: 33,554,432 B
+    bf16, 16,777,216 B e4m3), q and out 8192 x 64 x 128 x 2 each, selections 8192 x 4 x 16
+    int32, the block table 128 int32, seq_lens one int32, cu_seqlens_q two."""
+    p = bap.minimal_bytes(8192, 8192, "bfloat16", 4 * 16384)
+    assert p["read_kv"] == 4 * 16384 * 256 * 2 == 33_554_432
+    assert p["read_q"] == p["write_out"] == 8192 * 64 * 128 * 2 == 134_217_728
+    assert p["read_topk"] == 8192 * 4 * 16 * 4 == 2_097_152
+    assert (p["read_block_table"], p["read_seq_lens"], p["read_cu_seqlens"]) == (512, 4, 8)
+    assert p["total"] == 304_087_564
+    assert bap.minimal_bytes(8192, 8192, "e4m3fn", 4 * 16384)["total"] == 304_087_564 - 16_777_216
+
+
+def _rows(sel: torch.Tensor):
+    """(token index, head, list of entries) of a token-major selection buffer."""
+    t, h, _ = sel.shape
+    return [(i, j, sel[i, j].tolist()) for i in range(t) for j in range(h)]
+
+
+def _valid_set(row, own, k):
+    """-1 only as padding, every other entry a distinct visible block, the own block in."""
+    blocks = [b for b in row if b != -1]
+    assert len(row) == k and all(0 <= b <= own for b in blocks), row
+    assert len(set(blocks)) == len(blocks) and own in blocks, row
+    return set(blocks)
+
+
+def test_prefill_locality_selections_are_valid():
+    """Locality selections (page 8, K 8: recent 5, far 2; 48 new tokens on an 80-token
+    prefix, tiles of 16 tokens): each (token, head) holds a valid set with its own block
+    and the 5 before it; the other 2 entries are shared by every token of its tile (per
+    head), differ between heads somewhere, and lie wholly in the prefix before the recent
+    window of the tile's first token. With a 16-token prefix (2 blocks) the recent window
+    is cut at block 0, no far block exists, and the rest is -1 padding. Entries are not
+    sorted somewhere."""
+    s = bap.Shape(hq=4, hkv=2, d=16, page=8, topk=8)
+    assert bap.locality_split(8) == (5, 2) and bap.locality_split(16) == (11, 4)
+    g = torch.Generator().manual_seed(3)
+    pos = torch.arange(80, 128)
+    sel = bap.locality_selections(pos, 2, g, s, tile=16)
+    assert sel.shape == (48, 2, 8) and sel.dtype == torch.int32
+    far = {}
+    for i, h, row in _rows(sel):
+        own = (80 + i) // 8
+        blocks = _valid_set(row, own, 8)
+        recent = set(range(own - 5, own + 1))
+        assert recent <= blocks and -1 not in row
+        first_own = (80 + 16 * (i // 16)) // 8
+        assert all(b < min(10, first_own - 5) for b in blocks - recent), (i, row)
+        far.setdefault((i // 16, h), set()).add(frozenset(blocks - recent))
+    assert all(len(v) == 1 and len(next(iter(v))) == 2 for v in far.values())
+    assert any(far[(t, 0)] != far[(t, 1)] for t in range(3))
+    assert any(row != sorted(row) for _, _, row in _rows(sel))
+    short = bap.locality_selections(torch.arange(16, 48), 2, g, s, tile=16)
+    for i, _, row in _rows(short):
+        own = (16 + i) // 8
+        assert _valid_set(row, own, 8) == set(range(max(0, own - 5), own + 1)), row
+
+
+def test_prefill_random_selections_are_valid():
+    """Random selections of a set (page 16, K 4; 20 new tokens on a 100-token prefix): each
+    (token, head) holds K distinct visible blocks with its own block, unsorted somewhere;
+    the same seed gives the same selections for both caches; with fewer visible blocks than
+    K (8 tokens from position 0) every visible block, -1 padded."""
+    s = bap.Shape(hq=4, hkv=2, d=64, page=16, topk=4)
+    st = bap.make_set("bfloat16", "random", 2, new_tokens=20, prefix=100, s=s, dev="cpu")
+    assert st.topk.shape == (20, 2, 4) and st.topk.dtype == torch.int32
+    assert st.positions.tolist() == list(range(100, 120)) and st.seq_lens.tolist() == [120]
+    assert st.cu_seqlens.tolist() == [0, 20] and st.table.shape == (1, 8)
+    for i, _, row in _rows(st.topk):
+        assert len(_valid_set(row, (100 + i) // 16, 4)) == 4
+    assert any(row != sorted(row) for _, _, row in _rows(st.topk))
+    e4m3 = bap.make_set("e4m3fn", "random", 2, new_tokens=20, prefix=100, s=s, dev="cpu")
+    assert torch.equal(e4m3.topk, st.topk) and e4m3.kv.dtype == torch.uint8
+    assert e4m3.scale.dim() == 0 and float(e4m3.scale) == 1.0 and st.scale is None
+    few = bap.make_set("bfloat16", "random", 3, new_tokens=8, prefix=0, s=s, dev="cpu")
+    for _, _, row in _rows(few.topk):
+        assert sorted(row) == [-1, -1, -1, 0]
+
+
+def _prefill_result(cache, dist, us, flex_us, **extra):
+    attended = 65_028_096
+    return {"name": "triton", "op": "attention_prefill", "cache": cache, "dist": dist,
+            "min_bytes": 304_087_564, "median_us": us, "mode": "graph" if us else "error",
+            "note": "" if us else "boom", "useful_flops": bap.useful_flops(attended),
+            "gathered_bytes": bap.gathered_bytes(attended, bap.CACHES[cache]),
+            "flex": None if flex_us is False else
+            {"name": "flex", "median_us": flex_us, "mode": "graph", "note": ""}, **extra}
+
+
+def _prefill_doc(results) -> dict:
+    doc = {"schema": "bench/1", "device": "NVIDIA H200", "tokens": "8192 new + 8192 prefix",
+           "copy": {"bytes": 2**31, "bytes_per_s": 4.3e12}, "for_scale": bap.FOR_SCALE,
+           "results": results, "sweep": []}
+    doc["checks"] = bap.checks(results)
+    return doc
+
+
+def _fabricated_prefill_doc() -> dict:
+    return _prefill_doc([_prefill_result("bf16", "locality", 1700.0, 1800.0),
+                         _prefill_result("bf16", "random", 3000.0, 41000.0),
+                         _prefill_result("e4m3fn", "locality", 1900.0, 1800.0),
+                         _prefill_result("e4m3fn", "random", None, 41000.0)])
+
+
+def test_prefill_checks():
+    """bf16 locality at 1700 us vs flex 1800 us: 1.06x (>= 1: met); e4m3 locality at 1900 us:
+    0.95x flex (missed) and slower than bf16 (1700 / 1900 < 1: failed); bf16 random at 3000 us
+    does 532.7 GFLOP in 3 ms = 177.6 TFLOP/s (>= 150: met); a failed e4m3 random run gives
+    None for its checks, never a pass; without flex (--no-flex) the locality check is None."""
+    doc = _fabricated_prefill_doc()
+    got = {(c["check"], c["dist"], c["cache"]): c["passed"] for c in doc["checks"]}
+    assert got == {
+        ("locality vs flex", "locality", "bf16"): True,
+        ("random useful TFLOP/s", "random", "bf16"): True,
+        ("locality vs flex", "locality", "e4m3fn"): False,
+        ("e4m3 at least as fast as bf16", "locality", "e4m3fn"): False,
+        ("random useful TFLOP/s", "random", "e4m3fn"): None,
+        ("e4m3 at least as fast as bf16", "random", "e4m3fn"): None,
+    }
+    by = {(r["cache"], r["dist"]): r for r in doc["results"]}
+    assert by[("bf16", "random")]["useful_tflops"] == pytest.approx(532_710_162_432 / 3e-3 / 1e12)
+    assert by[("bf16", "random")]["gathered_bytes_per_s"] == pytest.approx(33_294_385_152 / 3e-3)
+    assert by[("bf16", "random")]["flex_useful_tflops"] == pytest.approx(532.710162432 / 41)
+    assert by[("bf16", "locality")]["vs_flex"] == pytest.approx(1800 / 1700)
+    assert by[("e4m3fn", "locality")]["vs_bf16"] == pytest.approx(1700 / 1900)
+    alone = _prefill_doc([_prefill_result("bf16", "locality", 1700.0, False)])
+    assert alone["checks"] == [{"check": "locality vs flex", "dist": "locality",
+                                "cache": "bf16", "value": None, "limit": 1.0, "passed": None}]
+
+
+def test_prefill_markdown_rows(tmp_path):
+    """The table has one row per (cache, distribution) with useful TFLOP/s, gathered GB/s,
+    flex's time and TFLOP/s, the ratios, the issue's vLLM / flex numbers for scale and
+    whether its checks held; a failed row shows its error; the checks, the for-scale list
+    (matmul included) follow. render_bench's CLI renders the same table from the JSON."""
+    doc = _fabricated_prefill_doc()
+    md = bap.markdown(doc)
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]):
+            [c.strip() for c in line.strip("|").split("|")]
+            for line in md.splitlines() if line.startswith(("| bf16", "| e4m3fn"))}
+    assert rows[("bf16", "random")] == [
+        "bf16", "random", "graph", "3000.0", f"{532.710162432 / 3e-3 / 1e3:.1f}",
+        f"{33_294_385_152 / 3e-3 / 1e9:.0f}", "41000.0", f"{532.710162432 / 41:.1f}",
+        f"{41000 / 3000:.2f}x", "-", "123 / 13", "yes"]
+    assert rows[("e4m3fn", "locality")][8:] == ["0.95x", "0.89x", "67 / 296", "no"]
+    assert rows[("e4m3fn", "random")][2] == "error: boom"
+    assert "- locality bf16: locality vs flex = 1.059 (limit 1.0): yes" in md
+    assert "- bf16 matmul (bf16, - selections): 700 TFLOP/s" in md
+    src = tmp_path / "bench_attention_prefill.json"
+    src.write_text(json.dumps(doc))
+    assert render_bench.main([str(src)]) == 0
+    assert (tmp_path / "bench_attention_prefill.md").read_text() == md
+
+
+def test_prefill_parser_quick_flags(tmp_path):
+    """bench_attention_prefill's parser takes the quick-check flags and defaults to the
+    issue's run: 8192 new tokens on an 8192-token prefix, both caches and distributions,
+    flex timed with its own kernel options."""
+    a = bap.parse_args(["--new-tokens", "1024", "--prefix", "2048", "--caches", "e4m3fn",
+                        "--dists", "random", "--knobs", "block_rows=32", "block_rows=16",
+                        "--flex-knobs", "BLOCK_M=64", "--no-flex", "--out",
+                        str(tmp_path / "p.json"), "--rep-ms", "5"])
+    assert (a.new_tokens, a.prefix, a.caches, a.dists, a.no_flex, a.rep_ms) == \
+        (1024, 2048, ["e4m3fn"], ["random"], True, 5.0)
+    assert a.knobs == [{"block_rows": 32}, {"block_rows": 16}] and a.flex_knobs == {"BLOCK_M": 64}
+    d = bap.parse_args([])
+    assert (d.new_tokens, d.prefix, d.caches, d.dists) == \
+        (8192, 8192, ["bf16", "e4m3fn"], ["locality", "random"])
+    assert (d.knobs, d.flex_knobs, d.no_flex) == ([], {}, False)
+    assert d.out.endswith("bench_attention_prefill.json")
+    with pytest.raises(SystemExit):
+        bap.parse_args(["--new-tokens", "0"])
+
+
+def _dense_prefill(st: bap.PrefillSet, fmt: str, s: bap.Shape) -> torch.Tensor:
+    """fp32 attention of each (token, query head) over its selected blocks' keys j <= p."""
+    fp8 = harness.FP8_DTYPES.get(fmt)
+    kv = (st.kv.view(fp8) if fp8 else st.kv).float().cpu()
+    g = s.hq // s.hkv
+    out = torch.zeros(st.q.shape, dtype=torch.float32)
+    for i, p in enumerate(st.positions.tolist()):
+        for h in range(s.hkv):
+            blocks = sorted({int(b) for b in st.topk[i, h] if 0 <= b <= p // s.page})
+            keys = torch.cat([kv[int(st.table[0, b]), h] for b in blocks])
+            j = torch.cat([torch.arange(b * s.page, (b + 1) * s.page) for b in blocks])
+            keys = keys[j <= p]
+            q = st.q[i, h * g:(h + 1) * g].float().cpu()
+            w = torch.softmax(q @ keys[:, :s.d].T / s.d ** 0.5, dim=-1)
+            out[i, h * g:(h + 1) * g] = w @ keys[:, s.d:]
+    return out
+
+
+_PREFILL_TINY = bap.Shape(hq=4, hkv=2, d=64, page=16, topk=4)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("dist", bap.DISTS)
+@pytest.mark.parametrize("fmt", ["bfloat16", "e4m3fn"])
+def test_prefill_binding_computes_sparse_attention(fmt, dist):
+    """The benchmark's call of the Triton prefill attention (one request, transposed
+    token-major selections, scalar fp8 scale, preallocated output) computes attention over
+    each token's selected blocks, causal in its own: within bf16 rounding of an fp32
+    computation on the same inputs (24 new tokens on a 128-token prefix, K 4)."""
+    st = bap.make_set(fmt, dist, 4, new_tokens=24, prefix=128, s=_PREFILL_TINY, dev=_dev())
+    bap.triton_prefill(fmt)(st)()
+    want = _dense_prefill(st, fmt, _PREFILL_TINY)
+    torch.testing.assert_close(st.out.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "e4m3fn"])
+def test_prefill_flex_inputs_compute_the_same_attention(fmt):
+    """flex_attention on the benchmark's flex inputs (the pages gathered and dequantised to
+    contiguous K/V, the BlockMask of the selections; run eagerly in fp32 here) computes the
+    same sparse attention as an fp32 computation on the paged cache, for both distributions:
+    the peer is timed on the same work."""
+    from oracle import impl_flex
+
+    s = _PREFILL_TINY
+    for dist in bap.DISTS:
+        st = bap.make_set(fmt, dist, 5, new_tokens=24, prefix=128, s=s, dev=_dev())
+        f = bap.flex_inputs(st, fmt, s)
+        assert f.q.shape == (1, 4, 24, 64) and f.k.shape == f.v.shape == (1, 2, 160, 64)
+        o = impl_flex.attend(f.q.float(), f.k.float(), f.v.float(), f.block_mask, f.scale,
+                             s.page, compiled=False)
+        want = _dense_prefill(st, fmt, s)
+        torch.testing.assert_close(o[0].transpose(0, 1).float().cpu(), want, atol=2e-2,
+                                   rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_bench_attention_prefill_small_run(tmp_path):
+    """bench_attention_prefill at 1024 new tokens on a 2048-token prefix, two knob sets,
+    writes a bench/1 report with every (cache, distribution) timed, finite outputs agreeing
+    with flex_attention's, flex timed on both distributions, the six checks decided, a
+    sweep of the second knob set, and the Markdown beside it."""
+    out = tmp_path / "bench_attention_prefill.json"
+    assert bap.main(["--new-tokens", "1024", "--prefix", "2048", "--out", str(out),
+                     "--knobs", "block_rows=64", "block_rows=32", "--copy-mib", "256",
+                     "--warmup-ms", "5", "--rep-ms", "30"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "bench/1" and len(doc["results"]) == 4 and len(doc["sweep"]) == 4
+    for r in doc["results"]:
+        assert r["median_us"] and r["median_us"] > 0, (r["cache"], r["dist"], r["note"])
+        assert r["finite_output"] and r["useful_tflops"] > 0, (r["cache"], r["dist"])
+        assert r["flex"]["median_us"] > 0, r["flex"]["note"]
+        assert r["max_abs_diff_vs_flex"] < 5e-2 and r["vs_flex"] > 0
+    assert len(doc["checks"]) == 6 and all(c["passed"] is not None for c in doc["checks"])
+    assert doc["for_scale"] == bap.FOR_SCALE and (tmp_path / "bench_attention_prefill.md").exists()
