@@ -63,5 +63,37 @@ def resident_programs(kernel, args, kwargs, device) -> int:
     return _RESIDENT[key]
 
 
-__all__ = ["INTERPRET", "ensure_ready", "is_interpreted", "patch_interpreter",
-           "resident_programs", "tl", "triton"]
+_STAGES: dict = {}
+
+
+def _max_shared_mem(device) -> int:
+    """Shared memory one block may use on ``device`` (bytes; 227 KiB on the H200)."""
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    return props["max_shared_mem"]
+
+
+def fitting_stages(kernel, args, kwargs, device, deepest: int = 3) -> int:
+    """The deepest software pipeline (``num_stages`` from ``deepest`` down to 1) whose
+    compiled kernel fits the device's shared memory per block. Triton keeps every stage's
+    tiles in shared memory and fails the launch (OutOfResources) when they do not fit; how
+    much a stage takes depends on the constexprs (e.g. the decode kernel's q tile grows with
+    rows x heads), so the launchers ask the compiler instead of guessing. Compiles on the
+    first call for a key (as ``resident_programs``) and caches the answer; interpreted
+    kernels take ``deepest``."""
+    if is_interpreted(kernel):
+        return deepest
+    key = _spec_key(kernel, args, kwargs) + (deepest,)
+    if key not in _STAGES:
+        limit = _max_shared_mem(device)
+        stages = deepest
+        while stages > 1:
+            compiled = kernel.warmup(*args, grid=(1,), **kwargs, num_stages=stages)
+            if compiled.metadata.shared <= limit:
+                break
+            stages -= 1
+        _STAGES[key] = stages
+    return _STAGES[key]
+
+
+__all__ = ["INTERPRET", "ensure_ready", "fitting_stages", "is_interpreted",
+           "patch_interpreter", "resident_programs", "tl", "triton"]

@@ -93,7 +93,7 @@ from kernels._host import (
     codes_of,
     fail,
 )
-from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, decode_fp8, fmt_code
 
 #: Blocks per split-K chunk of the registered implementation (model: K 16 -> 4 splits).
@@ -375,8 +375,10 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     positive finite scales. Without it, bad contents are guarded in the kernel (never an
     illegal access; see the module docstring).
     Launch knobs (speed only): ``num_warps`` (default 4), ``num_stages`` (depth of the
-    K/V loads' shared-memory pipeline across blocks; Triton's default 3: with bf16 at
-    P = D = 128 that is 139 KB of shared memory, one program per SM), ``max_registers``
+    K/V loads' shared-memory pipeline across blocks; default: 3, or the deepest that fits
+    the GPU's shared memory (``kernels._triton.fitting_stages``; with bf16 at P = D = 128,
+    3 stages take 136 KiB with one row per request and 256 KiB with four rows x 16 heads,
+    which gets 2), ``max_registers``
     (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape)."""
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
                               rows_per_request, k_scale, v_scale, softmax_scale, out,
@@ -403,20 +405,22 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
         if not INTERPRETED:
             opts["maxnreg"] = max_registers
     ensure_ready(_decode_split_kernel)
-    _decode_split_kernel[(p.batch, p.hkv, splits)](
-        q, q.stride(0), q.stride(1),
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
-        block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
-        seq_lens, seq_lens.stride(0),
-        topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
-        p.ks, *p.ks_strides, p.vs, *p.vs_strides,
-        p.out, p.out.stride(0), p.out.stride(1), part, lse,
-        float(np.float32(p.softmax_scale * LOG2E)), grp, p.hq, splits,
-        ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d, P=p.page,
-        KP=triton.next_power_of_2(p.topk_k), NB=p.blocks_per_split,
-        NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
-        FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
-        DIRECT=direct, **opts)
+    args = (q, q.stride(0), q.stride(1),
+            kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
+            block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
+            seq_lens, seq_lens.stride(0),
+            topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
+            p.ks, *p.ks_strides, p.vs, *p.vs_strides,
+            p.out, p.out.stride(0), p.out.stride(1), part, lse,
+            float(np.float32(p.softmax_scale * LOG2E)), grp, p.hq, splits)
+    const = dict(ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d,
+                 P=p.page, KP=triton.next_power_of_2(p.topk_k), NB=p.blocks_per_split,
+                 NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
+                 FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
+                 DIRECT=direct, **opts)
+    if num_stages is None:  # Triton's default depth where it fits (4 rows x 16 heads: 2)
+        const["num_stages"] = fitting_stages(_decode_split_kernel, args, const, dev)
+    _decode_split_kernel[(p.batch, p.hkv, splits)](*args, **const)
     if not direct:
         block_h = min(16, triton.next_power_of_2(p.hq))
         ensure_ready(_decode_merge_kernel)

@@ -31,9 +31,13 @@ Where it runs and what it computes (the declared schedule, ``SCHEDULE(model_dtyp
   act operands with fp32 accumulation, online softmax with exp2 over one P-key block per
   tile in ascending order, P rounded to act for ``P @ V``, fp32 accumulation, output act:
   ``Schedule(kv_dtype=act, p_dtype=act, p_max="running", blocks_per_tile=1,
-  order="ascending", out_dtype=act)``. Compiled with ``dynamic=True`` and a raised
-  recompile limit, so that the oracle's many shapes never fall back to eager (which
-  computes differently).
+  order="ascending", out_dtype=act)``. Compiled with static shapes (one compile per
+  shape: with ``dynamic=True`` the H200 run of 2026-11-30 gave wrong outputs on two small
+  prefill cases with G = 1 and D = 64, cause not isolated yet; shape-specialised kernels
+  remove dynamic shapes as a suspect) and a raised recompile limit, so that the oracle's many
+  shapes never fall back to eager (which computes differently). Where flex's default
+  tiles do not fit shared memory (P x D >= 128 x 128: 228 KiB asked, 227 KiB there),
+  ``BLOCK_M = 64`` and 2 stages (1 past 128 x 128); neither changes the schedule.
 - CPU: flex_attention's eager path (``torch 2.13``: an unfused "math" implementation that
   materialises the full score matrix; compiling flex on the CPU needs a C++ toolchain).
   It is run on fp32 copies of the act q/K/V (act values are exact in fp32), so it
@@ -209,8 +213,9 @@ _COMPILED = None
 
 
 def _compiled_flex():
-    """flex_attention compiled once per process (dynamic shapes; a recompile limit high
-    enough that the oracle's shapes never drop it to eager, which computes differently)."""
+    """flex_attention compiled once per process and shape (static shapes; a recompile
+    limit high enough that the oracle's shapes never drop it to eager, which computes
+    differently)."""
     global _COMPILED
     if _COMPILED is None:
         import torch._dynamo
@@ -219,8 +224,18 @@ def _compiled_flex():
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):
                 setattr(cfg, name, max(getattr(cfg, name), 256))
-        _COMPILED = torch.compile(flex_attention, dynamic=True)
+        _COMPILED = torch.compile(flex_attention, dynamic=False)
     return _COMPILED
+
+
+def default_kernel_options(page: int, d: int) -> dict:
+    """The compiled flex kernel's options for the declared schedule (the attention kernel,
+    ``BLOCK_N = P``), with smaller query tiles and fewer stages where flex's defaults ask
+    for more shared memory than the H200 has (P x D >= 128 x 128)."""
+    opts = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_N": page}
+    if page * d >= 128 * 128:
+        opts.update(BLOCK_M=64, num_stages=2 if page * d == 128 * 128 else 1)
+    return opts
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
@@ -232,8 +247,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockM
     block per online-softmax tile; the attention kernel, never the split-K decoding one);
     a benchmark may pass others (then the schedule no longer describes the result)."""
     if compiled:
-        opts = ({"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_N": page} if kernel_options is None
-                else kernel_options)
+        opts = default_kernel_options(page, q.shape[-1]) if kernel_options is None \
+            else kernel_options
         return _compiled_flex()(q, k, v, block_mask=block_mask, scale=softmax_scale,
                                 enable_gqa=True, kernel_options=opts)
     # Eager: flex_attention traces its higher-order op with dynamo (backend "eager") on

@@ -309,3 +309,32 @@ def test_patch_is_idempotent_and_pinned(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     with pytest.raises(RuntimeError, match="3.6.0.*3.9.0"):
         interp.patch_interpreter()
+
+
+def test_fitting_stages_picks_the_deepest_pipeline_that_fits(monkeypatch):
+    """kernels._triton.fitting_stages compiles from ``deepest`` down and keeps the first
+    depth whose shared memory fits the device (the decode kernel's 4 rows x 16 heads at
+    P = D = 128 need 256 KiB at 3 stages, 192 KiB at 2: 2 on a 227 KiB H200), never below
+    1, and asks the compiler once per key."""
+    from types import SimpleNamespace
+
+    from kernels import _triton as kt
+
+    smem = {3: 262144, 2: 196608, 1: 131072}
+    calls = []
+
+    class Fake:
+        def warmup(self, *args, grid, num_stages, **kw):
+            calls.append(num_stages)
+            return SimpleNamespace(metadata=SimpleNamespace(shared=smem[num_stages]))
+
+    monkeypatch.setattr(kt, "_max_shared_mem", lambda device: 232448)
+    monkeypatch.setattr(kt, "_STAGES", {})
+    dev = SimpleNamespace(index=0)
+    fake = Fake()
+    assert kt.fitting_stages(fake, (1,), {"D": 128}, dev) == 2
+    assert kt.fitting_stages(fake, (1,), {"D": 128}, dev) == 2
+    assert calls == [3, 2]  # cached: the second call compiles nothing
+    monkeypatch.setattr(kt, "_max_shared_mem", lambda device: 100000)
+    assert kt.fitting_stages(fake, (1,), {"D": 64}, dev) == 1  # nothing fits: 1 stage
+    assert kt.fitting_stages(fake, (1,), {"D": 256}, dev, deepest=2) == 1
