@@ -31,10 +31,25 @@ from kernels._host import (
     strided_codes_in,
 )
 from kernels._triton import tl, triton
+from kernels.fp8 import decode_fp8
 
 #: Domain limits (SPEC.md s.7).
 MAX_GROUP = 16
 MAX_TOPK = 64
+
+
+@triton.jit
+def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
+               HW: tl.constexpr, SCALAR: tl.constexpr):
+    """fp32 ``decode(code) * scale`` of a ``[keys, D]`` tile of fp8 codes (one fp32
+    multiply; the caller rounds to act). SCALAR (a 0-d scale): one scale for the tile,
+    loaded once; otherwise each key's scale at ``scale_ptr + g64 s0 + slot s1``. The scalar
+    form is the same arithmetic without the per-key vector: on sm_90 at P = D = 128 it takes
+    the decode kernel from 255 to 190 registers and a third fewer instructions (SASS)."""
+    if SCALAR:
+        return decode_fp8(raw, FMT, HW) * tl.load(scale_ptr)
+    sc = tl.load(scale_ptr + g64 * s0 + slot * s1, mask=kmask, other=1.0)
+    return decode_fp8(raw, FMT, HW) * sc[:, None]
 
 
 @triton.jit

@@ -83,6 +83,7 @@ from kernels._attention import (
     check_q_and_cache,
     check_scales_and_out,
     check_table_and_selections,
+    dequantize,
     guarded_pv,
     validate_block_table,
     validate_scales,
@@ -94,7 +95,7 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
-from kernels.fp8 import HW_FORMATS, decode_fp8, fmt_code
+from kernels.fp8 import HW_FORMATS, fmt_code
 
 #: Blocks per split-K chunk of the registered implementation (model: K 16 -> 4 splits).
 BLOCKS_PER_SPLIT = 4
@@ -116,7 +117,7 @@ def _decode_split_kernel(
         ROWS: tl.constexpr, ROWS_P: tl.constexpr, G_P: tl.constexpr, BLOCK_M: tl.constexpr,
         D: tl.constexpr, P: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr,
         NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        DIRECT: tl.constexpr):
+        SCALAR: tl.constexpr, DIRECT: tl.constexpr):
     r64 = tl.program_id(0).to(tl.int64)
     g64 = tl.program_id(1).to(tl.int64)
     c = tl.program_id(2)
@@ -193,10 +194,10 @@ def _decode_split_kernel(
         v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
         if FP8:
             slot = pg * P + jj
-            ksc = tl.load(ks_ptr + g64 * ks_s0 + slot * ks_s1, mask=kmask, other=1.0)
-            vsc = tl.load(vs_ptr + g64 * vs_s0 + slot * vs_s1, mask=kmask, other=1.0)
-            k = (decode_fp8(k_raw, FMT, HW) * ksc[:, None]).to(q_ptr.dtype.element_ty)
-            v = (decode_fp8(v_raw, FMT, HW) * vsc[:, None]).to(q_ptr.dtype.element_ty)
+            k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT, HW,
+                           SCALAR).to(q_ptr.dtype.element_ty)
+            v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT, HW,
+                           SCALAR).to(q_ptr.dtype.element_ty)
         else:
             k = k_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
             v = v_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
@@ -417,7 +418,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  P=p.page, KP=triton.next_power_of_2(p.topk_k), NB=p.blocks_per_split,
                  NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
-                 DIRECT=direct, **opts)
+                 SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0), DIRECT=direct,
+                 **opts)
     if num_stages is None:  # Triton's default depth where it fits (4 rows x 16 heads: 2)
         const["num_stages"] = fitting_stages(_decode_split_kernel, args, const, dev)
     _decode_split_kernel[(p.batch, p.hkv, splits)](*args, **const)
@@ -440,7 +442,7 @@ def compile_signatures():
         ("bf16", "fp16", 3, 1, 0, False, False, 16, 1),  # 16-bit cache converted to act
     ]
     out = []
-    for act, cache, rows, grp, fmt, hw, direct, k, nb in combos:
+    for i, (act, cache, rows, grp, fmt, hw, direct, k, nb) in enumerate(combos):
         sig = {name: "i64" for name in _decode_split_kernel.arg_names}
         sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", seq_ptr="*i64",
                    tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", out_ptr=f"*{act}",
@@ -452,7 +454,7 @@ def compile_signatures():
         const = dict(ROWS=rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=128,
                      P=128 if cache == "u8" else 64, KP=triton.next_power_of_2(k), NB=nb,
                      NBP=triton.next_power_of_2(nb), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     DIRECT=direct)
+                     SCALAR=i % 2 == 0, DIRECT=direct)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_split_kernel, sig, const))
     for act in ("bf16",):

@@ -96,6 +96,7 @@ from kernels._attention import (
     check_q_and_cache,
     check_scales_and_out,
     check_table_and_selections,
+    dequantize,
     guarded_pv,
     validate_block_table,
     validate_scales,
@@ -107,7 +108,7 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
-from kernels.fp8 import HW_FORMATS, decode_fp8, fmt_code
+from kernels.fp8 import HW_FORMATS, fmt_code
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
 BLOCK_ROWS = 64
@@ -126,7 +127,7 @@ def _prefill_kernel(
         qk_scale, group,
         BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
         KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        SAME: tl.constexpr):
+        SCALAR: tl.constexpr, SAME: tl.constexpr):
     NONE: tl.constexpr = 2147483647
     ROWS: tl.constexpr = BLOCK_T * G_P
     tile = tl.program_id(0)
@@ -207,10 +208,10 @@ def _prefill_kernel(
             v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
             if FP8:
                 slot = pg * P + jj
-                ksc = tl.load(ks_ptr + g64 * ks_s0 + slot * ks_s1, mask=kmask, other=1.0)
-                vsc = tl.load(vs_ptr + g64 * vs_s0 + slot * vs_s1, mask=kmask, other=1.0)
-                k = (decode_fp8(k_raw, FMT, HW) * ksc[:, None]).to(q_ptr.dtype.element_ty)
-                v = (decode_fp8(v_raw, FMT, HW) * vsc[:, None]).to(q_ptr.dtype.element_ty)
+                k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT, HW,
+                               SCALAR).to(q_ptr.dtype.element_ty)
+                v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT, HW,
+                               SCALAR).to(q_ptr.dtype.element_ty)
             elif SAME:  # the cache holds the model dtype: used as loaded
                 k = k_raw
                 v = v_raw
@@ -402,8 +403,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         float(np.float32(p.softmax_scale * LOG2E)), grp,
         BLOCK_T=block_t, G_P=g_p, D=p.d, P=p.page, KP=triton.next_power_of_2(p.topk_k),
         FP8=p.fp8, FMT=fmt_code(kv_fmt) if p.fp8 else 0,
-        HW=p.fp8 and kv_fmt in HW_FORMATS, SAME=not p.fp8 and kv_cache.dtype == q.dtype,
-        **opts)
+        HW=p.fp8 and kv_fmt in HW_FORMATS,
+        SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
+        SAME=not p.fp8 and kv_cache.dtype == q.dtype, **opts)
     return p.out
 
 
@@ -420,7 +422,7 @@ def compile_signatures():
         ("bf16", "fp16", 2, 0, False, 16, 64, 64),
     ]
     out = []
-    for act, cache, grp, fmt, hw, k, page, d in combos:
+    for i, (act, cache, grp, fmt, hw, k, page, d) in enumerate(combos):
         sig = {name: "i64" for name in _prefill_kernel.arg_names}
         sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", cu_ptr="*i32",
                    seq_ptr="*i64", tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32",
@@ -430,7 +432,7 @@ def compile_signatures():
         g_p = triton.next_power_of_2(grp)
         const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
                      KP=triton.next_power_of_2(k), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     SAME=cache == act)
+                     SCALAR=i % 2 == 0, SAME=cache == act)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_prefill_kernel, sig, const))
     return out
