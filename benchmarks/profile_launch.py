@@ -1,0 +1,71 @@
+"""One kernel call of a benchmark at its model shape, to be profiled by Nsight Compute (ncu)
+on the GPU machine: the call is made twice (the first compiles / warms); ncu is told to
+skip the first launches of the kernel it profiles (``--launch-skip 1 --launch-count 1``).
+
+    ncu --clock-control none --section SpeedOfLight ... \\
+        python -m benchmarks.profile_launch --bench attention_decode --cache e4m3fn \\
+        --knobs num_warps=8
+
+``--bench``: insert (``--impl`` triton or cuda), indexer (the decode indexer), or
+attention_decode / attention_prefill (Triton; prefill on random selections). ``--cache``:
+the benchmark's cache names (bench_*.CACHES). ``--knobs``: the launcher's tuning keywords
+(``k=v,...``). The inputs are the benchmark's own (its ``make_set`` with seed 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness  # noqa: E402
+
+BENCHES = ("insert", "indexer", "attention_decode", "attention_prefill")
+
+
+def call(bench: str, cache: str, impl: str, knobs: dict):
+    """The benchmark's zero-argument kernel call on its first input set."""
+    if bench == "insert":
+        from benchmarks import bench_insert as bi
+        from benchmarks.tune_insert import launcher
+
+        kv_fmt, index_fmt = bi.CACHES[cache]
+        return bi.fused_insert(launcher(impl, knobs), kv_fmt, index_fmt)(
+            bi.make_set(bi.TOKENS, kv_fmt, index_fmt, seed=0))
+    if bench == "indexer":
+        from benchmarks import bench_indexer as bix
+
+        fmt = bix.CACHES[cache]
+        return bix.triton_indexer(fmt, knobs=knobs)(bix.make_set(bix.BATCH, bix.SEQ_LEN, fmt, 0))
+    if bench == "attention_decode":
+        from benchmarks import bench_attention_decode as bad
+
+        fmt = bad.CACHES[cache]
+        return bad.triton_decode(fmt, knobs)(bad.make_set(bad.TARGET_BATCH, fmt, seed=0))
+    from benchmarks import bench_attention_prefill as bap
+
+    fmt = bap.CACHES[cache]
+    return bap.triton_prefill(fmt, knobs)(bap.make_set(fmt, "random", seed=0))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bench", choices=BENCHES, default="insert")
+    ap.add_argument("--impl", choices=("triton", "cuda"), default="triton",
+                    help="insert only: the Triton or the CUDA kernel")
+    ap.add_argument("--cache", default="bf16")
+    ap.add_argument("--knobs", type=harness.parse_knobs, default={})
+    args = ap.parse_args(argv)
+    fn = call(args.bench, args.cache, args.impl, args.knobs)
+    for _ in range(2):
+        fn()
+        torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
