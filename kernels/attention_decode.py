@@ -99,6 +99,14 @@ from kernels.fp8 import HW_FORMATS, fmt_code
 
 #: Blocks per split-K chunk of the registered implementation (model: K 16 -> 4 splits).
 BLOCKS_PER_SPLIT = 4
+#: Default K/V pipeline depth. sm_90, model shape, one row per request, 4 warps (static:
+#: compiled on the CPU, registers from cuobjdump): 3 stages take 136 KiB of shared memory
+#: (bf16; 132 KiB e4m3), one program per SM, 4 warps; 2 stages take 72 KiB (bf16) / 100 KiB
+#: (e4m3) with 219 / 190 registers: two programs per SM, so one program's dependent start
+#: (selections -> block table -> K/V addresses, three global round trips before its first
+#: byte arrives) overlaps the other's transfers. Four rows x 16 heads need 256 KiB at 3
+#: stages (more than the H200's 227 KiB). The H200 sweep decides; this is the static pick.
+DEFAULT_STAGES = 2
 #: Domain limit (SPEC.md s.7); MAX_GROUP and MAX_TOPK: kernels._attention.
 MAX_ROWS = 4
 LOG2E = 1.4426950408889634
@@ -376,10 +384,9 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     positive finite scales. Without it, bad contents are guarded in the kernel (never an
     illegal access; see the module docstring).
     Launch knobs (speed only): ``num_warps`` (default 4), ``num_stages`` (depth of the
-    K/V loads' shared-memory pipeline across blocks; default: 3, or the deepest that fits
-    the GPU's shared memory (``kernels._triton.fitting_stages``; with bf16 at P = D = 128,
-    3 stages take 136 KiB with one row per request and 256 KiB with four rows x 16 heads,
-    which gets 2), ``max_registers``
+    K/V loads' shared-memory pipeline across blocks; default ``DEFAULT_STAGES``, or the
+    deepest below that fits the GPU's shared memory, ``kernels._triton.fitting_stages``),
+    ``max_registers``
     (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape)."""
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
                               rows_per_request, k_scale, v_scale, softmax_scale, out,
@@ -420,8 +427,9 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0), DIRECT=direct,
                  **opts)
-    if num_stages is None:  # Triton's default depth where it fits (4 rows x 16 heads: 2)
-        const["num_stages"] = fitting_stages(_decode_split_kernel, args, const, dev)
+    if num_stages is None:  # 2 where it fits (see the docstring)
+        const["num_stages"] = fitting_stages(_decode_split_kernel, args, const, dev,
+                                             deepest=DEFAULT_STAGES)
     _decode_split_kernel[(p.batch, p.hkv, splits)](*args, **const)
     if not direct:
         block_h = min(16, triton.next_power_of_2(p.hq))
