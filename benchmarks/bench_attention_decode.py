@@ -177,16 +177,6 @@ def triton_decode(kv_fmt: str, knobs: dict | None = None):
 # ---------------------------------------------------------------------------- checks
 
 
-def _median(results, cache: str, batch: int):
-    r = next((r for r in results if r["cache"] == cache and r["batch"] == batch), None)
-    return None if r is None else r.get("median_us")
-
-
-def _check(name: str, batch: int, cache: str, value, limit: float, ok) -> dict:
-    return {"check": name, "batch": batch, "cache": cache, "value": value, "limit": limit,
-            "passed": None if value is None else bool(ok(value))}
-
-
 def checks(results: list[dict]) -> list[dict]:
     """The cross-cache checks of every batch (None where a median is missing), and each
     result's own numbers (``vs_bf16``, ``fnuz_overhead``) set on it."""
@@ -194,20 +184,21 @@ def checks(results: list[dict]) -> list[dict]:
     for r in results:
         us, b = r.get("median_us"), r["batch"]
         if r["cache"] != "bf16":
-            base = _median(results, "bf16", b)
+            base = harness.median_of(results, cache="bf16", batch=b)
             r["vs_bf16"] = None if us is None or base is None else base / us
-            out.append(_check("fp8 faster than bf16", b, r["cache"], r["vs_bf16"], 1.0,
-                              lambda v: v > 1.0))
+            out.append(harness.check("fp8 faster than bf16", r["vs_bf16"], 1.0,
+                                     lambda v: v > 1.0, batch=b, cache=r["cache"]))
         if r["cache"] == "e4m3fnuz":
-            ref = _median(results, "e4m3fn", b)
+            ref = harness.median_of(results, cache="e4m3fn", batch=b)
             r["fnuz_overhead"] = None if us is None or ref is None else us / ref - 1
-            out.append(_check("fnuz overhead vs e4m3fn", b, r["cache"], r["fnuz_overhead"],
-                              FNUZ_OVERHEAD_MAX, lambda v: v < FNUZ_OVERHEAD_MAX))
+            out.append(harness.check("fnuz overhead vs e4m3fn", r["fnuz_overhead"],
+                                     FNUZ_OVERHEAD_MAX, lambda v: v < FNUZ_OVERHEAD_MAX,
+                                     batch=b, cache=r["cache"]))
     for r in results:
         if r.get("targets"):
-            out.append(_check("copy fraction", r["batch"], r["cache"], r.get("copy_fraction"),
-                              r["targets"]["copy_fraction"],
-                              lambda v, t=r["targets"]["copy_fraction"]: v >= t))
+            t = r["targets"]["copy_fraction"]
+            out.append(harness.check("copy fraction", r.get("copy_fraction"), t,
+                                     lambda v, t=t: v >= t, batch=r["batch"], cache=r["cache"]))
     return out
 
 
@@ -317,15 +308,7 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"{NAME} needs a CUDA device", file=sys.stderr)
-        return 2
-    doc = build_report(args)
-    md = markdown(doc)
-    harness.write_report(doc, args.out, md)
-    print(md)
-    return 0
+    return harness.main(NAME, argv, parse_args, build_report, markdown)
 
 
 if __name__ == "__main__":

@@ -318,24 +318,14 @@ def flex_inputs(t: PrefillSet, kv_fmt: str, s: Shape = SHAPE) -> FlexInputs:
     return FlexInputs(q, k, v, bm, 1.0 / math.sqrt(s.d))
 
 
-_FLEX = None
-
-
 def compiled_flex():
-    """``torch.compile(flex_attention)`` once per process (static shapes: the benchmark's
-    are fixed), dynamo's recompile limit raised as impl_flex does: every BlockMask brings a
-    new mask_mod closure, and past the limit torch would silently run flex eagerly."""
-    global _FLEX
-    if _FLEX is None:
-        import torch._dynamo
-        from torch.nn.attention.flex_attention import flex_attention
+    """``torch.compile(flex_attention)`` with static shapes (the benchmark's are fixed),
+    the one the oracle's flex implementation uses (oracle.impl_flex.compiled_flex: dynamo's
+    recompile limit raised, since every BlockMask brings a new mask_mod closure and past the
+    limit torch would silently run flex eagerly)."""
+    from oracle.impl_flex import compiled_flex as flex
 
-        cfg = torch._dynamo.config
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), 256))
-        _FLEX = torch.compile(flex_attention)
-    return _FLEX
+    return flex()
 
 
 def flex_call(f: FlexInputs, options: dict | None = None):
@@ -361,16 +351,6 @@ def derive(r: dict) -> dict:
             "vs_flex": None if us is None or fl is None else fl / us}
 
 
-def _median(results, cache: str, dist: str):
-    r = next((r for r in results if r["cache"] == cache and r["dist"] == dist), None)
-    return None if r is None else r.get("median_us")
-
-
-def _check(name: str, dist: str, cache: str, value, limit: float, ok) -> dict:
-    return {"check": name, "dist": dist, "cache": cache, "value": value, "limit": limit,
-            "passed": None if value is None else bool(ok(value))}
-
-
 def checks(results: list[dict]) -> list[dict]:
     """The issue's targets (None where a median is missing, never a pass), and each
     result's derived numbers (``derive``, ``vs_bf16`` for fp8 caches) set on it."""
@@ -378,17 +358,19 @@ def checks(results: list[dict]) -> list[dict]:
     for r in results:
         r.update(derive(r))
         if r["dist"] == "locality":
-            out.append(_check("locality vs flex", r["dist"], r["cache"], r["vs_flex"],
-                              LOCALITY_VS_FLEX_MIN, lambda v: v >= LOCALITY_VS_FLEX_MIN))
+            out.append(harness.check("locality vs flex", r["vs_flex"], LOCALITY_VS_FLEX_MIN,
+                                     lambda v: v >= LOCALITY_VS_FLEX_MIN, dist=r["dist"],
+                                     cache=r["cache"]))
         if r["dist"] == "random":
-            out.append(_check("random useful TFLOP/s", r["dist"], r["cache"],
-                              r["useful_tflops"], RANDOM_TFLOPS_MIN,
-                              lambda v: v >= RANDOM_TFLOPS_MIN))
+            out.append(harness.check("random useful TFLOP/s", r["useful_tflops"],
+                                     RANDOM_TFLOPS_MIN, lambda v: v >= RANDOM_TFLOPS_MIN,
+                                     dist=r["dist"], cache=r["cache"]))
         if r["cache"] != "bf16":
-            us, base = r.get("median_us"), _median(results, "bf16", r["dist"])
+            us = r.get("median_us")
+            base = harness.median_of(results, cache="bf16", dist=r["dist"])
             r["vs_bf16"] = None if us is None or base is None else base / us
-            out.append(_check("e4m3 at least as fast as bf16", r["dist"], r["cache"],
-                              r["vs_bf16"], 1.0, lambda v: v >= 1.0))
+            out.append(harness.check("e4m3 at least as fast as bf16", r["vs_bf16"], 1.0,
+                                     lambda v: v >= 1.0, dist=r["dist"], cache=r["cache"]))
     return out
 
 
@@ -553,7 +535,8 @@ def table_row(doc: dict, r: dict) -> str:
     flex_us = flex.get("median_us")
     flex_cell = f(flex_us, ".1f") if flex_us is not None or not flex else \
         f"error: {flex.get('note')}"
-    base = _median(doc["results"], "bf16", r["dist"]) if r["cache"] != "bf16" else None
+    base = harness.median_of(doc["results"], cache="bf16", dist=r["dist"]) \
+        if r["cache"] != "bf16" else None
     vs_bf16 = None if base is None or r.get("median_us") is None else base / r["median_us"]
     scale = (f"{f(_for_scale(doc, 'vllm', r['cache'], r['dist']), '.0f')} / "
              f"{f(_for_scale(doc, 'flex', r['cache'], r['dist']), '.0f')}")
@@ -608,15 +591,7 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"{NAME} needs a CUDA device", file=sys.stderr)
-        return 2
-    doc = build_report(args)
-    md = markdown(doc)
-    harness.write_report(doc, args.out, md)
-    print(md)
-    return 0
+    return harness.main(NAME, argv, parse_args, build_report, markdown)
 
 
 if __name__ == "__main__":

@@ -370,17 +370,13 @@ def for_scale_lines(doc: dict) -> str:
     return "\nFor scale:\n\n" + "\n".join(lines) + "\n" if lines else ""
 
 
+def markdown(doc: dict) -> str:
+    """The generic table, the for-scale numbers and the knob sweep."""
+    return render_bench.markdown(doc) + for_scale_lines(doc) + sweep_lines(doc)
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"{NAME} needs a CUDA device", file=sys.stderr)
-        return 2
-    doc = build_report(args)
-    md = render_bench.markdown(doc) + for_scale_lines(doc) + sweep_lines(doc)
-    harness.write_report(doc, args.out, md)
-    print(doc["agreement"])
-    print(md)
-    return 0
+    return harness.main(NAME, argv, parse_args, build_report, markdown)
 
 
 if __name__ == "__main__":

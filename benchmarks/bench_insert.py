@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -411,20 +410,7 @@ def build_report(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_insert needs a CUDA device", file=sys.stderr)
-        return 2
-    doc = build_report(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    md = render_bench.markdown(doc)
-    out.with_suffix(".md").write_text(md)
-    print(json.dumps(doc["agreement"], indent=1))
-    print(f"wrote {out} and {out.with_suffix('.md')}\n")
-    print(md)
-    return 0
+    return harness.main("bench_insert", argv, parse_args, build_report, render_bench.markdown)
 
 
 if __name__ == "__main__":

@@ -245,6 +245,34 @@ def write_report(doc: dict, out, md: str) -> None:
     print(f"wrote {out} and {out.with_suffix('.md')}\n")
 
 
+def median_of(results, **match):
+    """The median (us) of the first result whose fields equal ``match``, or None."""
+    r = next((r for r in results if all(r.get(k) == v for k, v in match.items())), None)
+    return None if r is None else r.get("median_us")
+
+
+def check(name: str, value, limit: float, ok, **where) -> dict:
+    """A benchmark check: ``passed`` None when the value is missing (never a pass)."""
+    return {"check": name, **where, "value": value, "limit": limit,
+            "passed": None if value is None else bool(ok(value))}
+
+
+def main(name: str, argv, parse_args, build_report, markdown) -> int:
+    """A benchmark's command line: parse, build the report on the GPU (exit 2 without
+    one), write the JSON and its Markdown (``markdown(doc)``) and print the Markdown."""
+    import sys
+
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{name} needs a CUDA device", file=sys.stderr)
+        return 2
+    doc = build_report(args)
+    md = markdown(doc)
+    write_report(doc, args.out, md)
+    print(md)
+    return 0
+
+
 def parse_knobs(text: str) -> dict:
     """A launcher's tuning keywords from the command line: ``"num_warps=8,num_stages=2"``
     -> ``{"num_warps": 8, "num_stages": 2}`` (integers)."""

@@ -212,7 +212,7 @@ def build_block_mask(sel: torch.Tensor, qend: torch.Tensor, group: int, page: in
 _COMPILED = None
 
 
-def _compiled_flex():
+def compiled_flex():
     """flex_attention compiled once per process and shape (static shapes; a recompile
     limit high enough that the oracle's shapes never drop it to eager, which computes
     differently)."""
@@ -249,7 +249,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockM
     if compiled:
         opts = default_kernel_options(page, q.shape[-1]) if kernel_options is None \
             else kernel_options
-        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=softmax_scale,
+        return compiled_flex()(q, k, v, block_mask=block_mask, scale=softmax_scale,
                                 enable_gqa=True, kernel_options=opts)
     # Eager: flex_attention traces its higher-order op with dynamo (backend "eager") on
     # every new shape (seconds per oracle case); its debug switch calls the op directly,

@@ -312,6 +312,17 @@ def test_indexer_binding_agrees_with_torch(fmt):
     assert bix.selection_agreement(got, st.out) == {"sets_equal": 1.0, "blocks_shared": 1.0}
 
 
+
+def _dense_row(q, kv, h, table_row, blocks, pos, s):
+    """fp32 softmax attention of one row's query heads ``q`` over KV head h's keys
+    ``j <= pos`` of its selected logical ``blocks`` (read through ``table_row``): the
+    dense baseline the benchmark bindings are checked against."""
+    keys = torch.cat([kv[int(table_row[b]), h] for b in blocks]).float().cpu()
+    j = torch.cat([torch.arange(b * s.page, (b + 1) * s.page) for b in blocks])
+    keys = keys[j <= pos]
+    w = torch.softmax(q.float().cpu() @ keys[:, :s.d].T / s.d ** 0.5, dim=-1)
+    return w @ keys[:, s.d:]
+
 def _dense_decode(st: bad.DecodeSet, fmt: str, s: bad.Shape) -> torch.Tensor:
     """fp32 attention of each (row, query head) over its selected blocks' visible keys."""
     fp8 = harness.FP8_DTYPES.get(fmt)
@@ -322,12 +333,8 @@ def _dense_decode(st: bad.DecodeSet, fmt: str, s: bad.Shape) -> torch.Tensor:
         pos = int(st.seq_lens[r]) - 1
         for h in range(s.hkv):
             blocks = sorted(int(b) for b in st.topk[r, h] if b >= 0)
-            keys = torch.cat([kv[int(st.table[r, b]), h] for b in blocks]).cpu()
-            j = torch.cat([torch.arange(b * s.page, (b + 1) * s.page) for b in blocks])
-            keys = keys[j <= pos]
-            q = st.q[r, h * g:(h + 1) * g].float().cpu()
-            p = torch.softmax(q @ keys[:, :s.d].T / s.d ** 0.5, dim=-1)
-            out[r, h * g:(h + 1) * g] = p @ keys[:, s.d:]
+            out[r, h * g:(h + 1) * g] = _dense_row(st.q[r, h * g:(h + 1) * g], kv, h,
+                                                   st.table[r], blocks, pos, s)
     return out
 
 
@@ -624,12 +631,8 @@ def _dense_prefill(st: bap.PrefillSet, fmt: str, s: bap.Shape) -> torch.Tensor:
     for i, p in enumerate(st.positions.tolist()):
         for h in range(s.hkv):
             blocks = sorted({int(b) for b in st.topk[i, h] if 0 <= b <= p // s.page})
-            keys = torch.cat([kv[int(st.table[0, b]), h] for b in blocks])
-            j = torch.cat([torch.arange(b * s.page, (b + 1) * s.page) for b in blocks])
-            keys = keys[j <= p]
-            q = st.q[i, h * g:(h + 1) * g].float().cpu()
-            w = torch.softmax(q @ keys[:, :s.d].T / s.d ** 0.5, dim=-1)
-            out[i, h * g:(h + 1) * g] = w @ keys[:, s.d:]
+            out[i, h * g:(h + 1) * g] = _dense_row(st.q[i, h * g:(h + 1) * g], kv, h,
+                                                   st.table[0], blocks, p, s)
     return out
 
 
