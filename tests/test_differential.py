@@ -6,11 +6,12 @@ never tests. Implementations that need CUDA are marked ``gpu``; the rest run in 
 A failure prints the check's summary and the one command that replays it.
 """
 
+import functools
 import os
 
 import pytest
 
-from oracle.cases import OPS, Case
+from oracle.cases import OPS, Case, make_inputs
 from oracle.checks import run_check
 from oracle.registry import implementations
 from oracle.report import DEFAULT_DISTS, DISTS_BY_OP
@@ -61,7 +62,11 @@ def differential_cases(op: str, gpu: bool) -> list[Case]:
 
 def _params():
     """CPU-capable implementations in the default run; every CUDA-capable one (a torch
-    composition included) again under the ``gpu`` marker, model shapes added."""
+    composition included) again under the ``gpu`` marker, model shapes added. Ordered by
+    case, and grouped by case for pytest-xdist (``--dist loadgroup``), so that the
+    implementations of one case run one after the other in one process and share its
+    input set (``_inputs``)."""
+    params = []
     for op in OPS:
         for impl in implementations(op):
             if impl.name == "reference":
@@ -72,11 +77,21 @@ def _params():
             for gpu, marks in runs:
                 for case in differential_cases(op, gpu=gpu):
                     if impl.supports(case)[0]:
-                        yield pytest.param(impl.name, case.id, marks=marks,
-                                           id=f"{'cuda' if gpu else 'cpu'}|{impl.name}|{case.id}")
+                        params.append((gpu, case.id, impl.name, marks))
+    params.sort(key=lambda p: (OPS.index(p[1].split(":")[0]), p[0], p[1]))
+    return [pytest.param(name, cid, marks=[*marks, pytest.mark.xdist_group(cid)],
+                         id=f"{'cuda' if gpu else 'cpu'}|{name}|{cid}")
+            for gpu, cid, name, marks in params]
 
 
-@pytest.mark.parametrize("impl_name, case_id", list(_params()))
+@functools.lru_cache(maxsize=2)
+def _inputs(case_id: str) -> dict:
+    """A case's input set, made once for all the implementations checked on it (seconds
+    for the long and model cases; run_check fails an implementation that modifies it)."""
+    return make_inputs(Case.from_id(case_id))
+
+
+@pytest.mark.parametrize("impl_name, case_id", _params())
 def test_implementation_matches_reference(impl_name, case_id):
     """The implementation's outputs are admissible under the op's rigorous tolerance model
     (rounded outputs within the rounding interval of exact +- bound, untouched cache slots
@@ -84,5 +99,7 @@ def test_implementation_matches_reference(impl_name, case_id):
     bound)."""
     case = Case.from_id(case_id)
     (impl,) = implementations(case.op, [impl_name])
-    r = run_check(case, impl)
+    r = run_check(case, impl, _inputs(case_id))
+    if any("modified its inputs" in f for f in r.failures):
+        _inputs.cache_clear()  # the next implementation gets a fresh input set
     assert r.passed, r.summary()
