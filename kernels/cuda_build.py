@@ -125,3 +125,26 @@ def build(sources=None, flags=NVCC_FLAGS, name: str = LIB_NAME, cache_dir=None,
         _run([[nvcc, "-shared", *flags, *map(str, objs), "-o", str(tmp_lib)]])
         os.replace(tmp_lib, lib)
     return lib
+
+
+def main(argv=None) -> int:
+    """``python -m kernels.cuda_build [--cold]``: build (or find) the library and print the
+    seconds it took; ``--cold`` builds into an empty cache directory (the cold build time
+    issue 6 bounds at 15 s on the H200), then finds it there again (the cached time)."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(description="build csrc/ and time it")
+    ap.add_argument("--cold", action="store_true", help="build into an empty cache")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = tmp if args.cold else None
+        for what in ("build", "cached"):
+            t0 = time.perf_counter()
+            lib = build(cache_dir=cache)
+            print(f"{what}: {time.perf_counter() - t0:.2f} s ({lib}, {os.cpu_count()} CPUs)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -109,6 +109,22 @@ def test_build_is_cached_by_content(tmp_path, monkeypatch):
     assert key != cuda_build.build_key([src], cuda_build.NVCC_FLAGS, NVCC, None)
 
 
+def test_cold_build_timer_builds_into_an_empty_cache_then_finds_it(monkeypatch, capsys):
+    """``python -m kernels.cuda_build --cold`` times a build into a fresh cache directory
+    and then the cached lookup of the same directory (the two numbers issue 6 bounds)."""
+    dirs = []
+
+    def fake_build(cache_dir=None):
+        dirs.append(cache_dir)
+        return Path(cache_dir) / "lib.so"
+
+    monkeypatch.setattr(cuda_build, "build", fake_build)
+    assert cuda_build.main(["--cold"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == ["build", "cached"]
+    assert dirs[0] is not None and dirs[0] == dirs[1]
+
+
 @needs_nvcc
 def test_failed_build_raises_with_nvcc_stderr(tmp_path):
     """A source that does not compile raises BuildError (a RuntimeError) carrying nvcc's
