@@ -179,6 +179,13 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + m_t[:, None] * q_s0 + m_hq[:, None] * q_s1 + dd[None, :],
                 mask=m_ok[:, None], other=0.0)
 
+    # The union blocks' pages in one gather before the loop: the loop's K/V addresses then
+    # depend on registers only, not on a block-table load per block (one global round trip
+    # less on each block's path, and nothing for the pipeliner to chain).
+    u_blk64 = tl.where(first, uni, 0).to(tl.int64)
+    u_page = tl.load(bt_ptr + r64 * bt_s0 + u_blk64 * bt_s1, mask=first & (u_blk64 < bt_cols),
+                     other=-1).to(tl.int64)
+
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -191,8 +198,8 @@ def _decode_split_kernel(
         hi = tl.where(takes >= 8, 3, tl.where(takes >= 4, 2, tl.where(takes >= 2, 1, 0)))
         lim = seq - ROWS + hi  # the last key any taking row sees (the highest row's position)
         blk64 = blk.to(tl.int64)
-        page = tl.load(bt_ptr + r64 * bt_s0 + blk64 * bt_s1, mask=blk64 < bt_cols,
-                       other=-1).to(tl.int64)
+        # -1 elsewhere; a bad entry of this block stays bad (negative, or past num_pages).
+        page = tl.max(tl.where(u_rank == it, u_page, -1), axis=0)
         page_ok = (page >= 0) & (page < num_pages)
         pg = tl.where(page_ok, page, 0)
         key = blk64 * P + jj
