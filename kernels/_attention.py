@@ -4,8 +4,7 @@ both launchers make (q and the paged cache, block table and selections, scales, 
 scale and output), the host's ``validate=True`` content checks of the paged inputs, and
 the oracle adapters' conversion of a case's inputs to the kernels' tensors.
 
-``guarded_pv`` is the algorithm of ``kernels.attention_decode``'s private ``_guarded_pv``
-(issue 8), made public here so that both attention kernels can share one copy.
+``guard_pv`` / ``guarded_pv`` are shared by both attention kernels (one copy).
 """
 
 from __future__ import annotations
@@ -50,6 +49,19 @@ def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
         return decode_fp8(raw, FMT, HW) * tl.load(scale_ptr)
     sc = tl.load(scale_ptr + g64 * s0 + slot * s1, mask=kmask, other=1.0)
     return decode_fp8(raw, FMT, HW) * sc[:, None]
+
+
+@triton.jit
+def guard_pv(pv, p_act, v, vis):
+    """``pv = P @ V`` of a tile whose rows do not all see the same keys, recomputed by
+    ``guarded_pv`` when V holds a non-finite value. Such a value always shows in pv (the
+    rows that do not see its key multiply it by 0: NaN), so one sum of pv ([M, D]) decides,
+    instead of testing every element of V ([N, D]) on every tile."""
+    tot = tl.sum(tl.sum(pv, axis=1), axis=0)
+    if (tot != tot) | (tl.abs(tot) == float("inf")):
+        vf = v.to(tl.float32)
+        pv = guarded_pv(p_act, v, vis, (vf != vf) | (tl.abs(vf) == float("inf")))
+    return pv
 
 
 @triton.jit

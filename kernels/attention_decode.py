@@ -54,8 +54,9 @@ that take part in the block`` (so ``j < seq_len``) in a page whose block-table e
 range; other lanes read 0. When the rows sharing a tile do not all see the same keys (a
 row that did not select the block, or the causal cut of the current block with several
 rows), a NaN/Inf in V that some row sees must not reach the others through ``0 * NaN`` in
-the shared ``P @ V``: such tiles (only those, and only when V holds a non-finite value)
-take a guarded path (``_guarded_pv``) that multiplies the finite part of V and adds the
+the shared ``P @ V``: such tiles (only those, and only when the tile's ``P @ V`` comes out
+non-finite, which a non-finite V always makes it: ``kernels._attention.guard_pv``) take a
+guarded path (``guarded_pv``) that multiplies the finite part of V and adds the
 non-finite contributions (NaN, +-Inf, and ``0 * Inf = NaN`` where a row's rounded P is 0)
 only to the rows that see them, counted exactly by 0/1 matrix products.
 
@@ -84,7 +85,7 @@ from kernels._attention import (
     check_scales_and_out,
     check_table_and_selections,
     dequantize,
-    guarded_pv,
+    guard_pv,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -232,10 +233,7 @@ def _decode_split_kernel(
                                                         tl.where((takes & 4) != 0, 2, 3)))
             last = tl.minimum(lim, blk64 * P + P - 1)
             if (takes != live) | (seq - ROWS + lo < last):
-                vf = v.to(tl.float32)
-                bad = (vf != vf) | (tl.abs(vf) == float("inf"))
-                if tl.sum(bad.to(tl.int32)) > 0:
-                    pv = guarded_pv(p_act, v, vis, bad)
+                pv = guard_pv(pv, p_act, v, vis)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 

@@ -68,9 +68,10 @@ is in range; other lanes read 0, so NaN content past seq_len, in unused pages or
 unselected blocks never enters any arithmetic. Keys loaded for some rows of the tile but
 not seen by others (a token that did not select the block, the causal cut inside the
 current block) are masked in the logits; a non-finite V in such a key would still reach
-the others through ``0 * NaN`` in the shared ``P @ V``, so those tiles, when V holds a
-non-finite value, take ``kernels._attention.guarded_pv`` (exact 0/1 counts of the
-non-finite values each row sees).
+the others through ``0 * NaN`` in the shared ``P @ V``, so those tiles, when their
+``P @ V`` comes out non-finite (which a non-finite V always makes it), take
+``kernels._attention.guarded_pv`` (exact 0/1 counts of the non-finite values each row
+sees; ``guard_pv``).
 
 In-kernel guards (contents are only checked under ``validate=True``): entries outside
 ``[0, p // P]`` or past the block table's width are ignored, repeats count once,
@@ -97,7 +98,7 @@ from kernels._attention import (
     check_scales_and_out,
     check_table_and_selections,
     dequantize,
-    guarded_pv,
+    guard_pv,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -232,10 +233,7 @@ def _prefill_kernel(
             last = tl.minimum(lim, blk64 * P + P - 1)
             short = tl.sum((t_ok & ((takes == 0) | (t_pos < last))).to(tl.int32), axis=0)
             if short > 0:
-                vf = v.to(tl.float32)
-                bad = (vf != vf) | (tl.abs(vf) == float("inf"))
-                if tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0) > 0:
-                    pv = guarded_pv(p_act, v, vis, bad)
+                pv = guard_pv(pv, p_act, v, vis)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
