@@ -69,9 +69,12 @@ unselected blocks never enters any arithmetic. Keys loaded for some rows of the 
 not seen by others (a token that did not select the block, the causal cut inside the
 current block) are masked in the logits; a non-finite V in such a key would still reach
 the others through ``0 * NaN`` in the shared ``P @ V``, so those tiles, when their
-``P @ V`` comes out non-finite (which a non-finite V always makes it), take
+``P @ V`` comes out non-finite (which a non-finite V always makes it), are recomputed with
 ``kernels._attention.guarded_pv`` (exact 0/1 counts of the non-finite values each row
-sees; ``guard_pv``).
+sees; ``guard_pv``). The recomputation is a second launch of the same kernel
+(``REPAIR=True``) over the tiles the first pass flagged (one int32 per program; the
+others return at once): inlined in the main pass, the guarded path's [N, D] temporaries
+made ptxas spill 1.5 KiB per thread at the model shape (sm_90, 4 warps; none without it).
 
 In-kernel guards (contents are only checked under ``validate=True``): entries outside
 ``[0, p // P]`` or past the block table's width are ignored, repeats count once,
@@ -113,6 +116,11 @@ from kernels.fp8 import HW_FORMATS, fmt_code
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
 BLOCK_ROWS = 64
+#: Default warps per program. sm_90, model shape (static, compiled on the CPU): the main
+#: pass needs 255 registers per thread either way; with 4 warps ptxas spills 344 bytes per
+#: thread (bf16), with 8 none, and shared memory (144 KiB) allows one program per SM
+#: anyway. The H200 sweep is to confirm.
+NUM_WARPS = 8
 LOG2E = 1.4426950408889634
 
 
@@ -124,11 +132,11 @@ def _prefill_kernel(
         cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
         tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-        out_ptr, out_s0, out_s1,
+        out_ptr, out_s0, out_s1, flag_ptr,
         qk_scale, group,
         BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
         KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        SCALAR: tl.constexpr, SAME: tl.constexpr):
+        SCALAR: tl.constexpr, SAME: tl.constexpr, REPAIR: tl.constexpr):
     NONE: tl.constexpr = 2147483647
     ROWS: tl.constexpr = BLOCK_T * G_P
     tile = tl.program_id(0)
@@ -147,7 +155,12 @@ def _prefill_kernel(
     cu0 = tl.load(cu_ptr + r64 * cu_s0).to(tl.int64)
     qlen = tl.load(cu_ptr + (r64 + 1) * cu_s0).to(tl.int64) - cu0
     local = (tile - (cu0 // BLOCK_T + r64)) * BLOCK_T  # first token of the tile, in request
-    if local < qlen:
+    flag = flag_ptr + tile * tl.num_programs(1) + tl.program_id(1)
+    work = local < qlen
+    if REPAIR:  # only the tiles the first pass flagged
+        work = work & (tl.load(flag) != 0)
+    needs_repair = tile * 0
+    if work:
         seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
         prefix = seq - qlen
 
@@ -233,7 +246,12 @@ def _prefill_kernel(
             last = tl.minimum(lim, blk64 * P + P - 1)
             short = tl.sum((t_ok & ((takes == 0) | (t_pos < last))).to(tl.int32), axis=0)
             if short > 0:
-                pv = guard_pv(pv, p_act, v, vis)
+                if REPAIR:
+                    pv = guard_pv(pv, p_act, v, vis)
+                else:  # a non-finite V always shows in pv's total (kernels._attention)
+                    tot = tl.sum(tl.sum(pv, axis=1), axis=0)
+                    if (tot != tot) | (tl.abs(tot) == float("inf")):
+                        needs_repair = tile * 0 + 1
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
@@ -241,6 +259,8 @@ def _prefill_kernel(
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
         dst = out_ptr + m_glob[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+    if not REPAIR:
+        tl.store(flag, needs_repair)
 
 
 #: True when the kernel runs in the (patched) CPU interpreter.
@@ -375,7 +395,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     selections in range without repeats, positive finite scales. Without it, bad contents
     are guarded in the kernel (never an illegal access; see the module docstring).
     block_rows: query rows (tokens x padded heads) per program, a power of two (default
-    ``BLOCK_ROWS``); num_warps / num_stages: Triton launch options (default 4 warps, and
+    ``BLOCK_ROWS``); num_warps / num_stages: Triton launch options (default ``NUM_WARPS``, and
     ``_num_stages``)."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
@@ -386,24 +406,29 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     block_t = _block_t(block_rows, g_p)
     opts = {"num_stages": _num_stages(p.page, p.d, p.fp8) if num_stages is None
             else check_int(num_stages, "num_stages", 1, 8)}
-    if num_warps is not None:
-        opts["num_warps"] = check_int(num_warps, "num_warps", 1, 16)
+    opts["num_warps"] = NUM_WARPS if num_warps is None else check_int(num_warps, "num_warps",
+                                                                      1, 16)
     ensure_ready(_prefill_kernel)
-    _prefill_kernel[(p.t // block_t + p.batch, p.hkv)](
-        q, q.stride(0), q.stride(1), p.t,
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
-        block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
-        cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0), p.batch,
-        max(1, p.batch.bit_length()),
-        topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
-        p.ks, *p.ks_strides, p.vs, *p.vs_strides,
-        p.out, p.out.stride(0), p.out.stride(1),
-        float(np.float32(p.softmax_scale * LOG2E)), grp,
-        BLOCK_T=block_t, G_P=g_p, D=p.d, P=p.page, KP=triton.next_power_of_2(p.topk_k),
-        FP8=p.fp8, FMT=fmt_code(kv_fmt) if p.fp8 else 0,
-        HW=p.fp8 and kv_fmt in HW_FORMATS,
-        SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
-        SAME=not p.fp8 and kv_cache.dtype == q.dtype, **opts)
+    grid = (p.t // block_t + p.batch, p.hkv)
+    flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=q.device)
+    args = (q, q.stride(0), q.stride(1), p.t,
+            kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
+            block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
+            cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0), p.batch,
+            max(1, p.batch.bit_length()),
+            topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
+            p.ks, *p.ks_strides, p.vs, *p.vs_strides,
+            p.out, p.out.stride(0), p.out.stride(1), flags,
+            float(np.float32(p.softmax_scale * LOG2E)), grp)
+    const = dict(BLOCK_T=block_t, G_P=g_p, D=p.d, P=p.page,
+                 KP=triton.next_power_of_2(p.topk_k), FP8=p.fp8,
+                 FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
+                 SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
+                 SAME=not p.fp8 and kv_cache.dtype == q.dtype, **opts)
+    # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
+    # their rows must not see are flagged by the first and recomputed by the second.
+    _prefill_kernel[grid](*args, REPAIR=False, **const)
+    _prefill_kernel[grid](*args, REPAIR=True, **const)
     return p.out
 
 
@@ -424,13 +449,14 @@ def compile_signatures():
         sig = {name: "i64" for name in _prefill_kernel.arg_names}
         sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", cu_ptr="*i32",
                    seq_ptr="*i64", tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32",
-                   out_ptr=f"*{act}", qk_scale="fp32", group="i32", topk_k="i32",
+                   out_ptr=f"*{act}", flag_ptr="*i32", qk_scale="fp32", group="i32",
+                   topk_k="i32",
                    bt_cols="i32", num_reqs="i32", search_steps="i32", num_tokens="i64",
                    num_pages="i64")
         g_p = triton.next_power_of_2(grp)
         const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
                      KP=triton.next_power_of_2(k), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     SCALAR=i % 2 == 0, SAME=cache == act)
+                     SCALAR=i % 2 == 0, SAME=cache == act, REPAIR=i % 3 == 1)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_prefill_kernel, sig, const))
     return out
