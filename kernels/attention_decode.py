@@ -55,8 +55,12 @@ range; other lanes read 0. When the rows sharing a tile do not all see the same 
 row that did not select the block, or the causal cut of the current block with several
 rows), a NaN/Inf in V that some row sees must not reach the others through ``0 * NaN`` in
 the shared ``P @ V``: such tiles (only those, and only when the tile's ``P @ V`` comes out
-non-finite, which a non-finite V always makes it: ``kernels._attention.guard_pv``) take a
-guarded path (``guarded_pv``) that multiplies the finite part of V and adds the
+non-finite, which a non-finite V always makes it: ``kernels._attention.guard_pv``) are
+recomputed in a second launch of the split kernel (``REPAIR=True``, only with several
+rows per request: the programs the first pass flagged, one int32 each, the others store
+nothing; inlined in the main pass, the guarded path made ptxas spill 0.5-1 KiB per thread
+at 2-4 rows) on a guarded path (``guarded_pv``) that multiplies the finite part of V and
+adds the
 non-finite contributions (NaN, +-Inf, and ``0 * Inf = NaN`` where a row's rounded P is 0)
 only to the rows that see them, counted exactly by 0/1 matrix products.
 
@@ -121,16 +125,22 @@ def _decode_split_kernel(
         seq_ptr, seq_s0,
         tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-        out_ptr, out_s0, out_s1, part_ptr, lse_ptr,
+        out_ptr, out_s0, out_s1, part_ptr, lse_ptr, flag_ptr,
         qk_scale, group, num_q_heads, num_splits,
         ROWS: tl.constexpr, ROWS_P: tl.constexpr, G_P: tl.constexpr, BLOCK_M: tl.constexpr,
         D: tl.constexpr, P: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr,
         NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        SCALAR: tl.constexpr, DIRECT: tl.constexpr):
+        SCALAR: tl.constexpr, DIRECT: tl.constexpr, REPAIR: tl.constexpr):
     r64 = tl.program_id(0).to(tl.int64)
     g64 = tl.program_id(1).to(tl.int64)
     c = tl.program_id(2)
     seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
+    # Several rows: the flag of this program for the repair pass (module docstring).
+    flag = flag_ptr + (r64 * tl.num_programs(1) + g64) * tl.num_programs(2) + c
+    go = True
+    if REPAIR:
+        go = tl.load(flag) != 0
+    needs_repair = c * 0
 
     # ---- the plan: each row's valid blocks, their ascending ranks, this split's union.
     ri = tl.arange(0, ROWS_P)
@@ -191,6 +201,8 @@ def _decode_split_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     jj = tl.arange(0, P)
+    if REPAIR:
+        n_iter = tl.where(go, n_iter, 0)
     for it in range(n_iter):
         step = tl.max(tl.where(u_rank == it, u_key, -1), axis=0)
         blk = step >> 4
@@ -233,21 +245,29 @@ def _decode_split_kernel(
                                                         tl.where((takes & 4) != 0, 2, 3)))
             last = tl.minimum(lim, blk64 * P + P - 1)
             if (takes != live) | (seq - ROWS + lo < last):
-                pv = guard_pv(pv, p_act, v, vis)
+                if REPAIR:
+                    pv = guard_pv(pv, p_act, v, vis)
+                else:  # a non-finite V always shows in pv's total (kernels._attention)
+                    tot = tl.sum(tl.sum(pv, axis=1), axis=0)
+                    if (tot != tot) | (tl.abs(tot) == float("inf")):
+                        needs_repair = c * 0 + 1
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     empty = l_i == 0.0  # no key in this split (NaN sums are not empty: they propagate)
     l_safe = tl.where(empty, 1.0, l_i)
     o = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    m_out = m_ok & go
     if DIRECT:
         dst = out_ptr + m_t[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_out[:, None])
     else:
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
         row = (m_t * num_q_heads + m_hq) * num_splits + c
-        tl.store(part_ptr + row[:, None] * D + dd[None, :], o, mask=m_ok[:, None])
-        tl.store(lse_ptr + row, lse, mask=m_ok)
+        tl.store(part_ptr + row[:, None] * D + dd[None, :], o, mask=m_out[:, None])
+        tl.store(lse_ptr + row, lse, mask=m_out)
+    if ROWS > 1 and not REPAIR:
+        tl.store(flag, needs_repair)
 
 
 @triton.jit
@@ -418,13 +438,16 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
         if not INTERPRETED:
             opts["maxnreg"] = max_registers
     ensure_ready(_decode_split_kernel)
+    grid = (p.batch, p.hkv, splits)
+    flags = torch.empty(p.batch * p.hkv * splits if p.rows > 1 else 1, dtype=torch.int32,
+                        device=dev)
     args = (q, q.stride(0), q.stride(1),
             kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
             block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
             seq_lens, seq_lens.stride(0),
             topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
             p.ks, *p.ks_strides, p.vs, *p.vs_strides,
-            p.out, p.out.stride(0), p.out.stride(1), part, lse,
+            p.out, p.out.stride(0), p.out.stride(1), part, lse, flags,
             float(np.float32(p.softmax_scale * LOG2E)), grp, p.hq, splits)
     const = dict(ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d,
                  P=p.page, KP=triton.next_power_of_2(p.topk_k), NB=p.blocks_per_split,
@@ -433,9 +456,12 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0), DIRECT=direct,
                  **opts)
     if num_stages is None:  # 2 where it fits (see the docstring)
-        const["num_stages"] = fitting_stages(_decode_split_kernel, args, const, dev,
+        const["num_stages"] = fitting_stages(_decode_split_kernel, args,
+                                             {**const, "REPAIR": False}, dev,
                                              deepest=DEFAULT_STAGES)
-    _decode_split_kernel[(p.batch, p.hkv, splits)](*args, **const)
+    _decode_split_kernel[grid](*args, REPAIR=False, **const)
+    if p.rows > 1:  # the programs flagged by the first pass, recomputed with the guard
+        _decode_split_kernel[grid](*args, REPAIR=True, **const)
     if not direct:
         block_h = min(16, triton.next_power_of_2(p.hq))
         ensure_ready(_decode_merge_kernel)
@@ -459,7 +485,8 @@ def compile_signatures():
         sig = {name: "i64" for name in _decode_split_kernel.arg_names}
         sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", seq_ptr="*i64",
                    tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", out_ptr=f"*{act}",
-                   part_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32", group="i32",
+                   part_ptr="*fp32", lse_ptr="*fp32", flag_ptr="*i32", qk_scale="fp32",
+                   group="i32",
                    num_q_heads="i32", num_splits="i32", topk_k="i32", bt_cols="i32",
                    num_pages="i64")
         rows_p = triton.next_power_of_2(rows)
@@ -467,7 +494,7 @@ def compile_signatures():
         const = dict(ROWS=rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=128,
                      P=128 if cache == "u8" else 64, KP=triton.next_power_of_2(k), NB=nb,
                      NBP=triton.next_power_of_2(nb), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     SCALAR=i % 2 == 0, DIRECT=direct)
+                     SCALAR=i % 2 == 0, DIRECT=direct, REPAIR=rows > 1 and i % 2 == 1)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_split_kernel, sig, const))
     for act in ("bf16",):
