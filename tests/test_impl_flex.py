@@ -210,3 +210,20 @@ def test_gather_dequantises_and_zeroes_what_no_row_sees():
     tail = np.setdiff1d(np.arange(k.shape[2]), np.concatenate(
         [blk0[r] * page + np.arange(int(seq[r])) for r in range(seq.size)]))
     assert tail.size and not k[0, :, tail].any() and not v[0, :, tail].any()
+
+
+@pytest.mark.parametrize("page, d, smaller", [(16, 64, False), (64, 256, True),
+                                              (128, 128, True), (128, 256, True)])
+def test_compiled_options_keep_the_schedule_and_shrink_large_tiles(page, d, smaller):
+    """The compiled flex kernel's options keep what the declared schedule assumes (the
+    attention template, ``BLOCK_N = P``) and, where flex's default tiles asked for more
+    shared memory than the H200 has (P x D >= 128 x 128: 228 KiB on 2026-11-30), take
+    64-row query tiles and fewer stages (1 past 128 x 128)."""
+    from oracle.impl_flex import default_kernel_options
+
+    opts = default_kernel_options(page, d)
+    assert opts["FORCE_USE_FLEX_ATTENTION"] is True and opts["BLOCK_N"] == page
+    assert ("BLOCK_M" in opts) == smaller
+    if smaller:
+        assert opts["BLOCK_M"] == 64
+        assert opts["num_stages"] == (2 if page * d == 128 * 128 else 1)
