@@ -156,8 +156,11 @@ def cmd_replay(args) -> int:
 def cmd_fuzz(args) -> int:
     from oracle import fuzz
 
-    return fuzz.run(seconds=args.seconds, ops=_split(args.ops), impls=_split(args.impls),
-                    out_dir=Path(args.out), device=_device())
+    seconds = args.seconds if args.minutes is None else 60.0 * args.minutes
+    return fuzz.run(seconds=seconds, ops=_split(args.ops), impls=_split(args.impls),
+                    out_dir=Path(args.out), device=_device(),
+                    db=fuzz.DEFAULT_DB if args.db is None else
+                    None if args.db == "none" else Path(args.db))
 
 
 # ------------------------------------------------------------------------------- parser
@@ -198,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("fuzz", help="hypothesis search for failing cases")
     s.add_argument("--seconds", type=float, default=60.0, help="time budget")
+    s.add_argument("--minutes", type=float, help="time budget in minutes (overrides --seconds)")
+    s.add_argument("--db", help="hypothesis example database folder (default "
+                   ".hypothesis/oracle-fuzz; failing examples are replayed first next "
+                   "time); 'none': no database")
     s.add_argument("--ops", help="comma-separated ops (default: all)")
     s.add_argument("--impls", help="comma-separated implementation names (default: all)")
     s.add_argument("--out", default="fuzz-failures", help="folder for shrunk failing cases")

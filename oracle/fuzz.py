@@ -4,7 +4,11 @@ and on a failure let hypothesis shrink it (toward simpler fields and smaller see
 Each shrunk failure is written as ``OUT/<case id>.txt`` holding the replay command.
 
 The time budget is met by running hypothesis in rounds of a few examples until the budget
-is spent; a failure ends the search.
+is spent; a failure ends the search. Each case reports its worst error over bound to
+``hypothesis.target`` (label ``err/bound``), so the search climbs toward cases that come
+close to failing. Failing examples are kept in a persistent example database
+(``DEFAULT_DB``, ``--db``; None: none) and replayed first by the next run, before it
+draws new ones.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, settings, target
 from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 from oracle.cases import DISTRIBUTIONS, OPS, SCALES, Case
 from oracle.checks import run_check
@@ -42,8 +47,17 @@ def case_strategy(ops=OPS, shape_classes=("tiny", "small")) -> st.SearchStrategy
     return fields.map(_valid).filter(lambda c: c is not None)
 
 
+#: Where failing examples persist between runs (relative to the working directory).
+DEFAULT_DB = Path(".hypothesis") / "oracle-fuzz"
+
+
 class CaseFailed(AssertionError):
     pass
+
+
+def worst_ratio(results) -> float:
+    """The largest error / bound over the results' elements (0 when none was measured)."""
+    return max((r.tally.max_err_over_bound for r in results), default=0.0)
 
 
 def check_case(case: Case, impl_names=None, device: str = "cpu") -> list:
@@ -59,7 +73,7 @@ def check_case(case: Case, impl_names=None, device: str = "cpu") -> list:
 
 
 def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failures"),
-        device: str = "cpu") -> int:
+        device: str = "cpu", db: Path | None = DEFAULT_DB) -> int:
     from tqdm import tqdm
 
     ops = ops or list(OPS)
@@ -68,18 +82,21 @@ def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failure
     n = 0
     bar = tqdm(total=int(seconds), desc="fuzz (s)", unit="s")
 
-    @settings(max_examples=3, deadline=None, database=None, derandomize=False,
-              phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False,
-              suppress_health_check=list(HealthCheck))
+    database = DirectoryBasedExampleDatabase(str(db)) if db is not None else None
+
+    @settings(max_examples=3, deadline=None, database=database, derandomize=False,
+              phases=[Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+              report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
     @given(case_strategy(ops))
     def one(case):
         nonlocal n
         n += 1
         try:
-            check_case(case, impls, device)
+            results = check_case(case, impls, device)
         except CaseFailed:
             failures.append(case)  # the last one recorded is hypothesis's shrunk example
             raise
+        target(worst_ratio(results), label="err/bound")
 
     start = time.monotonic()
     while time.monotonic() < deadline:

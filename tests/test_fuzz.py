@@ -22,10 +22,14 @@ def planted_bug():
 
 def test_fuzz_finds_shrinks_and_writes_a_replayable_failure(planted_bug, tmp_path):
     """Within a short budget the driver fails on the planted bug, writes one file holding
-    the replay command of a case that still fails, and exits 1."""
-    rc = fuzz.run(seconds=60, ops=["norm_rope_insert"], impls=[planted_bug], out_dir=tmp_path)
+    the replay command of a case that still fails, and exits 1; the failing example is
+    kept in the example database (replayed first by the next run)."""
+    out, db = tmp_path / "out", tmp_path / "db"
+    rc = fuzz.run(seconds=60, ops=["norm_rope_insert"], impls=[planted_bug], out_dir=out,
+                  db=db)
     assert rc == 1
-    (path,) = tmp_path.iterdir()
+    assert any(p.is_file() for p in db.rglob("*"))
+    (path,) = out.iterdir()
     command = path.read_text().strip()
     assert command.startswith("python -m oracle replay norm_rope_insert:")
     case = Case.from_id(command.split()[4])
@@ -34,10 +38,17 @@ def test_fuzz_finds_shrinks_and_writes_a_replayable_failure(planted_bug, tmp_pat
         fuzz.check_case(case, [impl.name])
 
 
-def test_fuzz_reports_no_failure_on_correct_implementations(tmp_path):
-    """A short run over the correct CPU implementations finds nothing and exits 0."""
-    assert fuzz.run(seconds=5, ops=["reshape_and_cache"], out_dir=tmp_path) == 0
-    assert not list(tmp_path.iterdir())
+def test_fuzz_reports_no_failure_on_correct_implementations(tmp_path, monkeypatch):
+    """A short run over the correct CPU implementations finds nothing and exits 0, and
+    reports every case's worst error over bound (in [0, 1]) to hypothesis.target."""
+    seen = []
+    monkeypatch.setattr(fuzz, "target", lambda value, label: seen.append((label, value)))
+    out = tmp_path / "out"
+    assert fuzz.run(seconds=5, ops=["norm_rope_insert"], impls=["torch"], out_dir=out,
+                    db=None) == 0
+    assert not out.exists() or not list(out.iterdir())
+    assert seen and all(label == "err/bound" and 0 <= v <= 1 for label, v in seen)
+    assert any(v > 0 for _, v in seen)  # rounding errors are measured, not all zero
 
 
 @pytest.mark.fuzz
