@@ -4,11 +4,17 @@
   ``platform`` fixture runs over. ``cuda`` is native on NVIDIA; ``rocm-ocp`` and
   ``rocm-fnuz`` are emulated through the kernels' explicit storage-format argument.
 - Tests marked ``gpu`` are skipped with a reason when no CUDA device is present.
+- ``ORACLE_GPUS=N pytest -m gpu -n N``: each xdist worker on its own GPU (oracle/gpus.py).
 - Hypothesis profiles: ``ci`` (derandomized, bounded, chosen when CI=true), ``dev``
   (the default), ``nightly`` (long). Pick one with ``--hypothesis-profile``.
 """
 
 import os
+
+from oracle.gpus import pin_worker_gpu
+
+# ORACLE_GPUS=N with pytest-xdist: one GPU per worker, chosen before CUDA is initialised.
+pin_worker_gpu()
 
 # The reference's matrix products are skinny: one BLAS thread is as fast as two, and
 # OpenBLAS's spinning workers slow down badly when another process holds a core.

@@ -75,3 +75,17 @@ def test_malformed_report_file_is_a_clear_error(tmp_path):
                  ("render", str(tmp_path / "missing.json"))):
         r = _run(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr and "report file" in r.stderr
+
+
+def test_xdist_workers_get_one_gpu_each():
+    """ORACLE_GPUS=N: worker gwK gets GPU K mod N through CUDA_VISIBLE_DEVICES; not a
+    worker, one GPU, or a user's CUDA_VISIBLE_DEVICES: nothing is set."""
+    from oracle.gpus import pin_worker_gpu, worker_gpu
+
+    assert [worker_gpu(f"gw{k}", 2) for k in range(4)] == [0, 1, 0, 1]
+    assert worker_gpu(None, 4) is None and worker_gpu("gw3", 1) is None
+    env = {"PYTEST_XDIST_WORKER": "gw5", "ORACLE_GPUS": "4"}
+    assert pin_worker_gpu(env) == 1 and env["CUDA_VISIBLE_DEVICES"] == "1"
+    env = {"PYTEST_XDIST_WORKER": "gw5", "ORACLE_GPUS": "4", "CUDA_VISIBLE_DEVICES": "3"}
+    assert pin_worker_gpu(env) is None and env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert pin_worker_gpu({"ORACLE_GPUS": "2"}) is None

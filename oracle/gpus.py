@@ -1,0 +1,35 @@
+"""One GPU per pytest-xdist worker (issue 10): ``ORACLE_GPUS=N pytest -m gpu -n N`` gives
+worker ``gwK`` the GPU ``K mod N`` alone, by setting ``CUDA_VISIBLE_DEVICES`` before anything
+initialises CUDA (conftest.py calls ``pin_worker_gpu`` first thing). Unset, or N <= 1, or a
+``CUDA_VISIBLE_DEVICES`` the user set: nothing changes (every worker shares the visible
+GPUs, as on the one-GPU machine). xdist shards the test ids deterministically (the
+differential test's parameters are a pure function of the registry and ORACLE_SEED).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def worker_gpu(worker: str | None, gpus: int) -> int | None:
+    """The GPU of xdist worker ``worker`` ("gw3") among ``gpus`` GPUs, or None (not a
+    worker, or fewer than two GPUs)."""
+    if not worker or not worker.startswith("gw") or gpus <= 1:
+        return None
+    return int(worker[2:]) % gpus
+
+
+def pin_worker_gpu(environ=os.environ) -> int | None:
+    """Set CUDA_VISIBLE_DEVICES for this xdist worker from ORACLE_GPUS (see the module
+    docstring); returns the GPU index chosen, or None."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return None
+    try:
+        gpus = int(environ.get("ORACLE_GPUS", "0"))
+    except ValueError:
+        raise ValueError(f"ORACLE_GPUS must be an integer, got "
+                         f"{environ['ORACLE_GPUS']!r}") from None
+    gpu = worker_gpu(environ.get("PYTEST_XDIST_WORKER"), gpus)
+    if gpu is not None:
+        environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return gpu
