@@ -52,16 +52,24 @@ def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
 
 
 @triton.jit
-def guard_pv(pv, p_act, v, vis):
-    """``pv = P @ V`` of a tile whose rows do not all see the same keys, recomputed by
-    ``guarded_pv`` when V holds a non-finite value. Such a value always shows in pv (the
+def guard_pv(pv, p_act, v, vis, needs_repair, REPAIR: tl.constexpr):
+    """``pv = P @ V`` of a tile whose rows do not all see the same keys, when V may hold a
+    non-finite value that some rows must not see. Such a value always shows in pv (the
     rows that do not see its key multiply it by 0: NaN), so one sum of pv ([M, D]) decides,
-    instead of testing every element of V ([N, D]) on every tile."""
+    instead of testing every element of V ([N, D]). The kernels run in two passes: the
+    first (REPAIR False) returns pv as is and ``needs_repair`` set to 1 when it is not
+    finite; the second (REPAIR True, only for the flagged programs) recomputes it with
+    ``guarded_pv``, whose [N, D] temporaries would make ptxas spill in the first pass.
+    Returns ``(pv, needs_repair)``."""
     tot = tl.sum(tl.sum(pv, axis=1), axis=0)
-    if (tot != tot) | (tl.abs(tot) == float("inf")):
-        vf = v.to(tl.float32)
-        pv = guarded_pv(p_act, v, vis, (vf != vf) | (tl.abs(vf) == float("inf")))
-    return pv
+    bad_tile = (tot != tot) | (tl.abs(tot) == float("inf"))
+    if REPAIR:
+        if bad_tile:
+            vf = v.to(tl.float32)
+            pv = guarded_pv(p_act, v, vis, (vf != vf) | (tl.abs(vf) == float("inf")))
+    elif bad_tile:
+        needs_repair = needs_repair * 0 + 1
+    return pv, needs_repair
 
 
 @triton.jit

@@ -245,12 +245,7 @@ def _decode_split_kernel(
                                                         tl.where((takes & 4) != 0, 2, 3)))
             last = tl.minimum(lim, blk64 * P + P - 1)
             if (takes != live) | (seq - ROWS + lo < last):
-                if REPAIR:
-                    pv = guard_pv(pv, p_act, v, vis)
-                else:  # a non-finite V always shows in pv's total (kernels._attention)
-                    tot = tl.sum(tl.sum(pv, axis=1), axis=0)
-                    if (tot != tot) | (tl.abs(tot) == float("inf")):
-                        needs_repair = c * 0 + 1
+                pv, needs_repair = guard_pv(pv, p_act, v, vis, needs_repair, REPAIR)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 

@@ -246,12 +246,7 @@ def _prefill_kernel(
             last = tl.minimum(lim, blk64 * P + P - 1)
             short = tl.sum((t_ok & ((takes == 0) | (t_pos < last))).to(tl.int32), axis=0)
             if short > 0:
-                if REPAIR:
-                    pv = guard_pv(pv, p_act, v, vis)
-                else:  # a non-finite V always shows in pv's total (kernels._attention)
-                    tot = tl.sum(tl.sum(pv, axis=1), axis=0)
-                    if (tot != tot) | (tl.abs(tot) == float("inf")):
-                        needs_repair = tile * 0 + 1
+                pv, needs_repair = guard_pv(pv, p_act, v, vis, needs_repair, REPAIR)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
