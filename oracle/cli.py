@@ -14,6 +14,7 @@ Errors in the user's input print one line and exit 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -157,10 +158,12 @@ def cmd_fuzz(args) -> int:
     from oracle import fuzz
 
     seconds = args.seconds if args.minutes is None else 60.0 * args.minutes
-    return fuzz.run(seconds=seconds, ops=_split(args.ops), impls=_split(args.impls),
-                    out_dir=Path(args.out), device=_device(),
-                    db=fuzz.DEFAULT_DB if args.db is None else
-                    None if args.db == "none" else Path(args.db))
+    return fuzz.run_parallel(args.workers, seconds=seconds, ops=_split(args.ops),
+                             impls=_split(args.impls), out_dir=Path(args.out),
+                             device=_device(),
+                             db=fuzz.DEFAULT_DB if args.db is None else
+                             None if args.db == "none" else Path(args.db),
+                             gpus=int(os.environ.get("ORACLE_GPUS", "0")))
 
 
 # ------------------------------------------------------------------------------- parser
@@ -202,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("fuzz", help="hypothesis search for failing cases")
     s.add_argument("--seconds", type=float, default=60.0, help="time budget")
     s.add_argument("--minutes", type=float, help="time budget in minutes (overrides --seconds)")
+    s.add_argument("--workers", type=int, default=1, help="processes fuzzing at once (with "
+                   "ORACLE_GPUS=N, worker i on GPU i mod N)")
     s.add_argument("--db", help="hypothesis example database folder (default "
                    ".hypothesis/oracle-fuzz; failing examples are replayed first next "
                    "time); 'none': no database")

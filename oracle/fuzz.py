@@ -72,15 +72,39 @@ def check_case(case: Case, impl_names=None, device: str = "cpu") -> list:
     return results
 
 
+def run_parallel(workers: int, seconds: float, ops=None, impls=None,
+                 out_dir: Path = Path("fuzz-failures"), device: str = "cpu",
+                 db: Path | None = DEFAULT_DB, gpus: int = 0) -> int:
+    """``run`` in ``workers`` processes at once (each its own hypothesis stream, one shared
+    example database and failure folder); with ``gpus`` > 1 worker i runs on GPU i mod
+    gpus alone (CUDA_VISIBLE_DEVICES, set before it touches CUDA). Returns 1 when any
+    worker found a failure."""
+    import multiprocessing
+
+    if workers <= 1:
+        return run(seconds, ops, impls, out_dir, device, db)
+    args = [(i, gpus, seconds, ops, impls, out_dir, device, db) for i in range(workers)]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        return max(pool.starmap(_worker, args))
+
+
+def _worker(index, gpus, seconds, ops, impls, out_dir, device, db) -> int:
+    import os
+
+    if gpus > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+    return run(seconds, ops, impls, out_dir, device, db, progress=index == 0)
+
+
 def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failures"),
-        device: str = "cpu", db: Path | None = DEFAULT_DB) -> int:
+        device: str = "cpu", db: Path | None = DEFAULT_DB, progress: bool = True) -> int:
     from tqdm import tqdm
 
     ops = ops or list(OPS)
     deadline = time.monotonic() + seconds
     failures: list[Case] = []
     n = 0
-    bar = tqdm(total=int(seconds), desc="fuzz (s)", unit="s")
+    bar = tqdm(total=int(seconds), desc="fuzz (s)", unit="s", disable=not progress)
 
     database = DirectoryBasedExampleDatabase(str(db)) if db is not None else None
 

@@ -58,3 +58,12 @@ def test_fuzz_every_cpu_implementation(case):
     """Every CPU implementation passes on hypothesis-drawn cases over the whole case space
     (ops, shape classes tiny/small, distributions, platforms, cache dtypes, scales, seeds)."""
     fuzz.check_case(case, device="cpu")
+
+
+def test_parallel_workers_each_fuzz_and_report(tmp_path, capfd):
+    """``--workers 2``: two processes fuzz at once (their own hypothesis streams), each
+    reports its summary; no failure on a correct implementation gives 0."""
+    rc = fuzz.run_parallel(2, seconds=3, ops=["reshape_and_cache"], impls=["torch"],
+                           out_dir=tmp_path / "out", db=None)
+    assert rc == 0
+    assert capfd.readouterr().out.count("no failure in 3 s") == 2
