@@ -60,9 +60,8 @@ recomputed in a second launch of the split kernel (``REPAIR=True``, only with se
 rows per request: the programs the first pass flagged, one int32 each, the others store
 nothing; inlined in the main pass, the guarded path made ptxas spill 0.5-1 KiB per thread
 at 2-4 rows) on a guarded path (``guarded_pv``) that multiplies the finite part of V and
-adds the
-non-finite contributions (NaN, +-Inf, and ``0 * Inf = NaN`` where a row's rounded P is 0)
-only to the rows that see them, counted exactly by 0/1 matrix products.
+adds the non-finite contributions (NaN, +-Inf, and ``0 * Inf = NaN`` where a row's rounded
+P is 0) only to the rows that see them, counted exactly by 0/1 matrix products.
 
 In-kernel guards (contents are only checked under ``validate=True``): entries outside
 ``[0, p // P]`` are ignored, repeats count once, block-table entries outside
