@@ -4,7 +4,8 @@ both launchers make (q and the paged cache, block table and selections, scales, 
 scale and output), the host's ``validate=True`` content checks of the paged inputs, and
 the oracle adapters' conversion of a case's inputs to the kernels' tensors.
 
-``guard_pv`` / ``guarded_pv`` are shared by both attention kernels (one copy).
+``not_finite``, ``repair_pv`` and ``guarded_pv`` are shared by both attention kernels (one
+copy).
 """
 
 from __future__ import annotations
@@ -52,24 +53,33 @@ def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
 
 
 @triton.jit
-def guard_pv(pv, p_act, v, vis, needs_repair, REPAIR: tl.constexpr):
-    """``pv = P @ V`` of a tile whose rows do not all see the same keys, when V may hold a
-    non-finite value that some rows must not see. Such a value always shows in pv (the
-    rows that do not see its key multiply it by 0: NaN), so one sum of pv ([M, D]) decides,
-    instead of testing every element of V ([N, D]). The kernels run in two passes: the
-    first (REPAIR False) returns pv as is and ``needs_repair`` set to 1 when it is not
-    finite; the second (REPAIR True, only for the flagged programs) recomputes it with
-    ``guarded_pv``, whose [N, D] temporaries would make ptxas spill in the first pass.
-    Returns ``(pv, needs_repair)``."""
+def not_finite(acc):
+    """1 (int32) when the ``[M, D]`` accumulator of a program holds a NaN or an Inf, else 0.
+
+    The first pass of both attention kernels uses it once, after its loop, to flag the
+    programs the second pass recomputes. A tile whose rows do not all see the same keys
+    lets a non-finite V that some rows must not see reach them through ``0 * NaN`` /
+    ``0 * Inf`` in the shared ``P @ V``: that always leaves a NaN in those rows' partial
+    sums, and a NaN (or Inf) in ``acc`` survives every later ``acc * alpha + pv``, so one
+    sum at the end finds it (false alarms, e.g. a row that legitimately sees a NaN, only
+    cost a recomputation). Checking each block's ``P @ V`` instead cost a reduction and a
+    branch per block in the main loop."""
+    tot = tl.sum(tl.sum(acc, axis=1), axis=0)
+    return ((tot != tot) | (tl.abs(tot) == float("inf"))).to(tl.int32)
+
+
+@triton.jit
+def repair_pv(pv, p_act, v, vis):
+    """The second (repair) pass's ``P @ V`` of a tile whose rows do not all see the same
+    keys: ``pv`` as computed when it is finite (a non-finite V that some rows must not see
+    always shows in it: the rows that do not see its key multiply it by 0, NaN), else
+    recomputed with ``guarded_pv`` (its ``[N, D]`` temporaries would make ptxas spill if
+    the first pass carried them)."""
     tot = tl.sum(tl.sum(pv, axis=1), axis=0)
-    bad_tile = (tot != tot) | (tl.abs(tot) == float("inf"))
-    if REPAIR:
-        if bad_tile:
-            vf = v.to(tl.float32)
-            pv = guarded_pv(p_act, v, vis, (vf != vf) | (tl.abs(vf) == float("inf")))
-    elif bad_tile:
-        needs_repair = needs_repair * 0 + 1
-    return pv, needs_repair
+    if (tot != tot) | (tl.abs(tot) == float("inf")):
+        vf = v.to(tl.float32)
+        pv = guarded_pv(p_act, v, vis, (vf != vf) | (tl.abs(vf) == float("inf")))
+    return pv
 
 
 @triton.jit

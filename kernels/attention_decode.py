@@ -54,14 +54,15 @@ that take part in the block`` (so ``j < seq_len``) in a page whose block-table e
 range; other lanes read 0. When the rows sharing a tile do not all see the same keys (a
 row that did not select the block, or the causal cut of the current block with several
 rows), a NaN/Inf in V that some row sees must not reach the others through ``0 * NaN`` in
-the shared ``P @ V``: such tiles (only those, and only when the tile's ``P @ V`` comes out
-non-finite, which a non-finite V always makes it: ``kernels._attention.guard_pv``) are
-recomputed in a second launch of the split kernel (``REPAIR=True``, only with several
-rows per request: the programs the first pass flagged, one int32 each, the others store
-nothing; inlined in the main pass, the guarded path made ptxas spill 0.5-1 KiB per thread
-at 2-4 rows) on a guarded path (``guarded_pv``) that multiplies the finite part of V and
-adds the non-finite contributions (NaN, +-Inf, and ``0 * Inf = NaN`` where a row's rounded
-P is 0) only to the rows that see them, counted exactly by 0/1 matrix products.
+the shared ``P @ V``. It then always leaves a NaN in the accumulator: with several rows
+per request, the first pass checks its accumulator once, after the loop
+(``kernels._attention.not_finite``), and flags the program (one int32 each); a second
+launch of the split kernel (``REPAIR=True``) recomputes the flagged programs (the others
+store nothing), each block whose ``P @ V`` is non-finite on a guarded path
+(``repair_pv`` -> ``guarded_pv``) that multiplies the finite part of V and adds the
+non-finite contributions (NaN, +-Inf, and ``0 * Inf = NaN`` where a row's rounded P is 0)
+only to the rows that see them, counted exactly by 0/1 matrix products. Inlined in the
+main pass, the guarded path made ptxas spill 0.5-1 KiB per thread at 2-4 rows.
 
 In-kernel guards (contents are only checked under ``validate=True``): entries outside
 ``[0, p // P]`` are ignored, repeats count once, block-table entries outside
@@ -88,7 +89,8 @@ from kernels._attention import (
     check_scales_and_out,
     check_table_and_selections,
     dequantize,
-    guard_pv,
+    not_finite,
+    repair_pv,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -139,7 +141,6 @@ def _decode_split_kernel(
     go = True
     if REPAIR:
         go = tl.load(flag) != 0
-    needs_repair = c * 0
 
     # ---- the plan: each row's valid blocks, their ascending ranks, this split's union.
     ri = tl.arange(0, ROWS_P)
@@ -147,8 +148,11 @@ def _decode_split_kernel(
     pos = seq - ROWS + ri  # int64 [ROWS_P]; < 0: no key (padding, or seq_len < rows)
     row_ok = (ri < ROWS) & (pos >= 0)
     rows64 = r64 * ROWS + ri
+    # Masked by shape only (not by row_ok): the load then does not wait for seq_lens (one
+    # global round trip less before the first K/V byte); in_range drops the rows without a
+    # position.
     e = tl.load(tk_ptr + g64 * tk_s0 + rows64[:, None] * tk_s1 + kk[None, :].to(tl.int64) * tk_s2,
-                mask=row_ok[:, None] & (kk < topk_k)[None, :], other=-1).to(tl.int64)
+                mask=(ri < ROWS)[:, None] & (kk < topk_k)[None, :], other=-1).to(tl.int64)
     in_range = row_ok[:, None] & (e >= 0) & (e * P <= pos[:, None])  # 0 <= e <= p // P
     e32 = tl.where(in_range, e, -1).to(tl.int32)
     same = e32[:, :, None] == e32[:, None, :]  # [row, k', k]
@@ -238,13 +242,13 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p_act = p.to(q_ptr.dtype.element_ty)
         pv = tl.dot(p_act, v)
-        if ROWS > 1:
+        if ROWS > 1 and REPAIR:
             # Rows that do not all see the loaded keys: guard non-finite V (see docstring).
             lo = tl.where((takes & 1) != 0, 0, tl.where((takes & 2) != 0, 1,
                                                         tl.where((takes & 4) != 0, 2, 3)))
             last = tl.minimum(lim, blk64 * P + P - 1)
             if (takes != live) | (seq - ROWS + lo < last):
-                pv, needs_repair = guard_pv(pv, p_act, v, vis, needs_repair, REPAIR)
+                pv = repair_pv(pv, p_act, v, vis)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -261,7 +265,7 @@ def _decode_split_kernel(
         tl.store(part_ptr + row[:, None] * D + dd[None, :], o, mask=m_out[:, None])
         tl.store(lse_ptr + row, lse, mask=m_out)
     if ROWS > 1 and not REPAIR:
-        tl.store(flag, needs_repair)
+        tl.store(flag, not_finite(acc))
 
 
 @triton.jit

@@ -68,13 +68,15 @@ is in range; other lanes read 0, so NaN content past seq_len, in unused pages or
 unselected blocks never enters any arithmetic. Keys loaded for some rows of the tile but
 not seen by others (a token that did not select the block, the causal cut inside the
 current block) are masked in the logits; a non-finite V in such a key would still reach
-the others through ``0 * NaN`` in the shared ``P @ V``, so those tiles, when their
-``P @ V`` comes out non-finite (which a non-finite V always makes it), are recomputed with
-``kernels._attention.guarded_pv`` (exact 0/1 counts of the non-finite values each row
-sees; ``guard_pv``). The recomputation is a second launch of the same kernel
-(``REPAIR=True``) over the tiles the first pass flagged (one int32 per program; the
-others return at once): inlined in the main pass, the guarded path's [N, D] temporaries
-made ptxas spill 1.5 KiB per thread at the model shape (sm_90, 4 warps; none without it).
+the others through ``0 * NaN`` in the shared ``P @ V``. It then always leaves a NaN in
+the accumulator, so the first pass checks its accumulator once, after the loop
+(``kernels._attention.not_finite``; tiles of one token need no check) and flags the tile
+(one int32 per program); a second launch of the same kernel (``REPAIR=True``, the flagged
+tiles only, the others return at once) recomputes it, each block whose ``P @ V`` is
+non-finite by ``kernels._attention.guarded_pv`` (exact 0/1 counts of the non-finite values
+each row sees; ``repair_pv``). Inlined in the main pass, the guarded path's [N, D]
+temporaries made ptxas spill 1.5 KiB per thread at the model shape (sm_90, 4 warps); a
+per-block check cost a reduction and a branch in every iteration of the main loop.
 
 In-kernel guards (contents are only checked under ``validate=True``): entries outside
 ``[0, p // P]`` or past the block table's width are ignored, repeats count once,
@@ -101,7 +103,8 @@ from kernels._attention import (
     check_scales_and_out,
     check_table_and_selections,
     dequantize,
-    guard_pv,
+    not_finite,
+    repair_pv,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -242,11 +245,12 @@ def _prefill_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             p_act = p.to(q_ptr.dtype.element_ty)
             pv = tl.dot(p_act, v)
-            # Rows that do not all see the loaded keys: guard non-finite V (docstring).
-            last = tl.minimum(lim, blk64 * P + P - 1)
-            short = tl.sum((t_ok & ((takes == 0) | (t_pos < last))).to(tl.int32), axis=0)
-            if short > 0:
-                pv, needs_repair = guard_pv(pv, p_act, v, vis, needs_repair, REPAIR)
+            if REPAIR and BLOCK_T > 1:
+                # Rows that do not all see the loaded keys: guard non-finite V (docstring).
+                last = tl.minimum(lim, blk64 * P + P - 1)
+                short = tl.sum((t_ok & ((takes == 0) | (t_pos < last))).to(tl.int32), axis=0)
+                if short > 0:
+                    pv = repair_pv(pv, p_act, v, vis)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
@@ -254,6 +258,8 @@ def _prefill_kernel(
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
         dst = out_ptr + m_glob[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+        if BLOCK_T > 1:  # one token's rows all see the same keys: nothing to repair
+            needs_repair = not_finite(acc)
     if not REPAIR:
         tl.store(flag, needs_repair)
 
