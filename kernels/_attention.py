@@ -32,6 +32,7 @@ from kernels._host import (
 )
 from kernels._triton import tl, triton
 from kernels.fp8 import decode_fp8
+from reference.platforms import is_fp8
 
 #: Domain limits (SPEC.md s.7).
 MAX_GROUP = 16
@@ -40,16 +41,26 @@ MAX_TOPK = 64
 
 @triton.jit
 def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
-               HW: tl.constexpr, SCALAR: tl.constexpr):
-    """fp32 ``decode(code) * scale`` of a ``[keys, D]`` tile of fp8 codes (one fp32
-    multiply; the caller rounds to act). SCALAR (a 0-d scale): one scale for the tile,
-    loaded once; otherwise each key's scale at ``scale_ptr + g64 s0 + slot s1``. The scalar
-    form is the same arithmetic without the per-key vector: on sm_90 at P = D = 128 it takes
-    the decode kernel from 255 to 190 registers and a third fewer instructions (SASS)."""
-    if SCALAR:
-        return decode_fp8(raw, FMT, HW) * tl.load(scale_ptr)
+               HW: tl.constexpr):
+    """fp32 ``decode(code) * scale`` of a ``[keys, D]`` tile of fp8 codes with per-slot
+    scales (each key's scale at ``scale_ptr + g64 s0 + slot s1``; one fp32 multiply, the
+    caller rounds to act). Scalar scales take the other path (``scales_outside``)."""
     sc = tl.load(scale_ptr + g64 * s0 + slot * s1, mask=kmask, other=1.0)
     return decode_fp8(raw, FMT, HW) * sc[:, None]
+
+
+def scales_outside(case) -> bool:
+    """Whether the attention kernels take their scalar-scale fp8 path for a case's inputs
+    (an fp8 cache, k_scale and v_scale each None or one value): K and V then enter the
+    products as their exact decoded values in act (``kernels.fp8.decode_fp8_to``: every
+    fp8 value is a bf16 and an fp16 value) and the scales are applied in fp32 outside
+    them, to the logits and to the output, so the schedule's ``kv_dtype`` is ``"float64"``
+    (the bound allows those two fp32 roundings). With per-slot scales each key's scale is
+    multiplied into K/V and the product rounded to act (``kv_dtype`` = act), as vLLM does."""
+    if case is None or not is_fp8(case["kv_fmt"]):
+        return False
+    return all(s is None or (np.ndim(s) <= 1 and np.size(s) == 1)
+               for s in (case["k_scale"], case["v_scale"]))
 
 
 @triton.jit

@@ -39,9 +39,17 @@ Grid and work split (designed for decode bandwidth):
 
 Numerics: the rounding schedule declared in the registry (``schedule(model_dtype)``, with
 act = the model dtype = q's dtype):
-- K/V dequantised to act: ``act(fp32(decode(code) * scale))`` (fp8, exact decode, one fp32
-  multiply, RNE to act); bf16/fp16 caches: the value converted to act (exact when the cache
-  has the model dtype). ``Schedule.kv_dtype = act``.
+- K/V. fp8 with scalar (or no) scales: the codes' exact values in act
+  (``kernels.fp8.decode_fp8_to``: every fp8 value is a bf16 and an fp16 value; on the H200
+  ``cvt`` e4m3x2 -> f16x2, then f16 -> bf16 for a bf16 model), the scales applied in fp32
+  outside the products: the logit scale ``fp32(softmax_scale * log2(e)) * k_scale`` and
+  the output (or each split's partial) times ``v_scale``; ``Schedule.kv_dtype = "float64"``
+  (``kernels._attention.scales_outside``; the bound allows the two extra fp32 roundings).
+  This is more accurate than rounding ``decode * scale`` to act and takes a third fewer
+  instructions per key block (sm_90 SASS, model shape: 2,800 vs 3,800). fp8 with per-slot
+  scales: ``act(fp32(decode(code) * scale))`` (exact decode, one fp32 multiply, RNE to
+  act), ``kv_dtype = act``. bf16/fp16 caches: the value converted to act (exact when the
+  cache has the model dtype), ``kv_dtype = act``.
 - ``S = q . K`` by ``tl.dot`` on act operands with fp32 accumulation; logits in log2 units
   ``S * fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
   (``p_max="running"``, ``blocks_per_tile=1``), ``P`` rounded to act for ``P @ V``
@@ -91,6 +99,7 @@ from kernels._attention import (
     dequantize,
     not_finite,
     repair_pv,
+    scales_outside,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -101,7 +110,7 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
-from kernels.fp8 import HW_FORMATS, fmt_code
+from kernels.fp8 import HW_FORMATS, decode_fp8_to, fmt_code
 
 #: Blocks per split-K chunk of the registered implementation (model: K 16 -> 4 splits).
 BLOCKS_PER_SPLIT = 4
@@ -204,6 +213,9 @@ def _decode_split_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     jj = tl.arange(0, P)
+    logit_scale = qk_scale
+    if FP8 and SCALAR:  # the scales outside the products (kernels._attention.scales_outside)
+        logit_scale = qk_scale * tl.load(ks_ptr)
     if REPAIR:
         n_iter = tl.where(go, n_iter, 0)
     for it in range(n_iter):
@@ -223,18 +235,21 @@ def _decode_split_kernel(
         src = kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2 + dd[None, :]
         k_raw = tl.load(src, mask=kmask[:, None], other=0)
         v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
-        if FP8:
+        if FP8 and SCALAR:  # exact values in act; the scales come after the products
+            k = decode_fp8_to(k_raw, FMT, HW, q_ptr.dtype.element_ty)
+            v = decode_fp8_to(v_raw, FMT, HW, q_ptr.dtype.element_ty)
+        elif FP8:
             slot = pg * P + jj
-            k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT, HW,
-                           SCALAR).to(q_ptr.dtype.element_ty)
-            v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT, HW,
-                           SCALAR).to(q_ptr.dtype.element_ty)
+            k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT,
+                           HW).to(q_ptr.dtype.element_ty)
+            v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT,
+                           HW).to(q_ptr.dtype.element_ty)
         else:
             k = k_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
             v = v_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, P], fp32 accumulation
         vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
-        s2 = tl.where(vis, s * qk_scale, float("-inf"))
+        s2 = tl.where(vis, s * logit_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -255,6 +270,8 @@ def _decode_split_kernel(
     empty = l_i == 0.0  # no key in this split (NaN sums are not empty: they propagate)
     l_safe = tl.where(empty, 1.0, l_i)
     o = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    if FP8 and SCALAR:
+        o = o * tl.load(vs_ptr)
     m_out = m_ok & go
     if DIRECT:
         dst = out_ptr + m_t[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
@@ -303,15 +320,16 @@ INTERPRETED = is_interpreted(_decode_split_kernel)
 
 @dataclass(frozen=True)
 class DecodeSchedule:
-    """The kernel's rounding schedule as a function of the model dtype (what the oracle
-    calls ``impl.schedule(model_dtype)``); see the module docstring."""
+    """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
+    calls ``schedule_for(impl, model_dtype, case)``); see the module docstring."""
 
     blocks_per_split: int = BLOCKS_PER_SPLIT
 
-    def __call__(self, model_dtype: str):
+    def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
 
-        return Schedule(kv_dtype=model_dtype, p_dtype=model_dtype, p_max="running",
+        kv = "float64" if scales_outside(case) else model_dtype
+        return Schedule(kv_dtype=kv, p_dtype=model_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=self.blocks_per_split,
                         partial_dtype="float32", lse_dtype="float32", out_dtype=model_dtype,
                         order="ascending")
@@ -534,8 +552,9 @@ def _register():
         "triton", "attention_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
         schedule=SCHEDULE,
         notes=f"split-K Triton decode: one program per (request, KV head, split of "
-              f"{BLOCKS_PER_SPLIT} blocks), G heads x rows share each K/V tile; K/V "
-              f"dequantised to act, bf16/fp16 P, fp32 partials, exact LSE merge"))
+              f"{BLOCKS_PER_SPLIT} blocks), G heads x rows share each K/V tile; fp8 K/V "
+              f"exact in act with scalar scales outside the products (per-slot: "
+              f"dequantised to act), bf16/fp16 P, fp32 partials, exact LSE merge"))
 
 
 _register()

@@ -43,17 +43,26 @@ Tiling (the point of this kernel: tokens that share blocks share KV reads).
   * random selections among ``V`` visible blocks: ``U`` ~ ``V (1 - (1 - K/V)^BLOCK_T)``;
     at the issue's benchmark shape (K 16, V 65..128, G 16) 4 tokens per tile (64 rows)
     give U ~ 44-53 (efficiency ~ 1/3), 8 tokens U ~ 58-84 (~ 1/4). Smaller tiles cut the
-    waste but shrink the MMA M dimension; ``block_rows`` (rows per tile) is the knob, the
-    default 64 a guess to be tuned on the H200 (benchmarks/).
+    waste but shrink the MMA M dimension; ``block_rows`` (rows per tile) is the knob
+    (``BLOCK_ROWS``, from the H200 sweep: the per-block overhead, not the MMA waste,
+    dominates there).
   The same union walk is what flex_attention does with a block mask (its q-block of 128
   tokens unions much more: the 13 TFLOP/s of NOTES.md); the per-token (M = G = 16) form
   wastes nothing but runs its MMAs at M = 16.
 
 Numerics: the rounding schedule declared in the registry (``SCHEDULE(model_dtype)``, act =
 the model dtype = q's dtype), exactly what the kernel does:
-- K/V dequantised to act: ``act(fp32(decode(code) * scale))`` (fp8: exact decode, one fp32
-  multiply by the scalar or per-slot scale, RNE to act); bf16/fp16 caches: the value
-  converted to act (exact when the cache has the model dtype). ``kv_dtype = act``.
+- K/V. fp8 with scalar (or no) scales: the codes' exact values in act
+  (``kernels.fp8.decode_fp8_to``: every fp8 value is a bf16 and an fp16 value; on the H200
+  ``cvt`` e4m3x2 -> f16x2, then f16 -> bf16 for a bf16 model), the scales applied in fp32
+  outside the products: the logit scale ``fp32(softmax_scale * log2(e)) * k_scale`` and
+  the output (or each split's partial) times ``v_scale``; ``Schedule.kv_dtype = "float64"``
+  (``kernels._attention.scales_outside``; the bound allows the two extra fp32 roundings).
+  This is more accurate than rounding ``decode * scale`` to act and takes a third fewer
+  instructions per key block (sm_90 SASS, model shape: 2,800 vs 3,800). fp8 with per-slot
+  scales: ``act(fp32(decode(code) * scale))`` (exact decode, one fp32 multiply, RNE to
+  act), ``kv_dtype = act``. bf16/fp16 caches: the value converted to act (exact when the
+  cache has the model dtype), ``kv_dtype = act``.
 - ``S = q . K`` by ``tl.dot`` on act operands, fp32 accumulation; logits in log2 units
   ``S * fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
   in ascending block id (a row's own blocks in ascending order: ``p_max="running"``,
@@ -105,6 +114,7 @@ from kernels._attention import (
     dequantize,
     not_finite,
     repair_pv,
+    scales_outside,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -115,10 +125,14 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
-from kernels.fp8 import HW_FORMATS, fmt_code
+from kernels.fp8 import HW_FORMATS, decode_fp8_to, fmt_code
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
-BLOCK_ROWS = 64
+#: H200, model shape, 8k new tokens on an 8k prefix (reports/bench_attention_prefill.json,
+#: 2026-11-30): 128 rows (8 tokens x 16 heads) beat 64 on both selection distributions
+#: (bf16 locality 2.26 vs 4.20 ms, random 9.4 vs 11.2 ms); 16 rows (per token) was best on
+#: random selections (7.6 ms) but 3.5x slower on local ones.
+BLOCK_ROWS = 128
 #: Default warps per program. sm_90, model shape (static, compiled on the CPU): the main
 #: pass needs 255 registers per thread either way; with 4 warps ptxas spills 344 bytes per
 #: thread (bf16), with 8 none, and shared memory (144 KiB) allows one program per SM
@@ -206,6 +220,9 @@ def _prefill_kernel(
         l_i = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, D), tl.float32)
         jj = tl.arange(0, P)
+        logit_scale = qk_scale
+        if FP8 and SCALAR:  # the scales outside the products (_attention.scales_outside)
+            logit_scale = qk_scale * tl.load(ks_ptr)
         cur = tile * 0 - 1
         for _ in range(n_union):
             blk = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
@@ -223,12 +240,15 @@ def _prefill_kernel(
                    + dd[None, :])
             k_raw = tl.load(src, mask=kmask[:, None], other=0)
             v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
-            if FP8:
+            if FP8 and SCALAR:  # exact values in act; the scales come after the products
+                k = decode_fp8_to(k_raw, FMT, HW, q_ptr.dtype.element_ty)
+                v = decode_fp8_to(v_raw, FMT, HW, q_ptr.dtype.element_ty)
+            elif FP8:
                 slot = pg * P + jj
-                k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT, HW,
-                               SCALAR).to(q_ptr.dtype.element_ty)
-                v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT, HW,
-                               SCALAR).to(q_ptr.dtype.element_ty)
+                k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT,
+                               HW).to(q_ptr.dtype.element_ty)
+                v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT,
+                               HW).to(q_ptr.dtype.element_ty)
             elif SAME:  # the cache holds the model dtype: used as loaded
                 k = k_raw
                 v = v_raw
@@ -237,7 +257,7 @@ def _prefill_kernel(
                 v = v_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
             s = tl.dot(q, tl.trans(k))  # [ROWS, P], fp32 accumulation
             vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
-            s2 = tl.where(vis, s * qk_scale, float("-inf"))
+            s2 = tl.where(vis, s * logit_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s2, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_use)
@@ -256,6 +276,8 @@ def _prefill_kernel(
 
         empty = l_i == 0.0  # no key (NaN sums are not empty: they propagate)
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+        if FP8 and SCALAR:
+            o = o * tl.load(vs_ptr)
         dst = out_ptr + m_glob[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
         if BLOCK_T > 1:  # one token's rows all see the same keys: nothing to repair
@@ -273,13 +295,14 @@ INTERPRETED = is_interpreted(_prefill_kernel)
 
 @dataclass(frozen=True)
 class PrefillSchedule:
-    """The kernel's rounding schedule as a function of the model dtype (what the oracle
-    calls ``impl.schedule(model_dtype)``); see the module docstring."""
+    """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
+    calls ``schedule_for(impl, model_dtype, case)``); see the module docstring."""
 
-    def __call__(self, model_dtype: str):
+    def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
 
-        return Schedule(kv_dtype=model_dtype, p_dtype=model_dtype, p_max="running",
+        kv = "float64" if scales_outside(case) else model_dtype
+        return Schedule(kv_dtype=kv, p_dtype=model_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=None, out_dtype=model_dtype,
                         order="ascending")
 
@@ -492,7 +515,8 @@ def _register():
         schedule=SCHEDULE,
         notes=f"Triton prefill: one program per (tile of {BLOCK_ROWS} tokens x heads rows, KV "
               f"head) walking the union of the tile's selected blocks in ascending order, "
-              f"each block read once per tile; K/V dequantised to act, bf16/fp16 P, no "
+              f"each block read once per tile; fp8 K/V exact in act with scalar scales "
+              f"outside the products (per-slot: dequantised to act), bf16/fp16 P, no "
               f"split-K"))
 
 

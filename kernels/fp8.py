@@ -165,6 +165,24 @@ def decode_fp8(c, FMT: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
+def decode_fp8_to(c, FMT: tl.constexpr, HW: tl.constexpr, DTYPE: tl.constexpr):
+    """uint8 codes of format FMT -> their exact values in DTYPE (bf16 or fp16: every value
+    of the four formats, subnormals, Inf and NaN included, is representable in both). The
+    hardware branch converts the fp8 type straight to DTYPE (no fp32 step and no scale: the
+    attention kernels' operands when the scales are applied outside the products)."""
+    tl.static_assert(DTYPE == tl.bfloat16 or DTYPE == tl.float16, "DTYPE: bf16 or fp16")
+    if HW:
+        c = c.to(tl.uint8)
+        if FMT == FMT_E4M3FN:
+            v = c.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+        else:
+            v = c.to(tl.float8e5, bitcast=True).to(DTYPE)
+    else:
+        v = decode_fp8(c, FMT, HW).to(DTYPE)
+    return v
+
+
+@triton.jit
 def _encode_kernel(x_ptr, out_ptr, n, FMT: tl.constexpr, HW: tl.constexpr,
                    BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -30,6 +30,11 @@ the rounding points the schedule names. Per query row and head, with the schedul
    ``max_c |do_c| + 2 max_c |o_c - out| expm1(2 max dlse + eps_exp2 + 2u) + gamma_{ns+2}
    max|o| + (eps_div + u) |out|`` (its products, two sums and final division).
 
+With ``kv_dtype="float64"`` the kernel multiplies the exact decoded codes and applies the
+(scalar) scales in fp32 outside the products: the logit scale ``sigma log2(e)`` times
+k_scale is one more fp32 rounding (4u instead of 3u in 1.), and the output (each split's
+partial) times v_scale one more (u added to the division's relative error in 4.).
+
 The output's final rounding is left to the rounding-interval oracle (``oracle.intervals``),
 which rounds ``e +- bound``.
 """
@@ -91,7 +96,8 @@ def _chunk_bound(s, a_mag, v, rank, sched, arith, d):
     """Bound ``[G, D]`` for one chunk of keys (s, a_mag ``[G, n]``; v ``[n, D]``; rank: the
     block rank of each key within the chunk, for tiles). Returns (o, bound, lse, dlse)."""
     n = s.shape[1]
-    e = (gamma(d) + 3 * U) * a_mag
+    outside = sched.kv_dtype == "float64"  # the scales applied in fp32 after the products
+    e = (gamma(d) + (4 if outside else 3) * U) * a_mag
     m = s.max(axis=1, keepdims=True)
     x = s - m
     big_e = e.max(axis=1, keepdims=True)
@@ -119,7 +125,7 @@ def _chunk_bound(s, a_mag, v, rank, sched, arith, d):
     l_sum = p.sum(axis=1, keepdims=True)
     dl = (p * rho).sum(axis=1, keepdims=True) + g * (p * (1 + rho)).sum(axis=1, keepdims=True)
     o = (p_sched @ v) / l_sum
-    div = arith.div_rel + U
+    div = arith.div_rel + (2 if outside else 1) * U
     bound = (dn + np.abs(o) * dl) / (l_sum - dl) * (1 + div) + div * np.abs(o)
     lse = m + np.log(l_sum)
     dlse = big_e + dl / (l_sum - dl) + 2.0**-21 * np.abs(lse)

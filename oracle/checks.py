@@ -24,6 +24,7 @@ from oracle import impl_reference as ref_impl
 from oracle.bounds import U, gamma, norm_rope_bound
 from oracle.cases import Case, input_hash, make_inputs
 from oracle.intervals import classify, joint_value_exists, preimage
+from oracle.registry import schedule_for
 from reference import norm_rope
 from reference.codec import decode, get_format
 from reference.kv_cache import scale_at
@@ -291,7 +292,7 @@ def check_attention(x, out, impl) -> tuple[Tally, list, dict]:
     from oracle.attention_bound import attention_bound
 
     md = x["model_dtype"]
-    sched = impl.schedule(md) if callable(impl.schedule) else impl.schedule
+    sched = schedule_for(impl, md, x)
     res = ref_impl.attention_call(x, schedule=sched, return_details=True)
     bound = attention_bound(x, sched, impl.arith)
     t = Tally()

@@ -90,7 +90,7 @@ class FlexSchedule:
 
     compiled: bool
 
-    def __call__(self, model_dtype: str) -> Schedule:
+    def __call__(self, model_dtype: str, case: dict | None = None) -> Schedule:
         if self.compiled:
             return Schedule(kv_dtype=model_dtype, p_dtype=model_dtype, p_max="running",
                             blocks_per_tile=1, order="ascending", out_dtype=model_dtype)

@@ -28,8 +28,8 @@ Numerics (what the oracle judges it by):
   output rounded to act. The declared schedule is therefore
   ``Schedule(kv_dtype=act, out_dtype=act)`` where act is the case's model dtype. Because a
   registry entry serves both model dtypes, the entry's ``schedule`` is a ``PerModelDtype``:
-  call it with the model dtype (``schedule_for(impl, model_dtype)`` does that and also
-  accepts plain ``Schedule`` entries). Content a row must not see is zeroed with
+  call it with the model dtype (``oracle.registry.schedule_for(impl, model_dtype)`` does
+  that and also accepts plain ``Schedule`` entries). Content a row must not see is zeroed with
   ``torch.where`` before any matmul and masked out of the logits (0 * NaN = NaN otherwise).
 
 Broken variants for the oracle's power tests: ``make_torch_impl(op, bug)`` returns an
@@ -121,14 +121,8 @@ class PerModelDtype:
 
     act_fields: tuple[str, ...]
 
-    def __call__(self, model_dtype: str) -> Schedule:
+    def __call__(self, model_dtype: str, case: dict | None = None) -> Schedule:
         return Schedule(**{name: model_dtype for name in self.act_fields})
-
-
-def schedule_for(impl: Implementation, model_dtype: str):
-    """The schedule an implementation declares for a model dtype (plain entries as is)."""
-    s = impl.schedule
-    return s(model_dtype) if callable(s) else s
 
 
 ATTENTION_SCHEDULE = PerModelDtype(("kv_dtype", "out_dtype"))

@@ -13,7 +13,10 @@ Outputs, per op (rounded outputs as *codes* of their format, so comparisons are 
   attention_*        out [T,Hq,D] (model-dtype codes)
 
 Declared numerics: ``arith`` (fp32 special-function errors, ``oracle.bounds.Fp32Arith``);
-``schedule`` (attention: where it rounds, ``reference.attention.Schedule``); ``score_rel``
+``schedule`` (attention: where it rounds, a ``reference.attention.Schedule``, or a callable
+``(model_dtype, case)`` returning one, ``case`` being the case's inputs or None: an
+implementation whose rounding depends on the cache format or the kind of scales says so
+there; ``schedule_for``); ``score_rel``
 (indexer: relative error of its block scores beyond fp32 summation, e.g. reduced-precision
 fp8 MMA accumulation).
 """
@@ -26,6 +29,13 @@ from dataclasses import dataclass, field
 
 from oracle.bounds import Fp32Arith
 from reference.platforms import PLATFORMS
+
+
+def schedule_for(impl, model_dtype: str, case: dict | None = None):
+    """The rounding schedule an implementation declares for a model dtype and, where it
+    depends on them, a case's inputs (plain ``Schedule`` entries as is)."""
+    s = impl.schedule
+    return s(model_dtype, case) if callable(s) else s
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from oracle.impl_reference import (
     weights_of,
 )
 from oracle.intervals import classify, ordinal
-from oracle.registry import REGISTRY, implementations
+from oracle.registry import REGISTRY, implementations, schedule_for
 from reference import fused
 from reference.codec import decode, encode
 from reference.platforms import is_fp8
@@ -217,7 +217,7 @@ def indexer_failures(case: Case, out: dict) -> list[str]:
 @functools.cache
 def attention_reference(case: Case) -> np.ndarray:
     x = inputs(case)
-    sched = impl_torch.schedule_for(impl_torch.make_torch_impl(case.op), x["model_dtype"])
+    sched = schedule_for(impl_torch.make_torch_impl(case.op), x["model_dtype"])
     return attention_call(x, schedule=sched)
 
 
@@ -265,7 +265,7 @@ def test_registered_for_every_op_with_its_numerics():
         assert impl.quantize_from == ("model_dtype" if op == "reshape_and_cache" else "value")
         if op.startswith("attention"):
             for md in ("bfloat16", "float16"):
-                s = impl_torch.schedule_for(impl, md)
+                s = schedule_for(impl, md)
                 assert (s.kv_dtype, s.out_dtype, s.p_dtype) == (md, md, "float64")
         else:
             assert impl.schedule is None
@@ -434,7 +434,7 @@ def test_nan_in_a_block_reaches_only_the_rows_that_select_it():
     cache = x["kv_cache"].copy()
     cache[x["block_table"][r, b], g] = 0x7F  # e4m3fn NaN, K and V
     x["kv_cache"] = cache
-    sched = impl_torch.schedule_for(impl_torch.make_torch_impl(case.op), x["model_dtype"])
+    sched = schedule_for(impl_torch.make_torch_impl(case.op), x["model_dtype"])
     ref = attention_call(x, schedule=sched)
     got = decode(impl_torch.make_torch_impl(case.op).run(x)["out"], "bfloat16")
     assert np.isnan(ref).any() and not np.isnan(ref).all()

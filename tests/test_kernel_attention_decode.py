@@ -19,7 +19,7 @@ from kernels import attention_decode as ad
 from oracle.cases import Case
 from oracle.checks import Tally, run_check
 from oracle.impl_torch import HALF_DTYPES, device
-from oracle.registry import implementations
+from oracle.registry import implementations, schedule_for
 from reference import attention
 from reference.codec import FORMATS, decode
 from tests.helpers import (
@@ -401,3 +401,36 @@ def test_registered_with_its_schedule():
     assert (s.p_max, s.blocks_per_tile, s.order) == ("running", 1, "ascending")
     assert (s.blocks_per_split, s.partial_dtype, s.lse_dtype) == (ad.BLOCKS_PER_SPLIT,
                                                                   "float32", "float32")
+
+
+@pytest.mark.parametrize("kv_fmt, scales, kv_dtype", [
+    ("e4m3fn", "tensor", "float64"), ("e5m2fnuz", "none", "float64"),
+    ("e4m3fnuz", "slot", "bfloat16"), ("bfloat16", "none", "bfloat16")])
+def test_schedule_follows_the_kind_of_scales(kv_fmt, scales, kv_dtype):
+    """The declared schedule depends on the case: fp8 with scalar (or no) scales has K/V
+    as their exact values (kv_dtype float64: the scales multiply the logits and the output
+    in fp32), per-slot scales and 16-bit caches K/V rounded to the model dtype."""
+    x = make_inputs(kv_fmt, scales=scales)
+    s = schedule_for(_impl(), "bfloat16", x)
+    assert (s.kv_dtype, s.p_dtype, s.out_dtype) == (kv_dtype, "bfloat16", "bfloat16")
+
+
+def test_scalar_scale_bound_rejects_act_rounded_dequantisation():
+    """The exact-K/V schedule has teeth: an output computed with K/V dequantised and
+    rounded to bf16 (the per-slot path's arithmetic) violates the bound of the scalar-scale
+    schedule on a case with random scales (the bound itself finite: no key is hidden)."""
+    from oracle.attention_bound import attention_bound
+
+    x = make_inputs("e4m3fn", scales="tensor", hkv=1, group=4, d=64, page=16,
+                    seq_lens=(60,), k=4, seed=5)
+    sched = schedule_for(_impl(), "bfloat16", x)
+    exact = attention.sparse_attention_decode(
+        x["q"], x["kv_cache"], x["kv_fmt"], x["block_table"], x["seq_lens"], x["topk"], 1,
+        k_scale=x["k_scale"], v_scale=x["v_scale"], schedule=sched, return_details=True)
+    act = attention.sparse_attention_decode(
+        x["q"], x["kv_cache"], x["kv_fmt"], x["block_table"], x["seq_lens"], x["topk"], 1,
+        k_scale=x["k_scale"], v_scale=x["v_scale"],
+        schedule=replace(sched, kv_dtype="bfloat16"), return_details=True)
+    bound = attention_bound(x, sched, _impl().arith)
+    assert np.all(np.isfinite(bound))
+    assert np.any(np.abs(act.unrounded - exact.unrounded) > bound)

@@ -1,0 +1,108 @@
+"""Static sm_90 numbers of a Triton kernel, on the CPU (no GPU): compile it with the real
+Triton compiler for sm_90 and report what ptxas made of it -- registers per thread, spill
+(stack) bytes, shared memory, and the SASS instruction count with its most frequent
+opcodes (cuobjdump from Triton's bundled CUDA tools). The numbers the kernels' docstrings
+quote come from here; timing needs the GPU (benchmarks/).
+
+    TRITON_INTERPRET=0 python -m benchmarks.static_sm90 kernels.attention_decode \\
+        --pick 0 --const num_warps=4 --const num_stages=2 [--sass out.sass] [--top 25]
+
+The kernel, signature and constexprs are the module's ``compile_signatures()`` entry
+``--pick`` (its compile-check cases); ``--const K=V`` overrides a constexpr or sets a launch
+option (num_warps, num_stages, maxnreg). Pointer and stride arguments are declared 16-byte
+divisible, as the JIT specialises them at a real launch (without that hint Triton does not
+vectorise or pipeline the loads, and the numbers would not be the GPU's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
+
+
+def _value(text: str):
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def compile_one(module: str, pick: int, overrides: dict):
+    """The compiled kernel (triton CompiledKernel) of compile_signatures()[pick]."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    mod = importlib.import_module(module)
+    kernel, sig, const = mod.compile_signatures()[pick]
+    opts = {k: overrides[k] for k in OPTIONS if k in overrides}
+    const = {**const, **{k: v for k, v in overrides.items() if k not in OPTIONS}}
+    # Pointers and strides (i64 arguments named *_s*, *stride*) get the divisibility hint
+    # a launch would give them.
+    names = kernel.arg_names
+    hint = [i for i, n in enumerate(names)
+            if sig.get(n, "").startswith("*") or re.search(r"(_s\d|stride)", n)]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in hint}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts), const, opts
+
+
+def cuobjdump() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump")
+
+
+def report(compiled, top: int, sass_out: str | None) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        res = subprocess.run([cuobjdump(), "-res-usage", cubin], capture_output=True,
+                             text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump(), "-sass", cubin], capture_output=True,
+                              text=True, check=True).stdout
+    if sass_out:
+        Path(sass_out).write_text(sass)
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    ops = collections.Counter(
+        m.group(1).split(".")[0]
+        for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+    lines = [f"registers {regs.group(1) if regs else '?'}, stack {stack.group(1) if stack else '?'}"
+             f" B, shared {compiled.metadata.shared} B, SASS instructions {sum(ops.values())}"]
+    lines += [f"  {n:6d} {op}" for op, n in ops.most_common(top)]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("module", help="a kernel module with compile_signatures()")
+    ap.add_argument("--pick", type=int, default=0, help="index into compile_signatures()")
+    ap.add_argument("--const", action="append", default=[], metavar="K=V",
+                    help="constexpr override or launch option (num_warps, num_stages, maxnreg)")
+    ap.add_argument("--top", type=int, default=20, help="opcodes listed")
+    ap.add_argument("--sass", help="also write the SASS listing here")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("set TRITON_INTERPRET=0: the interpreter does not compile")
+    overrides = dict(kv.split("=", 1) for kv in args.const)
+    compiled, const, opts = compile_one(args.module, args.pick,
+                                        {k: _value(v) for k, v in overrides.items()})
+    print(args.module, args.pick, opts, {k: v for k, v in const.items()})
+    print(report(compiled, args.top, args.sass))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
