@@ -32,10 +32,15 @@ Grid and work split (designed for decode bandwidth):
   the block, the rows that take it and the last key they see.
 - One split in total (``cdiv(K, blocks_per_split) == 1``): the attention kernel writes the
   output directly. Otherwise it writes fp32 partials ``o_c = acc / l`` and
-  ``lse_c = m + log2(l)`` (log2 units) and ``_decode_merge_kernel`` (one program per row and
-  block of heads) forms ``out = sum_c w_c o_c / sum_c w_c`` with
-  ``w_c = exp2(lse_c - max_c lse_c)``; empty chunks have ``lse = -inf`` (weight 0, o = 0),
-  rows with no key at all give zeros.
+  ``lse_c = m + log2(l)`` (log2 units), and ``_merge_rows`` forms ``out = sum_c w_c o_c /
+  sum_c w_c`` with ``w_c = exp2(lse_c - max_c lse_c)``; empty chunks have ``lse = -inf``
+  (weight 0, o = 0), rows with no key at all give zeros. One row per request: in the same
+  launch, by the program that draws the last ticket of its (request, KV head) counter
+  (``atomic_add``, acq_rel, after a CTA barrier; partials read back from L2; the counter
+  reset to 0 for the next call), as the index decode merges: no second launch. Several
+  rows: ``_decode_merge_kernel`` after the repair pass (which may rewrite partials), one
+  program per row and block of heads. The merge order is fixed (split 0, 1, ...), so the
+  result does not depend on which program arrives last.
 
 Numerics: the rounding schedule declared in the registry (``schedule(model_dtype)``, with
 act = the model dtype = q's dtype):
@@ -135,12 +140,13 @@ def _decode_split_kernel(
         seq_ptr, seq_s0,
         tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-        out_ptr, out_s0, out_s1, part_ptr, lse_ptr, flag_ptr,
+        out_ptr, out_s0, out_s1, part_ptr, lse_ptr, flag_ptr, cnt_ptr,
         qk_scale, group, num_q_heads, num_splits,
         ROWS: tl.constexpr, ROWS_P: tl.constexpr, G_P: tl.constexpr, BLOCK_M: tl.constexpr,
         D: tl.constexpr, P: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr,
         NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        SCALAR: tl.constexpr, DIRECT: tl.constexpr, REPAIR: tl.constexpr):
+        SCALAR: tl.constexpr, DIRECT: tl.constexpr, REPAIR: tl.constexpr,
+        SP: tl.constexpr):
     r64 = tl.program_id(0).to(tl.int64)
     g64 = tl.program_id(1).to(tl.int64)
     c = tl.program_id(2)
@@ -281,34 +287,56 @@ def _decode_split_kernel(
         row = (m_t * num_q_heads + m_hq) * num_splits + c
         tl.store(part_ptr + row[:, None] * D + dd[None, :], o, mask=m_out[:, None])
         tl.store(lse_ptr + row, lse, mask=m_out)
+        if ROWS == 1:  # no repair pass: the last split of (request, KV head) merges
+            tl.debug_barrier()  # every thread's partial is stored before the ticket
+            cnt = cnt_ptr + r64 * tl.num_programs(1) + g64
+            ticket = tl.atomic_add(cnt, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                _merge_rows(part_ptr, lse_ptr, out_ptr, out_s0, out_s1, m_t, m_hq, m_ok,
+                            num_q_heads, num_splits, D, SP)
+                tl.atomic_xchg(cnt, 0)  # ready for the next call
     if ROWS > 1 and not REPAIR:
         tl.store(flag, not_finite(acc))
 
 
 @triton.jit
-def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, out_s0, out_s1, num_q_heads, num_splits,
-                         D: tl.constexpr, BLOCK_H: tl.constexpr, SP: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < num_q_heads
-    row = (t * num_q_heads + heads.to(tl.int64)) * num_splits
+def _merge_rows(part_ptr, lse_ptr, out_ptr, out_s0, out_s1, m_t, m_hq, m_ok, num_q_heads,
+                num_splits, D: tl.constexpr, SP: tl.constexpr):
+    """The exact split-K merge of the (token m_t, query head m_hq) rows of ``m_ok``:
+    ``out = sum_c w_c o_c / sum_c w_c``, ``w_c = exp2(lse_c - max_c lse_c)``; rows with no
+    key in any split give zeros. Partials are read from L2 (``.cg``): in the fused merge
+    other programs wrote them."""
+    row = (m_t.to(tl.int64) * num_q_heads + m_hq) * num_splits
     sp = tl.arange(0, SP)
     lse = tl.load(lse_ptr + row[:, None] + sp[None, :],
-                  mask=hmask[:, None] & (sp < num_splits)[None, :], other=float("-inf"))
+                  mask=m_ok[:, None] & (sp < num_splits)[None, :], other=float("-inf"),
+                  cache_modifier=".cg")
     top = tl.max(lse, axis=1)
     top = tl.where(top == float("-inf"), 0.0, top)
     wsum = tl.sum(tl.exp2(lse - top[:, None]), axis=1)
     dd = tl.arange(0, D)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    acc = tl.zeros((m_ok.shape[0], D), tl.float32)
     for c in range(num_splits):
-        w = tl.exp2(tl.load(lse_ptr + row + c, mask=hmask, other=float("-inf")) - top)
-        o = tl.load(part_ptr + (row + c)[:, None] * D + dd[None, :], mask=hmask[:, None],
-                    other=0.0)
+        w = tl.exp2(tl.load(lse_ptr + row + c, mask=m_ok, other=float("-inf"),
+                            cache_modifier=".cg") - top)
+        o = tl.load(part_ptr + (row + c)[:, None] * D + dd[None, :], mask=m_ok[:, None],
+                    other=0.0, cache_modifier=".cg")
         acc += w[:, None] * o
     none = wsum == 0.0
     out = tl.where(none[:, None], 0.0, acc / tl.where(none, 1.0, wsum)[:, None])
-    dst = out_ptr + t * out_s0 + heads[:, None].to(tl.int64) * out_s1 + dd[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    dst = out_ptr + m_t.to(tl.int64)[:, None] * out_s0 + m_hq[:, None].to(tl.int64) * out_s1 \
+        + dd[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, out_s0, out_s1, num_q_heads, num_splits,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, SP: tl.constexpr):
+    """The merge as its own launch (several rows per request: after the repair pass)."""
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    toks = tl.zeros((BLOCK_H,), tl.int64) + tl.program_id(0)
+    _merge_rows(part_ptr, lse_ptr, out_ptr, out_s0, out_s1, toks, heads.to(tl.int64),
+                heads < num_q_heads, num_q_heads, num_splits, D, SP)
 
 
 #: True when the kernels run in the (patched) CPU interpreter.
@@ -457,20 +485,22 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     grid = (p.batch, p.hkv, splits)
     flags = torch.empty(p.batch * p.hkv * splits if p.rows > 1 else 1, dtype=torch.int32,
                         device=dev)
+    fused = not direct and p.rows == 1  # the last split merges (ticket counter)
+    counters = torch.zeros(p.batch * p.hkv if fused else 1, dtype=torch.int32, device=dev)
     args = (q, q.stride(0), q.stride(1),
             kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
             block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
             seq_lens, seq_lens.stride(0),
             topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
             p.ks, *p.ks_strides, p.vs, *p.vs_strides,
-            p.out, p.out.stride(0), p.out.stride(1), part, lse, flags,
+            p.out, p.out.stride(0), p.out.stride(1), part, lse, flags, counters,
             float(np.float32(p.softmax_scale * LOG2E)), grp, p.hq, splits)
     const = dict(ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d,
                  P=p.page, KP=triton.next_power_of_2(p.topk_k), NB=p.blocks_per_split,
                  NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0), DIRECT=direct,
-                 **opts)
+                 SP=triton.next_power_of_2(splits), **opts)
     if num_stages is None:  # 2 where it fits (see the docstring)
         const["num_stages"] = fitting_stages(_decode_split_kernel, args,
                                              {**const, "REPAIR": False}, dev,
@@ -478,7 +508,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     _decode_split_kernel[grid](*args, REPAIR=False, **const)
     if p.rows > 1:  # the programs flagged by the first pass, recomputed with the guard
         _decode_split_kernel[grid](*args, REPAIR=True, **const)
-    if not direct:
+    if not direct and not fused:
         block_h = min(16, triton.next_power_of_2(p.hq))
         ensure_ready(_decode_merge_kernel)
         _decode_merge_kernel[(p.t, triton.cdiv(p.hq, block_h))](
@@ -501,7 +531,8 @@ def compile_signatures():
         sig = {name: "i64" for name in _decode_split_kernel.arg_names}
         sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", seq_ptr="*i64",
                    tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", out_ptr=f"*{act}",
-                   part_ptr="*fp32", lse_ptr="*fp32", flag_ptr="*i32", qk_scale="fp32",
+                   part_ptr="*fp32", lse_ptr="*fp32", flag_ptr="*i32", cnt_ptr="*i32",
+                   qk_scale="fp32",
                    group="i32",
                    num_q_heads="i32", num_splits="i32", topk_k="i32", bt_cols="i32",
                    num_pages="i64")
@@ -510,7 +541,8 @@ def compile_signatures():
         const = dict(ROWS=rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=128,
                      P=128 if cache == "u8" else 64, KP=triton.next_power_of_2(k), NB=nb,
                      NBP=triton.next_power_of_2(nb), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     SCALAR=i % 2 == 0, DIRECT=direct, REPAIR=rows > 1 and i % 2 == 1)
+                     SCALAR=i % 2 == 0, DIRECT=direct, REPAIR=rows > 1 and i % 2 == 1,
+                     SP=triton.next_power_of_2(triton.cdiv(k, nb)))
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_split_kernel, sig, const))
     for act in ("bf16",):
