@@ -168,15 +168,20 @@ def decode_fp8(c, FMT: tl.constexpr, HW: tl.constexpr):
 def decode_fp8_to(c, FMT: tl.constexpr, HW: tl.constexpr, DTYPE: tl.constexpr):
     """uint8 codes of format FMT -> their exact values in DTYPE (bf16 or fp16: every value
     of the four formats, subnormals, Inf and NaN included, is representable in both). The
-    hardware branch converts the fp8 type straight to DTYPE (no fp32 step and no scale: the
-    attention kernels' operands when the scales are applied outside the products)."""
+    hardware branch converts the fp8 type to fp16 (``cvt`` e4m3x2 -> f16x2; e5m2 is the
+    top byte of its fp16) and that to DTYPE, with no fp32 step and no scale (the attention
+    kernels' operands when the scales are applied outside the products). Not the direct
+    ``.to(tl.bfloat16)``: Triton 3.6 lowers e5m2 -> bf16 by bit arithmetic (shift, rebias
+    multiply) that turns the Inf and NaN codes into finite values on the H200, while the
+    fp16 -> bf16 ``cvt`` keeps them."""
     tl.static_assert(DTYPE == tl.bfloat16 or DTYPE == tl.float16, "DTYPE: bf16 or fp16")
     if HW:
         c = c.to(tl.uint8)
         if FMT == FMT_E4M3FN:
-            v = c.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+            v = c.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         else:
-            v = c.to(tl.float8e5, bitcast=True).to(DTYPE)
+            v = c.to(tl.float8e5, bitcast=True).to(tl.float16)
+        v = v.to(DTYPE)
     else:
         v = decode_fp8(c, FMT, HW).to(DTYPE)
     return v
