@@ -19,8 +19,15 @@ Grid and work split (designed for decode bandwidth):
   ``kernels.fp8.decode_fp8``: hardware casts for e4m3fn/e5m2, software for fnuz), and used
   by all G heads and all rows that selected it.
 - Splits: every row's valid blocks, in ascending block id, are cut into chunks of
-  ``blocks_per_split`` (fixed per call, never derived from the batch: results do not change
-  with batch size); program ``c`` processes chunk ``c`` of every row. The rows of a request
+  ``blocks_per_split``; program ``c`` processes chunk ``c`` of every row. The chunk size
+  is fixed when given; by default (``auto_blocks_per_split``) it is ``BLOCKS_PER_SPLIT``
+  while the grid has at most ``TARGET_PROGRAMS`` programs and a multiple of it beyond
+  (fewer, longer programs: on the H200 a program's start, three dependent global round
+  trips, costs as much as streaming a few blocks). The default therefore depends on the
+  batch size (B x Hkv), never on contents: a request's output is the same in every batch
+  of up to ``TARGET_PROGRAMS // (Hkv * cdiv(K, BLOCKS_PER_SPLIT))`` requests, and may
+  differ by rounding (within the declared schedule) in larger ones; a fixed
+  ``blocks_per_split`` makes it batch-invariant at any size. The rows of a request
   select different blocks, so the program walks the UNION of its rows' chunk-c blocks in
   ascending id; a row takes part in a block only if that block is in its own chunk c (its
   logits are masked with ``where``, never by adding -inf). For each row this is exactly
@@ -117,8 +124,13 @@ from kernels._host import (
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, decode_fp8_to, fmt_code
 
-#: Blocks per split-K chunk of the registered implementation (model: K 16 -> 4 splits).
+#: Blocks per split-K chunk for small grids (model: K 16 -> 4 splits), and the grid size
+#: beyond which ``auto_blocks_per_split`` makes chunks longer. H200, model shape, batch 64
+#: x Hkv 4 (graph replay, 2026-11-30, before the fused merge): one split of 16 blocks
+#: 78.6 us bf16 / 76.6 us e4m3fn, two of 8 86.5 / 84.4, four of 4 94.3 / 94.0; batch 1:
+#: four of 4 16.6 us, one of 16 36.9 us.
 BLOCKS_PER_SPLIT = 4
+TARGET_PROGRAMS = 256
 #: Default K/V pipeline depth. sm_90, model shape, one row per request, 4 warps (static:
 #: compiled on the CPU, registers from cuobjdump): 3 stages take 136 KiB of shared memory
 #: (bf16; 132 KiB e4m3), one program per SM, 4 warps; 2 stages take 72 KiB (bf16) / 100 KiB
@@ -346,19 +358,34 @@ INTERPRETED = is_interpreted(_decode_split_kernel)
 # ---------------------------------------------------------------------------- schedule
 
 
+def auto_blocks_per_split(batch: int, hkv: int, topk_k: int) -> int:
+    """The default split size (module docstring): ``BLOCKS_PER_SPLIT`` times the factor
+    that brings the grid ``batch * hkv * splits`` down to about ``TARGET_PROGRAMS`` (1 for
+    small batches; model shape: batch 64 and up -> one split of 16 blocks)."""
+    max_splits = -(-topk_k // BLOCKS_PER_SPLIT)
+    splits = max(1, min(max_splits, TARGET_PROGRAMS // max(1, batch * hkv)))
+    return BLOCKS_PER_SPLIT * -(-max_splits // splits)
+
+
 @dataclass(frozen=True)
 class DecodeSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
-    calls ``schedule_for(impl, model_dtype, case)``); see the module docstring."""
+    calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
+    ``blocks_per_split`` None: the launcher's default for the case's batch
+    (``auto_blocks_per_split``; ``BLOCKS_PER_SPLIT`` without a case)."""
 
-    blocks_per_split: int = BLOCKS_PER_SPLIT
+    blocks_per_split: int | None = None
 
     def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
 
         kv = "float64" if scales_outside(case) else model_dtype
+        bps = self.blocks_per_split
+        if bps is None:
+            bps = BLOCKS_PER_SPLIT if case is None else auto_blocks_per_split(
+                len(case["seq_lens"]), case["kv_cache"].shape[1], case["topk"].shape[-1])
         return Schedule(kv_dtype=kv, p_dtype=model_dtype, p_max="running",
-                        blocks_per_tile=1, blocks_per_split=self.blocks_per_split,
+                        blocks_per_tile=1, blocks_per_split=bps,
                         partial_dtype="float32", lse_dtype="float32", out_dtype=model_dtype,
                         order="ascending")
 
@@ -409,7 +436,7 @@ def _validate_contents(block_table, seq_lens, topk, rows, page, num_pages, scale
 
 def plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows_per_request,
                           k_scale=None, v_scale=None, softmax_scale=None, out=None,
-                          blocks_per_split=BLOCKS_PER_SPLIT, validate=False) -> DecodePlan:
+                          blocks_per_split=None, validate=False) -> DecodePlan:
     """Every host check of ``sparse_attention_decode`` (shapes, dtypes, strides, formats,
     scales; contents under ``validate=True``) and the output tensor."""
     a = check_q_and_cache(q, kv_cache, kv_fmt)
@@ -422,7 +449,8 @@ def plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows
     topk_k = check_table_and_selections(block_table, topk, a, batch, dev)
     ks, ks_strides, vs, vs_strides, softmax_scale, out = check_scales_and_out(
         q, a, k_scale, v_scale, softmax_scale, out, validate)
-    bps = check_int(blocks_per_split, "blocks_per_split", 1, MAX_TOPK)
+    bps = auto_blocks_per_split(batch, a.hkv, topk_k) if blocks_per_split is None else \
+        check_int(blocks_per_split, "blocks_per_split", 1, MAX_TOPK)
     if validate and batch:
         _validate_contents(block_table, seq_lens, topk, rows, a.page, a.num_pages,
                            (("k_scale", ks), ("v_scale", vs)))
@@ -432,7 +460,7 @@ def plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows
 
 def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows_per_request,
                             k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
-                            blocks_per_split=BLOCKS_PER_SPLIT, validate=False,
+                            blocks_per_split=None, validate=False,
                             num_warps=None, num_stages=None, max_registers=None):
     """Block-sparse GQA decode attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
@@ -447,8 +475,9 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     num_pages*P]`` (per KV head and physical slot); K/V are ``decode(code) * scale``.
     softmax_scale: default ``1/sqrt(D)``. out: optional preallocated output (model dtype,
     any token/head strides, last dim contiguous), written and returned.
-    blocks_per_split: blocks per split-K chunk (fixed; the registered schedule uses
-    ``BLOCKS_PER_SPLIT``). ``validate=True``: also check contents on the host (a sync):
+    blocks_per_split: blocks per split-K chunk (None: ``auto_blocks_per_split`` of the
+    batch size, what the registered implementation uses; an int: fixed, batch-invariant).
+    ``validate=True``: also check contents on the host (a sync):
     seq_lens, block-table entries of used blocks, selections in range without repeats,
     positive finite scales. Without it, bad contents are guarded in the kernel (never an
     illegal access; see the module docstring).
@@ -558,7 +587,7 @@ def compile_signatures():
 # ----------------------------------------------------------------------------- adapter
 
 
-def run(inputs: dict, validate: bool = True, blocks_per_split: int = BLOCKS_PER_SPLIT) -> dict:
+def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None) -> dict:
     """Oracle adapter (op ``attention_decode``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
@@ -584,7 +613,8 @@ def _register():
         "triton", "attention_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
         schedule=SCHEDULE,
         notes=f"split-K Triton decode: one program per (request, KV head, split of "
-              f"{BLOCKS_PER_SPLIT} blocks), G heads x rows share each K/V tile; fp8 K/V "
+              f"{BLOCKS_PER_SPLIT} blocks, longer beyond {TARGET_PROGRAMS} programs), G heads "
+              f"x rows share each K/V tile; fp8 K/V "
               f"exact in act with scalar scales outside the products (per-slot: "
               f"dequantised to act), bf16/fp16 P, fp32 partials, exact LSE merge"))
 

@@ -77,7 +77,7 @@ def _(*args, **kwargs) -> None:
 def attention_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                      topk: Tensor, out: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
                      kv_fmt: str, rows_per_request: int, softmax_scale: float | None = None,
-                     blocks_per_split: int = _ad.BLOCKS_PER_SPLIT,
+                     blocks_per_split: int | None = None,
                      validate: bool = False) -> None:
     """kernels.attention_decode.sparse_attention_decode as a custom op writing into the
     caller's ``out`` ``[T, Hq, D]`` (its split-K workspace is allocated per call)."""

@@ -65,22 +65,23 @@ def _case(x):
                 _KV_DTYPE[fmt], x["model_dtype"], sc, 0)
 
 
-def _impl(bps=ad.BLOCKS_PER_SPLIT):
-    """The registered implementation, run (and declared) with ``bps`` blocks per split."""
+def _impl(bps=None):
+    """The registered implementation (bps None: its default split size for the batch), or
+    run and declared with a fixed ``bps`` blocks per split."""
     (impl,) = implementations("attention_decode", ["triton"])
-    if bps == ad.BLOCKS_PER_SPLIT:
+    if bps is None:
         return impl
     return replace(impl, run=functools.partial(ad.run, blocks_per_split=bps),
                    schedule=ad.DecodeSchedule(bps))
 
 
-def _passes(x, bps=ad.BLOCKS_PER_SPLIT):
+def _passes(x, bps=None):
     res = run_check(_case(x), _impl(bps), inputs=x)
     assert res.passed, res.summary()
     return res
 
 
-def _out(x, bps=ad.BLOCKS_PER_SPLIT, validate=True):
+def _out(x, bps=None, validate=True):
     """The kernel's output values (float64) for an input set."""
     return decode(ad.run(x, validate=validate, blocks_per_split=bps)["out"], x["model_dtype"])
 
@@ -225,7 +226,7 @@ def test_nan_key_reaches_only_the_rows_that_see_it():
 
 def test_batch_invariance():
     """A request's output is bit-identical whether it runs alone or inside a batch with
-    other requests and padding (the split size never depends on the batch)."""
+    other requests and padding (batches this small keep the default split size)."""
     x = make_inputs("e4m3fn", "bfloat16", scales="slot", rows=2, seq_lens=(0, 75, 130, 9),
                     k=5, seed=12)
     full = ad.run(x)["out"]
@@ -434,3 +435,21 @@ def test_scalar_scale_bound_rejects_act_rounded_dequantisation():
     bound = attention_bound(x, sched, _impl().arith)
     assert np.all(np.isfinite(bound))
     assert np.any(np.abs(act.unrounded - exact.unrounded) > bound)
+
+
+def test_default_split_size_grows_only_past_the_target_grid():
+    """The default split size is BLOCKS_PER_SPLIT while batch x Hkv x splits stays within
+    TARGET_PROGRAMS, then a multiple of it (model shape: batch 64 x 4 KV heads -> one split
+    of 16 blocks), never depends on anything but the shapes, and the registered schedule
+    declares the same size for a case as the launcher uses."""
+    auto = ad.auto_blocks_per_split
+    assert auto(1, 4, 16) == auto(8, 4, 16) == ad.BLOCKS_PER_SPLIT
+    assert auto(64, 4, 16) == auto(256, 4, 16) == 16
+    assert auto(32, 4, 16) == 8  # 128 requests x heads: two splits fit the target
+    assert auto(1, 1, 3) == ad.BLOCKS_PER_SPLIT  # one chunk either way
+    for batch in (1, 16, 64, 300):
+        grid = batch * 4 * -(-16 // auto(batch, 4, 16))
+        assert grid <= max(ad.TARGET_PROGRAMS, batch * 4)
+    x = make_inputs("e4m3fn", hkv=3, seq_lens=(37, 0, 50), k=6)
+    s = schedule_for(_impl(), "bfloat16", x)
+    assert s.blocks_per_split == auto(3, 3, 6)
