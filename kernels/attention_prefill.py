@@ -52,17 +52,10 @@ Tiling (the point of this kernel: tokens that share blocks share KV reads).
 
 Numerics: the rounding schedule declared in the registry (``SCHEDULE(model_dtype)``, act =
 the model dtype = q's dtype), exactly what the kernel does:
-- K/V. fp8 with scalar (or no) scales: the codes' exact values in act
-  (``kernels.fp8.decode_fp8_to``: every fp8 value is a bf16 and an fp16 value; on the H200
-  ``cvt`` e4m3x2 -> f16x2, then f16 -> bf16 for a bf16 model), the scales applied in fp32
-  outside the products: the logit scale ``fp32(softmax_scale * log2(e)) * k_scale`` and
-  the output (or each split's partial) times ``v_scale``; ``Schedule.kv_dtype = "float64"``
-  (``kernels._attention.scales_outside``; the bound allows the two extra fp32 roundings).
-  This is more accurate than rounding ``decode * scale`` to act and takes a third fewer
-  instructions per key block (sm_90 SASS, model shape: 2,800 vs 3,800). fp8 with per-slot
-  scales: ``act(fp32(decode(code) * scale))`` (exact decode, one fp32 multiply, RNE to
-  act), ``kv_dtype = act``. bf16/fp16 caches: the value converted to act (exact when the
-  cache has the model dtype), ``kv_dtype = act``.
+- K/V as in the decode kernel (``kernels.attention_decode``, Numerics): fp8 with scalar
+  (or no) scales as their exact values in act with the scales applied in fp32 outside the
+  products (``kv_dtype = "float64"``, ``kernels._attention.scales_outside``); per-slot
+  scales and 16-bit caches rounded to act (``kv_dtype = act``).
 - ``S = q . K`` by ``tl.dot`` on act operands, fp32 accumulation; logits in log2 units
   ``S * fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
   in ascending block id (a row's own blocks in ascending order: ``p_max="running"``,
