@@ -47,16 +47,21 @@ def _weights(w_ptr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexp
 @triton.jit
 def _first_item(pid, nprog, nblocks):
     """A program's first work item (token, head block) and its stride (tokens, blocks):
-    items ``pid, pid + nprog, ...`` of the token-major order, stepped by ``_next_item``
+    items ``pid, pid + nprog, ...`` of the token-major order, stepped by ``_item``
     without a division per item (two integer divisions were ~13% of the q loop's SASS)."""
     return pid // nblocks, pid % nblocks, nprog // nblocks, nprog % nblocks
 
 
 @triton.jit
-def _next_item(tok, b, step_t, step_b, nblocks):
-    b = b + step_b
-    carry = b >= nblocks
-    return tok + step_t + carry.to(tok.dtype), tl.where(carry, b - nblocks, b)
+def _item(tok, b, step_t, step_b, nblocks, rows_ptr, row_stride, pos_ptr, table_ptr,
+          table_stride, max_pos):
+    """Work item (tok, b): ``_token``'s values, the block b, and the program's next item."""
+    t64, row, cs, pos_ok = _token(tok, rows_ptr, row_stride, pos_ptr, table_ptr,
+                                  table_stride, max_pos)
+    nb = b + step_b
+    carry = nb >= nblocks
+    return (t64, b, row, cs, pos_ok, tok + step_t + carry.to(tok.dtype),
+            tl.where(carry, nb - nblocks, nb))
 
 
 @triton.jit
@@ -153,10 +158,9 @@ def _norm_rope_insert_kernel(
     w1, w2, w3 = _weights(wq_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
     q_tok, q_b, st, sb = _first_item(pid, nprog, nqb)
     for _ in tl.range(pid, n * nqb, nprog, num_stages=NUM_STAGES):
-        tok, row, cs, pos_ok = _token(q_tok, rows_ptr, row_stride, pos_ptr, table_ptr,
-                                      table_stride, max_pos)
-        b = q_b
-        q_tok, q_b = _next_item(q_tok, q_b, st, sb, nqb)
+        tok, b, row, cs, pos_ok, q_tok, q_b = _item(
+            q_tok, q_b, st, sb, nqb, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
+            max_pos)
         y1, y2, y3, heads, hmask = _norm_rope_head(
             row, 0, b * BLOCK_H, hq, w1, w2, w3, cs, pos_ok, eps, D, HALF, BLOCK_H,
             BLOCK_HALF, BLOCK_REST)
@@ -169,10 +173,9 @@ def _norm_rope_insert_kernel(
     kw1, kw2, kw3 = _weights(wk_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
     k_tok, k_b, st, sb = _first_item(pid, nprog, nkb)
     for _ in tl.range(pid, n * nkb, nprog, num_stages=NUM_STAGES):
-        tok, row, cs, pos_ok = _token(k_tok, rows_ptr, row_stride, pos_ptr, table_ptr,
-                                      table_stride, max_pos)
-        b = k_b
-        k_tok, k_b = _next_item(k_tok, k_b, st, sb, nkb)
+        tok, b, row, cs, pos_ok, k_tok, k_b = _item(
+            k_tok, k_b, st, sb, nkb, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
+            max_pos)
         ky1, ky2, ky3, kheads, khmask = _norm_rope_head(
             row, hq * D, b * BLOCK_KV, hkv, kw1, kw2, kw3, cs, pos_ok, eps, D, HALF, BLOCK_KV,
             BLOCK_HALF, BLOCK_REST)
@@ -207,10 +210,9 @@ def _norm_rope_insert_kernel(
     iw1, iw2, iw3 = _weights(wiq_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
     i_tok, i_b, st, sb = _first_item(pid, nprog, nib)
     for _ in tl.range(pid, n * nib, nprog, num_stages=NUM_STAGES):
-        tok, row, cs, pos_ok = _token(i_tok, rows_ptr, row_stride, pos_ptr, table_ptr,
-                                      table_stride, max_pos)
-        b = i_b
-        i_tok, i_b = _next_item(i_tok, i_b, st, sb, nib)
+        tok, b, row, cs, pos_ok, i_tok, i_b = _item(
+            i_tok, i_b, st, sb, nib, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
+            max_pos)
         iy1, iy2, iy3, iheads, ihmask = _norm_rope_head(
             row, (hq + 2 * hkv) * D, b * BLOCK_IQ, hi, iw1, iw2, iw3, cs, pos_ok, eps, D,
             HALF, BLOCK_IQ, BLOCK_HALF, BLOCK_REST)
