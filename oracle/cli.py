@@ -7,6 +7,7 @@
   replay       re-run one case by its id (printed by every failure)
   fuzz         hypothesis-driven search for failing cases within a time budget
   conformance  the fp8 codec against ml_dtypes, and which policy torch's casts follow
+  e2e          end-to-end accuracy cost of each KV cache format (float64 reference, CPU)
 
 Errors in the user's input print one line and exit 2, never a traceback.
 """
@@ -166,6 +167,20 @@ def cmd_fuzz(args) -> int:
                              gpus=int(os.environ.get("ORACLE_GPUS", "0")))
 
 
+def cmd_e2e(args) -> int:
+    from oracle import e2e
+
+    if args.seed < 0:
+        raise ValueError(f"seed must be >= 0, got {args.seed}")
+    out = args.out or ("reports/e2e-accuracy-cpu-quick.json" if args.quick
+                       else "reports/e2e-accuracy-cpu.json")
+    doc = e2e.run(quick=args.quick, seed=args.seed, progress=not args.quiet)
+    paths = e2e.write(doc, out)
+    print(e2e.markdown(doc))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 # ------------------------------------------------------------------------------- parser
 
 
@@ -218,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("conformance", help="fp8 codec vs ml_dtypes; torch's cast policies")
     s.add_argument("--out", help="write OUT.json and OUT.md")
     s.set_defaults(func=cmd_conformance)
+
+    s = sub.add_parser("e2e", help="end-to-end accuracy cost of each KV cache format (CPU)")
+    s.add_argument("--out", help="OUT.json, with OUT.md beside it (default "
+                   "reports/e2e-accuracy-cpu.json; with --quick "
+                   "reports/e2e-accuracy-cpu-quick.json)")
+    s.add_argument("--quick", action="store_true", help="small shapes (seconds, for tests)")
+    s.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    s.add_argument("--quiet", action="store_true", help="no per-row progress on stderr")
+    s.set_defaults(func=cmd_e2e)
     return p
 
 
