@@ -240,21 +240,6 @@ TUNE = [
 ]
 
 
-def parse_knob_set(text: str) -> dict:
-    """A launcher knob set from the command line: ``"num_warps=8,scan=dot,pairs=false"`` ->
-    ``{"num_warps": 8, "scan": "dot", "pairs": False}`` (integers, true / false, else
-    strings)."""
-    def value(v: str):
-        if v.lower() in ("true", "false"):
-            return v.lower() == "true"
-        try:
-            return int(v)
-        except ValueError:
-            return v
-
-    return {k: value(v) for k, v in (kv.split("=", 1) for kv in text.split(",") if kv)}
-
-
 def bench_cache(cache: str, args) -> tuple[list[dict], dict, list[dict]]:
     """Results of every implementation for one cache (triton with the first knob set), the
     agreement check, and the triton results of the other knob sets (the sweep)."""
@@ -311,7 +296,7 @@ def parse_args(argv):
     ap.add_argument("--rows", type=int, default=ROWS, help="query rows per request (1..4)")
     ap.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES))
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
-    ap.add_argument("--knobs", nargs="*", type=parse_knob_set, default=[],
+    ap.add_argument("--knobs", nargs="*", type=harness.parse_knobs, default=[],
                     help="decode-indexer launcher knobs, one set per argument (k=v,...): the "
                          "first set makes the triton results, the others a 'sweep' list "
                          "beside them (one GPU call times them all)")

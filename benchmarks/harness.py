@@ -274,6 +274,15 @@ def main(name: str, argv, parse_args, build_report, markdown) -> int:
 
 
 def parse_knobs(text: str) -> dict:
-    """A launcher's tuning keywords from the command line: ``"num_warps=8,num_stages=2"``
-    -> ``{"num_warps": 8, "num_stages": 2}`` (integers)."""
-    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+    """A launcher's tuning keywords from the command line: ``"num_warps=8,scan=dot,
+    pairs=false"`` -> ``{"num_warps": 8, "scan": "dot", "pairs": False}`` (integers, true /
+    false, else strings)."""
+    def value(v: str):
+        if v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        try:
+            return int(v)
+        except ValueError:
+            return v
+
+    return {k: value(v) for k, v in (kv.split("=", 1) for kv in text.split(",") if kv)}
