@@ -31,7 +31,7 @@ from kernels._host import (
     strided_codes_in,
 )
 from kernels._triton import tl, triton
-from kernels.fp8 import decode_fp8
+from kernels.fp8 import decode_fp8, decode_fp8_to
 from reference.platforms import is_fp8
 
 #: Domain limits (SPEC.md s.7).
@@ -47,6 +47,33 @@ def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
     caller rounds to act). Scalar scales take the other path (``scales_outside``)."""
     sc = tl.load(scale_ptr + g64 * s0 + slot * s1, mask=kmask, other=1.0)
     return decode_fp8(raw, FMT, HW) * sc[:, None]
+
+
+@triton.jit
+def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
+             ACT: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr,
+             HW: tl.constexpr, SCALAR: tl.constexpr, SAME: tl.constexpr):
+    """One block's K and V operands ``[keys, D]`` in the model dtype ACT: the codes at
+    ``src`` (K) and ``src + D`` (V) loaded where ``kmask`` (0 elsewhere), then fp8 with
+    scalar scales as their exact values (``scales_outside``: the caller applies the scales
+    to the logits and the output), fp8 with per-slot scales dequantised at ``slot`` and
+    rounded to ACT, a cache in ACT as loaded (SAME), the other 16-bit dtype rounded to ACT
+    (exact widening, one RNE rounding)."""
+    k_raw = tl.load(src, mask=kmask[:, None], other=0)
+    v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
+    if FP8 and SCALAR:
+        k = decode_fp8_to(k_raw, FMT, HW, ACT)
+        v = decode_fp8_to(v_raw, FMT, HW, ACT)
+    elif FP8:
+        k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT, HW).to(ACT)
+        v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT, HW).to(ACT)
+    elif SAME:
+        k = k_raw
+        v = v_raw
+    else:
+        k = k_raw.to(tl.float32).to(ACT)
+        v = v_raw.to(tl.float32).to(ACT)
+    return k, v
 
 
 def scales_outside(case) -> bool:

@@ -108,7 +108,7 @@ from kernels._attention import (
     check_q_and_cache,
     check_scales_and_out,
     check_table_and_selections,
-    dequantize,
+    kv_tiles,
     not_finite,
     repair_pv,
     scales_outside,
@@ -122,7 +122,7 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
-from kernels.fp8 import HW_FORMATS, decode_fp8_to, fmt_code
+from kernels.fp8 import HW_FORMATS, fmt_code
 
 #: Blocks per split-K chunk for small grids (model: K 16 -> 4 splits), and the grid size
 #: beyond which ``auto_blocks_per_split`` makes chunks longer. H200, model shape, batch 64
@@ -157,8 +157,8 @@ def _decode_split_kernel(
         ROWS: tl.constexpr, ROWS_P: tl.constexpr, G_P: tl.constexpr, BLOCK_M: tl.constexpr,
         D: tl.constexpr, P: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr,
         NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        SCALAR: tl.constexpr, DIRECT: tl.constexpr, REPAIR: tl.constexpr,
-        SP: tl.constexpr):
+        SCALAR: tl.constexpr, SAME: tl.constexpr, DIRECT: tl.constexpr,
+        REPAIR: tl.constexpr, SP: tl.constexpr):
     r64 = tl.program_id(0).to(tl.int64)
     g64 = tl.program_id(1).to(tl.int64)
     c = tl.program_id(2)
@@ -251,20 +251,8 @@ def _decode_split_kernel(
         key = blk64 * P + jj
         kmask = (key <= lim) & page_ok
         src = kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2 + dd[None, :]
-        k_raw = tl.load(src, mask=kmask[:, None], other=0)
-        v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
-        if FP8 and SCALAR:  # exact values in act; the scales come after the products
-            k = decode_fp8_to(k_raw, FMT, HW, q_ptr.dtype.element_ty)
-            v = decode_fp8_to(v_raw, FMT, HW, q_ptr.dtype.element_ty)
-        elif FP8:
-            slot = pg * P + jj
-            k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT,
-                           HW).to(q_ptr.dtype.element_ty)
-            v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT,
-                           HW).to(q_ptr.dtype.element_ty)
-        else:
-            k = k_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
-            v = v_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
+        k, v = kv_tiles(src, pg * P + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
+                        g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME)
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, P], fp32 accumulation
         vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
         s2 = tl.where(vis, s * logit_scale, float("-inf"))
@@ -528,7 +516,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  P=p.page, KP=triton.next_power_of_2(p.topk_k), NB=p.blocks_per_split,
                  NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
-                 SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0), DIRECT=direct,
+                 SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
+                 SAME=not p.fp8 and kv_cache.dtype == q.dtype, DIRECT=direct,
                  SP=triton.next_power_of_2(splits), **opts)
     if num_stages is None:  # 2 where it fits (see the docstring)
         const["num_stages"] = fitting_stages(_decode_split_kernel, args,
@@ -570,7 +559,8 @@ def compile_signatures():
         const = dict(ROWS=rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=128,
                      P=128 if cache == "u8" else 64, KP=triton.next_power_of_2(k), NB=nb,
                      NBP=triton.next_power_of_2(nb), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     SCALAR=i % 2 == 0, DIRECT=direct, REPAIR=rows > 1 and i % 2 == 1,
+                     SCALAR=i % 2 == 0, SAME=cache == act, DIRECT=direct,
+                     REPAIR=rows > 1 and i % 2 == 1,
                      SP=triton.next_power_of_2(triton.cdiv(k, nb)))
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_split_kernel, sig, const))

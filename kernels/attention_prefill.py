@@ -104,7 +104,7 @@ from kernels._attention import (
     check_q_and_cache,
     check_scales_and_out,
     check_table_and_selections,
-    dequantize,
+    kv_tiles,
     not_finite,
     repair_pv,
     scales_outside,
@@ -118,7 +118,7 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
-from kernels.fp8 import HW_FORMATS, decode_fp8_to, fmt_code
+from kernels.fp8 import HW_FORMATS, fmt_code
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
 #: H200, model shape, 8k new tokens on an 8k prefix (reports/bench_attention_prefill.json,
@@ -231,23 +231,8 @@ def _prefill_kernel(
             kmask = (key <= lim) & page_ok
             src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2
                    + dd[None, :])
-            k_raw = tl.load(src, mask=kmask[:, None], other=0)
-            v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
-            if FP8 and SCALAR:  # exact values in act; the scales come after the products
-                k = decode_fp8_to(k_raw, FMT, HW, q_ptr.dtype.element_ty)
-                v = decode_fp8_to(v_raw, FMT, HW, q_ptr.dtype.element_ty)
-            elif FP8:
-                slot = pg * P + jj
-                k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT,
-                               HW).to(q_ptr.dtype.element_ty)
-                v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT,
-                               HW).to(q_ptr.dtype.element_ty)
-            elif SAME:  # the cache holds the model dtype: used as loaded
-                k = k_raw
-                v = v_raw
-            else:  # the other 16-bit dtype: exact widening, one RNE rounding
-                k = k_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
-                v = v_raw.to(tl.float32).to(q_ptr.dtype.element_ty)
+            k, v = kv_tiles(src, pg * P + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0,
+                            vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME)
             s = tl.dot(q, tl.trans(k))  # [ROWS, P], fp32 accumulation
             vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
             s2 = tl.where(vis, s * logit_scale, float("-inf"))
