@@ -1,11 +1,11 @@
-"""Pieces shared by the block-sparse attention kernels (SPEC.md section 6): a device
-function for ``P @ V`` over a tile whose rows do not all see the same keys, the host checks
-both launchers make (q and the paged cache, block table and selections, scales, softmax
-scale and output), the host's ``validate=True`` content checks of the paged inputs, and
-the oracle adapters' conversion of a case's inputs to the kernels' tensors.
-
-``not_finite``, ``repair_pv`` and ``guarded_pv`` are shared by both attention kernels (one
-copy).
+"""Pieces shared by the block-sparse attention kernels (SPEC.md section 6): the device
+functions that load a block's K/V operands (``kv_tiles``, with ``dequantize`` for per-slot
+scales) and that find and recompute ``P @ V`` over a tile whose rows do not all see the
+same keys (``not_finite``, ``repair_pv``, ``guarded_pv``); which fp8 schedule a case gets
+(``scales_outside``); the host checks both launchers make (q and the paged cache, block
+table and selections, scales, softmax scale and output), the host's ``validate=True``
+content checks of the paged inputs, and the oracle adapters' conversion of a case's
+inputs to the kernels' tensors.
 """
 
 from __future__ import annotations
