@@ -101,6 +101,10 @@ def known_names() -> set[str]:
 
 
 _LOADED = False
+#: Comma-separated modules, importable from ``sys.path``, that register implementations of
+#: their own (a user's kernels: see README "Registering your own kernel"); imported after
+#: the project's, so the tests, reports, fuzzing and replays see them like any other.
+PLUGINS_ENV = "ORACLE_PLUGINS"
 #: The Triton kernel modules; each registers its implementations when imported.
 KERNEL_MODULES = ("kernels.norm_rope_insert", "kernels.reshape_and_cache",
                   "kernels.indexer_prefill", "kernels.indexer_decode",
@@ -133,3 +137,16 @@ def load_all() -> None:
         from kernels import cuda_norm_rope_insert  # noqa: F401
     except (ImportError, OSError, RuntimeError):
         pass
+    for name in plugin_modules():
+        try:  # a module the user named must import: no silent skip
+            importlib.import_module(name)
+        except Exception as e:
+            raise ImportError(f"{PLUGINS_ENV}: module {name!r} did not import: "
+                              f"{type(e).__name__}: {e}") from e
+
+
+def plugin_modules() -> list[str]:
+    """The modules named by ``$ORACLE_PLUGINS`` (comma-separated, blanks ignored)."""
+    import os
+
+    return [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
