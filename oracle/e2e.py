@@ -77,8 +77,6 @@ Choices (each one deliberate; the JSON records the configuration):
 
 from __future__ import annotations
 
-import hashlib
-import json
 import platform as _platform
 import sys
 import time
@@ -147,8 +145,8 @@ QUICK = Config(2, 2, 64, 32, 16, 4, (203, 390), (48, 40), (150, 333, 261, 197, 4
 
 
 def case_seed(mode: str, dist: str, seed: int) -> int:
-    """The generator seed of one input set: sha256 of ``e2e:MODE:DIST:SEED`` (60 bits)."""
-    return int(hashlib.sha256(f"e2e:{mode}:{dist}:{seed}".encode()).hexdigest()[:15], 16)
+    """The generator seed of one input set: ``rand.seed_of("e2e:MODE:DIST:SEED")``."""
+    return rand.seed_of(f"e2e:{mode}:{dist}:{seed}")
 
 
 def make_case(mode: str, dist: str, seed: int, cfg: Config) -> dict:
@@ -483,9 +481,9 @@ def markdown(doc) -> str:
 
 def write(doc, out) -> tuple[Path, Path]:
     """OUT.json and OUT.md beside it."""
-    out = Path(out).with_suffix(".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    from oracle.report import write_json
+
+    out = write_json(doc, Path(out).with_suffix(".json"))
     md = out.with_suffix(".md")
     md.write_text(markdown(doc))
     return out, md
