@@ -31,7 +31,7 @@ from kernels._host import (
     strided_codes_in,
 )
 from kernels._triton import tl, triton
-from kernels.fp8 import decode_fp8, decode_fp8_to
+from kernels.fp8 import decode_fp8, decode_fp8_f16, decode_fp8_to
 from reference.platforms import is_fp8
 
 #: Domain limits (SPEC.md s.7).
@@ -52,7 +52,7 @@ def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
 @triton.jit
 def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
              ACT: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr,
-             HW: tl.constexpr, SCALAR: tl.constexpr, SAME: tl.constexpr):
+             HW: tl.constexpr, SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr):
     """One block's K and V operands ``[keys, D]`` in the model dtype ACT: the codes at
     ``src`` (K) and ``src + D`` (V) loaded where ``kmask`` (0 elsewhere), then fp8 with
     scalar scales as their exact values (``scales_outside``: the caller applies the scales
@@ -63,7 +63,7 @@ def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
     v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
     if FP8 and SCALAR:
         k = decode_fp8_to(k_raw, FMT, HW, ACT)
-        v = decode_fp8_to(v_raw, FMT, HW, ACT)
+        v = decode_fp8_f16(v_raw, FMT, HW, ASM)
     elif FP8:
         k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT, HW).to(ACT)
         v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT, HW).to(ACT)
@@ -88,6 +88,17 @@ def scales_outside(case) -> bool:
         return False
     return all(s is None or (np.ndim(s) <= 1 and np.size(s) == 1)
                for s in (case["k_scale"], case["v_scale"]))
+
+
+def operand_dtypes(model_dtype: str, case) -> tuple[str, str]:
+    """The schedule's ``(kv_dtype, p_dtype)`` for a case: on the scalar-scale fp8 path
+    (``scales_outside``) K and V enter the products as their exact values ("float64") and
+    ``P @ V`` runs in fp16 (V decoded straight to fp16, ``kernels.fp8.decode_fp8_f16``; P
+    rounded to fp16: 3 more bits than bf16, flushed below 2^-24), whatever the model
+    dtype; otherwise both are the model dtype."""
+    if scales_outside(case):
+        return "float64", "float16"
+    return model_dtype, model_dtype
 
 
 @triton.jit

@@ -110,8 +110,8 @@ from kernels._attention import (
     check_table_and_selections,
     kv_tiles,
     not_finite,
+    operand_dtypes,
     repair_pv,
-    scales_outside,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -157,7 +157,7 @@ def _decode_split_kernel(
         ROWS: tl.constexpr, ROWS_P: tl.constexpr, G_P: tl.constexpr, BLOCK_M: tl.constexpr,
         D: tl.constexpr, P: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr,
         NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        SCALAR: tl.constexpr, SAME: tl.constexpr, DIRECT: tl.constexpr,
+        SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, DIRECT: tl.constexpr,
         REPAIR: tl.constexpr, SP: tl.constexpr):
     r64 = tl.program_id(0).to(tl.int64)
     g64 = tl.program_id(1).to(tl.int64)
@@ -252,7 +252,7 @@ def _decode_split_kernel(
         kmask = (key <= lim) & page_ok
         src = kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2 + dd[None, :]
         k, v = kv_tiles(src, pg * P + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-                        g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME)
+                        g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, P], fp32 accumulation
         vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
         s2 = tl.where(vis, s * logit_scale, float("-inf"))
@@ -261,7 +261,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s2 - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_act = p.to(q_ptr.dtype.element_ty)
+        p_act = p.to(v.dtype)
         pv = tl.dot(p_act, v)
         if ROWS > 1 and REPAIR:
             # Rows that do not all see the loaded keys: guard non-finite V (see docstring).
@@ -367,12 +367,12 @@ class DecodeSchedule:
     def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
 
-        kv = "float64" if scales_outside(case) else model_dtype
+        kv, p_dtype = operand_dtypes(model_dtype, case)
         bps = self.blocks_per_split
         if bps is None:
             bps = BLOCKS_PER_SPLIT if case is None else auto_blocks_per_split(
                 len(case["seq_lens"]), case["kv_cache"].shape[1], case["topk"].shape[-1])
-        return Schedule(kv_dtype=kv, p_dtype=model_dtype, p_max="running",
+        return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=bps,
                         partial_dtype="float32", lse_dtype="float32", out_dtype=model_dtype,
                         order="ascending")
@@ -517,7 +517,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
-                 SAME=not p.fp8 and kv_cache.dtype == q.dtype, DIRECT=direct,
+                 SAME=not p.fp8 and kv_cache.dtype == q.dtype,
+                 ASM=p.fp8 and kv_fmt in HW_FORMATS and not INTERPRETED, DIRECT=direct,
                  SP=triton.next_power_of_2(splits), **opts)
     if num_stages is None:  # 2 where it fits (see the docstring)
         const["num_stages"] = fitting_stages(_decode_split_kernel, args,
@@ -559,7 +560,7 @@ def compile_signatures():
         const = dict(ROWS=rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=128,
                      P=128 if cache == "u8" else 64, KP=triton.next_power_of_2(k), NB=nb,
                      NBP=triton.next_power_of_2(nb), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     SCALAR=i % 2 == 0, SAME=cache == act, DIRECT=direct,
+                     SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw, DIRECT=direct,
                      REPAIR=rows > 1 and i % 2 == 1,
                      SP=triton.next_power_of_2(triton.cdiv(k, nb)))
         sig.update(dict.fromkeys(const, "constexpr"))

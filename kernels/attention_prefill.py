@@ -106,8 +106,8 @@ from kernels._attention import (
     check_table_and_selections,
     kv_tiles,
     not_finite,
+    operand_dtypes,
     repair_pv,
-    scales_outside,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -146,7 +146,7 @@ def _prefill_kernel(
         qk_scale, group,
         BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
         KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        SCALAR: tl.constexpr, SAME: tl.constexpr, REPAIR: tl.constexpr):
+        SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr):
     NONE: tl.constexpr = 2147483647
     ROWS: tl.constexpr = BLOCK_T * G_P
     tile = tl.program_id(0)
@@ -232,7 +232,7 @@ def _prefill_kernel(
             src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2
                    + dd[None, :])
             k, v = kv_tiles(src, pg * P + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0,
-                            vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME)
+                            vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
             s = tl.dot(q, tl.trans(k))  # [ROWS, P], fp32 accumulation
             vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
             s2 = tl.where(vis, s * logit_scale, float("-inf"))
@@ -241,7 +241,7 @@ def _prefill_kernel(
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s2 - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            p_act = p.to(q_ptr.dtype.element_ty)
+            p_act = p.to(v.dtype)
             pv = tl.dot(p_act, v)
             if REPAIR and BLOCK_T > 1:
                 # Rows that do not all see the loaded keys: guard non-finite V (docstring).
@@ -279,8 +279,8 @@ class PrefillSchedule:
     def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
 
-        kv = "float64" if scales_outside(case) else model_dtype
-        return Schedule(kv_dtype=kv, p_dtype=model_dtype, p_max="running",
+        kv, p_dtype = operand_dtypes(model_dtype, case)
+        return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=None, out_dtype=model_dtype,
                         order="ascending")
 
@@ -426,7 +426,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                  KP=triton.next_power_of_2(p.topk_k), FP8=p.fp8,
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
-                 SAME=not p.fp8 and kv_cache.dtype == q.dtype, **opts)
+                 SAME=not p.fp8 and kv_cache.dtype == q.dtype,
+                 ASM=p.fp8 and kv_fmt in HW_FORMATS and not INTERPRETED, **opts)
     # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
     # their rows must not see are flagged by the first and recomputed by the second.
     _prefill_kernel[grid](*args, REPAIR=False, **const)
@@ -458,7 +459,7 @@ def compile_signatures():
         g_p = triton.next_power_of_2(grp)
         const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
                      KP=triton.next_power_of_2(k), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     SCALAR=i % 2 == 0, SAME=cache == act, REPAIR=i % 3 == 1)
+                     SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw, REPAIR=i % 3 == 1)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_prefill_kernel, sig, const))
     return out

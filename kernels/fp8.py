@@ -188,6 +188,32 @@ def decode_fp8_to(c, FMT: tl.constexpr, HW: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr):
+    """uint8 codes of format FMT -> their exact values in fp16 (every value of the four
+    formats, subnormals, Inf and NaN included, is an fp16 value). ASM (compiled, hardware
+    formats): ``cvt.rn.f16x2.{e4m3,e5m2}x2`` in inline assembly marked impure, four codes
+    per call. The mark is the point: Triton moves a pure elementwise conversion past the
+    shared-memory load of a ``tl.dot`` operand, and for the B operand of ``P @ V`` (V's
+    contraction dimension, keys, is strided) it then gathers the 8-bit codes byte by byte
+    (``LDS.U8``: sm_90 has no 8-bit transposing ``ldmatrix``); behind the opaque
+    conversion it stores fp16 to shared memory and reads it with ``ldmatrix.trans``.
+    Otherwise (interpreter, software formats): ``decode_fp8_to(c, FMT, HW, fp16)``."""
+    if ASM:
+        tl.static_assert(HW and FMT <= 1, "ASM: the hardware formats only")
+        if FMT == FMT_E4M3FN:
+            asm: tl.constexpr = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                                 "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+        else:
+            asm: tl.constexpr = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                                 "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }")
+        v = tl.inline_asm_elementwise(asm, "=r,=r,r", [c.to(tl.uint8)], dtype=tl.float16,
+                                      is_pure=False, pack=4)
+    else:
+        v = decode_fp8_to(c, FMT, HW, tl.float16)
+    return v
+
+
+@triton.jit
 def _encode_kernel(x_ptr, out_ptr, n, FMT: tl.constexpr, HW: tl.constexpr,
                    BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

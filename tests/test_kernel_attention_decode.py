@@ -404,16 +404,35 @@ def test_registered_with_its_schedule():
                                                                   "float32", "float32")
 
 
-@pytest.mark.parametrize("kv_fmt, scales, kv_dtype", [
-    ("e4m3fn", "tensor", "float64"), ("e5m2fnuz", "none", "float64"),
-    ("e4m3fnuz", "slot", "bfloat16"), ("bfloat16", "none", "bfloat16")])
-def test_schedule_follows_the_kind_of_scales(kv_fmt, scales, kv_dtype):
+@pytest.mark.parametrize("kv_fmt, scales, kv_dtype, p_dtype", [
+    ("e4m3fn", "tensor", "float64", "float16"), ("e5m2fnuz", "none", "float64", "float16"),
+    ("e4m3fnuz", "slot", "bfloat16", "bfloat16"), ("bfloat16", "none", "bfloat16", "bfloat16")])
+def test_schedule_follows_the_kind_of_scales(kv_fmt, scales, kv_dtype, p_dtype):
     """The declared schedule depends on the case: fp8 with scalar (or no) scales has K/V
     as their exact values (kv_dtype float64: the scales multiply the logits and the output
-    in fp32), per-slot scales and 16-bit caches K/V rounded to the model dtype."""
+    in fp32) and ``P @ V`` in fp16 whatever the model dtype (V decoded straight to fp16);
+    per-slot scales and 16-bit caches K/V and P rounded to the model dtype."""
     x = make_inputs(kv_fmt, scales=scales)
     s = schedule_for(_impl(), "bfloat16", x)
-    assert (s.kv_dtype, s.p_dtype, s.out_dtype) == (kv_dtype, "bfloat16", "bfloat16")
+    assert (s.kv_dtype, s.p_dtype, s.out_dtype) == (kv_dtype, p_dtype, "bfloat16")
+
+
+def test_fp16_p_bound_rejects_bf16_rounded_p():
+    """The fp16-P schedule has teeth: an output computed with P rounded to bf16 (3 bits
+    fewer) violates the bound of the scalar-scale schedule on a random case."""
+    from oracle.attention_bound import attention_bound
+
+    x = make_inputs("e4m3fn", scales="tensor", hkv=1, group=4, d=64, page=16,
+                    seq_lens=(60,), k=4, seed=5)
+    sched = schedule_for(_impl(), "bfloat16", x)
+    args = (x["q"], x["kv_cache"], x["kv_fmt"], x["block_table"], x["seq_lens"], x["topk"], 1)
+    kw = dict(k_scale=x["k_scale"], v_scale=x["v_scale"], return_details=True)
+    exact = attention.sparse_attention_decode(*args, schedule=sched, **kw)
+    bf16_p = attention.sparse_attention_decode(
+        *args, schedule=replace(sched, p_dtype="bfloat16"), **kw)
+    bound = attention_bound(x, sched, _impl().arith)
+    assert np.all(np.isfinite(bound))
+    assert np.any(np.abs(bf16_p.unrounded - exact.unrounded) > bound)
 
 
 def test_scalar_scale_bound_rejects_act_rounded_dequantisation():
