@@ -90,7 +90,7 @@ def _indexer_decode_kernel(
         SPLIT: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         FMA: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr, LANES: tl.constexpr,
         STAGES: tl.constexpr, MC: tl.constexpr, PAIRS: tl.constexpr, DIRECT: tl.constexpr,
-        CHAIN: tl.constexpr):
+        CHAIN: tl.constexpr, MMA: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     seq = tl.load(seq_ptr + r).to(tl.int32)
@@ -109,12 +109,18 @@ def _indexer_decode_kernel(
     cols = tl.arange(0, BK)
     tile = rows.to(tl.int64)[:, None] * BK + cols[None, :]
     mine = part_ptr + (r * num_splits + s).to(tl.int64) * (ROWS * BK)
-    if FMA:  # compiled default (HI == hi, QR == q_rows); always through the workspace
-        top = ix.scan_blocks_fma(top, q_ptr + (r * QR).to(tl.int64) * q_s0, q_s0, q_s1,
-                                 r * QR, num_tokens, seq, bt_row, bt_s1, b_lo, b_hi, ic_ptr,
-                                 ic_s0, ic_s1, num_pages, local_blocks, initial_blocks, P, D,
-                                 HI, QR, ROWS, LANES, BLOCK_N, STAGES, FP8, FMT, HW, PAIRS,
-                                 DIRECT, CHAIN)
+    if FMA or MMA:  # compiled (HI == hi, QR == q_rows); always through the workspace
+        q_req = q_ptr + (r * QR).to(tl.int64) * q_s0
+        if MMA:
+            top = ix.scan_blocks_mma(top, q_req, q_s0, q_s1, r * QR, num_tokens, seq, bt_row,
+                                     bt_s1, b_lo, b_hi, ic_ptr, ic_s0, ic_s1, num_pages,
+                                     local_blocks, initial_blocks, P, D, HI, QR, ROWS, STAGES,
+                                     FP8, FMT, HW, DIRECT)
+        else:
+            top = ix.scan_blocks_fma(top, q_req, q_s0, q_s1, r * QR, num_tokens, seq, bt_row,
+                                     bt_s1, b_lo, b_hi, ic_ptr, ic_s0, ic_s1, num_pages,
+                                     local_blocks, initial_blocks, P, D, HI, QR, ROWS, LANES,
+                                     BLOCK_N, STAGES, FP8, FMT, HW, PAIRS, DIRECT, CHAIN)
         tl.store(mine + tile, top.to(tl.int64, bitcast=True))
     else:
         q_ptrs = q_ptr + toks.to(tl.int64) * q_s0 + heads.to(tl.int64) * q_s1
@@ -123,7 +129,7 @@ def _indexer_decode_kernel(
                              BLOCK_D, ROWS, CH, VEC, FP8, FMT, HW)
         if SPLIT:
             tl.store(mine + tile, top.to(tl.int64, bitcast=True))
-    if SPLIT or FMA:
+    if SPLIT or FMA or MMA:
         tl.debug_barrier()  # every thread's partial list is stored before the ticket
         ticket = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel")
         if ticket == num_splits - 1:  # the last split of this request merges
@@ -162,6 +168,14 @@ def _sm_count(index: int) -> int:
 #: key blocks per program.
 PROGRAMS_PER_SM = 8
 MIN_BLOCKS_PER_SPLIT = 4
+#: Default pipeline depth of the MMA scan's key tiles (``scan="mma"``).
+MMA_STAGES = 3
+#: Declared score error of the MMA scan beyond an IEEE fp32 sum (``score_rel``, relative to
+#: sum |q_i k_i|): the products of 16-bit operands are exact, but the tensor cores add
+#: each k-step's products to the accumulator aligned to the largest and truncated, about
+#: twice the unit roundoff per addition (~2 gamma(D) in all: 2^-16 at D 128, 2^-15 at
+#: D 256); declared with a factor 2 margin at D 256.
+MMA_SCORE_REL = 2.0**-14
 
 
 def _splits(num_splits, blocks_per_split, b: int, width: int, dev, cap: int = 0
@@ -286,14 +300,26 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                         f"(B from block_table / seq_lens), got {t}")
     out = ix.check_out(out, hi, t, k, dev)
     if scan is None:
-        scan = "dot" if INTERPRETED or vec or not fma_fits(q_rows * hi, d, fp8) else "fma"
-    if scan not in ("fma", "dot"):
-        fail("scan", f"must be 'fma' or 'dot', got {scan!r}")
+        scan = "dot" if INTERPRETED or vec else "mma"
+    if scan not in ("fma", "dot", "mma"):
+        fail("scan", f"must be 'fma', 'mma' or 'dot', got {scan!r}")
     nr = q_rows * hi
     fma = scan == "fma"
+    mma = scan == "mma"
     bk = triton.next_power_of_2(k)
-    splits, bps = _splits(num_splits, blocks_per_split, b, width, dev, bk if fma else 0)
-    if fma:
+    splits, bps = _splits(num_splits, blocks_per_split, b, width, dev,
+                          bk if fma or mma else 0)
+    chain = False
+    if mma:
+        for name, v in (("block_d", block_d), ("blocks_per_step", blocks_per_step),
+                        ("vec", vec), ("lanes_d", lanes_d), ("block_n", block_n),
+                        ("pairs", pairs), ("fma_chain", fma_chain)):
+            if v is not None:
+                fail(name, "does not apply to scan='mma' (whole key blocks per tl.dot)")
+        warps = 4 if num_warps is None else ix.pow2_arg("num_warps", num_warps, 1)
+        stages = MMA_STAGES if num_stages is None else check_int(num_stages, "num_stages", 1)
+        rows, bn, bd, ch, vec, lanes = max(16, triton.next_power_of_2(nr)), page, d, 1, False, 1
+    elif fma:
         for name, v in (("block_d", block_d), ("blocks_per_step", blocks_per_step)):
             if v is not None:
                 fail(name, "applies to scan='dot' only")
@@ -314,7 +340,6 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
             fail("pairs", f"must be a bool, True only for a bf16 cache with a 4-byte aligned "
                           f"address and even page / row strides, got {pairs!r}")
     else:
-        chain = False
         for name, v in (("lanes_d", lanes_d), ("num_stages", num_stages), ("pairs", pairs),
                         ("fma_chain", fma_chain)):
             if v is not None:
@@ -343,7 +368,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     if t == 0:
         return out
     split = splits > 1
-    ws = split or fma  # the FMA scan always merges through the workspace (sorts its list)
+    ws = split or fma or mma  # the FMA/MMA scans always merge through the workspace
     part = torch.empty((b, splits, rows, bk) if ws else (1,), dtype=torch.int64, device=dev)
     cnt = torch.zeros((b if ws else 1,), dtype=torch.int32, device=dev)
     ensure_ready(_indexer_decode_kernel)
@@ -354,9 +379,10 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
         out, out.stride(0), out.stride(1), out.stride(2), part, cnt,
         hi, q_rows, k, loc, ini, bps, splits,
         P=page, D=d, BLOCK_N=bn, BLOCK_D=bd, ROWS=rows, BK=bk, CH=ch, VEC=vec, SPLIT=split,
-        FP8=fp8, FMT=code, HW=hw, FMA=fma, HI=hi if fma else 1, QR=q_rows if fma else 1,
-        LANES=lanes, STAGES=stages, MC=mc, PAIRS=bool(fma and pairs), DIRECT=fma and bps <= bk,
-        CHAIN=chain, num_warps=warps)
+        FP8=fp8, FMT=code, HW=hw, FMA=fma, HI=hi if fma or mma else 1,
+        QR=q_rows if fma or mma else 1, LANES=lanes, STAGES=stages, MC=mc,
+        PAIRS=bool(fma and pairs), DIRECT=(fma or mma) and bps <= bk, CHAIN=chain, MMA=mma,
+        num_warps=warps)
     return out
 
 
@@ -364,35 +390,43 @@ def compile_signatures():
     """(kernel, signature, constexprs) triples covering the constexpr branches, for the
     sm_90 compile check on the CPU (tests/test_compile_sm90.py)."""
     # BK 1 merges 2 lists (tl.topk of k = 1 on one row broke the compiled merge once).
-    combos = [  # q/cache, P, D, BK, rows (Hi x rows/request), SPLIT, FP8, FMT, HW, index, FMA
-        ("bf16", 128, 128, 16, (4, 1), True, False, 0, False, "i32", True),  # model shape
-        ("u8", 128, 128, 16, (4, 1), True, True, 0, True, "i32", True),  # model, e4m3
-        ("fp16", 16, 64, 1, (3, 4), False, False, 0, False, "i64", True),
-        ("u8", 16, 64, 1, (1, 1), True, True, 0, True, "i64", True),  # one row, K = 1
-        ("u8", 32, 256, 64, (8, 1), True, True, 2, False, "i64", True),
-        ("bf16", 128, 128, 16, (16, 1), True, False, 0, False, "i32", False),
-        ("fp16", 16, 64, 1, (32, 1), False, False, 0, False, "i64", False),
-        ("u8", 64, 256, 64, (32, 1), True, True, 0, True, "i32", False),
-        ("u8", 32, 128, 8, (16, 1), True, True, 2, False, "i64", False),
+    combos = [  # q/cache, P, D, BK, rows (Hi x rows/request), SPLIT, FP8, FMT, HW, index, scan
+        ("bf16", 128, 128, 16, (4, 1), True, False, 0, False, "i32", "fma"),  # model shape
+        ("u8", 128, 128, 16, (4, 1), True, True, 0, True, "i32", "fma"),  # model, e4m3
+        ("fp16", 16, 64, 1, (3, 4), False, False, 0, False, "i64", "fma"),
+        ("u8", 16, 64, 1, (1, 1), True, True, 0, True, "i64", "fma"),  # one row, K = 1
+        ("u8", 32, 256, 64, (8, 1), True, True, 2, False, "i64", "fma"),
+        ("bf16", 128, 128, 16, (4, 1), True, False, 0, False, "i32", "mma"),  # model shape
+        ("u8", 128, 128, 16, (4, 1), True, True, 0, True, "i32", "mma"),  # model, e4m3
+        ("fp16", 16, 64, 1, (3, 4), False, False, 0, False, "i64", "mma"),
+        ("u8", 32, 256, 64, (8, 1), True, True, 3, False, "i64", "mma"),
+        ("bf16", 128, 128, 16, (16, 1), True, False, 0, False, "i32", "dot"),
+        ("fp16", 16, 64, 1, (32, 1), False, False, 0, False, "i64", "dot"),
+        ("u8", 64, 256, 64, (32, 1), True, True, 0, True, "i32", "dot"),
+        ("u8", 32, 128, 8, (16, 1), True, True, 2, False, "i64", "dot"),
     ]
     out = []
-    for qt, page, d, bk, (hi, qr), split, fp8, fmt, hw, it, fma in combos:
+    for qt, page, d, bk, (hi, qr), split, fp8, fmt, hw, it, scan in combos:
         sig = {name: "i32" for name in _indexer_decode_kernel.arg_names}
         for name in ("q_s0", "q_s1", "ic_s0", "ic_s1", "bt_s0", "bt_s1", "o_s0", "o_s1",
                      "o_s2"):
             sig[name] = "i64"
         sig.update(q_ptr=f"*{qt}", ic_ptr=f"*{qt}", bt_ptr=f"*{it}", seq_ptr=f"*{it}",
                    out_ptr="*i32", part_ptr="*i64", cnt_ptr="*i32")
+        fma, mma = scan == "fma", scan == "mma"
         if fma:
             lanes, bn, _, stages = fma_strategy(hi * qr, page, d, fp8)
             rows, bd, ch, vec = triton.next_power_of_2(hi * qr), d, 1, False
+        elif mma:
+            lanes, bn, stages = 1, page, MMA_STAGES
+            rows, bd, ch, vec = max(16, triton.next_power_of_2(hi * qr)), d, 1, False
         else:
             rows, bn, bd, ch, vec, _ = ix.strategy(hi, 1, page, d, 1, bk, False)
             lanes, stages, hi, qr = 1, 1, 1, 1
         const = dict(P=page, D=d, BLOCK_N=bn, BLOCK_D=bd, ROWS=rows, BK=bk, CH=ch, VEC=vec,
                      SPLIT=split, FP8=fp8, FMT=fmt, HW=hw, FMA=fma, HI=hi, QR=qr, LANES=lanes,
                      STAGES=stages, MC=2 if bk == 1 else 256 // bk, PAIRS=fma and qt == "bf16",
-                     DIRECT=fma and split, CHAIN=fma)
+                     DIRECT=(fma or mma) and split, CHAIN=fma, MMA=mma)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_indexer_decode_kernel, sig, const))
     return out
@@ -410,10 +444,11 @@ def _register():
     classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")
     register(Implementation(
         "triton", "indexer_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
-        score_rel=0.0,
+        score_rel=0.0 if INTERPRETED else MMA_SCORE_REL,
         notes="one Triton launch: (request x key-block split) per program, all rows and "
-              "heads of a request share each key block; compiled: exact fp32 FMA chains on "
-              "exactly widened q/k (no padded rows), cp.async-pipelined 16-byte key tiles; "
+              "heads of a request share each key block; compiled: one tensor-core tl.dot "
+              "per key block on 16-bit operands (fp8 decoded exactly to fp16), fp32 MMA "
+              "accumulation (score_rel declared), cp.async-pipelined key tiles; "
               "interpreted: fp32 ieee tl.dot; 64-bit order keys per block, the last split "
               "merges the partial lists by bitonic top-k (atomic ticket)"))
 

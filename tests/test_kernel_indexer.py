@@ -427,6 +427,35 @@ def test_fma_scan_admissible_under_the_oracle(seed):
         assert res.passed, res.summary()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mma_scan_every_format_exact(fmt):
+    """The tensor-core scan (``scan="mma"``: whole key blocks by one tl.dot on 16-bit
+    operands, fp8 decoded exactly to fp16) on every index format, Hi 3 with 2 rows per
+    request (6 rows padded to 16), a padded request, forced initial blocks, exact ties
+    (duplicated blocks), NaN keys on visible positions (their blocks rank last):
+    exactly the reference, order included."""
+    x = make_index_inputs(fmt, seq_lens=(150, 0, 64), rows=2, topk=5, initial=1, page=32,
+                          kind="grid", duplicate=[(0, 0, 2)], seed=14)
+    if fmt not in ("bfloat16", "float16"):
+        x["index_cache"][x["block_table"][0, 3], 2, 7] = 0x7F if "fnuz" not in fmt else 0x80
+    got = _exact(x, scan="mma", num_splits=3)
+    if fmt not in ("bfloat16", "float16"):
+        assert (got[:, 0:2, 4] == 3).all()  # the NaN block: last of the 5 selected
+
+
+@pytest.mark.parametrize("kw", [dict(num_stages=1), dict(num_warps=8, blocks_per_split=3),
+                                dict(blocks_per_split=100), dict(num_splits=64)],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_mma_knobs_select_identically(kw):
+    """MMA-scan knobs (pipeline stages, warps, at most BK blocks per split (slots filled
+    directly) or more (replace-min), more splits than blocks) give exactly the reference's
+    selection."""
+    x = make_index_inputs("bfloat16", seq_lens=(300, 64, 7), rows=1, hi=5, d=64, page=32,
+                          topk=6, local=1, kind="grid", duplicate=[(0, 2, 6), (0, 3, 8)],
+                          seed=25)
+    _exact(x, scan="mma", **kw)
+
+
 def test_fma_default_scan_choice():
     """Compiled, the decode launcher scans with FMA for up to 8 rows per program whose q
     vectors fit 128 registers per thread with at most D / (16-byte vector) lanes along D
@@ -542,6 +571,8 @@ def _bad(name, decode_op=False, **changes):
     _bad("vec", True, scan="fma", vec=True),
     _bad("block_d", True, scan="fma", block_d=16),
     _bad("pairs", True, scan="fma", pairs=True),  # an e4m3 cache
+    _bad("lanes_d", True, scan="mma", lanes_d=4),
+    _bad("block_n", True, scan="mma", block_n=16),
     _bad("fma_chain", True, scan="fma", fma_chain="yes"),
     _bad("merge_chunk", True, merge_chunk=3),
 ])
