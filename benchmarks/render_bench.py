@@ -14,8 +14,9 @@ a minimum fraction of copy bandwidth, minimum speedups vs named baselines) give 
 met" yes/no; results without targets show "-".
 
 A report whose benchmark has a table of its own (``OWN_TABLES``, by the op of its results:
-bench_attention_prefill's, with its own derived numbers) is rendered by that benchmark's
-``markdown`` (``render``; importing it needs torch, still no GPU).
+bench_attention_prefill's and bench_attention_decode's, with their own derived numbers) is
+rendered by that benchmark's ``markdown`` (``render``; importing it needs torch, still no
+GPU).
 
 Run: ``python benchmarks/render_bench.py [reports/bench.json] [--out reports/bench.md]``.
 """
@@ -34,7 +35,8 @@ COLUMNS = ("kernel", "cache", "mode", "median (us)", "GB/s", "% of copy BW",
 # Table columns "x vs compiled" / "x vs eager" read these baselines.
 COMPILED, EAGER = "torch_compiled", "torch_eager"
 # Benchmarks rendering their own table (a module with ``markdown(doc)``), by their results' op.
-OWN_TABLES = {"attention_prefill": "benchmarks.bench_attention_prefill"}
+OWN_TABLES = {"attention_prefill": "benchmarks.bench_attention_prefill",
+              "attention_decode": "benchmarks.bench_attention_decode"}
 
 
 def _same_group(a: dict, b: dict) -> bool:
