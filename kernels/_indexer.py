@@ -68,7 +68,7 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import tl, triton
-from kernels.fp8 import HW_FORMATS, decode_fp8, decode_fp8_to, fmt_code
+from kernels.fp8 import FMT_E4M3FN, HW_FORMATS, decode_fp8, decode_fp8_to, fmt_code
 from reference.domain import KV_HEADS_RANGE, PAGE_SIZES, TOPK_RANGE
 
 #: The index formats the kernels read: the four fp8 formats (uint8 codes; e4m3fn/e4m3fnuz
@@ -388,14 +388,22 @@ def scan_blocks_fma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
 
 
 @triton.jit
-def load_16(ptrs, mask, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr):
-    """Values at ptrs as MMA operands, exactly: bf16/fp16 as stored, fp8 codes as their fp16
-    values (every value of the four formats is one; masked lanes 0)."""
-    raw = tl.load(ptrs, mask=mask, other=0)
-    if FP8:
-        v = decode_fp8_to(raw, FMT, HW, tl.float16)
+def load_operand(ptrs, mask, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
+                 F8MMA: tl.constexpr):
+    """Values at ptrs as MMA operands, exactly: bf16/fp16 as stored; fp8 codes as the fp8
+    type itself (F8MMA: hardware formats, fp8 tensor-core products) or as their fp16 values
+    (every value of the four formats is one); masked lanes 0."""
+    if F8MMA:  # loaded as the fp8 type (a bitcast after the load would route the wgmma
+        # operand through registers and leave the pipeliner a single buffer)
+        if FMT == FMT_E4M3FN:
+            v = tl.load(ptrs.to(tl.pointer_type(tl.float8e4nv), bitcast=True), mask=mask,
+                        other=0.0)
+        else:
+            v = tl.load(ptrs.to(tl.pointer_type(tl.float8e5), bitcast=True), mask=mask,
+                        other=0.0)
     else:
-        v = raw
+        raw = tl.load(ptrs, mask=mask, other=0)
+        v = decode_fp8_to(raw, FMT, HW, tl.float16) if FP8 else raw
     return v
 
 
@@ -404,16 +412,19 @@ def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
                     b_hi, ic_ptr, ic_s0, ic_s1, num_pages, local_blocks, initial_blocks,
                     P: tl.constexpr, D: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr,
                     ROWS: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
-                    FMT: tl.constexpr, HW: tl.constexpr, DIRECT: tl.constexpr):
+                    FMT: tl.constexpr, HW: tl.constexpr, DIRECT: tl.constexpr,
+                    F8MMA: tl.constexpr):
     """The decode kernel's tensor-core strategy (``scan="mma"``): ``scan_blocks_fma``'s
     contract (rows, DIRECT columns or replace-min, NaN-propagating block maxima), with each
     block's scores one ``tl.dot`` of its whole key tile ``[P, D]`` by the rows' q ``[D,
-    ROWS]`` on 16-bit operands (bf16/fp16 as stored, fp8 decoded exactly to fp16: the
-    products are exact) with fp32 accumulation on the tensor cores, keys along M (so on
-    sm_90 a bf16/fp16 key tile goes from cp.async straight into ``wgmma``; ROWS >= 16 padded
-    rows along N cost nothing there). The accumulation is the MMA's (aligned, truncating
-    additions per k-step), not an IEEE fp32 sum: the registry declares ``score_rel`` for
-    it. The block loop is ``tl.range(..., num_stages=STAGES)`` (pipelined key tiles)."""
+    ROWS]`` on the tensor cores with an fp32 accumulator, keys along M (so on sm_90 the key
+    tile goes from cp.async straight into ``wgmma``; ROWS >= 16 padded rows along N cost
+    nothing there). Operands: bf16/fp16 as stored; hardware fp8 formats with F8MMA as fp8
+    (an fp8 ``wgmma``: Triton's default reduced-precision fp8 accumulation); else fp8
+    decoded exactly to fp16. The products are exact; the accumulation is the MMA's (16-bit
+    operands: aligned, truncating additions per k-step; fp8: an accumulator of about 14
+    bits), not an IEEE fp32 sum: the registry declares ``score_rel`` per format for it.
+    The block loop is ``tl.range(..., num_stages=STAGES)`` (pipelined key tiles)."""
     NR: tl.constexpr = QR * HI
     cols = tl.arange(0, top.shape[1])
     rows = tl.arange(0, ROWS)
@@ -424,15 +435,15 @@ def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
     nvis = own + 1
     dd = tl.arange(0, D)
     kn = tl.arange(0, P)
-    q = load_16(q_req + tq.to(tl.int64)[:, None] * q_s0 + (rows % HI).to(tl.int64)[:, None]
-                * q_s1 + dd[None, :], live[:, None], FP8, FMT, HW)
+    q = load_operand(q_req + tq.to(tl.int64)[:, None] * q_s0 + (rows % HI).to(tl.int64)
+                     [:, None] * q_s1 + dd[None, :], live[:, None], FP8, FMT, HW, F8MMA)
     qt = tl.trans(q)  # [D, ROWS]
     for b in tl.range(b_lo, b_hi, num_stages=STAGES):
         page = tl.load(bt_row + b * bt_s1).to(tl.int64)
         ok = (page >= 0) & (page < num_pages)  # else no memory is read (keys 0)
         kp = (ic_ptr + tl.where(ok, page, 0) * ic_s0 + kn.to(tl.int64)[:, None] * ic_s1
               + dd[None, :])
-        s = tl.dot(load_16(kp, ok, FP8, FMT, HW), qt)  # [P, ROWS], fp32 accumulation
+        s = tl.dot(load_operand(kp, ok, FP8, FMT, HW, F8MMA), qt)  # [P, ROWS], fp32 acc.
         kpos = b * P + kn
         s = tl.where(kpos[:, None] <= pos[None, :], s, float("-inf"))
         best = tl.reduce(s, 0, _nanmax)

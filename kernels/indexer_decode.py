@@ -76,6 +76,7 @@ import torch
 from kernels import _indexer as ix
 from kernels._host import check_int, fail
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from kernels.fp8 import HW_FORMATS
 from reference.domain import DECODE_ROWS_RANGE
 
 
@@ -90,7 +91,7 @@ def _indexer_decode_kernel(
         SPLIT: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         FMA: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr, LANES: tl.constexpr,
         STAGES: tl.constexpr, MC: tl.constexpr, PAIRS: tl.constexpr, DIRECT: tl.constexpr,
-        CHAIN: tl.constexpr, MMA: tl.constexpr):
+        CHAIN: tl.constexpr, MMA: tl.constexpr, F8MMA: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     seq = tl.load(seq_ptr + r).to(tl.int32)
@@ -115,7 +116,7 @@ def _indexer_decode_kernel(
             top = ix.scan_blocks_mma(top, q_req, q_s0, q_s1, r * QR, num_tokens, seq, bt_row,
                                      bt_s1, b_lo, b_hi, ic_ptr, ic_s0, ic_s1, num_pages,
                                      local_blocks, initial_blocks, P, D, HI, QR, ROWS, STAGES,
-                                     FP8, FMT, HW, DIRECT)
+                                     FP8, FMT, HW, DIRECT, F8MMA)
         else:
             top = ix.scan_blocks_fma(top, q_req, q_s0, q_s1, r * QR, num_tokens, seq, bt_row,
                                      bt_s1, b_lo, b_hi, ic_ptr, ic_s0, ic_s1, num_pages,
@@ -176,6 +177,28 @@ MMA_STAGES = 3
 #: twice the unit roundoff per addition (~2 gamma(D) in all: 2^-16 at D 128, 2^-15 at
 #: D 256); declared with a factor 2 margin at D 256.
 MMA_SCORE_REL = 2.0**-14
+#: The same for the fp8 tensor-core products of the hardware formats (``fp8_mma``): Triton's
+#: default fp8 ``wgmma`` accumulates in about 14 bits (DeepSeek-V3 measured ~14 on the
+#: H800), ~2^-13 per k-step of 32, at most 8 steps at D 256: 2^-10, declared with a
+#: factor 2 margin.
+F8MMA_SCORE_REL = 2.0**-9
+
+
+def fp8_mma(index_fmt: str) -> bool:
+    """Whether the compiled MMA scan multiplies fp8 codes of this format directly (the
+    hardware formats e4m3fn / e5m2) rather than their fp16 values."""
+    return index_fmt in HW_FORMATS and not INTERPRETED
+
+
+def score_rel(case) -> float:
+    """The registered implementation's declared block-score error for a case (registry
+    ``score_rel_for``): 0 interpreted (fp32 ieee dots), else the MMA scan's, fp8 or 16-bit
+    by the case's index format."""
+    if INTERPRETED:
+        return 0.0
+    if case is not None and fp8_mma(case["index_fmt"]):
+        return F8MMA_SCORE_REL
+    return MMA_SCORE_REL
 
 
 def _splits(num_splits, blocks_per_split, b: int, width: int, dev, cap: int = 0
@@ -382,7 +405,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
         FP8=fp8, FMT=code, HW=hw, FMA=fma, HI=hi if fma or mma else 1,
         QR=q_rows if fma or mma else 1, LANES=lanes, STAGES=stages, MC=mc,
         PAIRS=bool(fma and pairs), DIRECT=(fma or mma) and bps <= bk, CHAIN=chain, MMA=mma,
-        num_warps=warps)
+        F8MMA=mma and fp8_mma(index_fmt), num_warps=warps)
     return out
 
 
@@ -426,7 +449,8 @@ def compile_signatures():
         const = dict(P=page, D=d, BLOCK_N=bn, BLOCK_D=bd, ROWS=rows, BK=bk, CH=ch, VEC=vec,
                      SPLIT=split, FP8=fp8, FMT=fmt, HW=hw, FMA=fma, HI=hi, QR=qr, LANES=lanes,
                      STAGES=stages, MC=2 if bk == 1 else 256 // bk, PAIRS=fma and qt == "bf16",
-                     DIRECT=(fma or mma) and split, CHAIN=fma, MMA=mma)
+                     DIRECT=(fma or mma) and split, CHAIN=fma, MMA=mma,
+                     F8MMA=mma and fp8 and hw)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_indexer_decode_kernel, sig, const))
     return out
@@ -444,7 +468,7 @@ def _register():
     classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")
     register(Implementation(
         "triton", "indexer_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
-        score_rel=0.0 if INTERPRETED else MMA_SCORE_REL,
+        score_rel=score_rel,
         notes="one Triton launch: (request x key-block split) per program, all rows and "
               "heads of a request share each key block; compiled: one tensor-core tl.dot "
               "per key block on 16-bit operands (fp8 decoded exactly to fp16), fp32 MMA "

@@ -24,7 +24,7 @@ from oracle import impl_reference as ref_impl
 from oracle.bounds import U, gamma, norm_rope_bound
 from oracle.cases import Case, input_hash, make_inputs
 from oracle.intervals import classify, joint_value_exists, preimage
-from oracle.registry import schedule_for
+from oracle.registry import schedule_for, score_rel_for
 from reference import norm_rope
 from reference.codec import decode, get_format
 from reference.kv_cache import scale_at
@@ -274,7 +274,7 @@ def check_indexer(x, out, impl) -> tuple[Tally, list, dict]:
     run = ref_impl.indexer_decode if "rows_per_request" in x else ref_impl.indexer_prefill
     res = run(x, return_scores=True)
     d = x["index_q"].shape[-1]
-    bound = res.magnitudes * (gamma(d) + impl.score_rel + d * 2.0**-53) * 1.000001
+    bound = res.magnitudes * (gamma(d) + score_rel_for(impl, x) + d * 2.0**-53) * 1.000001
     sel = np.asarray(out["topk"])
     if sel.shape != res.topk.shape:
         return Tally(), [f"topk: shape {sel.shape} != {res.topk.shape}"], {}

@@ -18,7 +18,8 @@ Declared numerics: ``arith`` (fp32 special-function errors, ``oracle.bounds.Fp32
 implementation whose rounding depends on the cache format or the kind of scales says so
 there; ``schedule_for``); ``score_rel``
 (indexer: relative error of its block scores beyond fp32 summation, e.g. reduced-precision
-fp8 MMA accumulation).
+fp8 MMA accumulation; a float, or a callable ``(case) -> float`` where it depends on the
+index format: ``score_rel_for``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def schedule_for(impl, model_dtype: str, case: dict | None = None):
     return s(model_dtype, case) if callable(s) else s
 
 
+def score_rel_for(impl, case: dict | None = None) -> float:
+    """The block-score error an indexer implementation declares for a case's inputs (plain
+    floats as is)."""
+    r = impl.score_rel
+    return float(r(case) if callable(r) else r)
+
+
 @dataclass(frozen=True)
 class Implementation:
     name: str
@@ -50,7 +58,7 @@ class Implementation:
     shape_classes: tuple[str, ...] = ("tiny", "small", "model")
     arith: Fp32Arith = field(default_factory=Fp32Arith)
     schedule: object = None
-    score_rel: float = 0.0
+    score_rel: object = 0.0
     quantize_from: str = "value"
     notes: str = ""
 

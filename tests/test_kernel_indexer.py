@@ -313,7 +313,7 @@ def test_compiled_strategy_runs_interpreted(decode_op):
     kw = dict(page=32, kind="grid", topk=5, initial=1, duplicate=[(0, 0, 2)], seed=14)
     if decode_op:
         x = make_index_inputs(seq_lens=(150, 0, 64), rows=4, **kw)
-        _exact(x, vec=False, block_n=16, block_d=32, num_splits=3)
+        _exact(x, scan="dot", vec=False, block_n=16, block_d=32, num_splits=3)
     else:
         x = make_index_inputs(seq_lens=(150, 64), qlens=(9, 3), **kw)
         _exact(x, vec=False, block_n=16, block_d=32, block_rows=16)
@@ -647,12 +647,23 @@ def test_no_tokens_launches_nothing(monkeypatch):
 
 @pytest.mark.parametrize("op", ["indexer_prefill", "indexer_decode"])
 def test_registered_for_cpu_and_cuda(op):
-    """Registered as implementation "triton" of both indexer ops with full fp32 score
-    accumulation (score_rel = 0); model shapes only when compiled."""
+    """Registered as implementation "triton" of both indexer ops; model shapes only when
+    compiled. Declared score error: 0 (full fp32 accumulation) for prefill and for the
+    interpreted decode kernel ("dot" scan); compiled, the decode kernel's MMA scan declares
+    its tensor-core accumulation, the fp8 one (hardware formats) wider than the 16-bit one
+    (fnuz formats decoded to fp16, bf16 / fp16 caches)."""
+    from oracle.registry import score_rel_for
+
     impl = _impl(op)
-    assert impl.devices == ("cpu", "cuda") and impl.score_rel == 0.0
+    assert impl.devices == ("cpu", "cuda")
     interpreted = (ipf if op == "indexer_prefill" else idd).INTERPRETED
     assert ("model" in impl.shape_classes) == (not interpreted)
+    rel = {f: score_rel_for(impl, {"index_fmt": f}) for f in FORMATS}
+    if op == "indexer_prefill" or interpreted:
+        assert set(rel.values()) == {0.0}
+    else:
+        assert rel["e4m3fn"] == rel["e5m2"] == idd.F8MMA_SCORE_REL
+        assert rel["e4m3fnuz"] == rel["bfloat16"] == idd.MMA_SCORE_REL < idd.F8MMA_SCORE_REL
 
 
 def test_oracle_rejects_a_wrong_selection():
