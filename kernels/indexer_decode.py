@@ -75,7 +75,7 @@ import torch
 
 from kernels import _indexer as ix
 from kernels._host import check_int, fail
-from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from kernels._triton import ensure_ready, is_interpreted, resident_programs, tl, triton
 from kernels.fp8 import HW_FORMATS
 from reference.domain import DECODE_ROWS_RANGE
 
@@ -228,6 +228,18 @@ def _splits(num_splits, blocks_per_split, b: int, width: int, dev, cap: int = 0
     return triton.cdiv(w, bps), bps
 
 
+def wave_splits(slots: int, b: int, width: int) -> tuple[int, int]:
+    """(S, blocks per split) of the compiled MMA scan's default: as many splits per request
+    as fill the GPU's ``slots`` resident programs in ONE wave (B x S <= slots: a second,
+    partial wave is a tail that costs more than it hides; H200, model shape, B 64, bf16 at
+    3 programs per SM: S 16 158 us, 8 173 us, 4 147 us, 2 202 us), at least
+    MIN_BLOCKS_PER_SPLIT blocks per split."""
+    w = max(width, 1)
+    s = max(1, min(slots // max(b, 1), w))
+    bps = max(triton.cdiv(w, s), min(MIN_BLOCKS_PER_SPLIT, w))
+    return triton.cdiv(w, bps), bps
+
+
 def _fma_lanes(nr: int, d: int, v: int) -> int:
     """Default lanes along D: 4 (a warp then reads 64 contiguous bytes per key), more while
     the rows' q vectors would need more than 128 fp32 registers per thread (nr * d / lanes),
@@ -330,8 +342,10 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     fma = scan == "fma"
     mma = scan == "mma"
     bk = triton.next_power_of_2(k)
-    splits, bps = _splits(num_splits, blocks_per_split, b, width, dev,
-                          bk if fma or mma else 0)
+    wave = mma and num_splits is None and blocks_per_split is None and not INTERPRETED \
+        and dev.type == "cuda"
+    splits, bps = (0, 0) if wave else _splits(num_splits, blocks_per_split, b, width, dev,
+                                              bk if fma or mma else 0)
     chain = False
     if mma:
         for name, v in (("block_d", block_d), ("blocks_per_step", blocks_per_step),
@@ -375,7 +389,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
         lanes, stages = 1, 1
         warps = 4 if num_warps is None else ix.pow2_arg("num_warps", num_warps, 1)
     if merge_chunk is None:
-        mc = min(triton.next_power_of_2(splits), max(1, 256 // bk))
+        mc = min(triton.next_power_of_2(max(splits, 1)), max(1, 256 // bk))
     else:
         mc = ix.pow2_arg("merge_chunk", merge_chunk, 1)
         if vec:
@@ -390,22 +404,34 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
         ix.validate_block_table(block_table, seq_lens, page, num_pages)
     if t == 0:
         return out
-    split = splits > 1
-    ws = split or fma or mma  # the FMA/MMA scans always merge through the workspace
+
+    def call(splits, bps, part, cnt):
+        args = (index_q, index_q.stride(0), index_q.stride(1),
+                index_cache, index_cache.stride(0), index_cache.stride(1), num_pages,
+                block_table, block_table.stride(0), block_table.stride(1), width, seq_lens, t,
+                out, out.stride(0), out.stride(1), out.stride(2), part, cnt,
+                hi, q_rows, k, loc, ini, bps, splits)
+        const = dict(P=page, D=d, BLOCK_N=bn, BLOCK_D=bd, ROWS=rows, BK=bk, CH=ch, VEC=vec,
+                     SPLIT=splits > 1, FP8=fp8, FMT=code, HW=hw, FMA=fma,
+                     HI=hi if fma or mma else 1, QR=q_rows if fma or mma else 1, LANES=lanes,
+                     STAGES=stages, MC=mc, PAIRS=bool(fma and pairs),
+                     DIRECT=(fma or mma) and bps <= bk, CHAIN=chain, MMA=mma,
+                     F8MMA=mma and fp8_mma(index_fmt), num_warps=warps)
+        return args, const
+
+    ensure_ready(_indexer_decode_kernel)
+    if wave:  # one full wave of programs (``wave_splits``), sized from the compiled kernel
+        tmpl = call(2, bk + 1, torch.empty(1, dtype=torch.int64, device=dev),
+                    torch.empty(1, dtype=torch.int32, device=dev))
+        slots = resident_programs(_indexer_decode_kernel, *tmpl, dev)
+        splits, bps = wave_splits(slots, b, width)
+        if merge_chunk is None:
+            mc = min(triton.next_power_of_2(splits), max(1, 256 // bk))
+    ws = splits > 1 or fma or mma  # the FMA/MMA scans always merge through the workspace
     part = torch.empty((b, splits, rows, bk) if ws else (1,), dtype=torch.int64, device=dev)
     cnt = torch.zeros((b if ws else 1,), dtype=torch.int32, device=dev)
-    ensure_ready(_indexer_decode_kernel)
-    _indexer_decode_kernel[(b, splits)](
-        index_q, index_q.stride(0), index_q.stride(1),
-        index_cache, index_cache.stride(0), index_cache.stride(1), num_pages,
-        block_table, block_table.stride(0), block_table.stride(1), width, seq_lens, t,
-        out, out.stride(0), out.stride(1), out.stride(2), part, cnt,
-        hi, q_rows, k, loc, ini, bps, splits,
-        P=page, D=d, BLOCK_N=bn, BLOCK_D=bd, ROWS=rows, BK=bk, CH=ch, VEC=vec, SPLIT=split,
-        FP8=fp8, FMT=code, HW=hw, FMA=fma, HI=hi if fma or mma else 1,
-        QR=q_rows if fma or mma else 1, LANES=lanes, STAGES=stages, MC=mc,
-        PAIRS=bool(fma and pairs), DIRECT=(fma or mma) and bps <= bk, CHAIN=chain, MMA=mma,
-        F8MMA=mma and fp8_mma(index_fmt), num_warps=warps)
+    args, const = call(splits, bps, part, cnt)
+    _indexer_decode_kernel[(b, splits)](*args, **const)
     return out
 
 

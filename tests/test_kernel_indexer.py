@@ -456,6 +456,21 @@ def test_mma_knobs_select_identically(kw):
     _exact(x, scan="mma", **kw)
 
 
+def test_wave_splits_fill_one_wave():
+    """The compiled MMA scan's default split fills the GPU's resident programs in one wave
+    (B x S <= slots, as many splits as fit), at least MIN_BLOCKS_PER_SPLIT blocks per split
+    and never more splits than blocks: model shape B 64 x 256 blocks on 132 SMs at 3
+    (bf16) and 6 (fp8) programs per SM."""
+    assert idd.wave_splits(396, 64, 256) == (6, 43)
+    assert idd.wave_splits(792, 64, 256) == (12, 22)
+    assert idd.wave_splits(396, 1000, 256) == (1, 256)  # more requests than slots
+    assert idd.wave_splits(396, 1, 256) == (64, idd.MIN_BLOCKS_PER_SPLIT)
+    assert idd.wave_splits(396, 1, 3) == (1, 3)  # fewer blocks than the minimum split
+    for slots, b, w in ((396, 64, 256), (792, 8, 100), (264, 7, 33), (132, 1, 1)):
+        s, bps = idd.wave_splits(slots, b, w)
+        assert (s - 1) * bps < w <= s * bps and (b * s <= slots or s == 1)
+
+
 def test_fma_default_scan_choice():
     """Compiled, the decode launcher scans with FMA for up to 8 rows per program whose q
     vectors fit 128 registers per thread with at most D / (16-byte vector) lanes along D
