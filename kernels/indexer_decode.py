@@ -8,16 +8,20 @@ the key blocks ``s*BPS .. (s+1)*BPS - 1`` (BPS blocks per split), so every key b
 once per request and shared by all its rows and heads. Selection keys: 64-bit order keys
 (forced class, score, NaN, lower-id tie rule in one unsigned integer; kernels/_indexer.py).
 
-Two scans (``scan=``):
-- "fma", compiled default (``kernels._indexer.scan_blocks_fma``): decode has few rows (the
-  model: Hi 4 x 1 row), so instead of a tl.dot padded to 16 rows (4x the FMAs, the former
-  default) each row's scores are exact fp32 products in one FMA chain per key and thread
-  (a tuple reduction), over 16-byte-vector key tiles ``[LANES, BLOCK_N, M, V]`` pipelined
-  through shared memory by cp.async (``tl.range(num_stages=STAGES)``), q hoisted into
-  registers, bf16 widened from int32 pairs by one integer op per value. A split of at most
-  BK blocks (the default) puts each block's key into its own list column (no min-reduction
-  per block); longer splits use replace-min. Used for up to 8 rows whose q vectors fit 128
-  registers per thread (``fma_fits``: the model with 1..2 rows per request), else "dot".
+Three scans (``scan=``):
+- "mma", compiled default (``kernels._indexer.scan_blocks_mma``): each key block's scores
+  by one tensor-core ``tl.dot`` of its whole tile ``[P, D]`` (keys along M: on sm_90 the
+  tile goes from cp.async straight into ``wgmma``) by the rows' q padded to 16 rows; bf16 /
+  fp16 as stored, the hardware fp8 formats on the fp8 tensor cores (``fp8_mma``), the fnuz
+  formats decoded exactly to fp16. The MMA accumulation is not an IEEE fp32 sum: the
+  registry declares ``score_rel`` per format (``MMA_SCORE_REL``, ``F8MMA_SCORE_REL``).
+  Default grid: one wave of programs (``wave_splits``).
+- "fma" (``kernels._indexer.scan_blocks_fma``): exact fp32 products in one FMA chain per
+  key and thread over 16-byte-vector key tiles ``[LANES, BLOCK_N, M, V]`` pipelined by
+  cp.async, q hoisted into registers (``fma_fits``: up to 8 rows whose q fits 128
+  registers per thread); ``score_rel = 0``. A split of at most BK blocks puts each block's
+  key into its own list column (no min-reduction per block); longer splits use
+  replace-min.
 - "dot" (interpreted default; the prefill kernel's strategy): tl.dot ieee tiles with ROWS
   >= 16 rows, replace-min compiled, rank merges interpreted (fast there).
 
@@ -30,35 +34,25 @@ rank merges), writes the selection in order and resets the counter to 0. Exact: 
 keys are unique per row, so the BK largest keys of the union of the partial lists are the
 BK largest of the whole request, whatever the split or the order of arrival.
 
-Rows of padded requests (seq_lens 0) select nothing: all -1. Scores: exact fp32 widening
-(fp8 via ``kernels.fp8.decode_fp8``), exact products, fp32 accumulation (FMA chains, or
-``tl.dot(..., input_precision="ieee")``): another summation order than the reference's,
-inside the oracle's fp32 bound (gamma(D) |q||k|, any order): ``score_rel = 0``.
+Rows of padded requests (seq_lens 0) select nothing: all -1. Scores ("fma", "dot"):
+exact fp32 widening (fp8 via ``kernels.fp8.decode_fp8``), exact products, fp32
+accumulation in another order than the reference's, inside the oracle's fp32 bound
+(gamma(D) |q||k|, any order); "mma": exact products, the MMA's accumulation (declared).
 
 Design numbers (model shape: Hi 4, 1 row, D 128, P 128, K 16; B 64 x 32k tokens; sm_90
-compiled on the CPU, ``tests/test_compile_sm90.py``'s way, 16-byte divisibility of the
-pointers and strides; one key block = 128 keys; per thread of 4 warps):
+static numbers from ``benchmarks/static_sm90.py``; H200 times from graph replay, copy
+bandwidth 4.27 TB/s, ``reports/bench_indexer.json``), per key block and thread of 4 warps:
 
-    ==================  =====================================  ============================
-                        before ("dot": ROWS 16, [16,32]x[32,64] after ("fma": LANES 4,
-                        FMA dot, replace-min)                  BLOCK_N 32, STAGES 3, direct)
-    ==================  =====================================  ============================
-    grid                64 x 5 = 320 programs                   64 x 16 = 1024 programs
-    registers/thread    128 (spills: 8 B stack)                 bf16 233, e4m3 226 (no spill)
-    shared memory       20 KB (4 KB key chunks)                 bf16 64 KB, e4m3 32 KB
-                                                                (2 blocks in flight)
-    key loads           cp.async of 4 KB chunks inside the      cp.async.cg 16 B
-                        D loop, ~1 chunk in flight              (LDGSTS.E.BYPASS.128), whole
-                                                                blocks, 2 blocks ahead
-    SASS per block      ~3,700 (2,048 FFMA: 4x padding)         bf16 897, e4m3 945 (512
-                                                                FFMA/FMUL = 4 rows x 128)
-    ==================  =====================================  ============================
+    =================  ===========================  =========================================
+                       "fma" (LANES 4, BLOCK_N 32)  "mma" (whole blocks, STAGES 3)
+    =================  ===========================  =========================================
+    registers          bf16 233, e4m3 226           bf16 128, e4m3 (fp8 wgmma) 78
+    shared memory      bf16 64 KB, e4m3 32 KB       bf16 68 KB, e4m3 35 KB (2 tiles)
+    SASS per block     bf16 897, e4m3 945           bf16 296 (16 HGMMA), e4m3 269 (8 QGMMA)
+    H200, B 64         bf16 281 us, e4m3 192 us     bf16 144 us (87%), e4m3 86.5 us (73%)
+    =================  ===========================  =========================================
 
-At 4.27 TB/s a 32 KB bf16 block arrives every ~7.7 ns per GPU (~1.0 us per SM): 897 x 4
-warps = 3,588 issue slots per block per SM against ~8,000 at 1.98 GHz (bf16 should be
-memory-bound); e4m3 blocks are half the bytes (~4,400 slots per block at 90% of copy
-bandwidth) with 3,780 needed: near compute-bound at the target. The
-knobs (``num_splits`` / ``blocks_per_split``, ``lanes_d``, ``block_n``, ``num_warps``,
+The knobs (``num_splits`` / ``blocks_per_split``, ``lanes_d``, ``block_n``, ``num_warps``,
 ``num_stages``, ``merge_chunk``, ``scan``) are for the GPU tuning run
 (``python -m benchmarks.bench_indexer --tune``).
 
@@ -171,6 +165,9 @@ PROGRAMS_PER_SM = 8
 MIN_BLOCKS_PER_SPLIT = 4
 #: Default pipeline depth of the MMA scan's key tiles (``scan="mma"``).
 MMA_STAGES = 3
+#: The MMA scan's default grid: one wave of at most this many programs per SM
+#: (``wave_splits``; more, though resident, made the H200 slower).
+MAX_PROGRAMS_PER_SM = 4
 #: Declared score error of the MMA scan beyond an IEEE fp32 sum (``score_rel``, relative to
 #: sum |q_i k_i|): the products of 16-bit operands are exact, but the tensor cores add
 #: each k-step's products to the accumulator aligned to the largest and truncated, about
@@ -230,10 +227,12 @@ def _splits(num_splits, blocks_per_split, b: int, width: int, dev, cap: int = 0
 
 def wave_splits(slots: int, b: int, width: int) -> tuple[int, int]:
     """(S, blocks per split) of the compiled MMA scan's default: as many splits per request
-    as fill the GPU's ``slots`` resident programs in ONE wave (B x S <= slots: a second,
-    partial wave is a tail that costs more than it hides; H200, model shape, B 64, bf16 at
-    3 programs per SM: S 16 158 us, 8 173 us, 4 147 us, 2 202 us), at least
-    MIN_BLOCKS_PER_SPLIT blocks per split."""
+    as fill ``slots`` programs in ONE wave (B x S <= slots: a second, partial wave is a tail
+    that costs more than it hides), at least MIN_BLOCKS_PER_SPLIT blocks per split. The
+    launcher passes the GPU's resident programs, at most MAX_PROGRAMS_PER_SM per SM. H200,
+    model shape, B 64 (``reports/gpu-out/s6run*``): bf16 (3 resident per SM) S 2 / 4 / 6 /
+    8 / 12 / 16: 202 / 147 / 144 / 173 / 153 / 159 us; e4m3 on fp8 tensor cores (6
+    resident per SM) S 4 / 8 / 12 / 16: 106 / 86.5 / 109 / 102 us."""
     w = max(width, 1)
     s = max(1, min(slots // max(b, 1), w))
     bps = max(triton.cdiv(w, s), min(MIN_BLOCKS_PER_SPLIT, w))
@@ -423,7 +422,8 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     if wave:  # one full wave of programs (``wave_splits``), sized from the compiled kernel
         tmpl = call(2, bk + 1, torch.empty(1, dtype=torch.int64, device=dev),
                     torch.empty(1, dtype=torch.int32, device=dev))
-        slots = resident_programs(_indexer_decode_kernel, *tmpl, dev)
+        slots = min(resident_programs(_indexer_decode_kernel, *tmpl, dev),
+                    MAX_PROGRAMS_PER_SM * _sm_count(dev.index or 0))
         splits, bps = wave_splits(slots, b, width)
         if merge_chunk is None:
             mc = min(triton.next_power_of_2(splits), max(1, 256 // bk))
