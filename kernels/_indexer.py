@@ -411,23 +411,24 @@ def load_operand(ptrs, mask, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.conste
 def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1, b_lo,
                     b_hi, ic_ptr, ic_s0, ic_s1, num_pages, local_blocks, initial_blocks,
                     P: tl.constexpr, D: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr,
-                    ROWS: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
-                    FMT: tl.constexpr, HW: tl.constexpr, DIRECT: tl.constexpr,
-                    F8MMA: tl.constexpr):
+                    ROWS: tl.constexpr, MR: tl.constexpr, STAGES: tl.constexpr,
+                    FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
+                    DIRECT: tl.constexpr, F8MMA: tl.constexpr):
     """The decode kernel's tensor-core strategy (``scan="mma"``): ``scan_blocks_fma``'s
     contract (rows, DIRECT columns or replace-min, NaN-propagating block maxima), with each
     block's scores one ``tl.dot`` of its whole key tile ``[P, D]`` by the rows' q ``[D,
-    ROWS]`` on the tensor cores with an fp32 accumulator, keys along M (so on sm_90 the key
-    tile goes from cp.async straight into ``wgmma``; ROWS >= 16 padded rows along N cost
-    nothing there). Operands: bf16/fp16 as stored; hardware fp8 formats with F8MMA as fp8
-    (an fp8 ``wgmma``: Triton's default reduced-precision fp8 accumulation); else fp8
-    decoded exactly to fp16. The products are exact; the accumulation is the MMA's (16-bit
-    operands: aligned, truncating additions per k-step; fp8: an accumulator of about 14
-    bits), not an IEEE fp32 sum: the registry declares ``score_rel`` per format for it.
+    MR]`` on the tensor cores with an fp32 accumulator, keys along M (so on sm_90 the key
+    tile goes from cp.async straight into ``wgmma``; MR = max(16, ROWS) rows along N, the
+    padding costs nothing there; the list keeps its ROWS rows). Operands: bf16/fp16 as
+    stored; hardware fp8 formats with F8MMA as fp8 (an fp8 ``wgmma``: Triton's default
+    reduced-precision fp8 accumulation); else fp8 decoded exactly to fp16. The products
+    are exact; the accumulation is the MMA's (16-bit operands: aligned, truncating
+    additions per k-step; fp8: an accumulator of about 14 bits), not an IEEE fp32 sum: the
+    registry declares ``score_rel`` per format for it.
     The block loop is ``tl.range(..., num_stages=STAGES)`` (pipelined key tiles)."""
     NR: tl.constexpr = QR * HI
     cols = tl.arange(0, top.shape[1])
-    rows = tl.arange(0, ROWS)
+    rows = tl.arange(0, ROWS)  # the list's rows
     tq = rows // HI
     pos = seq - QR + tq
     live = (rows < NR) & (tok0 + tq < num_tokens) & (seq > 0) & (pos >= 0)
@@ -435,18 +436,25 @@ def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
     nvis = own + 1
     dd = tl.arange(0, D)
     kn = tl.arange(0, P)
-    q = load_operand(q_req + tq.to(tl.int64)[:, None] * q_s0 + (rows % HI).to(tl.int64)
-                     [:, None] * q_s1 + dd[None, :], live[:, None], FP8, FMT, HW, F8MMA)
-    qt = tl.trans(q)  # [D, ROWS]
+    mr = tl.arange(0, MR)  # the MMA's rows (N >= 16): rows past ROWS are zeros
+    mq = mr // HI
+    m_pos = seq - QR + mq
+    m_live = (mr < NR) & (tok0 + mq < num_tokens) & (seq > 0) & (m_pos >= 0)
+    q = load_operand(q_req + mq.to(tl.int64)[:, None] * q_s0 + (mr % HI).to(tl.int64)
+                     [:, None] * q_s1 + dd[None, :], m_live[:, None], FP8, FMT, HW, F8MMA)
+    qt = tl.trans(q)  # [D, MR]
     for b in tl.range(b_lo, b_hi, num_stages=STAGES):
         page = tl.load(bt_row + b * bt_s1).to(tl.int64)
         ok = (page >= 0) & (page < num_pages)  # else no memory is read (keys 0)
         kp = (ic_ptr + tl.where(ok, page, 0) * ic_s0 + kn.to(tl.int64)[:, None] * ic_s1
               + dd[None, :])
-        s = tl.dot(load_operand(kp, ok, FP8, FMT, HW, F8MMA), qt)  # [P, ROWS], fp32 acc.
+        s = tl.dot(load_operand(kp, ok, FP8, FMT, HW, F8MMA), qt)  # [P, MR], fp32 acc.
         kpos = b * P + kn
-        s = tl.where(kpos[:, None] <= pos[None, :], s, float("-inf"))
+        s = tl.where(kpos[:, None] <= m_pos[None, :], s, float("-inf"))
         best = tl.reduce(s, 0, _nanmax)
+        if MR != ROWS:  # the list's rows only: its keys, workspace and merge stay small
+            best = tl.reduce(tl.where(mr[None, :] == rows[:, None], best[None, :],
+                                      float("-inf")), 1, _nanmax)
         b1 = b + 0  # a tensor also in the interpreter (where loop variables are ints)
         forced = (b1 < initial_blocks) | (b1 >= nvis - local_blocks)
         key = block_key(best, best != best, forced, b1)

@@ -85,7 +85,7 @@ def _indexer_decode_kernel(
         SPLIT: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         FMA: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr, LANES: tl.constexpr,
         STAGES: tl.constexpr, MC: tl.constexpr, PAIRS: tl.constexpr, DIRECT: tl.constexpr,
-        CHAIN: tl.constexpr, MMA: tl.constexpr, F8MMA: tl.constexpr):
+        CHAIN: tl.constexpr, MMA: tl.constexpr, F8MMA: tl.constexpr, MR: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     seq = tl.load(seq_ptr + r).to(tl.int32)
@@ -109,8 +109,8 @@ def _indexer_decode_kernel(
         if MMA:
             top = ix.scan_blocks_mma(top, q_req, q_s0, q_s1, r * QR, num_tokens, seq, bt_row,
                                      bt_s1, b_lo, b_hi, ic_ptr, ic_s0, ic_s1, num_pages,
-                                     local_blocks, initial_blocks, P, D, HI, QR, ROWS, STAGES,
-                                     FP8, FMT, HW, DIRECT, F8MMA)
+                                     local_blocks, initial_blocks, P, D, HI, QR, ROWS, MR,
+                                     STAGES, FP8, FMT, HW, DIRECT, F8MMA)
         else:
             top = ix.scan_blocks_fma(top, q_req, q_s0, q_s1, r * QR, num_tokens, seq, bt_row,
                                      bt_s1, b_lo, b_hi, ic_ptr, ic_s0, ic_s1, num_pages,
@@ -354,7 +354,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                 fail(name, "does not apply to scan='mma' (whole key blocks per tl.dot)")
         warps = 4 if num_warps is None else ix.pow2_arg("num_warps", num_warps, 1)
         stages = MMA_STAGES if num_stages is None else check_int(num_stages, "num_stages", 1)
-        rows, bn, bd, ch, vec, lanes = max(16, triton.next_power_of_2(nr)), page, d, 1, False, 1
+        rows, bn, bd, ch, vec, lanes = triton.next_power_of_2(nr), page, d, 1, False, 1
     elif fma:
         for name, v in (("block_d", block_d), ("blocks_per_step", blocks_per_step)):
             if v is not None:
@@ -415,7 +415,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                      HI=hi if fma or mma else 1, QR=q_rows if fma or mma else 1, LANES=lanes,
                      STAGES=stages, MC=mc, PAIRS=bool(fma and pairs),
                      DIRECT=(fma or mma) and bps <= bk, CHAIN=chain, MMA=mma,
-                     F8MMA=mma and fp8_mma(index_fmt), num_warps=warps)
+                     F8MMA=mma and fp8_mma(index_fmt), MR=max(16, rows), num_warps=warps)
         return args, const
 
     ensure_ready(_indexer_decode_kernel)
@@ -468,7 +468,7 @@ def compile_signatures():
             rows, bd, ch, vec = triton.next_power_of_2(hi * qr), d, 1, False
         elif mma:
             lanes, bn, stages = 1, page, MMA_STAGES
-            rows, bd, ch, vec = max(16, triton.next_power_of_2(hi * qr)), d, 1, False
+            rows, bd, ch, vec = triton.next_power_of_2(hi * qr), d, 1, False
         else:
             rows, bn, bd, ch, vec, _ = ix.strategy(hi, 1, page, d, 1, bk, False)
             lanes, stages, hi, qr = 1, 1, 1, 1
@@ -476,7 +476,7 @@ def compile_signatures():
                      SPLIT=split, FP8=fp8, FMT=fmt, HW=hw, FMA=fma, HI=hi, QR=qr, LANES=lanes,
                      STAGES=stages, MC=2 if bk == 1 else 256 // bk, PAIRS=fma and qt == "bf16",
                      DIRECT=(fma or mma) and split, CHAIN=fma, MMA=mma,
-                     F8MMA=mma and fp8 and hw)
+                     F8MMA=mma and fp8 and hw, MR=max(16, rows))
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_indexer_decode_kernel, sig, const))
     return out
