@@ -31,7 +31,7 @@ from kernels._host import (
     strided_codes_in,
 )
 from kernels._triton import tl, triton
-from kernels.fp8 import decode_fp8, decode_fp8_f16, decode_fp8_to
+from kernels.fp8 import decode_fp8, decode_fp8_f16
 from reference.platforms import is_fp8
 
 #: Domain limits (SPEC.md s.7).
@@ -53,16 +53,16 @@ def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
 def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
              ACT: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr,
              HW: tl.constexpr, SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr):
-    """One block's K and V operands ``[keys, D]`` in the model dtype ACT: the codes at
-    ``src`` (K) and ``src + D`` (V) loaded where ``kmask`` (0 elsewhere), then fp8 with
-    scalar scales as their exact values (``scales_outside``: the caller applies the scales
-    to the logits and the output), fp8 with per-slot scales dequantised at ``slot`` and
+    """One block's K and V operands ``[keys, D]``: the codes at ``src`` (K) and ``src + D``
+    (V) loaded where ``kmask`` (0 elsewhere), then fp8 with scalar scales as their exact
+    values in fp16 (``scales_outside``: the caller applies the scales to the logits and the
+    output; q is fp16 too, ``q_operand``), fp8 with per-slot scales dequantised at ``slot`` and
     rounded to ACT, a cache in ACT as loaded (SAME), the other 16-bit dtype rounded to ACT
     (exact widening, one RNE rounding)."""
     k_raw = tl.load(src, mask=kmask[:, None], other=0)
     v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
-    if FP8 and SCALAR:
-        k = decode_fp8_to(k_raw, FMT, HW, ACT)
+    if FP8 and SCALAR:  # fp16 operands (``operand_dtypes``)
+        k = decode_fp8_f16(k_raw, FMT, HW, ASM)
         v = decode_fp8_f16(v_raw, FMT, HW, ASM)
     elif FP8:
         k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT, HW).to(ACT)
@@ -90,15 +90,38 @@ def scales_outside(case) -> bool:
                for s in (case["k_scale"], case["v_scale"]))
 
 
-def operand_dtypes(model_dtype: str, case) -> tuple[str, str]:
-    """The schedule's ``(kv_dtype, p_dtype)`` for a case: on the scalar-scale fp8 path
-    (``scales_outside``) K and V enter the products as their exact values ("float64") and
-    ``P @ V`` runs in fp16 (V decoded straight to fp16, ``kernels.fp8.decode_fp8_f16``; P
-    rounded to fp16: 3 more bits than bf16, flushed below 2^-24), whatever the model
-    dtype; otherwise both are the model dtype."""
+def operand_dtypes(model_dtype: str, case) -> tuple[str, str, str]:
+    """The schedule's ``(kv_dtype, p_dtype, q_dtype)`` for a case. On the scalar-scale fp8
+    path (``scales_outside``) both products run on fp16 operands whatever the model dtype:
+    K and V as their exact values ("float64": every fp8 value is an fp16 value; V decoded
+    by ``kernels.fp8.decode_fp8_f16``), P rounded to fp16 (3 more bits than bf16, flushed
+    below 2^-24) and q per row scaled by a power of two and rounded to fp16 (``q_operand``;
+    exact unless an element is 2^31 below its row's largest). Otherwise the model dtype
+    throughout, q as given."""
     if scales_outside(case):
-        return "float64", "float16"
-    return model_dtype, model_dtype
+        return "float64", "float16", "float16"
+    return model_dtype, model_dtype, "given"
+
+
+@triton.jit
+def q_operand(q, logit_scale, F16: tl.constexpr):
+    """``(q as the operand of S = q K^T, [M] per-row logit scale)`` for a ``[M, D]`` q tile.
+    F16 (``reference.attention.Schedule.q_dtype = "float16"``): each row times ``2^s``,
+    ``s = clamp(141 - E, -113, 126)`` with E the biased exponent of the row's largest
+    ``|q|`` as an integer bit pattern (``reference.attention.q_row_exponent``), rounded to
+    fp16 (RNE), and its logit scale times ``2^-s``: the products then run on fp16
+    operands (fp8 K decoded to fp16 by one ``cvt`` per two codes, where a bf16 q needed
+    three more instructions per element to bring K to bf16). Else q as loaded and the
+    scale for every row."""
+    if F16:
+        qf = q.to(tl.float32)
+        top = tl.max(tl.abs(qf).to(tl.int32, bitcast=True), axis=1)
+        s = tl.minimum(tl.maximum(141 - (top >> 23), -113), 126)
+        up = ((s + 127) << 23).to(tl.float32, bitcast=True)
+        down = ((127 - s) << 23).to(tl.float32, bitcast=True)
+        return (qf * up[:, None]).to(tl.float16), logit_scale * down
+    else:
+        return q, tl.zeros([q.shape[0]], tl.float32) + logit_scale
 
 
 @triton.jit

@@ -51,21 +51,26 @@ Grid and work split (designed for decode bandwidth):
 
 Numerics: the rounding schedule declared in the registry (``schedule(model_dtype)``, with
 act = the model dtype = q's dtype):
-- K/V. fp8 with scalar (or no) scales: the codes' exact values in act
-  (``kernels.fp8.decode_fp8_to``: every fp8 value is a bf16 and an fp16 value; on the H200
-  ``cvt`` e4m3x2 -> f16x2, then f16 -> bf16 for a bf16 model), the scales applied in fp32
-  outside the products: the logit scale ``fp32(softmax_scale * log2(e)) * k_scale`` and
-  the output (or each split's partial) times ``v_scale``; ``Schedule.kv_dtype = "float64"``
-  (``kernels._attention.scales_outside``; the bound allows the two extra fp32 roundings).
-  This is more accurate than rounding ``decode * scale`` to act and takes a third fewer
-  instructions per key block (sm_90 SASS, model shape: 2,800 vs 3,800). fp8 with per-slot
-  scales: ``act(fp32(decode(code) * scale))`` (exact decode, one fp32 multiply, RNE to
-  act), ``kv_dtype = act``. bf16/fp16 caches: the value converted to act (exact when the
-  cache has the model dtype), ``kv_dtype = act``.
-- ``S = q . K`` by ``tl.dot`` on act operands with fp32 accumulation; logits in log2 units
-  ``S * fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
-  (``p_max="running"``, ``blocks_per_tile=1``), ``P`` rounded to act for ``P @ V``
-  (``tl.dot`` on act operands, fp32 accumulation), the row sum from the unrounded fp32 P.
+- fp8 with scalar (or no) scales (``kernels._attention.operand_dtypes``): both products on
+  fp16 operands whatever the model dtype. K/V: the codes' exact values in fp16 (every fp8
+  value is one; ``kernels.fp8.decode_fp8_f16``: on the H200 one ``cvt`` e4m3x2 -> f16x2
+  per two codes, opaque to Triton so it stages fp16 in shared memory for ``ldmatrix``),
+  ``Schedule.kv_dtype = "float64"``; the scales applied in fp32 outside the products: the
+  logit scale ``fp32(softmax_scale * log2(e)) * k_scale`` and the output (or each split's
+  partial) times ``v_scale`` (the bound allows the two extra fp32 roundings). q: each row
+  times a power of two and rounded to fp16 (``kernels._attention.q_operand``,
+  ``q_dtype = "float16"``: exact unless an element lies 2^31 below its row's largest),
+  the row's logit scale times the inverse power. P rounded to fp16 (``p_dtype =
+  "float16"``). sm_90 SASS per key block and thread at the model shape: 709 (bf16 cache:
+  590), down from 1,627 with bf16 operands (K through f16 -> f32 -> bf16, V gathered byte
+  by byte: see ``decode_fp8_f16``).
+- Per-slot fp8 scales: ``act(fp32(decode(code) * scale))`` (exact decode, one fp32
+  multiply, RNE to act), ``kv_dtype = act``. bf16/fp16 caches: the value converted to act
+  (exact when the cache has the model dtype), ``kv_dtype = act``; q as given, P in act.
+- ``S = q . K`` by ``tl.dot`` with fp32 accumulation; logits in log2 units ``S *
+  fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
+  (``p_max="running"``, ``blocks_per_tile=1``), ``P @ V`` by ``tl.dot`` with fp32
+  accumulation, the row sum from the unrounded fp32 P.
 - Split-K: ``blocks_per_split`` blocks per chunk, ascending block order, partials and LSE in
   fp32, the exact merge above; output rounded once to act (RNE).
 
@@ -111,6 +116,7 @@ from kernels._attention import (
     kv_tiles,
     not_finite,
     operand_dtypes,
+    q_operand,
     repair_pv,
     validate_block_table,
     validate_scales,
@@ -234,6 +240,7 @@ def _decode_split_kernel(
     logit_scale = qk_scale
     if FP8 and SCALAR:  # the scales outside the products (kernels._attention.scales_outside)
         logit_scale = qk_scale * tl.load(ks_ptr)
+    q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR)
     if REPAIR:
         n_iter = tl.where(go, n_iter, 0)
     for it in range(n_iter):
@@ -255,7 +262,7 @@ def _decode_split_kernel(
                         g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, P], fp32 accumulation
         vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
-        s2 = tl.where(vis, s * logit_scale, float("-inf"))
+        s2 = tl.where(vis, s * row_scale[:, None], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -367,7 +374,7 @@ class DecodeSchedule:
     def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
 
-        kv, p_dtype = operand_dtypes(model_dtype, case)
+        kv, p_dtype, q_dtype = operand_dtypes(model_dtype, case)
         bps = self.blocks_per_split
         if bps is None:
             bps = BLOCKS_PER_SPLIT if case is None else auto_blocks_per_split(
@@ -375,7 +382,7 @@ class DecodeSchedule:
         return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=bps,
                         partial_dtype="float32", lse_dtype="float32", out_dtype=model_dtype,
-                        order="ascending")
+                        order="ascending", q_dtype=q_dtype)
 
 
 # ---------------------------------------------------------------------------- launcher

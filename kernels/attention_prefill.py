@@ -52,16 +52,16 @@ Tiling (the point of this kernel: tokens that share blocks share KV reads).
 
 Numerics: the rounding schedule declared in the registry (``SCHEDULE(model_dtype)``, act =
 the model dtype = q's dtype), exactly what the kernel does:
-- K/V as in the decode kernel (``kernels.attention_decode``, Numerics): fp8 with scalar
-  (or no) scales as their exact values in act with the scales applied in fp32 outside the
-  products (``kv_dtype = "float64"``, ``kernels._attention.scales_outside``); per-slot
-  scales and 16-bit caches rounded to act (``kv_dtype = act``).
-- ``S = q . K`` by ``tl.dot`` on act operands, fp32 accumulation; logits in log2 units
+- Operands as in the decode kernel (``kernels.attention_decode``, Numerics): fp8 with
+  scalar (or no) scales runs both products on fp16 operands (K/V exact, ``kv_dtype =
+  "float64"``, scales in fp32 outside the products; q row-scaled to fp16, ``q_dtype =
+  "float16"``; P in fp16); per-slot scales and 16-bit caches: K/V, P in act, q as given.
+- ``S = q . K`` by ``tl.dot``, fp32 accumulation; logits in log2 units
   ``S * fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
   in ascending block id (a row's own blocks in ascending order: ``p_max="running"``,
   ``blocks_per_tile=1``, ``order="ascending"``; blocks the row does not take part in leave
-  its state unchanged); ``P`` rounded to act for ``P @ V`` (``tl.dot`` on act operands,
-  fp32 accumulation), the row sum from the unrounded fp32 P; no split-K; output rounded once
+  its state unchanged); ``P @ V`` by ``tl.dot`` with fp32 accumulation, the row sum from
+  the unrounded fp32 P; no split-K; output rounded once
   to act (RNE). Rows with no key give zeros.
 
 Masking (SPEC.md s.6): every K/V load is masked to keys ``j <= max position of the tile's
@@ -107,6 +107,7 @@ from kernels._attention import (
     kv_tiles,
     not_finite,
     operand_dtypes,
+    q_operand,
     repair_pv,
     validate_block_table,
     validate_scales,
@@ -216,6 +217,7 @@ def _prefill_kernel(
         logit_scale = qk_scale
         if FP8 and SCALAR:  # the scales outside the products (_attention.scales_outside)
             logit_scale = qk_scale * tl.load(ks_ptr)
+        q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR)
         cur = tile * 0 - 1
         for _ in range(n_union):
             blk = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
@@ -235,7 +237,7 @@ def _prefill_kernel(
                             vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
             s = tl.dot(q, tl.trans(k))  # [ROWS, P], fp32 accumulation
             vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
-            s2 = tl.where(vis, s * logit_scale, float("-inf"))
+            s2 = tl.where(vis, s * row_scale[:, None], float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s2, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_use)
@@ -279,10 +281,10 @@ class PrefillSchedule:
     def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
 
-        kv, p_dtype = operand_dtypes(model_dtype, case)
+        kv, p_dtype, q_dtype = operand_dtypes(model_dtype, case)
         return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=None, out_dtype=model_dtype,
-                        order="ascending")
+                        order="ascending", q_dtype=q_dtype)
 
 
 SCHEDULE = PrefillSchedule()

@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from oracle.bounds import Fp32Arith, U, gamma
-from reference.attention import decode_positions, prefill_positions
+from reference.attention import decode_positions, prefill_positions, scheduled_q
 from reference.codec import FORMATS, round_dtype
 from reference.kv_cache import scale_at
 
@@ -181,7 +181,7 @@ def attention_bound(x: dict, sched, arith: Fp32Arith, softmax_scale=None) -> np.
 
 def _bound_row(x, t, r, p, topk, seq, sigma, sched, arith, bound):
     """Fill ``bound[t]``: row t of request r at position p, every KV head."""
-    cache, q = x["kv_cache"], x["q"]
+    cache, q = x["kv_cache"], scheduled_q(x["q"], sched.q_dtype)
     _, hkv, page, _ = cache.shape
     grp = q.shape[1] // hkv
     for g in range(hkv):

@@ -199,7 +199,7 @@ def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None) -> d
     from oracle.emulate import attention_row_fp32
     from oracle.impl_reference import attention_call
     from reference import attention as att
-    from reference.attention import decode_positions, prefill_positions
+    from reference.attention import decode_positions, prefill_positions, scheduled_q
 
     arith = Fp32Arith()
     bg = rand.generator(seed)
@@ -237,7 +237,8 @@ def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None) -> d
                     if keys is None:
                         continue
                     heads = slice(g * grp, (g + 1) * grp)
-                    got = attention_row_fp32(x["q"][t, heads], *keys, sched, arith, sigma, bg)
+                    got = attention_row_fp32(scheduled_q(x["q"][t, heads], sched.q_dtype),
+                                             *keys, sched, arith, sigma, bg)
                     c = classify(round_codes(got, md), exact[t, heads], bound[t, heads], md)
                     violations += int(np.count_nonzero(~c["ok"]))
                     ratio = np.abs(got - exact[t, heads]) / bound[t, heads]

@@ -123,6 +123,12 @@ class Schedule:
         entries trail, as the indexer writes them.
     out_dtype
         The output's rounding (``"float64"``: returned unrounded).
+    q_dtype
+        q as the ``q . K`` products see it (``scheduled_q``). ``"given"``: the model-dtype
+        values as they are. ``"float16"``: each (token, head) row scaled by a power of two
+        ``2^s`` chosen from its largest magnitude, rounded to fp16 (RNE) and scaled back:
+        exact for every element within ``2^31`` of the row's largest (bf16 has 8
+        significant bits, fp16 11), smaller ones rounded to fp16's subnormal grid there.
 
     Not modelled (left to the tolerance bound): the fp32 accumulation order of q.K and
     P@V, exp2 and its scale folding, the fp32 row sum and division, and the fp32 value of
@@ -139,6 +145,7 @@ class Schedule:
     lse_dtype: str = "float32"
     out_dtype: str = "float64"
     order: str = "ascending"
+    q_dtype: str = "given"
 
     def __post_init__(self):
         for name in ("kv_dtype", "p_dtype", "partial_dtype", "lse_dtype", "out_dtype"):
@@ -147,6 +154,8 @@ class Schedule:
             raise ValueError(f"p_max must be 'row' or 'running', got {self.p_max!r}")
         if self.order not in ("ascending", "given"):
             raise ValueError(f"order must be 'ascending' or 'given', got {self.order!r}")
+        if self.q_dtype not in ("given", "float16"):
+            raise ValueError(f"q_dtype must be 'given' or 'float16', got {self.q_dtype!r}")
         if not isinstance(self.blocks_per_tile, int) or self.blocks_per_tile < 1:
             raise ValueError(f"blocks_per_tile must be an integer >= 1, "
                              f"got {self.blocks_per_tile!r}")
@@ -156,6 +165,30 @@ class Schedule:
 
 
 EXACT = Schedule()
+
+
+def q_row_exponent(q) -> np.ndarray:
+    """The power of two ``s`` of ``Schedule.q_dtype = "float16"`` for each row (last axis)
+    of q (model-dtype values, exact in fp32): ``clip(141 - E, -113, 126)`` with E the
+    biased fp32 exponent of the row's largest ``|q|`` as an integer bit pattern (a NaN
+    ranks above Inf, Inf above every number: E = 255 for a non-finite row). The largest
+    finite magnitude then lands in [2^14, 2^15); the clip keeps ``2^s`` and ``2^-s``
+    normal fp32 numbers (a bf16 row's smallest subnormal, 2^-133, scales to 2^-7)."""
+    bits = np.abs(np.asarray(q, np.float64)).astype(np.float32).view(np.uint32)
+    e = (bits.max(axis=-1) >> 23).astype(np.int64)
+    return np.clip(141 - e, -113, 126)
+
+
+def scheduled_q(q, q_dtype: str = "given") -> np.ndarray:
+    """q as the products see it under ``Schedule.q_dtype`` (float64 values): ``"given"``
+    as is; ``"float16"``: ``fp16(q * 2^s) * 2^-s`` per row (``q_row_exponent``), the
+    only rounding the fp16 RNE (power-of-two scalings are exact)."""
+    qa = np.asarray(q, np.float64)
+    if q_dtype == "given":
+        return qa
+    f = np.ldexp(1.0, q_row_exponent(qa))[..., None]
+    with np.errstate(over="ignore", invalid="ignore"):
+        return round_dtype(qa * f, "float16") / f
 
 
 def exact(out_dtype: str = "float64") -> Schedule:
@@ -462,7 +495,7 @@ def _attend(q, cache, fmt, bt, row_req, row_pos, seq, tk, ks, vs, scale, sched):
         return AttentionResult(out.copy(), out, lse)
     kdec = _Dequantizer(cache, fmt, ks, sched.kv_dtype, 0)
     vdec = _Dequantizer(cache, fmt, vs, sched.kv_dtype, 1)
-    qa = q[active] * scale
+    qa = scheduled_q(q[active], sched.q_dtype) * scale
 
     def head(g):  # KV heads are independent and write disjoint outputs
         heads = slice(g * grp, (g + 1) * grp)

@@ -21,7 +21,7 @@ from oracle.checks import Tally, run_check
 from oracle.impl_torch import HALF_DTYPES, device
 from oracle.registry import implementations, schedule_for
 from reference import attention
-from reference.codec import FORMATS, decode
+from reference.codec import FORMATS, decode, round_dtype
 from tests.helpers import (
     PAGED_ATTENTION_BAD_ARGS,
     PAGED_ATTENTION_FORMATS,
@@ -404,17 +404,44 @@ def test_registered_with_its_schedule():
                                                                   "float32", "float32")
 
 
-@pytest.mark.parametrize("kv_fmt, scales, kv_dtype, p_dtype", [
-    ("e4m3fn", "tensor", "float64", "float16"), ("e5m2fnuz", "none", "float64", "float16"),
-    ("e4m3fnuz", "slot", "bfloat16", "bfloat16"), ("bfloat16", "none", "bfloat16", "bfloat16")])
-def test_schedule_follows_the_kind_of_scales(kv_fmt, scales, kv_dtype, p_dtype):
-    """The declared schedule depends on the case: fp8 with scalar (or no) scales has K/V
-    as their exact values (kv_dtype float64: the scales multiply the logits and the output
-    in fp32) and ``P @ V`` in fp16 whatever the model dtype (V decoded straight to fp16);
-    per-slot scales and 16-bit caches K/V and P rounded to the model dtype."""
+@pytest.mark.parametrize("kv_fmt, scales, fp16_products", [
+    ("e4m3fn", "tensor", True), ("e5m2fnuz", "none", True), ("e4m3fnuz", "slot", False),
+    ("bfloat16", "none", False)])
+def test_schedule_follows_the_kind_of_scales(kv_fmt, scales, fp16_products):
+    """The declared schedule depends on the case: fp8 with scalar (or no) scales runs both
+    products on fp16 operands whatever the model dtype: K/V as their exact values
+    (kv_dtype float64: the scales multiply the logits and the output in fp32), P rounded to
+    fp16, q row-scaled to fp16 (q_dtype float16); per-slot scales and 16-bit caches: K/V
+    and P rounded to the model dtype, q as given."""
     x = make_inputs(kv_fmt, scales=scales)
     s = schedule_for(_impl(), "bfloat16", x)
-    assert (s.kv_dtype, s.p_dtype, s.out_dtype) == (kv_dtype, p_dtype, "bfloat16")
+    want = ("float64", "float16", "float16") if fp16_products else ("bfloat16", "bfloat16",
+                                                                     "given")
+    assert (s.kv_dtype, s.p_dtype, s.q_dtype, s.out_dtype) == want + ("bfloat16",)
+
+
+def test_wide_q_rows_follow_the_fp16_q_schedule():
+    """A q row wider than fp16's grid after row scaling (one element 2^40 above the rest,
+    whose K column is 0) is rounded as the schedule declares (q_dtype float16: the small
+    elements vanish, every logit is 0): the kernel passes the oracle under the declared
+    schedule, and with q as given the reference is far from it (not a vacuous
+    declaration)."""
+    x = make_inputs("e4m3fn", scales="tensor", hkv=1, group=4, d=64, page=16,
+                    seq_lens=(60,), k=4, seed=7)
+    q = np.array(x["q"], np.float64)
+    q[..., 0] = 2.0**40
+    x["q"] = round_dtype(q, "bfloat16")
+    x["kv_cache"] = np.array(x["kv_cache"])
+    x["kv_cache"][..., 0] = 0  # K's first dimension: the code of +0
+    sched = schedule_for(_impl(), "bfloat16", x)
+    assert sched.q_dtype == "float16"
+    _passes(x)
+    args = (x["q"], x["kv_cache"], x["kv_fmt"], x["block_table"], x["seq_lens"], x["topk"], 1)
+    kw = dict(k_scale=x["k_scale"], v_scale=x["v_scale"], return_details=True)
+    declared = attention.sparse_attention_decode(*args, schedule=sched, **kw).unrounded
+    given = attention.sparse_attention_decode(
+        *args, schedule=replace(sched, q_dtype="given"), **kw).unrounded
+    assert np.abs(declared - given).max() > 1e-2 * np.abs(given).max()
 
 
 def test_fp16_p_bound_rejects_bf16_rounded_p():

@@ -812,3 +812,28 @@ def test_work_partition_does_not_change_results(mode, monkeypatch):
         monkeypatch.setattr(attn, "THREADS", 3)
         assert np.array_equal(case.call(schedule=sched, return_details=True).unrounded, got)
         monkeypatch.setattr(attn, "THREADS", 1)
+
+
+def test_fp16_q_schedule_rounds_only_far_below_the_row_max():
+    """``Schedule.q_dtype = "float16"`` (``scheduled_q``): bf16 rows whose elements lie
+    within 2^31 of the row's largest are unchanged (row scaling by 2^s puts the largest in
+    [2^14, 2^15), where fp16's 11 bits hold bf16's 8); an element 2^40 below the largest
+    vanishes, 3 x 2^-40 rounds up to fp16's subnormal grid; zero rows stay zero, a
+    non-finite row keeps its Inf / NaN; the exponent is clipped so 2^s stays normal."""
+    from reference.attention import Schedule, q_row_exponent, scheduled_q
+
+    bg = np.random.default_rng(3)
+    q = round_dtype(bg.normal(size=(5, 3, 64)) * np.exp2(bg.integers(-20, 20, (5, 3, 1))),
+                    "bfloat16")
+    q[0, 0, 1] = np.abs(q[0, 0]).max() * 2.0**-30  # 30 binades below the largest: exact
+    q = round_dtype(q, "bfloat16")
+    assert np.array_equal(scheduled_q(q, "float16"), q)
+    assert scheduled_q(q, "given") is not None and np.array_equal(scheduled_q(q), q)
+    row = np.array([[1.0, 2.0**-40, 3 * 2.0**-40, 0.0]])  # scaled by 2^14: 0.25 and 0.75
+    assert np.array_equal(scheduled_q(row, "float16"), [[1.0, 0.0, 2.0**-38, 0.0]])
+    assert np.array_equal(scheduled_q(np.zeros((1, 4)), "float16"), np.zeros((1, 4)))
+    odd = scheduled_q(np.array([[np.inf, 1.0], [np.nan, 1.0]]), "float16")
+    assert odd[0, 0] == np.inf and np.isnan(odd[1, 0])
+    assert list(q_row_exponent(np.array([[2.0**-133], [2.0**127], [1.0]]))) == [126, -113, 14]
+    with pytest.raises(ValueError, match="q_dtype"):
+        Schedule(q_dtype="bfloat16")
