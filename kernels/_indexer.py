@@ -307,6 +307,24 @@ def _load_key_tile(kp, ok, LANES: tl.constexpr, M: tl.constexpr, V: tl.constexpr
 
 
 @triton.jit
+def _take_block(top, best, b, b_lo, live, own, local_blocks, initial_blocks,
+                DIRECT: tl.constexpr):
+    """Block b's key (its per-row NaN-propagated maximum ``best``) into the rows' lists,
+    for the rows that see it (``live``, ``b <= own``): DIRECT, column ``b - b_lo`` (a split
+    of at most BK blocks); else replace-min ``insert``."""
+    b1 = b + 0  # a tensor also in the interpreter (where loop variables are ints)
+    forced = (b1 < initial_blocks) | (b1 >= own + 1 - local_blocks)
+    key = block_key(best, best != best, forced, b1)
+    if DIRECT:
+        cols = tl.arange(0, top.shape[1])
+        put = (cols[None, :] == b1 - b_lo) & (live & (b1 <= own))[:, None]
+        top = tl.where(put, key[:, None], top)
+    else:
+        top = insert(top, key, live & (b1 <= own))
+    return top
+
+
+@triton.jit
 def scan_blocks_fma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1, b_lo,
                     b_hi, ic_ptr, ic_s0, ic_s1, num_pages, local_blocks, initial_blocks,
                     P: tl.constexpr, D: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr,
@@ -344,7 +362,6 @@ def scan_blocks_fma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
     the block's score NaN and an invisible one never does."""
     V: tl.constexpr = 16 if FP8 else 8
     M: tl.constexpr = D // (LANES * V)
-    cols = tl.arange(0, top.shape[1])
     tl.static_assert(M * LANES * V == D, "LANES * (16-byte vector) must divide D")
     tl.static_assert(P % BLOCK_N == 0, "BLOCK_N must divide P")
     NR: tl.constexpr = QR * HI
@@ -353,7 +370,6 @@ def scan_blocks_fma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
     pos = seq - QR + tq
     live = (rows < NR) & (tok0 + tq < num_tokens) & (seq > 0) & (pos >= 0)
     own = pos // P  # each row's last visible block
-    nvis = own + 1
     nn = tl.arange(0, BLOCK_N)[None, :, None, None]
     dofs = (tl.arange(0, LANES)[:, None, None, None] * V
             + tl.arange(0, M)[None, None, :, None] * (LANES * V)
@@ -376,14 +392,7 @@ def scan_blocks_fma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
                 s = tl.where(kpos <= p_i, _key_dots(k, q, CHAIN), float("-inf"))
                 sblk = tl.where(rows[None, :] == i, _nanmax(sblk, s[:, None]), sblk)
         best = tl.reduce(sblk, 0, _nanmax)
-        b1 = b + 0  # a tensor also in the interpreter (where loop variables are ints)
-        forced = (b1 < initial_blocks) | (b1 >= nvis - local_blocks)
-        key = block_key(best, best != best, forced, b1)
-        if DIRECT:
-            put = (cols[None, :] == b1 - b_lo) & (live & (b1 <= own))[:, None]
-            top = tl.where(put, key[:, None], top)
-        else:
-            top = insert(top, key, live & (b1 <= own))
+        top = _take_block(top, best, b, b_lo, live, own, local_blocks, initial_blocks, DIRECT)
     return top
 
 
@@ -427,13 +436,11 @@ def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
     registry declares ``score_rel`` per format for it.
     The block loop is ``tl.range(..., num_stages=STAGES)`` (pipelined key tiles)."""
     NR: tl.constexpr = QR * HI
-    cols = tl.arange(0, top.shape[1])
     rows = tl.arange(0, ROWS)  # the list's rows
     tq = rows // HI
     pos = seq - QR + tq
     live = (rows < NR) & (tok0 + tq < num_tokens) & (seq > 0) & (pos >= 0)
     own = pos // P
-    nvis = own + 1
     dd = tl.arange(0, D)
     kn = tl.arange(0, P)
     mr = tl.arange(0, MR)  # the MMA's rows (N >= 16): rows past ROWS are zeros
@@ -455,14 +462,7 @@ def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
         if MR != ROWS:  # the list's rows only: its keys, workspace and merge stay small
             best = tl.reduce(tl.where(mr[None, :] == rows[:, None], best[None, :],
                                       float("-inf")), 1, _nanmax)
-        b1 = b + 0  # a tensor also in the interpreter (where loop variables are ints)
-        forced = (b1 < initial_blocks) | (b1 >= nvis - local_blocks)
-        key = block_key(best, best != best, forced, b1)
-        if DIRECT:
-            put = (cols[None, :] == b1 - b_lo) & (live & (b1 <= own))[:, None]
-            top = tl.where(put, key[:, None], top)
-        else:
-            top = insert(top, key, live & (b1 <= own))
+        top = _take_block(top, best, b, b_lo, live, own, local_blocks, initial_blocks, DIRECT)
     return top
 
 
