@@ -31,7 +31,7 @@ from kernels._host import (
     strided_codes_in,
 )
 from kernels._triton import tl, triton
-from kernels.fp8 import decode_fp8, decode_fp8_f16
+from kernels.fp8 import decode_fp8, decode_fp8_f16, decode_fp8_to
 from reference.platforms import is_fp8
 
 #: Domain limits (SPEC.md s.7).
@@ -62,7 +62,7 @@ def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
     k_raw = tl.load(src, mask=kmask[:, None], other=0)
     v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
     if FP8 and SCALAR:  # fp16 operands (``operand_dtypes``)
-        k = decode_fp8_f16(k_raw, FMT, HW, ASM)
+        k = decode_fp8_to(k_raw, FMT, HW, tl.float16)
         v = decode_fp8_f16(v_raw, FMT, HW, ASM)
     elif FP8:
         k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT, HW).to(ACT)

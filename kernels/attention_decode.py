@@ -53,17 +53,19 @@ Numerics: the rounding schedule declared in the registry (``schedule(model_dtype
 act = the model dtype = q's dtype):
 - fp8 with scalar (or no) scales (``kernels._attention.operand_dtypes``): both products on
   fp16 operands whatever the model dtype. K/V: the codes' exact values in fp16 (every fp8
-  value is one; ``kernels.fp8.decode_fp8_f16``: on the H200 one ``cvt`` e4m3x2 -> f16x2
-  per two codes, opaque to Triton so it stages fp16 in shared memory for ``ldmatrix``),
-  ``Schedule.kv_dtype = "float64"``; the scales applied in fp32 outside the products: the
-  logit scale ``fp32(softmax_scale * log2(e)) * k_scale`` and the output (or each split's
-  partial) times ``v_scale`` (the bound allows the two extra fp32 roundings). q: each row
-  times a power of two and rounded to fp16 (``kernels._attention.q_operand``,
-  ``q_dtype = "float16"``: exact unless an element lies 2^31 below its row's largest),
-  the row's logit scale times the inverse power. P rounded to fp16 (``p_dtype =
-  "float16"``). sm_90 SASS per key block and thread at the model shape: 709 (bf16 cache:
-  590), down from 1,627 with bf16 operands (K through f16 -> f32 -> bf16, V gathered byte
-  by byte: see ``decode_fp8_f16``).
+  value is one: on the H200 one ``cvt`` e4m3x2 -> f16x2 per two codes; V through
+  ``kernels.fp8.decode_fp8_f16``, opaque to Triton so it stages fp16 in shared memory for
+  ``ldmatrix.trans``; K converted in registers, in the MMA operand layout: staging it too
+  cost 40 us more at batch 256 on the H200), ``Schedule.kv_dtype = "float64"``; the
+  scales applied in fp32 outside the products: the logit scale ``fp32(softmax_scale *
+  log2(e)) * k_scale`` and the output (or each split's partial) times ``v_scale`` (the
+  bound allows the two extra fp32 roundings). q: each row times a power of two and
+  rounded to fp16 (``kernels._attention.q_operand``, ``q_dtype = "float16"``: exact
+  unless an element lies 2^31 below its row's largest), the row's logit scale times the
+  inverse power. P rounded to fp16 (``p_dtype = "float16"``). sm_90 SASS per key block
+  and thread at the model shape: 771 (bf16 cache: 590), down from 1,627 with bf16
+  operands (K through f16 -> f32 -> bf16, V gathered byte by byte: see
+  ``decode_fp8_f16``).
 - Per-slot fp8 scales: ``act(fp32(decode(code) * scale))`` (exact decode, one fp32
   multiply, RNE to act), ``kv_dtype = act``. bf16/fp16 caches: the value converted to act
   (exact when the cache has the model dtype), ``kv_dtype = act``; q as given, P in act.

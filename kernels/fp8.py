@@ -195,10 +195,11 @@ def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr):
     per call. The mark is the point: Triton moves a pure elementwise conversion past the
     shared-memory load of a ``tl.dot`` operand; for the B operand of ``P @ V`` (V's
     contraction dimension, keys, is strided) it then gathers the 8-bit codes byte by byte
-    (``LDS.U8``: sm_90 has no 8-bit transposing ``ldmatrix``), and for K it converts in
-    the MMA fragment layout at the cost of ~110 register moves per block (sm_90, decode
-    at the model shape). Behind the opaque conversion it stores fp16 to shared memory and
-    reads it with ``ldmatrix`` (``.trans`` for V).
+    (``LDS.U8``: sm_90 has no 8-bit transposing ``ldmatrix``); behind the opaque
+    conversion it stores fp16 to shared memory and reads it with ``ldmatrix.trans``. (For
+    K, a K-major operand, the pure conversion in registers is the better one: staging K
+    as well removed ~110 register moves per decode block but its shared-memory round trip
+    made the H200 slower.)
     Otherwise (interpreter, software formats): ``decode_fp8_to(c, FMT, HW, fp16)``."""
     if ASM:
         tl.static_assert(HW and FMT <= 1, "ASM: the hardware formats only")
