@@ -173,27 +173,43 @@ def attention_bound(x: dict, sched, arith: Fp32Arith, softmax_scale=None) -> np.
         req, pos = prefill_positions(x["cu_seqlens_q"], seq, t_rows)
     topk = np.asarray(x["topk"])
     bound = np.zeros(q.shape)
+    q_sched = scheduled_q(q, sched.q_dtype)
+    hkv = x["kv_cache"].shape[1]
+    grp = q.shape[1] // hkv
+    rows = np.flatnonzero(pos >= 0)
     with np.errstate(invalid="ignore", over="ignore"):  # Inf/NaN propagate as exact values
-        for t in np.flatnonzero(pos >= 0):
-            _bound_row(x, t, int(req[t]), int(pos[t]), topk, seq, sigma, sched, arith, bound)
+        for g in range(hkv):
+            kv = _head_kv(x, g, sched) if rows.size else None
+            heads = slice(g * grp, (g + 1) * grp)
+            for t in rows:
+                keys = _row_keys(x, int(req[t]), int(pos[t]), g, topk[g, t], seq, sched, kv)
+                if keys is not None:
+                    bound[t, heads] = _row_bound(q_sched[t, heads], *keys, sched, arith, sigma)
     return bound
 
 
-def _bound_row(x, t, r, p, topk, seq, sigma, sched, arith, bound):
-    """Fill ``bound[t]``: row t of request r at position p, every KV head."""
-    cache, q = x["kv_cache"], scheduled_q(x["q"], sched.q_dtype)
-    _, hkv, page, _ = cache.shape
-    grp = q.shape[1] // hkv
-    for g in range(hkv):
-        keys = _row_keys(x, r, p, g, topk[g, t], seq, sched)
-        if keys is not None:
-            heads = slice(g * grp, (g + 1) * grp)
-            bound[t, heads] = _row_bound(q[t, heads], *keys, sched, arith, sigma)
+def _head_kv(x, g, sched):
+    """Scheduled K and V ``[num_pages, P, D]`` of every slot of KV head g (``scheduled_kv``
+    once per head, not once per row)."""
+    cache, fmt = x["kv_cache"], x["kv_fmt"]
+    pages, _, page, d2 = cache.shape
+    codes = cache[:, g]
+    slots = np.arange(pages * page).reshape(pages, page)
+
+    def scale(name):
+        if x[name] is None:
+            return None
+        sc = np.asarray(scale_at(x[name], g, slots.ravel()), np.float64)
+        return sc if sc.size == 1 else sc.reshape(pages, page, 1)
+
+    return (scheduled_kv(codes[..., :d2 // 2], fmt, scale("k_scale"), sched.kv_dtype),
+            scheduled_kv(codes[..., d2 // 2:], fmt, scale("v_scale"), sched.kv_dtype))
 
 
-def _row_keys(x, r, p, g, entries, seq, sched):
+def _row_keys(x, r, p, g, entries, seq, sched, kv=None):
     """Scheduled K, V ``[n, D]`` of the keys row (r, p) sees through KV head g, each key's
-    split chunk and block rank within it; None when it sees no key."""
+    split chunk and block rank within it; None when it sees no key. ``kv``: head g's
+    ``_head_kv`` when already computed."""
     cache, fmt = x["kv_cache"], x["kv_fmt"]
     page, d = cache.shape[2], cache.shape[3] // 2
     blocks = _row_blocks(entries, p // page, sched.order)
@@ -205,6 +221,8 @@ def _row_keys(x, r, p, g, entries, seq, sched):
     chunk = np.concatenate([np.full(sp.size, i // bps) for i, sp in enumerate(spans)])
     rank = np.concatenate([np.full(sp.size, i % bps) for i, sp in enumerate(spans)])
     pages = x["block_table"][r, js // page].astype(np.int64)
+    if kv is not None:
+        return kv[0][pages, js % page], kv[1][pages, js % page], chunk, rank
     slots = pages * page + js % page
     codes = cache[pages, g, js % page]
 
