@@ -420,9 +420,9 @@ def load_operand(ptrs, mask, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.conste
 def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1, b_lo,
                     b_hi, ic_ptr, ic_s0, ic_s1, num_pages, local_blocks, initial_blocks,
                     P: tl.constexpr, D: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr,
-                    ROWS: tl.constexpr, MR: tl.constexpr, STAGES: tl.constexpr,
-                    FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-                    DIRECT: tl.constexpr, F8MMA: tl.constexpr):
+                    ROWS: tl.constexpr, MR: tl.constexpr, CH: tl.constexpr,
+                    STAGES: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr,
+                    HW: tl.constexpr, DIRECT: tl.constexpr, F8MMA: tl.constexpr):
     """The decode kernel's tensor-core strategy (``scan="mma"``): ``scan_blocks_fma``'s
     contract (rows, DIRECT columns or replace-min, NaN-propagating block maxima), with each
     block's scores one ``tl.dot`` of its whole key tile ``[P, D]`` by the rows' q ``[D,
@@ -434,7 +434,9 @@ def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
     are exact; the accumulation is the MMA's (16-bit operands: aligned, truncating
     additions per k-step; fp8: an accumulator of about 14 bits), not an IEEE fp32 sum: the
     registry declares ``score_rel`` per format for it.
-    The block loop is ``tl.range(..., num_stages=STAGES)`` (pipelined key tiles)."""
+    The block loop is ``tl.range(..., num_stages=STAGES)`` (pipelined key tiles), CH blocks
+    per step: their tiles stacked along M in one dot (more bytes per step in flight), each
+    block's maxima by a masked reduction."""
     NR: tl.constexpr = QR * HI
     rows = tl.arange(0, ROWS)  # the list's rows
     tq = rows // HI
@@ -442,7 +444,6 @@ def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
     live = (rows < NR) & (tok0 + tq < num_tokens) & (seq > 0) & (pos >= 0)
     own = pos // P
     dd = tl.arange(0, D)
-    kn = tl.arange(0, P)
     mr = tl.arange(0, MR)  # the MMA's rows (N >= 16): rows past ROWS are zeros
     mq = mr // HI
     m_pos = seq - QR + mq
@@ -450,19 +451,26 @@ def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
     q = load_operand(q_req + mq.to(tl.int64)[:, None] * q_s0 + (mr % HI).to(tl.int64)
                      [:, None] * q_s1 + dd[None, :], m_live[:, None], FP8, FMT, HW, F8MMA)
     qt = tl.trans(q)  # [D, MR]
-    for b in tl.range(b_lo, b_hi, num_stages=STAGES):
-        page = tl.load(bt_row + b * bt_s1).to(tl.int64)
-        ok = (page >= 0) & (page < num_pages)  # else no memory is read (keys 0)
-        kp = (ic_ptr + tl.where(ok, page, 0) * ic_s0 + kn.to(tl.int64)[:, None] * ic_s1
-              + dd[None, :])
-        s = tl.dot(load_operand(kp, ok, FP8, FMT, HW, F8MMA), qt)  # [P, MR], fp32 acc.
+    kn = tl.arange(0, CH * P)  # CH blocks' keys stacked along M: one dot per step
+    kc = kn // P  # block of each key within the step
+    for b in tl.range(b_lo, b_hi, CH, num_stages=STAGES):
+        pages = tl.zeros([CH * P], tl.int64)
+        for c in tl.static_range(CH):
+            pc = tl.load(bt_row + (b + c) * bt_s1, mask=b + c < b_hi, other=-1).to(tl.int64)
+            pages = tl.where(kc == c, pc, pages)
+        ok = (b + kc < b_hi) & (pages >= 0) & (pages < num_pages)  # else keys 0, no read
+        kp = (ic_ptr + tl.where(ok, pages, 0)[:, None] * ic_s0
+              + (kn % P).to(tl.int64)[:, None] * ic_s1 + dd[None, :])
+        s = tl.dot(load_operand(kp, ok[:, None], FP8, FMT, HW, F8MMA), qt)  # [CH*P, MR]
         kpos = b * P + kn
         s = tl.where(kpos[:, None] <= m_pos[None, :], s, float("-inf"))
-        best = tl.reduce(s, 0, _nanmax)
-        if MR != ROWS:  # the list's rows only: its keys, workspace and merge stay small
-            best = tl.reduce(tl.where(mr[None, :] == rows[:, None], best[None, :],
-                                      float("-inf")), 1, _nanmax)
-        top = _take_block(top, best, b, b_lo, live, own, local_blocks, initial_blocks, DIRECT)
+        for c in tl.static_range(CH):
+            best = tl.reduce(tl.where((kc == c)[:, None], s, float("-inf")), 0, _nanmax)
+            if MR != ROWS:  # the list's rows only: its keys, workspace and merge stay small
+                best = tl.reduce(tl.where(mr[None, :] == rows[:, None], best[None, :],
+                                          float("-inf")), 1, _nanmax)
+            top = _take_block(top, best, b + c, b_lo, live & (b + c < b_hi), own,
+                              local_blocks, initial_blocks, DIRECT)
     return top
 
 

@@ -109,7 +109,7 @@ def _indexer_decode_kernel(
         if MMA:
             top = ix.scan_blocks_mma(top, q_req, q_s0, q_s1, r * QR, num_tokens, seq, bt_row,
                                      bt_s1, b_lo, b_hi, ic_ptr, ic_s0, ic_s1, num_pages,
-                                     local_blocks, initial_blocks, P, D, HI, QR, ROWS, MR,
+                                     local_blocks, initial_blocks, P, D, HI, QR, ROWS, MR, CH,
                                      STAGES, FP8, FMT, HW, DIRECT, F8MMA)
         else:
             top = ix.scan_blocks_fma(top, q_req, q_s0, q_s1, r * QR, num_tokens, seq, bt_row,
@@ -309,10 +309,13 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     Returns ``out``.
 
     Tuning knobs (ValueError naming them when invalid):
-    scan              "fma" (compiled default: ``kernels._indexer.scan_blocks_fma``, exact
-                      fp32 FMA chains, no padded rows, cp.async-pipelined key tiles) or
-                      "dot" (interpreted default: ``scan_blocks``, the prefill kernel's
-                      strategy; its knobs block_n, block_d, blocks_per_step, vec as there).
+    scan              "mma" (compiled default: ``kernels._indexer.scan_blocks_mma``, one
+                      tensor-core dot per key block; its knobs num_warps, num_stages and
+                      blocks_per_step 1, 2 or 4: blocks stacked in one dot), "fma"
+                      (``scan_blocks_fma``, exact fp32 FMA chains, no padded rows,
+                      cp.async-pipelined key tiles) or "dot" (interpreted default:
+                      ``scan_blocks``, the prefill kernel's strategy; its knobs block_n,
+                      block_d, blocks_per_step, vec as there).
     lanes_d, block_n, num_warps, num_stages
                       "fma": lanes along D, keys per tile, warps, pipeline stages of the
                       block loop (see ``fma_strategy``).
@@ -347,14 +350,17 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                                               bk if fma or mma else 0)
     chain = False
     if mma:
-        for name, v in (("block_d", block_d), ("blocks_per_step", blocks_per_step),
-                        ("vec", vec), ("lanes_d", lanes_d), ("block_n", block_n),
-                        ("pairs", pairs), ("fma_chain", fma_chain)):
+        for name, v in (("block_d", block_d), ("vec", vec), ("lanes_d", lanes_d),
+                        ("block_n", block_n), ("pairs", pairs), ("fma_chain", fma_chain)):
             if v is not None:
                 fail(name, "does not apply to scan='mma' (whole key blocks per tl.dot)")
         warps = 4 if num_warps is None else ix.pow2_arg("num_warps", num_warps, 1)
         stages = MMA_STAGES if num_stages is None else check_int(num_stages, "num_stages", 1)
-        rows, bn, bd, ch, vec, lanes = triton.next_power_of_2(nr), page, d, 1, False, 1
+        ch = 1 if blocks_per_step is None else ix.pow2_arg("blocks_per_step",
+                                                            blocks_per_step, 1)
+        if ch > 4:
+            fail("blocks_per_step", f"must be 1, 2 or 4 with scan='mma', got {ch}")
+        rows, bn, bd, vec, lanes = triton.next_power_of_2(nr), page, d, False, 1
     elif fma:
         for name, v in (("block_d", block_d), ("blocks_per_step", blocks_per_step)):
             if v is not None:
