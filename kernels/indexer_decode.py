@@ -18,8 +18,8 @@ Three scans (``scan=``):
   Default grid: one wave of programs (``wave_splits``).
 - "fma" (``kernels._indexer.scan_blocks_fma``): exact fp32 products in one FMA chain per
   key and thread over 16-byte-vector key tiles ``[LANES, BLOCK_N, M, V]`` pipelined by
-  cp.async, q hoisted into registers (``fma_fits``: up to 8 rows whose q fits 128
-  registers per thread); ``score_rel = 0``. A split of at most BK blocks puts each block's
+  cp.async, q hoisted into registers (``fma_strategy`` widens the lanes along D until it
+  fits 128 registers per thread); ``score_rel = 0``. A split of at most BK blocks puts each block's
   key into its own list column (no min-reduction per block); longer splits use
   replace-min.
 - "dot" (interpreted default; the prefill kernel's strategy): tl.dot ieee tiles with ROWS
@@ -247,16 +247,6 @@ def _fma_lanes(nr: int, d: int, v: int) -> int:
     while lanes < 32 and nr * d // lanes > 128:
         lanes *= 2
     return max(1, min(lanes, d // v))
-
-
-def fma_fits(nr: int, d: int, fp8: bool) -> bool:
-    """Whether the FMA scan is the compiled default for nr rows per program: at most 8 rows
-    (tl.dot tiles have 16: the "dot" scan pays >= 2x the FMAs; with 16 rows it pays none,
-    and the FMA scan's 16 lanes along D cost more: sm_90, bf16 D 128, 5,243 SASS
-    instructions per block against ~3,700 for "dot") whose q vectors fit 128 fp32 registers
-    per thread with the widest lane split (D / 16-byte vector lanes, at most 32)."""
-    v = 16 if fp8 else 8
-    return nr <= 8 and nr * d <= 128 * min(32, d // v)
 
 
 def fma_strategy(nr: int, page: int, d: int, fp8: bool, lanes_d=None, block_n=None,

@@ -473,14 +473,9 @@ def test_wave_splits_fill_one_wave():
         assert (s - 1) * bps < w <= s * bps and (b * s <= slots or s == 1)
 
 
-def test_fma_default_scan_choice():
-    """Compiled, the decode launcher scans with FMA for up to 8 rows per program whose q
-    vectors fit 128 registers per thread with at most D / (16-byte vector) lanes along D
-    (model, 4 heads x 1..2 rows, D 128), else with tl.dot (16 rows fill its tiles: no
-    padding); defaults: 4 lanes along D, one key per thread per tile."""
-    assert idd.fma_fits(4, 128, False) and idd.fma_fits(8, 128, True)
-    assert idd.fma_fits(1, 256, False) and idd.fma_fits(8, 256, False)
-    assert not idd.fma_fits(16, 128, False) and not idd.fma_fits(12, 64, False)
+def test_fma_strategy_defaults():
+    """The FMA scan's defaults: 4 lanes along D, more while the rows' q vectors would need
+    more than 128 registers per thread; one key per thread per tile."""
     assert idd.fma_strategy(4, 128, 128, False) == (4, 32, 4, 3)
     assert idd.fma_strategy(16, 128, 128, False) == (16, 8, 4, 3)
     assert idd.fma_strategy(4, 16, 64, True)[:2] == (4, 16)
