@@ -56,6 +56,41 @@ def pytest_addoption(parser):
         choices=PLATFORMS,
         help="platform(s) whose fp8 formats to test (default: all, emulated where not native)",
     )
+    parser.addoption(
+        "--suite-report",
+        metavar="PATH",
+        help="write the run's JSON report there (oracle/suite.py: the differential checks as "
+             "an oracle report, every test's outcome and seconds)",
+    )
+
+
+def pytest_configure(config):
+    # The controller alone writes the report (xdist workers send it their test reports).
+    path = config.getoption("suite_report")
+    if path and not hasattr(config, "workerinput"):
+        from oracle.suite import SuiteRecorder
+
+        config._suite_recorder = SuiteRecorder(path)
+
+
+def pytest_runtest_logreport(report):
+    recorder = getattr(_CONFIG[0], "_suite_recorder", None) if _CONFIG else None
+    if recorder is not None:
+        recorder.add(report)
+
+
+def pytest_sessionstart(session):
+    _CONFIG[:] = [session.config]
+
+
+def pytest_sessionfinish(session):
+    recorder = getattr(session.config, "_suite_recorder", None)
+    if recorder is not None:
+        path = recorder.write()
+        print(f"\nsuite report: {path}")
+
+
+_CONFIG: list = []  # the session's config, for the report hook (it gets no config argument)
 
 
 def pytest_generate_tests(metafunc):

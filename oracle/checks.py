@@ -123,6 +123,12 @@ class CheckResult:
             d["tally"]["worst"]["index"] = [int(i) for i in d["tally"]["worst"]["index"]]
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> CheckResult:
+        """The inverse of ``as_dict`` (the suite report rebuilds its cells from it)."""
+        fields_ = {k: v for k, v in d.items() if k not in ("tally", "rmse")}
+        return cls(**fields_, tally=Tally(**d["tally"]))
+
     def summary(self) -> str:
         t = self.tally
         verdict = "PASS" if self.passed else "FAIL"
@@ -303,6 +309,23 @@ def check_attention(x, out, impl) -> tuple[Tally, list, dict]:
 LAMBDA = float(np.sqrt(2 * np.log(2 / 1e-6)))  # Higham-Mary lambda for failure prob. 1e-6
 
 
+_BASELINES: list = [None, None]  # [the input set, its (exact, baseline) outputs]
+
+
+def _exact_and_baseline(x) -> tuple[np.ndarray, np.ndarray]:
+    """The exact float64 output and the same-precision baseline's, computed once per input
+    set (the differential test checks every implementation of a case on one set; at model
+    size each costs as much as the checked implementation's own reference)."""
+    from reference import attention
+
+    if _BASELINES[0] is not x:
+        md = x["model_dtype"]
+        exact = ref_impl.attention_call(x, schedule=attention.exact()).astype(np.float64)
+        _BASELINES[:] = [x, (exact, ref_impl.attention_call(
+            x, schedule=attention.vllm_schedule(md)))]
+    return _BASELINES[1]
+
+
 def reported_attention_stats(x, got) -> dict:
     """Reported, never gating (until calibrated on a clean run, issue 11):
 
@@ -313,11 +336,8 @@ def reported_attention_stats(x, got) -> dict:
     ``prob_ratio``: max error over a probabilistic bound (Higham and Mary): half an output ULP
     plus lambda * sqrt(D + K*P) * u * (the row's largest |output|), lambda for a failure
     probability of 1e-6 per element."""
-    from reference import attention
-
     md = x["model_dtype"]
-    exact = ref_impl.attention_call(x, schedule=attention.exact()).astype(np.float64)
-    base = ref_impl.attention_call(x, schedule=attention.vllm_schedule(md))
+    exact, base = _exact_and_baseline(x)
     finite = np.isfinite(exact) & np.isfinite(got)
     if not finite.any():
         return {"fa_ratio": 0.0, "prob_ratio": 0.0}

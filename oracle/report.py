@@ -153,16 +153,18 @@ def run_report(cases: list[Case], impl_names=None, device: str | None = None,
                 failures.append({"case": r.case, "impl": r.impl, "summary": r.summary(),
                                  "replay": r.replay})
                 log(r.summary())
-    for c in cells.values():
-        c["rmse"] = float(np.sqrt(c["sum_sq_err"] / max(c["elements"], 1)))
     return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": machine_info(), "seconds": round(time.perf_counter() - t0, 2),
-            "cases": len(cases), "cells": sorted(cells.values(), key=_cell_sort),
+            "cases": len(cases), "cells": finished_cells(cells),
             "failures": failures, "skipped": dict(skipped)}
 
 
-def _cell_sort(c):
-    return (c["op"], c["impl"], c["platform"], c["format"], c["shape_class"], c["dist"])
+def finished_cells(cells: dict) -> list[dict]:
+    """The report's cells in their fixed order, each with its RMSE."""
+    for c in cells.values():
+        c["rmse"] = float(np.sqrt(c["sum_sq_err"] / max(c["elements"], 1)))
+    return sorted(cells.values(), key=lambda c: (
+        c["op"], c["impl"], c["platform"], c["format"], c["shape_class"], c["dist"]))
 
 
 def write_json(report: dict, path: str | Path) -> Path:
@@ -170,6 +172,11 @@ def write_json(report: dict, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=_json_default))
     return path
+
+
+def json_safe(obj):
+    """obj with numpy scalars and arrays replaced by plain Python values."""
+    return json.loads(json.dumps(obj, default=_json_default))
 
 
 def _json_default(o):

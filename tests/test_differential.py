@@ -15,6 +15,7 @@ from oracle.cases import OPS, Case, make_inputs
 from oracle.checks import run_check
 from oracle.registry import implementations
 from oracle.report import DEFAULT_DISTS, DISTS_BY_OP
+from oracle.suite import SuiteRecorder
 from reference.platforms import KV_CACHE_DTYPES, PLATFORMS, kv_cache_format
 
 # A different seed offset per run explores new shapes; CI and replays use 0.
@@ -92,7 +93,7 @@ def _inputs(case_id: str) -> dict:
 
 
 @pytest.mark.parametrize("impl_name, case_id", _params())
-def test_implementation_matches_reference(impl_name, case_id):
+def test_implementation_matches_reference(impl_name, case_id, record_property):
     """The implementation's outputs are admissible under the op's rigorous tolerance model
     (rounded outputs within the rounding interval of exact +- bound, untouched cache slots
     bit-identical, selections equal up to near-ties, attention within its schedule's
@@ -100,6 +101,7 @@ def test_implementation_matches_reference(impl_name, case_id):
     case = Case.from_id(case_id)
     (impl,) = implementations(case.op, [impl_name])
     r = run_check(case, impl, _inputs(case_id))
+    record_property(*SuiteRecorder.check_property(r))  # for --suite-report
     if any("modified its inputs" in f for f in r.failures):
         _inputs.cache_clear()  # the next implementation gets a fresh input set
     assert r.passed, r.summary()

@@ -1,0 +1,85 @@
+"""The test suite's JSON report (``pytest --suite-report PATH``, written by conftest.py).
+
+One file per run, in the oracle report's schema so that ``python -m oracle render`` and
+``python -m oracle diff`` read it like a ``python -m oracle report`` run: the generic
+differential test's checks become its cells (each test records its ``CheckResult`` as the
+user property ``check``, which pytest-xdist carries from the workers), and a ``suite`` key
+adds what only the test run knows: every test's outcome and seconds, the wall time, the
+slowest tests and the failures with their replay commands.
+
+Collected on the controller (``pytest_runtest_logreport`` sees every worker's reports), so
+``pytest -m gpu -n N --suite-report PATH`` writes one file.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from oracle.cases import Case
+from oracle.checks import CheckResult
+from oracle.report import SCHEMA, add_result, finished_cells, json_safe, machine_info, write_json
+
+CHECK_PROPERTY = "check"  # the user property holding a differential test's CheckResult
+
+
+class SuiteRecorder:
+    """Test outcomes and differential checks of one pytest session."""
+
+    def __init__(self, path):
+        self.path = path
+        self.t0 = time.perf_counter()
+        self.tests: dict[str, dict] = {}
+        self.checks: list[dict] = []
+
+    def add(self, report) -> None:
+        """One phase's report (setup, call, teardown) of one test."""
+        row = self.tests.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
+        row["seconds"] += report.duration
+        if report.failed:
+            row["outcome"] = "failed" if report.when == "call" else "error"
+            row["message"] = str(report.longrepr).strip().splitlines()[-1][:500] \
+                if report.longrepr else ""
+        elif report.skipped and row["outcome"] == "passed":
+            row["outcome"] = "skipped"
+        for name, value in report.user_properties if report.when == "call" else ():
+            if name == CHECK_PROPERTY:  # (every later phase's report repeats the item's)
+                self.checks.append(value)
+
+    def report(self) -> dict:
+        cells: dict = {}
+        failures = []
+        for d in self.checks:
+            r = CheckResult.from_dict(d)
+            add_result(cells, Case.from_id(r.case), r)
+            if not r.passed:
+                failures.append({"case": r.case, "impl": r.impl, "summary": r.summary(),
+                                 "replay": r.replay})
+        wall = time.perf_counter() - self.t0
+        outcomes = Counter(t["outcome"] for t in self.tests.values())
+        slowest = sorted(self.tests.items(), key=lambda kv: -kv[1]["seconds"])[:20]
+        return {
+            "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": machine_info(), "seconds": round(wall, 2),
+            "cases": len({d["case"] for d in self.checks}),
+            "cells": finished_cells(cells),
+            "failures": failures, "skipped": {},
+            "suite": {
+                "wall_seconds": round(wall, 2),
+                "test_seconds": round(sum(t["seconds"] for t in self.tests.values()), 2),
+                "outcomes": dict(outcomes),
+                "slowest": [{"test": k, "seconds": round(v["seconds"], 2)} for k, v in slowest],
+                "failed": [{"test": k, **v} for k, v in self.tests.items()
+                           if v["outcome"] in ("failed", "error")],
+                "tests": {k: v["outcome"] for k, v in self.tests.items()},
+            },
+        }
+
+    @staticmethod
+    def check_property(r: CheckResult) -> tuple[str, dict]:
+        """The user property a differential test records (plain JSON types: pytest-xdist
+        carries it from the worker)."""
+        return CHECK_PROPERTY, json_safe(r.as_dict())
+
+    def write(self):
+        return write_json(self.report(), self.path)

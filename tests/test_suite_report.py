@@ -1,0 +1,71 @@
+"""The suite's JSON report (``pytest --suite-report PATH``, oracle/suite.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from oracle.report import load
+from oracle.suite import SuiteRecorder
+from tests.test_plugins import PLUGIN
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_report_holds_every_check_outcome_and_replay(tmp_path):
+    """A differential run over a correct and a broken plugin writes one report that the
+    oracle's loader accepts: one cell per (op, impl, platform, format, class, dist) with the
+    checks' counts, every test's outcome (the broken plugin's tests failed, the correct
+    one's passed), and each failure with its replay command."""
+    (tmp_path / "my_kernels.py").write_text(PLUGIN)
+    path = tmp_path / "suite.json"
+    env = {**os.environ, "ORACLE_PLUGINS": "my_kernels",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/test_differential.py", "-k", "plugin", "--suite-report", str(path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    doc = load(path)
+    tests = doc["suite"]["tests"]
+    exact = {k: v for k, v in tests.items() if "plugin_exact" in k}
+    broken = {k: v for k, v in tests.items() if "plugin_broken" in k}
+    assert exact and set(exact.values()) == {"passed"}
+    assert len(broken) == len(exact) and "failed" in set(broken.values())
+    assert doc["suite"]["outcomes"]["passed"] + doc["suite"]["outcomes"]["failed"] == len(tests)
+    cells = {c["impl"]: c for c in doc["cells"] if c["impl"] == "plugin_exact"}
+    assert cells and all(c["passed"] == c["cases"] for c in doc["cells"]
+                         if c["impl"] == "plugin_exact")
+    assert sum(c["cases"] for c in doc["cells"]) == len(tests)
+    fails = doc["failures"]
+    assert len(fails) == list(broken.values()).count("failed")
+    assert all(f["impl"] == "plugin_broken" and "oracle replay" in f["replay"] for f in fails)
+    assert {f["test"] for f in doc["suite"]["failed"]} == {
+        k for k, v in broken.items() if v == "failed"}
+
+
+def _report(when, outcome, duration=1.0, props=()):
+    return SimpleNamespace(nodeid="t::x", when=when, duration=duration,
+                           failed=outcome == "failed", skipped=outcome == "skipped",
+                           longrepr="E   boom\nt.py:1: AssertionError" if outcome == "failed"
+                           else None, user_properties=list(props))
+
+
+def test_recorder_classifies_phases(tmp_path):
+    """A test's seconds add over its phases; a failing setup is an error, a failing call a
+    failure (with the last line of its traceback), a skip a skip."""
+    for phases, outcome in (((("setup", "passed"), ("call", "passed")), "passed"),
+                            ((("setup", "failed"),), "error"),
+                            ((("setup", "passed"), ("call", "failed")), "failed"),
+                            ((("setup", "skipped"),), "skipped")):
+        rec = SuiteRecorder(tmp_path / "r.json")
+        for when, what in phases:
+            rec.add(_report(when, what))
+        row = rec.report()["suite"]
+        assert row["tests"] == {"t::x": outcome}
+        assert row["test_seconds"] == len(phases)
+        if outcome in ("failed", "error"):
+            assert row["failed"][0]["message"] == "t.py:1: AssertionError"
