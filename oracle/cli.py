@@ -7,7 +7,8 @@
   replay       re-run one case by its id (printed by every failure)
   fuzz         hypothesis-driven search for failing cases within a time budget
   conformance  the fp8 codec against ml_dtypes, and which policy torch's casts follow
-  e2e          end-to-end accuracy cost of each KV cache format (float64 reference, CPU)
+  e2e          end-to-end accuracy cost of each KV cache format: the float64 reference
+               pipeline beside a registered implementation's (--impl, e.g. triton)
 
 Errors in the user's input print one line and exit 2, never a traceback.
 """
@@ -157,14 +158,36 @@ def cmd_replay(args) -> int:
 
 def cmd_fuzz(args) -> int:
     from oracle import fuzz
+    from oracle.cases import OPS, SHAPE_CLASSES
+    from oracle.registry import implementations, known_names
 
     seconds = args.seconds if args.minutes is None else 60.0 * args.minutes
-    return fuzz.run_parallel(args.workers, seconds=seconds, ops=_split(args.ops),
-                             impls=_split(args.impls), out_dir=Path(args.out),
-                             device=_device(),
+    ops = _check_names("ops", _split(args.ops), OPS) or list(OPS)
+    impls = _check_names("impls", _split(args.impls), sorted(known_names()))
+    classes = _check_names("shape-classes", _split(args.shape_classes),
+                           SHAPE_CLASSES) or list(fuzz.DEFAULT_SHAPE_CLASSES)
+    if args.workers < 1:
+        raise ValueError(f"workers must be >= 1, got {args.workers}")
+    warmup = 0.2 * seconds if args.warmup is None else args.warmup
+    if not 0 <= warmup < seconds:
+        raise ValueError(f"warmup must be in [0, {seconds:g}) seconds, got {warmup:g}")
+    device = _device()
+    t0 = time.monotonic()
+    stats = fuzz.run_workers(args.workers, seconds=seconds, ops=ops, impls=impls,
+                             out_dir=Path(args.out), device=device,
                              db=fuzz.DEFAULT_DB if args.db is None else
                              None if args.db == "none" else Path(args.db),
-                             gpus=int(os.environ.get("ORACLE_GPUS", "0")))
+                             gpus=int(os.environ.get("ORACLE_GPUS", "0")),
+                             shape_classes=classes)
+    wall = time.monotonic() - t0
+    if args.report:
+        names = sorted({i.name for op in ops for i in implementations(op, impls, device)})
+        doc = fuzz.report(stats, seconds=seconds, warmup=warmup, ops=ops, impls=names,
+                          shape_classes=classes, device=device, wall_s=wall)
+        path = fuzz.write_report(doc, args.report)
+        print(fuzz.markdown(doc))
+        print(f"wrote {path}")
+    return 1 if any(s["failure"] for s in stats) else 0
 
 
 def cmd_e2e(args) -> int:
@@ -172,9 +195,19 @@ def cmd_e2e(args) -> int:
 
     if args.seed < 0:
         raise ValueError(f"seed must be >= 0, got {args.seed}")
-    out = args.out or ("reports/e2e-accuracy-cpu-quick.json" if args.quick
-                       else "reports/e2e-accuracy-cpu.json")
-    doc = e2e.run(quick=args.quick, seed=args.seed, progress=not args.quiet)
+    if args.workers < 1:
+        raise ValueError(f"workers must be >= 1, got {args.workers}")
+    modes = _check_names("modes", _split(args.modes), e2e.MODES) or list(e2e.MODES)
+    dists = _check_names("dists", _split(args.dists), e2e.DISTS) or list(e2e.DISTS)
+    size = "tiny" if args.tiny else "quick" if args.quick else "default"
+    device = _device()
+    # The reference's own implementations run on the CPU: their report keeps its old name.
+    stem = ("e2e-accuracy-cpu" if args.impl == "reference"
+            else f"e2e-accuracy-{args.impl}-{device}")
+    out = args.out or f"reports/{stem}{'' if size == 'default' else '-' + size}.json"
+    doc = e2e.run(quick=args.quick, seed=args.seed, modes=modes, dists=dists,
+                  progress=not args.quiet, impl=args.impl, config=e2e.CONFIGS[size],
+                  workers=args.workers, device=device)
     paths = e2e.write(doc, out)
     print(e2e.markdown(doc))
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -227,18 +260,37 @@ def build_parser() -> argparse.ArgumentParser:
                    "time); 'none': no database")
     s.add_argument("--ops", help="comma-separated ops (default: all)")
     s.add_argument("--impls", help="comma-separated implementation names (default: all)")
+    s.add_argument("--shape-classes", help="comma-separated shape classes drawn (default "
+                   "tiny,small)")
     s.add_argument("--out", default="fuzz-failures", help="folder for shrunk failing cases")
+    s.add_argument("--report", help="write a fuzz/1 JSON here: counts per op, shape class "
+                   "and implementation, the failure, cases per second after the warm-up")
+    s.add_argument("--warmup", type=float, help="seconds from each worker's start not "
+                   "counted in the throughput after warm-up (default 20%% of the budget)")
     s.set_defaults(func=cmd_fuzz)
 
     s = sub.add_parser("conformance", help="fp8 codec vs ml_dtypes; torch's cast policies")
     s.add_argument("--out", help="write OUT.json and OUT.md")
     s.set_defaults(func=cmd_conformance)
 
-    s = sub.add_parser("e2e", help="end-to-end accuracy cost of each KV cache format (CPU)")
+    s = sub.add_parser("e2e", help="end-to-end accuracy cost of each KV cache format, the "
+                       "reference pipeline beside a registered implementation's")
+    s.add_argument("--impl", default="reference",
+                   help="the registered implementations (this name's insert, indexer and "
+                        "attention) whose pipeline runs beside the float64 reference's "
+                        "(default reference: its own ops, the plumbing check); e.g. triton")
+    size = s.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small shapes (seconds with the "
+                      "reference; minutes with interpreted kernels)")
+    size.add_argument("--tiny", action="store_true", help="interpreter-sized shapes (shape "
+                      "class tiny, which every implementation claims)")
+    s.add_argument("--modes", help="comma-separated: prefill,decode (default both)")
+    s.add_argument("--dists", help="comma-separated distributions (default all four)")
+    s.add_argument("--workers", type=int, default=1, help="processes, one (mode, "
+                   "distribution) each at a time (default 1)")
     s.add_argument("--out", help="OUT.json, with OUT.md beside it (default "
-                   "reports/e2e-accuracy-cpu.json; with --quick "
-                   "reports/e2e-accuracy-cpu-quick.json)")
-    s.add_argument("--quick", action="store_true", help="small shapes (seconds, for tests)")
+                   "reports/e2e-accuracy-cpu.json for --impl reference, else "
+                   "reports/e2e-accuracy-IMPL-DEVICE.json; -quick / -tiny appended)")
     s.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     s.add_argument("--quiet", action="store_true", help="no per-row progress on stderr")
     s.set_defaults(func=cmd_e2e)

@@ -9,11 +9,18 @@ is spent; a failure ends the search. Each case reports its worst error over boun
 close to failing. Failing examples are kept in a persistent example database
 (``DEFAULT_DB``, ``--db``; None: none) and replayed first by the next run, before it
 draws new ones.
+
+Each worker records when every case finished (``time.monotonic`` since its search began,
+``run_stats``), which op and shape class it had, and how many checks each implementation
+ran; ``report`` merges the workers' records into one ``fuzz/1`` document whose throughput
+counts the cases finished after a warm-up (JIT compiles, first CUDA calls) separately.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections import Counter
 from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, given, settings, target
@@ -60,50 +67,94 @@ def worst_ratio(results) -> float:
     return max((r.tally.max_err_over_bound for r in results), default=0.0)
 
 
-def check_case(case: Case, impl_names=None, device: str = "cpu") -> list:
-    """Results of every implementation claiming the case; raises CaseFailed on a failure."""
+def check_case(case: Case, impl_names=None, device: str = "cpu",
+               checks: Counter | None = None) -> list:
+    """Results of every implementation claiming the case; raises CaseFailed on a failure.
+    ``checks`` (when given) counts the checks run per implementation name, the failing
+    one included."""
     results = []
     for impl in implementations(case.op, impl_names, device):
         if impl.supports(case)[0]:
             r = run_check(case, impl)
+            if checks is not None:
+                checks[impl.name] += 1
             results.append(r)
             if not r.passed:
                 raise CaseFailed(r.summary())
     return results
 
 
+DEFAULT_SHAPE_CLASSES = ("tiny", "small")
+
+
 def run_parallel(workers: int, seconds: float, ops=None, impls=None,
                  out_dir: Path = Path("fuzz-failures"), device: str = "cpu",
-                 db: Path | None = DEFAULT_DB, gpus: int = 0) -> int:
+                 db: Path | None = DEFAULT_DB, gpus: int = 0,
+                 shape_classes=DEFAULT_SHAPE_CLASSES) -> int:
     """``run`` in ``workers`` processes at once (each its own hypothesis stream, one shared
     example database and failure folder); with ``gpus`` > 1 worker i runs on GPU i mod
     gpus alone (CUDA_VISIBLE_DEVICES, set before it touches CUDA). Returns 1 when any
     worker found a failure."""
+    stats = run_workers(workers, seconds, ops, impls, out_dir, device, db, gpus,
+                        shape_classes)
+    return 1 if any(s["failure"] for s in stats) else 0
+
+
+def run_workers(workers: int, seconds: float, ops=None, impls=None,
+                out_dir: Path = Path("fuzz-failures"), device: str = "cpu",
+                db: Path | None = DEFAULT_DB, gpus: int = 0,
+                shape_classes=DEFAULT_SHAPE_CLASSES) -> list[dict]:
+    """As ``run_parallel``, returning every worker's stats (``run_stats``), worker 0 first
+    (one worker: in this process)."""
     import multiprocessing
 
     if workers <= 1:
-        return run(seconds, ops, impls, out_dir, device, db)
-    args = [(i, gpus, seconds, ops, impls, out_dir, device, db) for i in range(workers)]
+        return [run_stats(seconds, ops, impls, out_dir, device, db,
+                          shape_classes=shape_classes)]
+    args = [(i, gpus, seconds, ops, impls, out_dir, device, db, tuple(shape_classes))
+            for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        return max(pool.starmap(_worker, args))
+        return pool.starmap(_worker, args)
 
 
-def _worker(index, gpus, seconds, ops, impls, out_dir, device, db) -> int:
+def _worker(index, gpus, seconds, ops, impls, out_dir, device, db, shape_classes) -> dict:
     import os
 
     if gpus > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
-    return run(seconds, ops, impls, out_dir, device, db, progress=index == 0)
+    stats = run_stats(seconds, ops, impls, out_dir, device, db, progress=index == 0,
+                      shape_classes=shape_classes)
+    return dict(stats, worker=index)
 
 
 def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failures"),
-        device: str = "cpu", db: Path | None = DEFAULT_DB, progress: bool = True) -> int:
+        device: str = "cpu", db: Path | None = DEFAULT_DB, progress: bool = True,
+        shape_classes=DEFAULT_SHAPE_CLASSES) -> int:
+    """Fuzz for ``seconds`` in this process; 1 when a failure was found (and written)."""
+    stats = run_stats(seconds, ops, impls, out_dir, device, db, progress, shape_classes)
+    return 1 if stats["failure"] else 0
+
+
+def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failures"),
+              device: str = "cpu", db: Path | None = DEFAULT_DB, progress: bool = True,
+              shape_classes=DEFAULT_SHAPE_CLASSES) -> dict:
+    """Fuzz for ``seconds`` in this process and return what was done: ``cases`` (every
+    drawn case checked by each implementation claiming it, shrinking's and the database's
+    replays included), ``case_times_s`` (when each finished, seconds since this call began),
+    ``per_op`` / ``per_shape_class`` case counts, ``checks`` per implementation,
+    ``elapsed_s`` (when the search stopped) and ``failure`` (None, or the shrunk case's id,
+    replay command and file)."""
     from tqdm import tqdm
 
+    start = time.monotonic()
     ops = ops or list(OPS)
-    deadline = time.monotonic() + seconds
+    deadline = start + seconds
     failures: list[Case] = []
     n = 0
+    times: list[float] = []
+    per_op: Counter = Counter()
+    per_class: Counter = Counter()
+    checks: Counter = Counter()
     bar = tqdm(total=int(seconds), desc="fuzz (s)", unit="s", disable=not progress)
 
     database = DirectoryBasedExampleDatabase(str(db)) if db is not None else None
@@ -111,18 +162,21 @@ def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failure
     @settings(max_examples=3, deadline=None, database=database, derandomize=False,
               phases=[Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
               report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
-    @given(case_strategy(ops))
+    @given(case_strategy(ops, shape_classes))
     def one(case):
         nonlocal n
         n += 1
         try:
-            results = check_case(case, impls, device)
+            results = check_case(case, impls, device, checks)
         except CaseFailed:
             failures.append(case)  # the last one recorded is hypothesis's shrunk example
             raise
+        finally:
+            times.append(time.monotonic() - start)
+            per_op[case.op] += 1
+            per_class[case.shape_class] += 1
         target(worst_ratio(results), label="err/bound")
 
-    start = time.monotonic()
     while time.monotonic() < deadline:
         try:
             one()
@@ -131,14 +185,117 @@ def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failure
         finally:
             bar.n = int(time.monotonic() - start)
             bar.refresh()
+    elapsed = time.monotonic() - start
     bar.close()
+    stats = {"cases": n, "case_times_s": times, "per_op": dict(per_op),
+             "per_shape_class": dict(per_class), "checks": dict(checks),
+             "elapsed_s": elapsed, "failure": None}
     if not failures:
         print(f"fuzz: {n} cases, no failure in {seconds:.0f} s")
-        return 0
+        return stats
     case = failures[-1]
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{case.id.replace(':', '_')}.txt"
     path.write_text(case.replay_command() + "\n")
     print(f"fuzz: failure after {n} cases; shrunk to {case.id}\nreplay: {case.replay_command()}"
           f"\nwritten to {path}")
-    return 1
+    stats["failure"] = {"case": case.id, "replay": case.replay_command(), "file": str(path)}
+    return stats
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def rate_after(times, elapsed: float, warmup: float) -> float | None:
+    """Cases per second of one worker over (warmup, elapsed]: the cases finished after the
+    warm-up over the time left after it (None when the search stopped within the warm-up)."""
+    if elapsed <= warmup:
+        return None
+    return sum(t > warmup for t in times) / (elapsed - warmup)
+
+
+def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shape_classes,
+           device: str, wall_s: float | None = None) -> dict:
+    """One ``fuzz/1`` document from the workers' stats (``run_workers``). Throughput is
+    summed over the workers' own rates: ``after_warmup`` counts the cases each finished
+    after ``warmup`` seconds from its start over its time after that; ``overall`` each
+    one's cases over its whole search."""
+    from oracle.report import machine_info
+
+    per_op: Counter = Counter()
+    per_class: Counter = Counter()
+    checks: Counter = Counter()
+    workers = []
+    after, overall = [], []
+    for i, s in enumerate(stats):
+        per_op.update(s["per_op"])
+        per_class.update(s["per_shape_class"])
+        checks.update(s["checks"])
+        r = rate_after(s["case_times_s"], s["elapsed_s"], warmup)
+        after.append(r)
+        overall.append(s["cases"] / s["elapsed_s"] if s["elapsed_s"] > 0 else 0.0)
+        workers.append({
+            "worker": s.get("worker", i), "cases": s["cases"],
+            "cases_after_warmup": sum(t > warmup for t in s["case_times_s"]),
+            "per_op": s["per_op"], "per_shape_class": s["per_shape_class"],
+            "checks": s["checks"],
+            "elapsed_s": s["elapsed_s"],
+            "cases_per_s_after_warmup": r, "cases_per_s": overall[-1],
+            "case_times_s": s["case_times_s"],
+            "failure": s["failure"]})
+    measured = [r for r in after if r is not None]
+    return {
+        "schema": "fuzz/1",
+        "machine": machine_info(),
+        "device": device,
+        "workers": len(stats),
+        "seconds": seconds,
+        "warmup_s": warmup,
+        "wall_s": wall_s,
+        "ops": list(ops),
+        "impls": list(impls),
+        "shape_classes": list(shape_classes),
+        "cases": sum(s["cases"] for s in stats),
+        "per_op": dict(sorted(per_op.items())),
+        "per_shape_class": dict(sorted(per_class.items())),
+        "checks": dict(sorted(checks.items())),
+        "throughput": {
+            "cases_per_s_after_warmup": sum(measured) if measured else None,
+            "workers_measured_after_warmup": len(measured),
+            "cases_per_s": sum(overall),
+        },
+        "failures": [w["failure"] for w in workers if w["failure"]],
+        "per_worker": workers,
+    }
+
+
+def write_report(doc: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def _rate(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def markdown(doc: dict) -> str:
+    """A short Markdown summary of a ``fuzz/1`` document."""
+    t = doc["throughput"]
+    lines = [
+        "| device | workers | shape classes | budget (s) | warm-up (s) | cases | "
+        "cases/s after warm-up | cases/s overall | failures |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        f"| {doc['machine'].get('device', doc['device'])} | {doc['workers']} | "
+        f"{','.join(doc['shape_classes'])} | {doc['seconds']:g} | {doc['warmup_s']:g} | "
+        f"{doc['cases']} | {_rate(t['cases_per_s_after_warmup'])} | "
+        f"{_rate(t['cases_per_s'])} | {len(doc['failures'])} |",
+        "",
+        "| op | cases |",
+        "|---|---:|",
+        *(f"| {op} | {n} |" for op, n in doc["per_op"].items()),
+    ]
+    for f in doc["failures"]:
+        lines += ["", f"failure: `{f['case']}`; replay: `{f['replay']}`"]
+    return "\n".join(lines) + "\n"

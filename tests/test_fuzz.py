@@ -1,6 +1,8 @@
 """Fuzzing: the hypothesis driver finds and shrinks a planted bug and writes its replay file;
 the long fuzz run (marker ``fuzz``) searches the CPU implementations."""
 
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 
@@ -67,3 +69,118 @@ def test_parallel_workers_each_fuzz_and_report(tmp_path, capfd):
                            out_dir=tmp_path / "out", db=None)
     assert rc == 0
     assert capfd.readouterr().out.count("no failure in 3 s") == 2
+
+
+def _fuzz_report(tmp_path, *extra):
+    """Run ``python -m oracle fuzz`` on reshape_and_cache/torch with a report; (rc, doc)."""
+    import json
+
+    from oracle.cli import main
+
+    path = tmp_path / "fuzz.json"
+    rc = main(["fuzz", "--ops", "reshape_and_cache", "--impls", "torch", "--db",
+               str(tmp_path / "db"), "--out", str(tmp_path / "out"), "--report", str(path),
+               *extra])
+    return rc, json.loads(path.read_text())
+
+
+def _check_throughput(doc):
+    """The throughput recomputed from each worker's recorded case completion times."""
+    warmup = doc["warmup_s"]
+    after = overall = 0.0
+    for w in doc["per_worker"]:
+        times = w["case_times_s"]
+        assert len(times) == w["cases"] and times == sorted(times)
+        assert all(0 < t <= w["elapsed_s"] for t in times)
+        n_after = sum(t > warmup for t in times)
+        assert w["cases_after_warmup"] == n_after
+        rate = n_after / (w["elapsed_s"] - warmup)
+        assert w["cases_per_s_after_warmup"] == pytest.approx(rate, rel=1e-12)
+        after += rate
+        overall += w["cases"] / w["elapsed_s"]
+    t = doc["throughput"]
+    assert t["cases_per_s_after_warmup"] == pytest.approx(after, rel=1e-12)
+    assert t["cases_per_s"] == pytest.approx(overall, rel=1e-12)
+    assert t["workers_measured_after_warmup"] == doc["workers"]
+
+
+def test_fuzz_report_has_the_schema_counts_that_add_up_and_the_throughput(tmp_path):
+    """``fuzz --report``: one fuzz/1 JSON with the machine, budget, warm-up, what was
+    fuzzed (only the requested shape class drawn), cases per op and per shape class summing
+    to the total, one torch check per case, and the throughput after warm-up equal to the
+    cases finished after the warm-up over the time after it (from the recorded times)."""
+    rc, doc = _fuzz_report(tmp_path, "--seconds", "4", "--warmup", "1",
+                           "--shape-classes", "small")
+    assert rc == 0
+    assert doc["schema"] == "fuzz/1" and doc["machine"]["device"]
+    assert (doc["workers"], doc["seconds"], doc["warmup_s"]) == (1, 4.0, 1.0)
+    assert doc["ops"] == ["reshape_and_cache"] and doc["impls"] == ["torch"]
+    assert doc["shape_classes"] == ["small"]
+    assert doc["cases"] > 0 and doc["failures"] == []
+    assert sum(doc["per_op"].values()) == doc["cases"] == doc["per_op"]["reshape_and_cache"]
+    assert doc["per_shape_class"] == {"small": doc["cases"]}
+    assert doc["checks"] == {"torch": doc["cases"]}
+    (w,) = doc["per_worker"]
+    assert w["elapsed_s"] >= 4.0 and w["cases_after_warmup"] > 0
+    _check_throughput(doc)
+
+
+def test_fuzz_report_default_warmup_is_a_fifth_of_the_budget(tmp_path):
+    """Without ``--warmup`` the warm-up is 20% of the budget; a bad shape class or a
+    warm-up not shorter than the budget is a usage error (exit 2), before any fuzzing."""
+    from oracle.cli import main
+
+    assert main(["fuzz", "--seconds", "1", "--shape-classes", "huge", "--db", "none"]) == 2
+    assert main(["fuzz", "--seconds", "1", "--warmup", "1", "--db", "none"]) == 2
+    rc, doc = _fuzz_report(tmp_path, "--seconds", "2.5")
+    assert rc == 0 and doc["warmup_s"] == pytest.approx(0.5)
+    _check_throughput(doc)
+
+
+def test_fuzz_report_merges_parallel_workers(tmp_path):
+    """``--workers 2 --report``: both workers' stats are in the report, and the totals
+    (cases, per op, per shape class, checks, throughput) are their sums."""
+    rc, doc = _fuzz_report(tmp_path, "--seconds", "3", "--warmup", "0.5", "--workers", "2")
+    assert rc == 0
+    assert doc["workers"] == 2
+    ws = doc["per_worker"]
+    assert sorted(w["worker"] for w in ws) == [0, 1] and all(w["cases"] > 0 for w in ws)
+    assert doc["cases"] == sum(w["cases"] for w in ws) == sum(doc["per_op"].values())
+    assert sum(doc["per_shape_class"].values()) == doc["cases"]
+    for key in ("per_op", "per_shape_class", "checks"):
+        assert doc[key] == dict(Counter(ws[0][key]) + Counter(ws[1][key]))
+    assert set(doc["per_shape_class"]) <= {"tiny", "small"}
+    assert doc["checks"] == {"torch": doc["cases"]}
+    _check_throughput(doc)
+
+
+def test_report_counts_failures_and_rates_from_worker_stats():
+    """``fuzz.report`` on hand-made worker stats: counts are summed over workers, a
+    worker's rate after warm-up counts only cases finished after it (2 of 5 over 2 s),
+    a worker that stopped within the warm-up has no such rate, and its failure is listed;
+    ``markdown`` shows the device, workers, cases, warm-up, both rates and per-op counts."""
+    fail = {"case": "x", "replay": "python -m oracle replay x", "file": "x.txt"}
+    stats = [
+        {"worker": 0, "cases": 5, "case_times_s": [0.1, 0.2, 0.3, 2.5, 3.5], "elapsed_s": 4.0,
+         "per_op": {"a": 4, "b": 1}, "per_shape_class": {"tiny": 5}, "checks": {"t": 5},
+         "failure": None},
+        {"worker": 1, "cases": 1, "case_times_s": [0.5], "elapsed_s": 1.0,
+         "per_op": {"a": 1}, "per_shape_class": {"small": 1}, "checks": {"t": 1, "u": 1},
+         "failure": fail},
+    ]
+    doc = fuzz.report(stats, seconds=4, warmup=2, ops=["a", "b"], impls=["t", "u"],
+                      shape_classes=["tiny", "small"], device="cpu")
+    assert doc["cases"] == 6 and doc["per_op"] == {"a": 5, "b": 1}
+    assert doc["per_shape_class"] == {"small": 1, "tiny": 5}
+    assert doc["checks"] == {"t": 6, "u": 1}
+    assert doc["throughput"] == {"cases_per_s_after_warmup": 1.0,
+                                 "workers_measured_after_warmup": 1,
+                                 "cases_per_s": 5 / 4 + 1 / 1}
+    assert [w["cases_per_s_after_warmup"] for w in doc["per_worker"]] == [1.0, None]
+    assert doc["failures"] == [fail]
+    md = fuzz.markdown(doc)
+    row = md.splitlines()[2]
+    assert row.split("|")[1:-1] == [" " + doc["machine"]["device"] + " ", " 2 ",
+                                    " tiny,small ", " 4 ", " 2 ", " 6 ", " 1.0 ", " 2.2 ",
+                                    " 1 "]
+    assert "| a | 5 |" in md and "| b | 1 |" in md and "python -m oracle replay x" in md
