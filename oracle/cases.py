@@ -9,7 +9,7 @@ carries the sha256 of its arrays (``input_hash``), recorded in reports and check
 Shapes are drawn from the seed within the shape class: ``tiny`` (interpreter-sized),
 ``small`` (the domain of SPEC.md s.7 at CPU-friendly sizes), ``model`` (the model's
 numbers: Hq 64, Hkv 4, D 128, R 64, P 128, K 16; 4 requests with contexts of up to 8k
-tokens; a prefill case appends up to 256 new tokens per request, so that its float64
+tokens; a prefill case appends up to 128 new tokens per request, so that its float64
 check, which grows with the rows times the selected keys, stays at seconds: the 2,048-token
 prefill is the benchmarks' and ``benchmarks/reference_speed.py``'s) and
 ``sweep`` (insert ops, for compiled kernels: the whole domain of SPEC.md s.7 -- N 0..16,384
@@ -349,7 +349,7 @@ def _requests(bg, shape_class: str, page: int, decode: bool,
             pad[int(rand.integers(bg, 0, b, ())[()])] = False  # at least one real request
             seq[pad] = 0  # graph padding rows
         return seq, np.where(seq > 0, rows, rows)
-    new = rand.integers(bg, 1, {"tiny": 24, "small": 96, "model": 256, "long": 128}[
+    new = rand.integers(bg, 1, {"tiny": 24, "small": 96, "model": 128, "long": 128}[
         shape_class] + 1, (b,))
     if shape_class == "long":
         return seq + new, new  # a prefix of seq tokens, then the new ones
