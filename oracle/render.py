@@ -11,6 +11,20 @@ def _pct(n, d) -> str:
     return f"{100 * n / d:.2f}%" if d else "-"
 
 
+def _suite_lines(suite: dict | None) -> list[str]:
+    """A test run's summary (``pytest --suite-report``: oracle/suite.py), when present."""
+    if not suite:
+        return []
+    outcomes = ", ".join(f"{n} {k}" for k, n in sorted(suite["outcomes"].items()))
+    lines = [f"Test run: {outcomes} in {suite['wall_seconds']} s wall "
+             f"({suite['test_seconds']} s of test time over all workers).", "",
+             "| slowest tests | s |", "|---|---:|"]
+    lines += [f"| `{t['test']}` | {t['seconds']:.1f} |" for t in suite["slowest"][:10]]
+    lines += [""] + [f"- FAILED `{t['test']}`: {t.get('message', '')}"
+                     for t in suite["failed"]]
+    return lines + ([""] if suite["failed"] else [])
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
@@ -20,6 +34,7 @@ def markdown(report: dict) -> str:
         f"{m.get('triton', '-')}, numpy {m.get('numpy')}. {report['cases']} cases, "
         f"{report['seconds']} s.",
         "",
+        *_suite_lines(report.get("suite")),
         "exact: output equals the nearest rounding of the exact value; ±1: within one code; "
         "adm≠near: admissible but not nearest; width>1: cases where the admissible set holds "
         "more than one code; err/bound: the largest error over its rigorous bound "

@@ -13,6 +13,7 @@ Collected on the controller (``pytest_runtest_logreport`` sees every worker's re
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 
@@ -34,7 +35,9 @@ class SuiteRecorder:
 
     def add(self, report) -> None:
         """One phase's report (setup, call, teardown) of one test."""
-        row = self.tests.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
+        # pytest-xdist's loadgroup appends "@group" to the node id: the test's id is before it.
+        test = re.sub(r"@[^\]]*$", "", report.nodeid)
+        row = self.tests.setdefault(test, {"outcome": "passed", "seconds": 0.0})
         row["seconds"] += report.duration
         if report.failed:
             row["outcome"] = "failed" if report.when == "call" else "error"

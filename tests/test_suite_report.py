@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from oracle.render import markdown
 from oracle.report import load
 from oracle.suite import SuiteRecorder
 from tests.test_plugins import PLUGIN
@@ -45,10 +46,13 @@ def test_report_holds_every_check_outcome_and_replay(tmp_path):
     assert all(f["impl"] == "plugin_broken" and "oracle replay" in f["replay"] for f in fails)
     assert {f["test"] for f in doc["suite"]["failed"]} == {
         k for k, v in broken.items() if v == "failed"}
+    text = markdown(doc)
+    assert f"{doc['suite']['outcomes']['failed']} failed" in text
+    assert all(f"FAILED `{f['test']}`" in text for f in doc["suite"]["failed"])
 
 
 def _report(when, outcome, duration=1.0, props=()):
-    return SimpleNamespace(nodeid="t::x", when=when, duration=duration,
+    return SimpleNamespace(nodeid="t::x[a|b]@group", when=when, duration=duration,
                            failed=outcome == "failed", skipped=outcome == "skipped",
                            longrepr="E   boom\nt.py:1: AssertionError" if outcome == "failed"
                            else None, user_properties=list(props))
@@ -65,7 +69,7 @@ def test_recorder_classifies_phases(tmp_path):
         for when, what in phases:
             rec.add(_report(when, what))
         row = rec.report()["suite"]
-        assert row["tests"] == {"t::x": outcome}
+        assert row["tests"] == {"t::x[a|b]": outcome}  # without xdist's group suffix
         assert row["test_seconds"] == len(phases)
         if outcome in ("failed", "error"):
             assert row["failed"][0]["message"] == "t.py:1: AssertionError"
