@@ -1,10 +1,15 @@
-"""End-to-end accuracy cost of fp8 KV caches, measured with the float64 reference only.
+"""End-to-end accuracy cost of fp8 KV caches: the float64 reference pipeline, and beside it
+the same step through a registered implementation of each op (the project's kernels).
 
 One sparse-attention step (``reference.pipeline.sparse_step``: fused norm + RoPE + insert
 -> indexer -> block-sparse attention) runs on a batch whose prefixes are already cached,
 once per cache configuration, and is compared with the same step computed WITHOUT any
-cache quantisation. No GPU and no kernel is involved: every number here is what the cache
-format alone costs, before any kernel rounding.
+cache quantisation. The reference pipeline's numbers (the row's top-level metrics) are
+what the cache format alone costs, before any kernel rounding. With ``impl`` (``python -m
+oracle e2e --impl triton``) the same step also runs through that name's registered
+implementations (``kernel_step``; the row's ``"kernel"`` columns, see "The kernel
+pipeline" below). The command's default ``--impl reference`` runs the reference's own
+registered ops that way (the plumbing check); ``run(impl=None)``, the reference alone.
 
 Choices (each one deliberate; the JSON records the configuration):
 
@@ -24,12 +29,12 @@ Choices (each one deliberate; the JSON records the configuration):
   +-2^-9 x 2^U(-2, 4) (around e4m3fn's min subnormal). q, k and the index parts go through
   RMSNorm, which removes their overall magnitude; V is stored as drawn, so the magnitude
   distributions act mostly on V (and the outliers on K's shape as well).
-- Shapes (``DEFAULT``; ``QUICK`` is smaller): Hkv 2, G 4 (Hq 8), Hi = Hkv, D 128, R 64,
-  P 64, K 8, one forced local block, no initial block, RoPE base 5e6, eps 1e-6, bf16
-  activations. Prefill: 3 requests with cached prefixes 997, 2411, 3290 and 160, 96, 224
-  new tokens. Decode: 8 requests of 777 .. 4001 tokens, 2 rows each (16 rows: its
-  selection-change fractions are counts out of 32). No length is a multiple of P; K = 8
-  of up to 63 visible blocks, so the selection is a real choice.
+- Shapes (``DEFAULT``; ``QUICK`` is smaller, ``TINY`` interpreter-sized): Hkv 2, G 4
+  (Hq 8), Hi = Hkv, D 128, R 64, P 64, K 8, one forced local block, no initial block,
+  RoPE base 5e6, eps 1e-6, bf16 activations. Prefill: 3 requests with cached prefixes
+  997, 2411, 3290 and 160, 96, 224 new tokens. Decode: 8 requests of 777 .. 4001 tokens,
+  2 rows each (16 rows: its selection-change fractions are counts out of 32). No length
+  is a multiple of P; K = 8 of up to 63 visible blocks, so the selection is a real choice.
 - Cache configurations: ``kv_cache_dtype`` on a platform, resolved by
   ``reference.platforms``: bfloat16 (the baseline users compare against; index cache bf16,
   index_q bf16), fp8_e4m3 / fp8_e5m2 on ``cuda`` (e4m3fn / e5m2) and on ``rocm-fnuz``
@@ -66,6 +71,39 @@ Choices (each one deliberate; the JSON records the configuration):
   the fraction of (row, index head) selections whose SET differs from the exact step's;
   and the relative RMSE of attention on the same quantised cache with the EXACT step's
   selection (what the KV values alone cost, without selection changes).
+- The kernel pipeline (``kernel_step``, ``measure_kernel``): on the same inputs, the same
+  poisoned caches holding the same prefixes (written by ``write_prefixes``, as for the
+  reference pipeline: the prefixes are not the implementation's writes), the
+  implementation's ``norm_rope_insert`` of the step's rows, its ``indexer_{mode}`` on the
+  index cache and the index_q it wrote, and its ``attention_{mode}`` of the q it returned
+  on the KV cache it wrote with the selection its indexer made. Each op gets the input
+  dict ``oracle.cases.make_inputs`` builds for it (same keys and conventions:
+  ``insert_inputs``, ``indexer_inputs``, ``attention_inputs``) and returns what
+  ``oracle.registry`` describes; outputs in codes are decoded. The registered insert op
+  takes one slot mapping for both caches while the case gives the index cache its own
+  block table: the insert gets the index cache with its pages relabelled in the KV
+  cache's page order (``kv_to_index_pages``), and the pages go back afterwards (the keys
+  land where ``index_block_table`` says; every byte as in ``sparse_step``, tested).
+- Which implementations run: ``resolve_impls`` takes the name's implementation of each of
+  the step's three ops that runs on this machine (a CPU one runs anywhere). Each row's
+  three ops are judged by ``Implementation.supports`` on the nearest ``oracle.cases.Case``
+  (``nearest_case``: the row's op, platform, kv_cache_dtype, model dtype, distribution,
+  seed, scales ``tensor`` for amax and ``none`` for unit, and ``nearest_shape_class``: the
+  smallest class whose per-request context and new tokens cover the step: ``TINY`` is
+  tiny, ``QUICK`` small, ``DEFAULT`` model). A row with an op missing or unclaimed is
+  reported as skipped with every reason, never dropped. So on a CPU machine, where the
+  interpreted Triton prefill attention claims tiny only, ``--impl triton --quick`` skips
+  the prefill rows (``--tiny`` runs them); compiled (CUDA) every class up to model runs.
+- Kernel metrics (``measure_kernel``): rel RMSE, max error and top-k changes against the
+  exact step, as for the reference; ``topk_vs_reference``: the fraction of selections
+  that differ from the reference pipeline's (same quantised caches); and the output
+  against the reference pipeline's rounded once to the model dtype (what the reference's
+  attention op returns; ``rel_rmse_ref_rounded`` / ``max_abs_rel_ref_rounded`` are its
+  own metrics): ``rel_rmse_vs_reference`` over every (row, head), ``..._same_selection``
+  over those whose selection agrees (the kernels' arithmetic without selection flips).
+  The ops return model-dtype outputs, so a kernel's numbers include that rounding (at
+  most 2^-9 of each element in bf16); with ``impl="reference"`` the kernel columns are the
+  rounded reference's exactly (tests/test_e2e.py).
 - Reading the numbers: the data are random, without a real model's structure. Block
   scores of random keys are close to one another, so a small score error swaps blocks
   often (a worst case for the selection), and an output is an average of many random V
@@ -86,14 +124,14 @@ from pathlib import Path
 import numpy as np
 
 from oracle import rand
-from oracle.cases import draw_values, poison_code, to_model
+from oracle.cases import Case, draw_values, poison_code, to_model
 from reference.attention import (
     decode_positions,
     prefill_positions,
     sparse_attention_decode,
     sparse_attention_prefill,
 )
-from reference.codec import FORMATS
+from reference.codec import FORMATS, decode, round_to
 from reference.domain import MODEL
 from reference.indexer import select_blocks
 from reference.kv_cache import (
@@ -105,7 +143,7 @@ from reference.kv_cache import (
     token_slots,
 )
 from reference.norm_rope import KINDS, QKVLayout, rope_table, transform_qkv_rows
-from reference.pipeline import sparse_step
+from reference.pipeline import new_token_slots, sparse_step
 from reference.platforms import index_cache_format, is_fp8, kv_cache_format
 
 SCHEMA = "e2e-accuracy/1"
@@ -139,6 +177,10 @@ class Config:
 DEFAULT = Config(2, 4, 128, 64, 64, 8, (997, 2411, 3290), (160, 96, 224),
                  (1203, 2050, 3333, 4001, 777, 2900, 1555, 3711), 2)
 QUICK = Config(2, 2, 64, 32, 16, 4, (203, 390), (48, 40), (150, 333, 261, 197, 420, 88), 2)
+#: Interpreter-sized (every context within 4 pages of 16 tokens: shape class ``tiny``, which
+#: every registered implementation claims); K = 2 of up to 4 visible blocks, one forced.
+TINY = Config(2, 2, 64, 32, 16, 2, (29, 45), (11, 17), (37, 64, 50), 2)
+CONFIGS = {"default": DEFAULT, "quick": QUICK, "tiny": TINY}
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -386,33 +428,240 @@ def selection_change_fraction(topk, ref_topk) -> float:
     return float(np.mean(np.any(a != b, axis=-1)))
 
 
+# ------------------------------------------------------------------------------ kernels
+
+
+#: (largest context, largest new tokens per request) of each shape class of
+#: ``oracle.cases`` (tiny: 4 pages of 16, up to 24 new tokens; small: 24 pages of up to 128,
+#: up to 96; model: 64 pages of 128, up to 256), smallest first; beyond them: ``long``
+#: (``sweep`` for the insert op, its class for compiled kernels).
+SHAPE_LIMITS = (("tiny", 64, 24), ("small", 24 * 128, 96), ("model", 64 * 128, 256))
+
+
+def pipeline_ops(mode: str) -> tuple[str, str, str]:
+    """The registry ops of one step, in order: insert, indexer, attention."""
+    return ("norm_rope_insert", f"indexer_{mode}", f"attention_{mode}")
+
+
+def nearest_shape_class(cfg: Config, mode: str, op: str = "attention_decode") -> str:
+    """The shape class of the nearest ``oracle.cases.Case`` to a configuration's step: the
+    smallest class (``SHAPE_LIMITS``) whose largest context and new tokens per request
+    cover the step's (decode: its rows per request), the same for the step's three ops
+    (``long`` becomes ``sweep`` for the insert op). Requests, heads, D and P do not enter:
+    the classes' limits are per request, and every class spans the shapes of ``Config``."""
+    if mode == "prefill":
+        ctx = max(p + n for p, n in zip(cfg.prefixes, cfg.new_tokens))
+        new = max(cfg.new_tokens)
+    else:
+        ctx, new = max(cfg.contexts), cfg.rows_per_request
+    for name, max_ctx, max_new in SHAPE_LIMITS:
+        if ctx <= max_ctx and new <= max_new:
+            return name
+    return "sweep" if op == "norm_rope_insert" else "long"
+
+
+def nearest_case(op: str, mode: str, dist: str, seed: int, cfg: Config, dtype: str,
+                 plat: str, kind: str) -> Case:
+    """The ``Case`` an implementation's ``supports`` judges one (op, configuration) by: the
+    configuration's op, platform, kv_cache_dtype, model dtype, distribution and seed,
+    ``nearest_shape_class``, and scales ``tensor`` for ``amax`` (one float32 scalar each
+    for K and V) or ``none`` (``unit`` passes no scale, as the reference pipeline does)."""
+    return Case(op, nearest_shape_class(cfg, mode, op), dist, plat, dtype, MODEL_DTYPE,
+                "tensor" if kind == "amax" else "none", seed)
+
+
+def resolve_impls(name: str, modes=MODES, device: str = "cpu") -> dict:
+    """op -> the registered implementation ``name`` of every op the modes' steps call that
+    runs on this machine (``device`` among its devices, or a CPU implementation: those run
+    on any machine), or a string saying why there is none (reported as a skip).
+    ValueError if no op has an implementation of that name
+    (``oracle.registry.implementations``)."""
+    from oracle.registry import implementations
+
+    found = {}
+    for op in dict.fromkeys(op for m in modes for op in pipeline_ops(m)):
+        impls = implementations(op, [name])
+        here = [i for i in impls if device in i.devices or "cpu" in i.devices]
+        found[op] = (here[0] if here else
+                     f"{op} {name!r} needs {'/'.join(impls[0].devices)}, not {device}"
+                     if impls else f"no implementation {name!r} of {op}")
+    return found
+
+
+def unclaimed(impls: dict, case, conf) -> str | None:
+    """Why the implementations ``impls`` (``resolve_impls``) do not run a configuration's
+    step, or None: every op of the step must have an implementation that claims its
+    ``nearest_case``; every refusal is named (op, implementation, its reason)."""
+    dtype, plat, _, _, kind = conf
+    why = []
+    for op in pipeline_ops(case["mode"]):
+        impl = impls.get(op, f"no implementation of {op}")
+        if isinstance(impl, str):
+            why.append(impl)
+            continue
+        c = nearest_case(op, case["mode"], case["dist"], case["seed"], case["cfg"], dtype,
+                         plat, kind)
+        ok, reason = impl.supports(c)
+        if not ok:
+            why.append(f"{op} {impl.name!r} does not claim {reason}")
+    return "; ".join(why) or None
+
+
+def kv_to_index_pages(case) -> np.ndarray:
+    """``perm[kv_page]``: the index-cache page that holds what the KV cache's page holds
+    (the two block tables side by side; the spare pages paired in order). The insert op
+    of the registry takes one slot mapping for both caches, so the kernel pipeline passes
+    it ``index_cache[perm]`` (the same cache, its pages relabelled in the KV cache's
+    order) and puts the pages back afterwards: the index keys land where
+    ``index_block_table`` says, as in ``sparse_step``."""
+    n = case["num_pages"]
+    kv_pages, index_pages = case["block_table"].ravel(), case["index_block_table"].ravel()
+    perm = np.empty(n, np.int64)
+    perm[kv_pages] = index_pages
+    perm[np.setdiff1d(np.arange(n), kv_pages)] = np.setdiff1d(np.arange(n), index_pages)
+    return perm
+
+
+def _step_args(case) -> dict:
+    step = case["step"]
+    if case["mode"] == "prefill":
+        return dict(seq_lens=step["seq_lens"], cu_seqlens_q=step["cu_seqlens_q"])
+    return dict(seq_lens=step["seq_lens"], rows_per_request=step["rows_per_request"])
+
+
+def insert_inputs(case, kv, kv_fmt, index_cache, index_fmt, k_scale, v_scale) -> dict:
+    """The ``norm_rope_insert`` input dict (``oracle.cases``' keys) of the step's rows: KV
+    slots from ``block_table`` (``new_token_slots``), ``index_cache`` already in the KV
+    cache's page order (``kv_to_index_pages``)."""
+    cfg, layout, w = case["cfg"], case["layout"], case["weights"]
+    req, pos = step_positions(case)
+    slots = new_token_slots(case["block_table"], req, pos, cfg.page, case["num_pages"])
+    return dict(rows=case["step"]["rows"], positions=np.maximum(pos, 0), slot_mapping=slots,
+                kv_cache=kv, kv_fmt=kv_fmt, model_dtype=MODEL_DTYPE, cache_layout="HND",
+                k_scale=k_scale, v_scale=v_scale, num_q_heads=layout.num_q_heads,
+                num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                num_index_heads=layout.num_index_heads, has_index_k=layout.has_index_k,
+                rotary_dim=cfg.rotary_dim, eps=MODEL.eps, weights_q=w["q"], weights_k=w["k"],
+                weights_index_q=w["index_q"], weights_index_k=w["index_k"],
+                rope_table=case["table"], index_cache=index_cache, index_fmt=index_fmt)
+
+
+def indexer_inputs(case, index_q, index_cache, index_fmt) -> dict:
+    """The ``indexer_{mode}`` input dict: index_q as values, the index cache's codes, its
+    own block table."""
+    return dict(index_q=index_q, index_cache=index_cache, index_fmt=index_fmt,
+                block_table=case["index_block_table"], topk=case["cfg"].topk,
+                local_blocks=LOCAL_BLOCKS, initial_blocks=INITIAL_BLOCKS,
+                model_dtype=MODEL_DTYPE, **_step_args(case))
+
+
+def attention_inputs(case, q, kv, kv_fmt, topk, k_scale, v_scale) -> dict:
+    """The ``attention_{mode}`` input dict: q as model-dtype values, the KV cache's codes."""
+    return dict(q=q, kv_cache=kv, kv_fmt=kv_fmt, block_table=case["block_table"], topk=topk,
+                k_scale=k_scale, v_scale=v_scale, model_dtype=MODEL_DTYPE,
+                cache_layout="HND", **_step_args(case))
+
+
+def kernel_step(case, exact, kv_fmt, index_fmt, impls: dict, k_scale=None,
+                v_scale=None) -> dict:
+    """The step through registered implementations (``impls``: op -> Implementation): the
+    same poisoned caches holding the same prefixes as ``run_cached`` (``write_prefixes``:
+    the prefixes are not the implementation's writes), then its insert of the step's rows,
+    its indexer on the index cache and index_q it wrote, and its attention of the q it
+    returned on the KV cache it wrote and the selection its indexer made. Returns ``out``
+    (the attention's model-dtype codes as values), ``topk``, ``q``, ``index_q`` and both
+    caches."""
+    mode, md = case["mode"], MODEL_DTYPE
+    kv, ic = empty_caches(case, kv_fmt, index_fmt)
+    write_prefixes(case, exact, kv, kv_fmt, ic, index_fmt, k_scale, v_scale)
+    perm = kv_to_index_pages(case)
+    ins = impls["norm_rope_insert"].run(
+        insert_inputs(case, kv, kv_fmt, ic[perm], index_fmt, k_scale, v_scale))
+    kv = ins["kv_cache"]
+    ic = np.empty_like(ic)
+    ic[perm] = ins["index_cache"]
+    q, index_q = decode(ins["q"], md), decode(ins["index_q"], index_fmt)
+    topk = np.asarray(impls[f"indexer_{mode}"].run(
+        indexer_inputs(case, index_q, ic, index_fmt))["topk"])
+    out = impls[f"attention_{mode}"].run(
+        attention_inputs(case, q, kv, kv_fmt, topk, k_scale, v_scale))["out"]
+    return dict(out=decode(out, md), topk=topk, q=q, index_q=index_q, kv_cache=kv,
+                index_cache=ic)
+
+
+def same_selection_heads(topk, ref_topk, group: int) -> np.ndarray:
+    """bool ``[T, Hq]``: query head h of row t reads the same block set in both selections
+    (those of its KV head h // G)."""
+    same = np.all(np.sort(topk, axis=-1) == np.sort(ref_topk, axis=-1), axis=-1)  # [Hi, T]
+    return np.repeat(same.T, group, axis=1)
+
+
+def measure_kernel(case, exact, res, conf, impls: dict, name: str) -> dict:
+    """The kernel pipeline's columns of one row (``res``: the reference pipeline's run of
+    the same configuration): status ``ran`` with the row's metrics against the exact step
+    (rel_rmse, max_abs_rel, topk_changed), its selection against the reference
+    pipeline's (topk_vs_reference), its output against the reference pipeline's output
+    rounded once to the model dtype (what the reference's attention op returns:
+    rel_rmse_vs_reference over every (row, head), ..._same_selection over those whose
+    selection agrees, None if none), and that rounded output's own metrics
+    (rel_rmse_ref_rounded, max_abs_rel_ref_rounded); or status ``skipped`` with the reason
+    (``unclaimed``)."""
+    why = unclaimed(impls, case, conf)
+    if why is not None:
+        return dict(impl=name, status="skipped", reason=why)
+    dtype, plat, fmt, ifmt, kind = conf
+    ks, vs = case_scales(exact, fmt, kind)
+    t0 = time.perf_counter()
+    k = kernel_step(case, exact, fmt, ifmt, impls, ks, vs)
+    seconds = time.perf_counter() - t0
+    ref = round_to(res.out, MODEL_DTYPE)
+    same = same_selection_heads(k["topk"], res.topk, case["cfg"].group)
+    return dict(impl=name, status="ran", rel_rmse=rel_rmse(k["out"], exact["out"]),
+                max_abs_rel=max_abs_rel(k["out"], exact["out"]),
+                topk_changed=selection_change_fraction(k["topk"], exact["topk"]),
+                topk_vs_reference=selection_change_fraction(k["topk"], res.topk),
+                rel_rmse_vs_reference=rel_rmse(k["out"], ref),
+                rel_rmse_vs_reference_same_selection=(
+                    rel_rmse(k["out"][same], ref[same]) if same.any() else None),
+                rel_rmse_ref_rounded=rel_rmse(ref, exact["out"]),
+                max_abs_rel_ref_rounded=max_abs_rel(ref, exact["out"]),
+                seconds=round(seconds, 3))
+
+
 # ------------------------------------------------------------------------------ driver
 
 
-def configurations(scale_kinds=SCALE_KINDS):
+def configurations(scale_kinds=SCALE_KINDS, caches=CACHES):
     """(kv_cache_dtype, platform, kv format, index format, scale kind) of every run."""
-    for dtype, plat in CACHES:
+    for dtype, plat in caches:
         fmt = kv_cache_format(dtype, plat, MODEL_DTYPE)
         ifmt = index_cache_format(is_fp8(fmt), plat, MODEL_DTYPE)
         for kind in (scale_kinds if is_fp8(fmt) else ("none",)):
             yield dtype, plat, fmt, ifmt, kind
 
 
-def measure(case, exact: dict, dtype, plat, fmt, ifmt, kind) -> dict:
+def measure(case, exact: dict, dtype, plat, fmt, ifmt, kind, impls: dict | None = None,
+            impl_name: str | None = None) -> dict:
     """One row of the report: a cached run of the case against the exact step (``exact``:
-    its ``exact_values`` plus ``out`` and ``topk``)."""
+    its ``exact_values`` plus ``out`` and ``topk``); with ``impls`` (op ->
+    Implementation, ``resolve_impls``) also the kernel pipeline's columns under
+    ``"kernel"`` (``measure_kernel``)."""
     ks, vs = case_scales(exact, fmt, kind)
     res = run_cached(case, exact, fmt, ifmt, ks, vs)
     same_sel = attention_with_selection(case, res, fmt, ks, vs, exact["topk"])
-    return dict(mode=case["mode"], dist=case["dist"], seed=case["seed"],
-                kv_cache_dtype=dtype, platform=plat, kv_fmt=fmt, index_fmt=ifmt, scales=kind,
-                k_scale=None if ks is None else float(ks),
-                v_scale=None if vs is None else float(vs),
-                rel_rmse=rel_rmse(res.out, exact["out"]),
-                max_abs_rel=max_abs_rel(res.out, exact["out"]),
-                topk_changed=selection_change_fraction(res.topk, exact["topk"]),
-                rel_rmse_exact_selection=rel_rmse(same_sel, exact["out"]),
-                rows=int(res.out.shape[0]), selections=int(np.prod(res.topk.shape[:2])))
+    row = dict(mode=case["mode"], dist=case["dist"], seed=case["seed"],
+               kv_cache_dtype=dtype, platform=plat, kv_fmt=fmt, index_fmt=ifmt, scales=kind,
+               k_scale=None if ks is None else float(ks),
+               v_scale=None if vs is None else float(vs),
+               rel_rmse=rel_rmse(res.out, exact["out"]),
+               max_abs_rel=max_abs_rel(res.out, exact["out"]),
+               topk_changed=selection_change_fraction(res.topk, exact["topk"]),
+               rel_rmse_exact_selection=rel_rmse(same_sel, exact["out"]),
+               rows=int(res.out.shape[0]), selections=int(np.prod(res.topk.shape[:2])))
+    if impls is not None:
+        row["kernel"] = measure_kernel(case, exact, res, (dtype, plat, fmt, ifmt, kind),
+                                       impls, impl_name)
+    return row
 
 
 def exact_step(case) -> dict:
@@ -422,60 +671,223 @@ def exact_step(case) -> dict:
     return exact
 
 
-def run(quick=False, seed=0, modes=MODES, dists=DISTS, progress=True) -> dict:
-    """Every (mode, distribution, configuration) row; the report document."""
-    cfg = QUICK if quick else DEFAULT
-    t0, rows = time.perf_counter(), []
-    for mode in modes:
-        for dist in dists:
-            case = make_case(mode, dist, seed, cfg)
-            exact = exact_step(case)
-            for conf in configurations():
-                rows.append(measure(case, exact, *conf))
-                if progress:
-                    r = rows[-1]
-                    print(f"{mode:7s} {dist:13s} {r['kv_fmt']:9s} {r['scales']:4s} "
-                          f"rel RMSE {r['rel_rmse']:.3e}  top-k changed "
-                          f"{r['topk_changed']:.3f}  ({time.perf_counter() - t0:.0f} s)",
-                          file=sys.stderr, flush=True)
-    return dict(schema=SCHEMA, quick=quick, seed=seed, config=asdict(cfg),
-                model_dtype=MODEL_DTYPE, target_fmt=TARGET_FMT, local_blocks=LOCAL_BLOCKS,
-                initial_blocks=INITIAL_BLOCKS, seconds=round(time.perf_counter() - t0, 1),
-                numpy=np.__version__, python=_platform.python_version(), rows=rows)
+def _device() -> str:
+    from oracle.cli import _device as device
+
+    return device()
+
+
+def _progress_line(r, t0) -> str:
+    line = (f"{r['mode']:7s} {r['dist']:13s} {r['kv_fmt']:9s} {r['scales']:4s} "
+            f"rel RMSE {r['rel_rmse']:.3e}  top-k changed {r['topk_changed']:.3f}")
+    k = r.get("kernel")
+    if k is not None:
+        line += (f"  | {k['impl']}: rel RMSE {k['rel_rmse']:.3e}  top-k changed "
+                 f"{k['topk_changed']:.3f}" if k["status"] == "ran" else
+                 f"  | {k['impl']}: skipped")
+    return f"{line}  ({time.perf_counter() - t0:.0f} s)"
+
+
+def pair_rows(mode, dist, seed, cfg, impls=None, impl_name=None, caches=CACHES,
+              scale_kinds=SCALE_KINDS, progress=True, t0=None) -> list[dict]:
+    """The rows of one (mode, distribution): its input set, its exact step, one row per
+    configuration."""
+    t0 = time.perf_counter() if t0 is None else t0
+    case = make_case(mode, dist, seed, cfg)
+    exact = exact_step(case)
+    rows = []
+    for conf in configurations(scale_kinds, caches):
+        rows.append(measure(case, exact, *conf, impls=impls, impl_name=impl_name))
+        if progress:
+            print(_progress_line(rows[-1], t0), file=sys.stderr, flush=True)
+    return rows
+
+
+def _pair_rows_named(mode, dist, seed, cfg, impl, device, caches, scale_kinds, progress):
+    """``pair_rows`` in a worker process: the implementations resolved there by name."""
+    impls = None if impl is None else resolve_impls(impl, (mode,), device)
+    return pair_rows(mode, dist, seed, cfg, impls, impl, caches, scale_kinds, progress)
+
+
+def run(quick=False, seed=0, modes=MODES, dists=DISTS, progress=True, impl=None,
+        impls=None, config=None, caches=CACHES, scale_kinds=SCALE_KINDS, workers=1,
+        device=None) -> dict:
+    """Every (mode, distribution, configuration) row; the report document.
+
+    config      a ``Config`` (default ``QUICK`` if ``quick`` else ``DEFAULT``).
+    impl        None: the reference pipeline alone (the rows as they always were); a
+                registered implementation name: also the kernel pipeline through that
+                name's implementations of the step's ops on ``device`` (default: cuda
+                where torch sees one, else cpu), each row's columns under ``"kernel"``.
+    impls       op -> Implementation (or a string: why there is none), instead of the
+                registry's (a wrapped or deliberately broken implementation); ``impl``
+                names it in the report (default "custom"). Not with ``workers`` > 1.
+    workers     processes, one (mode, distribution) each at a time (spawned; each
+                resolves ``impl`` itself); rows in the same order as with one.
+    caches, scale_kinds: the configurations measured (default: all).
+    """
+    cfg = config if config is not None else QUICK if quick else DEFAULT
+    with_kernels = impl is not None or impls is not None
+    if impls is not None and workers > 1:
+        raise ValueError("impls (implementation objects) run in this process: workers must "
+                         "be 1")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    device = device or (_device() if with_kernels else "cpu")
+    name = impl if impl is not None else "custom"
+    if impl is not None and impls is None:
+        impls = resolve_impls(impl, modes, device)  # ValueError for an unknown name, here
+    t0, pairs = time.perf_counter(), [(m, d) for m in modes for d in dists]
+    if workers == 1:
+        rows = [r for m, d in pairs for r in pair_rows(
+            m, d, seed, cfg, impls, name if with_kernels else None, caches, scale_kinds,
+            progress, t0)]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(workers, len(pairs)),
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_pair_rows_named, m, d, seed, cfg, impl, device, caches,
+                                   scale_kinds, progress) for m, d in pairs]
+            rows = [r for f in futures for r in f.result()]
+    doc = dict(schema=SCHEMA, quick=quick, seed=seed, config=asdict(cfg),
+               model_dtype=MODEL_DTYPE, target_fmt=TARGET_FMT, local_blocks=LOCAL_BLOCKS,
+               initial_blocks=INITIAL_BLOCKS, seconds=round(time.perf_counter() - t0, 1),
+               numpy=np.__version__, python=_platform.python_version(), rows=rows)
+    if with_kernels:
+        from oracle.report import machine_info
+
+        doc.update(impl=name, device=device, machine=machine_info(),
+                   config_name=next((k for k, v in CONFIGS.items() if v == cfg), "custom"),
+                   shape_classes={m: nearest_shape_class(cfg, m) for m in modes},
+                   interpreted=device == "cpu" and _interpreted(impls), workers=workers,
+                   kernel_seconds=round(sum(r["kernel"].get("seconds", 0.0)
+                                            for r in rows), 1))
+    return doc
+
+
+def _interpreted(impls: dict) -> bool:
+    """Whether any of the implementations is one of the project's kernels (``kernels.*``)
+    running under the Triton interpreter."""
+    import os
+
+    ours = any(getattr(i.run, "__module__", "").startswith("kernels.")
+               for i in impls.values() if not isinstance(i, str))
+    return ours and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _config_line(doc) -> str:
+    c = doc["config"]
+    label = doc.get("config_name", "quick" if doc["quick"] else "default")
+    return (f"Hkv {c['kv_heads']}, G {c['group']}, D {c['head_dim']}, R {c['rotary_dim']}, "
+            f"P {c['page']}, K {c['topk']}; prefill: prefixes {list(c['prefixes'])} + "
+            f"{list(c['new_tokens'])} new tokens; decode: contexts {list(c['contexts'])}, "
+            f"{c['rows_per_request']} rows each. Seed {doc['seed']}"
+            f"{f' ({label})' if label != 'default' else ''}; {doc['seconds']} s.")
+
+
+_READING = [
+    "fp8 KV caches come with the platform's e4m3 index cache, so rows sharing an index "
+    "format share their selections. Random data: block scores are close to one another "
+    "(selection changes are frequent) and outputs are averages of many random V rows, "
+    "so absolute numbers are no prediction of a trained model's accuracy; compare rows.",
+]
 
 
 def markdown(doc) -> str:
-    c = doc["config"]
+    """The report as Markdown: one table line per row; with a kernel pipeline (``impl`` in
+    the document) each metric as ``reference / kernel``."""
+    if "impl" in doc:
+        return _markdown_both(doc)
     lines = [
         "# End-to-end accuracy cost of the KV cache format (float64 reference, CPU)",
         "",
         f"One sparse-attention step (fused norm + RoPE + insert -> indexer -> block-sparse "
         f"attention, exact schedule) against the same step without quantisation "
-        f"(oracle/e2e.py). Hkv {c['kv_heads']}, G {c['group']}, D {c['head_dim']}, "
-        f"R {c['rotary_dim']}, P {c['page']}, K {c['topk']}; prefill: prefixes "
-        f"{list(c['prefixes'])} + {list(c['new_tokens'])} new tokens; decode: contexts "
-        f"{list(c['contexts'])}, {c['rows_per_request']} rows each. Seed {doc['seed']}"
-        f"{' (quick)' if doc['quick'] else ''}; {doc['seconds']} s.",
+        f"(oracle/e2e.py). {_config_line(doc)}",
         "",
         "rel RMSE = ||out - exact|| / ||exact||; max err = max |out - exact| / max |exact|; "
         "top-k changed = fraction of (row, head) selections whose block set differs from "
         "the exact step's; rel RMSE (exact sel.) = the same cache read with the exact "
         "step's selection. Scales: amax = max|x| / fmt_max per tensor (K and V), unit = 1.0.",
-        "fp8 KV caches come with the platform's e4m3 index cache, so rows sharing an index "
-        "format share their selections. Random data: block scores are close to one another "
-        "(selection changes are frequent) and outputs are averages of many random V rows, "
-        "so absolute numbers are no prediction of a trained model's accuracy; compare rows.",
+        *_READING,
         "",
         "| mode | dist | cache | platform | index | scales | rel RMSE | max err | "
         "top-k changed | rel RMSE (exact sel.) |",
         "|---|---|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
-        plat = "any" if r["scales"] == "none" else r["platform"]
-        lines.append(f"| {r['mode']} | {r['dist']} | {r['kv_fmt']} | {plat} | "
-                     f"{r['index_fmt']} | {r['scales']} | {r['rel_rmse']:.2e} | "
-                     f"{r['max_abs_rel']:.2e} | {r['topk_changed']:.3f} | "
-                     f"{r['rel_rmse_exact_selection']:.2e} |")
+        lines.append(f"{_row_head(r)} {r['rel_rmse']:.2e} | {r['max_abs_rel']:.2e} | "
+                     f"{r['topk_changed']:.3f} | {r['rel_rmse_exact_selection']:.2e} |")
+    return "\n".join(lines) + "\n"
+
+
+def _row_head(r) -> str:
+    plat = "any" if r["scales"] == "none" else r["platform"]
+    return (f"| {r['mode']} | {r['dist']} | {r['kv_fmt']} | {plat} | {r['index_fmt']} | "
+            f"{r['scales']} |")
+
+
+def _markdown_both(doc) -> str:
+    name = doc["impl"]
+    where = doc["device"] + (" (Triton interpreter)" if doc.get("interpreted") else "")
+    classes = ", ".join(f"{m} {c}" for m, c in doc["shape_classes"].items())
+    lines = [
+        f"# End-to-end accuracy cost of the KV cache format: float64 reference and the "
+        f"`{name}` implementations ({where})",
+        "",
+        f"One sparse-attention step (fused norm + RoPE + insert -> indexer -> block-sparse "
+        f"attention) against the same step without quantisation (oracle/e2e.py), twice "
+        f"per row on the same inputs: the float64 reference pipeline (exact schedule, "
+        f"unrounded output: the cache's cost alone) and the registered `{name}` "
+        f"implementations of the three ops (insert of the step's rows, indexer, attention; "
+        f"the prefixes are written by the reference writer, bit-identical to its fused "
+        f"op). {_config_line(doc)} Each row's ops are checked against the nearest case "
+        f"(shape classes: {classes}); a row no implementation claims is skipped, with the "
+        f"reason below. The `{name}` pipelines took {doc['kernel_seconds']} s in all "
+        f"(summed over the rows, first calls' compilation included; "
+        f"{doc.get('workers', 1)} worker(s)).",
+        "",
+        f"rel RMSE = ||out - exact|| / ||exact||; max err = max |out - exact| / max "
+        f"|exact|; top-k changed = fraction of (row, head) selections whose block set "
+        f"differs from the exact step's; each as reference / `{name}`. The ops return "
+        f"{doc['model_dtype']} outputs, so `{name}`'s numbers include that one rounding "
+        f"(at most 2^-9 relative per element). sel. vs ref = fraction of `{name}`'s "
+        f"selections that differ from the reference pipeline's (same caches' formats); vs "
+        f"ref (same sel.) = rel RMSE of `{name}`'s output against the reference pipeline's "
+        f"rounded once to {doc['model_dtype']}, over the (row, head)s whose selections "
+        f"agree; rel RMSE (exact sel.) = the reference on the same cache with the exact "
+        f"step's selection. Scales: amax = max|x| / fmt_max per tensor (K and V), unit = "
+        f"1.0.",
+        *_READING,
+        "",
+        f"| mode | dist | cache | platform | index | scales | rel RMSE ref / {name} | "
+        f"max err ref / {name} | top-k changed ref / {name} | sel. vs ref | "
+        f"vs ref (same sel.) | rel RMSE (exact sel.) |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    skipped: dict[str, dict[str, int]] = {}  # reason -> mode -> rows
+    for r in doc["rows"]:
+        k = r["kernel"]
+        if k["status"] == "ran":
+            same = k["rel_rmse_vs_reference_same_selection"]
+            cells = (f"{r['rel_rmse']:.2e} / {k['rel_rmse']:.2e} | "
+                     f"{r['max_abs_rel']:.2e} / {k['max_abs_rel']:.2e} | "
+                     f"{r['topk_changed']:.3f} / {k['topk_changed']:.3f} | "
+                     f"{k['topk_vs_reference']:.3f} | "
+                     f"{'-' if same is None else f'{same:.2e}'} |")
+        else:
+            note = skipped.setdefault(k["reason"], {})
+            note[r["mode"]] = note.get(r["mode"], 0) + 1
+            cells = (f"{r['rel_rmse']:.2e} / skipped | {r['max_abs_rel']:.2e} / skipped | "
+                     f"{r['topk_changed']:.3f} / skipped | - | - |")
+        lines.append(f"{_row_head(r)} {cells} {r['rel_rmse_exact_selection']:.2e} |")
+    if skipped:
+        lines += ["", f"Skipped (`{name}` does not run these rows):", ""]
+        for reason, modes in skipped.items():
+            counts = ", ".join(f"{m} ({n} row{'s' if n > 1 else ''})" for m, n in modes.items())
+            lines.append(f"- {counts}: {reason}")
     return "\n".join(lines) + "\n"
 
 

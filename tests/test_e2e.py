@@ -211,3 +211,238 @@ def test_selection_depends_only_on_the_index_format():
             for fmt in ("e4m3fn", "e5m2")]
     assert np.array_equal(runs[0].topk, runs[1].topk)
     assert not np.array_equal(runs[0].out, runs[1].out)
+
+
+# ------------------------------------------------------------- the kernel pipeline
+
+# Relative half-ulp of bf16 (8 significant bits): RNE moves a value by at most 2^-9 of it.
+BF16_HALF_ULP = 2.0**-9
+
+
+def _without_seconds(rows):
+    return [{**r, "kernel": {k: v for k, v in r["kernel"].items() if k != "seconds"}}
+            for r in rows]
+
+
+def _reference_impls(modes=MODES):
+    return e2e.resolve_impls("reference", modes, "cpu")
+
+
+def test_reference_impls_reproduce_the_reference_columns(quick):
+    """`python -m oracle e2e --quick` (default --impl reference) runs the registered
+    reference ops through the kernel plumbing on every row: they select exactly the
+    reference pipeline's blocks (same top-k changes, no selection differs) and return its
+    output rounded once to bf16 bit for bit (vs-reference RMSE 0; their metrics equal those
+    of the rounded reference output exactly), so their rel RMSE and max error differ from
+    the unrounded reference's only by that rounding: at most 2^-9 of the output (triangle
+    inequality). The Markdown shows both pipelines' numbers on each row's line."""
+    _, doc, md = quick
+    assert doc["impl"] == "reference" and doc["shape_classes"] == {"prefill": "small",
+                                                                   "decode": "small"}
+    assert "| rel RMSE ref / reference |" in md
+    lines = [line for line in md.splitlines() if line.startswith(("| prefill |", "| decode |"))]
+    for r, line in zip(doc["rows"], lines, strict=True):
+        k = r["kernel"]
+        assert k["status"] == "ran" and k["impl"] == "reference", k
+        assert k["topk_changed"] == r["topk_changed"] and k["topk_vs_reference"] == 0
+        assert k["rel_rmse_vs_reference"] == 0
+        assert k["rel_rmse_vs_reference_same_selection"] == 0
+        assert k["rel_rmse"] == k["rel_rmse_ref_rounded"]
+        assert k["max_abs_rel"] == k["max_abs_rel_ref_rounded"]
+        assert abs(k["rel_rmse"] - r["rel_rmse"]) <= BF16_HALF_ULP * (1 + r["rel_rmse"])
+        assert abs(k["max_abs_rel"] - r["max_abs_rel"]) <= BF16_HALF_ULP * (
+            1 + r["max_abs_rel"])
+        assert f"| {r['rel_rmse']:.2e} / {k['rel_rmse']:.2e} |" in line
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt, index_fmt, scales", [("bfloat16", "bfloat16", "none"),
+                                                    ("e4m3fn", "e4m3fn", "amax"),
+                                                    ("e5m2fnuz", "e4m3fnuz", "unit")])
+def test_kernel_step_with_reference_ops_leaves_the_pipelines_state(mode, fmt, index_fmt,
+                                                                   scales):
+    """``kernel_step`` through the registered reference ops ends in the reference
+    pipeline's state, bit for bit: both caches (the index cache written through the KV
+    cache's page order and put back: ``kv_to_index_pages``), q, index_q (decoded from the
+    op's codes) and the selection equal ``run_cached``'s, and its output is the reference
+    output rounded once to bf16. ``kv_to_index_pages`` maps every KV page to the index
+    page of the same (request, block), one to one."""
+    case = _case(mode)
+    exact = e2e.exact_values(case)
+    exact["out"], exact["topk"] = e2e.value_step(case, exact)
+    ks, vs = e2e.case_scales(exact, fmt, scales)
+    res = e2e.run_cached(case, exact, fmt, index_fmt, ks, vs)
+    k = e2e.kernel_step(case, exact, fmt, index_fmt, _reference_impls((mode,)), ks, vs)
+    perm = e2e.kv_to_index_pages(case)
+    assert sorted(perm) == list(range(case["num_pages"]))
+    assert np.array_equal(perm[case["block_table"]], case["index_block_table"])
+    assert np.array_equal(k["kv_cache"], res.fused["kv_cache"])
+    assert np.array_equal(k["index_cache"], res.fused["index_cache"])
+    assert np.array_equal(k["q"], res.fused["q"])
+    assert np.array_equal(k["index_q"], res.fused["index_q_values"])
+    assert np.array_equal(k["topk"], res.topk)
+    assert np.array_equal(k["out"], e2e.round_to(res.out, "bfloat16"))
+
+
+def _drop_a_block(impl):
+    """``impl`` with a bug: every selection loses one of its blocks (its first valid
+    entry becomes -1) when it has two or more."""
+    from dataclasses import replace
+
+    def run(x):
+        topk = np.array(impl.run(x)["topk"])
+        valid = topk >= 0
+        first = np.argmax(valid, axis=-1)[..., None]
+        drop = (valid.sum(axis=-1) >= 2)[..., None]
+        np.put_along_axis(topk, first, np.where(drop, -1, np.take_along_axis(
+            topk, first, axis=-1)), axis=-1)
+        return {"topk": topk}
+
+    return replace(impl, name=f"{impl.name}-drops-a-block", run=run)
+
+
+def test_a_broken_implementation_is_visible_in_the_table():
+    """A pipeline whose indexer drops one selected block from each selection (the
+    reference ops otherwise) shows up in the report: every one of its selections differs
+    from the reference pipeline's, its rel RMSE is over 10x the reference's on a bf16
+    cache (where the reference costs ~2e-3), and the Markdown line shows both numbers."""
+    impls = _reference_impls(("decode",))
+    impls["indexer_decode"] = _drop_a_block(impls["indexer_decode"])
+    doc = e2e.run(config=e2e.TINY, modes=("decode",), dists=("normal",),
+                  caches=(("bfloat16", "cuda"), ("fp8_e4m3", "cuda")), scale_kinds=("amax",),
+                  impls=impls, impl="drops-a-block", progress=False)
+    md = e2e.markdown(doc)
+    assert "| rel RMSE ref / drops-a-block |" in md
+    for r in doc["rows"]:
+        k = r["kernel"]
+        assert k["status"] == "ran" and k["topk_vs_reference"] == 1.0
+        assert k["rel_rmse_vs_reference_same_selection"] is None
+        assert k["rel_rmse"] > 10 * r["rel_rmse"] and k["rel_rmse_vs_reference"] > 0.1
+        assert f"| {r['rel_rmse']:.2e} / {k['rel_rmse']:.2e} |" in md
+
+
+def test_unclaimed_configurations_are_reported_as_skipped():
+    """A configuration the pipeline's implementations do not all claim is a skipped row
+    with every reason, never a dropped one: an attention that claims only the cuda
+    platform runs the cuda rows and skips the rocm-fnuz ones ("platform rocm-fnuz"); an op
+    with no implementation of the name skips every row, naming the op. The Markdown marks
+    the rows skipped and lists the reasons."""
+    from dataclasses import replace
+
+    impls = _reference_impls(("decode",))
+    impls["attention_decode"] = replace(impls["attention_decode"], platforms=("cuda",))
+    caches = (("fp8_e4m3", "cuda"), ("fp8_e4m3", "rocm-fnuz"))
+    args = dict(config=e2e.TINY, modes=("decode",), dists=("normal",), caches=caches,
+                scale_kinds=("amax",), progress=False)
+    doc = e2e.run(impls=impls, impl="cuda-only", **args)
+    status = {r["platform"]: r["kernel"] for r in doc["rows"]}
+    assert status["cuda"]["status"] == "ran"
+    assert status["rocm-fnuz"]["status"] == "skipped"
+    assert "attention_decode 'reference' does not claim platform rocm-fnuz" in status[
+        "rocm-fnuz"]["reason"]
+    md = e2e.markdown(doc)
+    assert "/ skipped |" in md and "platform rocm-fnuz" in md
+    impls["indexer_decode"] = "no implementation 'x' of indexer_decode"
+    doc = e2e.run(impls=impls, impl="x", **args)
+    assert [r["kernel"]["status"] for r in doc["rows"]] == ["skipped", "skipped"]
+    assert all("of indexer_decode" in r["kernel"]["reason"] for r in doc["rows"])
+    md = e2e.markdown(doc)
+    assert "- decode (1 row): no implementation 'x' of indexer_decode\n" in md
+    assert ("- decode (1 row): no implementation 'x' of indexer_decode; "
+            "attention_decode 'reference' does not claim platform rocm-fnuz") in md
+
+
+def test_resolve_impls_names_what_does_not_run_here(monkeypatch):
+    """``resolve_impls`` takes a name's implementation of each op of the step when it runs
+    on this machine (its devices include this one, or it is a CPU implementation, which
+    runs anywhere: the reference on a CUDA machine too) and says why not otherwise: an
+    op with no implementation of the name, or one that needs another device."""
+    from dataclasses import replace
+
+    from oracle import registry
+
+    registry.load_all()
+    fake = replace(registry.REGISTRY["attention_decode"]["reference"], name="gpu-only",
+                   devices=("cuda",))
+    monkeypatch.setitem(registry.REGISTRY["attention_decode"], "gpu-only", fake)
+    found = e2e.resolve_impls("gpu-only", ("decode",), "cpu")
+    assert found == {"norm_rope_insert": "no implementation 'gpu-only' of norm_rope_insert",
+                     "indexer_decode": "no implementation 'gpu-only' of indexer_decode",
+                     "attention_decode": "attention_decode 'gpu-only' needs cuda, not cpu"}
+    assert e2e.resolve_impls("gpu-only", ("decode",), "cuda")["attention_decode"] is fake
+    ref = e2e.resolve_impls("reference", MODES, "cuda")
+    assert sorted(ref) == sorted({op for m in MODES for op in e2e.pipeline_ops(m)})
+    assert all(not isinstance(i, str) and i.name == "reference" for i in ref.values())
+
+
+def test_nearest_shape_class_follows_the_case_classes_limits():
+    """The nearest case's shape class is the smallest whose per-request context and new
+    tokens cover the step: TINY is tiny, QUICK small, DEFAULT model in both modes; one
+    token past the model class's 8k context is long (sweep for the insert op); more new
+    tokens than the class allows (25 > tiny's 24) move a prefill up a class."""
+    for cfg, name in ((e2e.TINY, "tiny"), (e2e.QUICK, "small"), (e2e.DEFAULT, "model")):
+        assert {e2e.nearest_shape_class(cfg, m) for m in MODES} == {name}
+    from dataclasses import replace
+
+    big = replace(e2e.DEFAULT, contexts=(8193,))
+    assert e2e.nearest_shape_class(big, "decode") == "long"
+    assert e2e.nearest_shape_class(big, "decode", "norm_rope_insert") == "sweep"
+    wide = replace(e2e.TINY, prefixes=(1,), new_tokens=(25,))
+    assert e2e.nearest_shape_class(wide, "prefill") == "small"
+    case = e2e.nearest_case("attention_decode", "decode", "tiny", 3, e2e.QUICK, "fp8_e5m2",
+                            "rocm-fnuz", "amax")
+    assert case.id == "attention_decode:small:tiny:rocm-fnuz:fp8_e5m2:bfloat16:tensor:3"
+
+
+@pytest.mark.interp
+@pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
+def test_triton_pipeline_is_close_to_the_reference_pipeline():
+    """The project's Triton kernels (interpreted on a CPU machine) as one pipeline on TINY
+    (shape class tiny, which they all claim), both modes, a bf16 and two fp8 caches (OCP
+    and fnuz) with amax scales: every row runs; its metrics are finite; it selects the
+    reference pipeline's blocks (no fp32 near-tie in these inputs flips one, the float64
+    scores' order is kept); and its output is within 1e-2 rel RMSE of the reference
+    pipeline's rounded to bf16. The tolerance: the kernel rounds P to bf16 and its output to
+    bf16 and the comparison output is rounded once more, each at most 2^-9 relative per
+    element (fp16 q of the fp8 schedule: 2^-11), so at most ~3.3 * 2^-9 = 6.4e-3 even if
+    every rounding hit its bound; a dropped or swapped block costs 1e-1 and more (see the
+    test above). Hence also the top-k changes equal the reference's and the rel RMSE
+    against the exact step is within 1e-2 + 2^-9 of the reference's."""
+    caches = (("bfloat16", "cuda"), ("fp8_e4m3", "cuda"), ("fp8_e5m2", "rocm-fnuz"))
+    doc = e2e.run(config=e2e.TINY, dists=("normal",), caches=caches, scale_kinds=("amax",),
+                  impl="triton", progress=False)
+    assert doc["impl"] == "triton" and len(doc["rows"]) == 2 * len(caches)
+    for r in doc["rows"]:
+        k = r["kernel"]
+        assert k["status"] == "ran", k
+        for key in ("rel_rmse", "max_abs_rel", "rel_rmse_vs_reference"):
+            assert np.isfinite(k[key]) and k[key] >= 0, (key, k)
+        assert k["topk_vs_reference"] == 0 and k["topk_changed"] == r["topk_changed"]
+        assert k["rel_rmse_vs_reference"] < 1e-2, (r["mode"], r["kv_fmt"], k)
+        assert abs(k["rel_rmse"] - r["rel_rmse"]) <= (1e-2 + BF16_HALF_ULP) * (
+            1 + r["rel_rmse"])
+
+
+def test_workers_give_the_same_rows_as_one_process():
+    """--workers N spreads the (mode, distribution) pairs over spawned processes, each
+    resolving the implementations by name itself: the rows are the same, in the same
+    order, as in one process (their timings aside)."""
+    args = dict(config=e2e.TINY, modes=("decode",), dists=("normal", "tiny"),
+                caches=(("fp8_e5m2", "cuda"),), scale_kinds=("unit",), impl="reference",
+                device="cpu", progress=False)
+    one, two = e2e.run(**args), e2e.run(workers=2, **args)
+    assert _without_seconds(two["rows"]) == _without_seconds(one["rows"])
+
+
+@pytest.mark.parametrize("args, needle", [(("--impl", "nosuch"), "impls must be among"),
+                                          (("--modes", "sideways"), "modes must be among"),
+                                          (("--workers", "0"), "workers must be >= 1")])
+def test_cli_rejects_bad_e2e_arguments_with_one_line(tmp_path, args, needle):
+    """Bad --impl / --modes / --workers exit 2 with one error line, no traceback, and
+    write nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "oracle", "e2e", "--tiny", "--quiet",
+                        "--out", str(tmp_path / "e2e.json"), *args], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())
