@@ -17,7 +17,12 @@ Choices (each one deliberate; the JSON records the configuration):
   configuration, so the rows of one (mode, distribution) compare formats on identical
   data. Its generator is ``oracle.rand.generator(case_seed(mode, dist, seed))`` (sha256 of
   ``"e2e:MODE:DIST:SEED"``, as ``oracle.cases`` derives its seeds), and all values come
-  from ``oracle.cases.draw_values`` rounded to bf16: a seed gives the same bits anywhere.
+  from ``oracle.cases.draw_values`` rounded to bf16: a seed gives the same bits on any
+  machine up to the rare last-ulp differences of libm (``oracle.rand``) and of NumPy's
+  float32 cos/sin in the RoPE table (``reference.norm_rope.rope_table``), and float64
+  summation order (BLAS) moves the last digits and may flip a near-tie selection: the
+  H200 machine's reference columns differ from this CPU's in the last digits and, in a
+  few rows, by one selection. Within one report both pipelines read identical inputs.
   Packed rows ``[q | k | v | index_q | index_k]`` for every token of every request (prefix
   and new tokens), the four norm weights, and the shuffled block tables (the KV cache and
   the index cache each with its own) are drawn from it, in that order.
