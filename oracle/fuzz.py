@@ -168,8 +168,8 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
         n += 1
         try:
             results = check_case(case, impls, device, checks)
-        except CaseFailed:
-            failures.append(case)  # the last one recorded is hypothesis's shrunk example
+        except CaseFailed as e:
+            failures.append((case, str(e)))  # the last one recorded is the shrunk example
             raise
         finally:
             times.append(time.monotonic() - start)
@@ -193,13 +193,14 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
     if not failures:
         print(f"fuzz: {n} cases, no failure in {seconds:.0f} s")
         return stats
-    case = failures[-1]
+    case, summary = failures[-1]
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{case.id.replace(':', '_')}.txt"
     path.write_text(case.replay_command() + "\n")
-    print(f"fuzz: failure after {n} cases; shrunk to {case.id}\nreplay: {case.replay_command()}"
-          f"\nwritten to {path}")
-    stats["failure"] = {"case": case.id, "replay": case.replay_command(), "file": str(path)}
+    print(f"fuzz: failure after {n} cases; shrunk to {case.id}\n{summary}\n"
+          f"replay: {case.replay_command()}\nwritten to {path}")
+    stats["failure"] = {"case": case.id, "replay": case.replay_command(), "file": str(path),
+                        "summary": summary}
     return stats
 
 
@@ -298,4 +299,5 @@ def markdown(doc: dict) -> str:
     ]
     for f in doc["failures"]:
         lines += ["", f"failure: `{f['case']}`; replay: `{f['replay']}`"]
+        lines += ["", "```", f["summary"], "```"] if f.get("summary") else []
     return "\n".join(lines) + "\n"
