@@ -11,6 +11,11 @@ def _pct(n, d) -> str:
     return f"{100 * n / d:.2f}%" if d else "-"
 
 
+def _cell(text: str) -> str:
+    """text inside a Markdown table cell (its pipes escaped: test ids hold them)."""
+    return text.replace("|", "\\|")
+
+
 def _suite_lines(suite: dict | None) -> list[str]:
     """A test run's summary (``pytest --suite-report``: oracle/suite.py), when present."""
     if not suite:
@@ -19,7 +24,7 @@ def _suite_lines(suite: dict | None) -> list[str]:
     lines = [f"Test run: {outcomes} in {suite['wall_seconds']} s wall "
              f"({suite['test_seconds']} s of test time over all workers).", "",
              "| slowest tests | s |", "|---|---:|"]
-    lines += [f"| `{t['test']}` | {t['seconds']:.1f} |" for t in suite["slowest"][:10]]
+    lines += [f"| `{_cell(t['test'])}` | {t['seconds']:.1f} |" for t in suite["slowest"][:10]]
     lines += [""] + [f"- FAILED `{t['test']}`: {t.get('message', '')}"
                      for t in suite["failed"]]
     return lines + ([""] if suite["failed"] else [])
