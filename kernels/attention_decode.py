@@ -605,6 +605,7 @@ SCHEDULE = DecodeSchedule()
 
 
 def _register():
+    from oracle.bounds import TENSOR_CORE_DOT_REL
     from oracle.registry import Implementation, register
 
     # Interpreted (CPU), model shapes take too long: they are left to CUDA.
@@ -612,6 +613,9 @@ def _register():
     register(Implementation(
         "triton", "attention_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
         schedule=SCHEDULE,
+        # Compiled, both products run on tensor cores (truncating accumulation); the
+        # interpreter's dots are IEEE fp32.
+        score_rel=0.0 if INTERPRETED else TENSOR_CORE_DOT_REL,
         notes=f"split-K Triton decode: one program per (request, KV head, split of "
               f"{BLOCKS_PER_SPLIT} blocks, longer beyond {TARGET_PROGRAMS} programs), G heads "
               f"x rows share each K/V tile; fp8 K/V "

@@ -486,6 +486,7 @@ def run(inputs: dict, validate: bool = True, block_rows: int | None = None) -> d
 
 
 def _register():
+    from oracle.bounds import TENSOR_CORE_DOT_REL
     from oracle.registry import Implementation, register
 
     # Interpreted (CPU): tiny shapes only (the small class costs seconds per case in the
@@ -494,6 +495,9 @@ def _register():
     register(Implementation(
         "triton", "attention_prefill", run, devices=("cpu", "cuda"), shape_classes=classes,
         schedule=SCHEDULE,
+        # Compiled, both products run on tensor cores (truncating accumulation); the
+        # interpreter's dots are IEEE fp32.
+        score_rel=0.0 if INTERPRETED else TENSOR_CORE_DOT_REL,
         notes=f"Triton prefill: one program per (tile of {BLOCK_ROWS} tokens x heads rows, KV "
               f"head) walking the union of the tile's selected blocks in ascending order, "
               f"each block read once per tile; fp8 K/V exact in act with scalar scales "

@@ -71,6 +71,7 @@ from kernels import _indexer as ix
 from kernels._host import check_int, fail
 from kernels._triton import ensure_ready, is_interpreted, resident_programs, tl, triton
 from kernels.fp8 import HW_FORMATS
+from oracle.bounds import TENSOR_CORE_DOT_REL
 from reference.domain import DECODE_ROWS_RANGE
 
 
@@ -169,11 +170,9 @@ MMA_STAGES = 3
 #: (``wave_splits``; more, though resident, made the H200 slower).
 MAX_PROGRAMS_PER_SM = 4
 #: Declared score error of the MMA scan beyond an IEEE fp32 sum (``score_rel``, relative to
-#: sum |q_i k_i|): the products of 16-bit operands are exact, but the tensor cores add
-#: each k-step's products to the accumulator aligned to the largest and truncated, about
-#: twice the unit roundoff per addition (~2 gamma(D) in all: 2^-16 at D 128, 2^-15 at
-#: D 256); declared with a factor 2 margin at D 256.
-MMA_SCORE_REL = 2.0**-14
+#: sum |q_i k_i|): the tensor cores' truncating accumulation of 16-bit products
+#: (``oracle.bounds.TENSOR_CORE_DOT_REL``, D <= 256).
+MMA_SCORE_REL = TENSOR_CORE_DOT_REL
 #: The same for the fp8 tensor-core products of the hardware formats (``fp8_mma``): Triton's
 #: default fp8 ``wgmma`` accumulates in about 14 bits (DeepSeek-V3 measured ~14 on the
 #: H800), ~2^-13 per k-step of 32, at most 8 steps at D 256: 2^-10, declared with a

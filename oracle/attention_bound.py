@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.bounds import Fp32Arith, U, gamma
+from oracle.bounds import Fp32Arith, U, gamma, tensor_core_rel
 from reference.attention import decode_positions, prefill_positions, scheduled_q
 from reference.codec import FORMATS, round_dtype
 from reference.kv_cache import scale_at
@@ -92,12 +92,13 @@ def _row_blocks(entries, last_block, order):
     return sorted(out) if order == "ascending" else out
 
 
-def _chunk_bound(s, a_mag, v, rank, sched, arith, d):
+def _chunk_bound(s, a_mag, v, rank, sched, arith, d, dot_rel=0.0):
     """Bound ``[G, D]`` for one chunk of keys (s, a_mag ``[G, n]``; v ``[n, D]``; rank: the
-    block rank of each key within the chunk, for tiles). Returns (o, bound, lse, dlse)."""
+    block rank of each key within the chunk, for tiles; dot_rel: the declared tensor-core
+    error of a dot of at most 256 terms). Returns (o, bound, lse, dlse)."""
     n = s.shape[1]
     outside = sched.kv_dtype == "float64"  # the scales applied in fp32 after the products
-    e = (gamma(d) + (4 if outside else 3) * U) * a_mag
+    e = (gamma(d) + (4 if outside else 3) * U + tensor_core_rel(dot_rel, d)) * a_mag
     m = s.max(axis=1, keepdims=True)
     x = s - m
     big_e = e.max(axis=1, keepdims=True)
@@ -120,6 +121,10 @@ def _chunk_bound(s, a_mag, v, rank, sched, arith, d):
     p_sched = round_dtype(y, sched.p_dtype) * f
     delta = _rounding_deviation(y, rho, sched.p_dtype) * f
     g = gamma(n + tiles + 1)
+    if dot_rel:  # P @ V on tensor cores: one MMA sum per tile of keys
+        tile_keys = int(np.bincount(rank // sched.blocks_per_tile).max()) \
+            if sched.p_max == "running" else n
+        g += tensor_core_rel(dot_rel, tile_keys)
     av = np.abs(v)
     dn = delta @ av + g * ((p_sched + delta) @ av)
     l_sum = p.sum(axis=1, keepdims=True)
@@ -132,14 +137,16 @@ def _chunk_bound(s, a_mag, v, rank, sched, arith, d):
     return o, bound, lse[:, 0], dlse[:, 0]
 
 
-def _row_bound(q, keys_k, keys_v, key_chunk, key_rank, sched, arith, softmax_scale):
+def _row_bound(q, keys_k, keys_v, key_chunk, key_rank, sched, arith, softmax_scale,
+               dot_rel=0.0):
     """Bound ``[G, D]`` of one row for one KV head."""
     d = q.shape[-1]
     s = softmax_scale * (q @ keys_k.T)
     a_mag = softmax_scale * (np.abs(q) @ np.abs(keys_k).T)
     chunks = np.unique(key_chunk)
     parts = [_chunk_bound(s[:, key_chunk == c], a_mag[:, key_chunk == c],
-                          keys_v[key_chunk == c], key_rank[key_chunk == c], sched, arith, d)
+                          keys_v[key_chunk == c], key_rank[key_chunk == c], sched, arith, d,
+                          dot_rel)
              for c in chunks]
     if sched.blocks_per_split is None:
         return parts[0][1]
@@ -160,9 +167,13 @@ def _row_bound(q, keys_k, keys_v, key_chunk, key_rank, sched, arith, softmax_sca
     return (do.max(axis=0) + 2 * spread * omega + merge + division) * 1.001
 
 
-def attention_bound(x: dict, sched, arith: Fp32Arith, softmax_scale=None) -> np.ndarray:
+def attention_bound(x: dict, sched, arith: Fp32Arith, softmax_scale=None,
+                    dot_rel: float = 0.0) -> np.ndarray:
     """Bound ``[T, Hq, D]`` on |kernel pre-rounding output - reference(schedule) unrounded|
-    for a case's inputs (prefill or decode)."""
+    for a case's inputs (prefill or decode). ``dot_rel``: the implementation's declared
+    error of its dot products beyond IEEE fp32 sums (``score_rel``: tensor cores), added to
+    the logits' ``e_j`` (relative to ``A_j``) and to the ``P @ V`` sums (relative to
+    ``sum P |V|``, per tile of keys)."""
     q = x["q"]
     t_rows, _, d = q.shape
     sigma = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
@@ -184,7 +195,8 @@ def attention_bound(x: dict, sched, arith: Fp32Arith, softmax_scale=None) -> np.
             for t in rows:
                 keys = _row_keys(x, int(req[t]), int(pos[t]), g, topk[g, t], seq, sched, kv)
                 if keys is not None:
-                    bound[t, heads] = _row_bound(q_sched[t, heads], *keys, sched, arith, sigma)
+                    bound[t, heads] = _row_bound(q_sched[t, heads], *keys, sched, arith, sigma,
+                                                 dot_rel)
     return bound
 
 

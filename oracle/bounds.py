@@ -24,6 +24,25 @@ FTZ = 2.0**-126  # the largest value flush-to-zero can lose
 HIGHER_ORDER = 1 + 1e-6
 F64_REL = 2.0**-50
 
+#: Declared error of a sum of products of 16-bit operands on NVIDIA tensor cores (wgmma /
+#: mma with fp32 accumulation) beyond an IEEE fp32 sum, relative to the sum of the terms'
+#: magnitudes, for sums of at most ``TENSOR_CORE_LENGTH`` products: the products are exact,
+#: but each k-step's products are added to the accumulator aligned to the largest and
+#: truncated (Fasi, Higham, Mikaitis and Pranesh, "Numerical behavior of NVIDIA tensor
+#: cores", 2021), about twice the unit roundoff per addition, and truncation errors share
+#: a sign, so they reach the worst case that random IEEE roundings do not (~2 gamma(n) in
+#: all: 2^-15 at n = 256); declared with a factor 2 margin at n = 256. The attention bound
+#: carries it to other lengths linearly (``tensor_core_rel``); the indexer applies it as is
+#: (D <= 256). Implementations declare it as ``score_rel`` (oracle.registry).
+TENSOR_CORE_DOT_REL = 2.0**-14
+TENSOR_CORE_LENGTH = 256
+
+
+def tensor_core_rel(dot_rel: float, length: int) -> float:
+    """A dot error ``dot_rel`` declared for sums of ``TENSOR_CORE_LENGTH`` products, carried
+    to a sum of ``length`` products (per-addition truncation: linear in the length)."""
+    return dot_rel * length / TENSOR_CORE_LENGTH
+
 
 @dataclass(frozen=True)
 class Fp32Arith:

@@ -300,7 +300,7 @@ def check_attention(x, out, impl) -> tuple[Tally, list, dict]:
     md = x["model_dtype"]
     sched = schedule_for(impl, md, x)
     res = ref_impl.attention_call(x, schedule=sched, return_details=True)
-    bound = attention_bound(x, sched, impl.arith)
+    bound = attention_bound(x, sched, impl.arith, dot_rel=score_rel_for(impl, x))
     t = Tally()
     t.add("out", out["out"], res.unrounded, bound, md)
     return t, [], reported_attention_stats(x, decode(out["out"], md))

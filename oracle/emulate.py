@@ -46,6 +46,30 @@ def random_order_sum(terms: np.ndarray, bg) -> np.ndarray:
     return t[..., 0]
 
 
+def _truncate_f32(x: np.ndarray) -> np.ndarray:
+    """float64 values cut to fp32's 24 significant bits toward zero (no subnormals)."""
+    m, e = np.frexp(x)
+    return np.ldexp(np.trunc(np.ldexp(m, 24)), e - 24)
+
+
+def tensor_core_sum(terms: np.ndarray, k: int = 16) -> np.ndarray:
+    """fp32 sum over the last axis as tensor cores accumulate exact products (16-bit
+    operands), in steps of ``k`` terms: each step aligns the accumulator and its k terms to
+    the largest of them, cuts every one to 24 bits below that exponent (toward zero, no
+    guard bits), adds them exactly and cuts the result to fp32 toward zero (Fasi et al.,
+    2021: the worst of the behaviours measured). ``oracle.bounds.TENSOR_CORE_DOT_REL``
+    must cover it."""
+    t = np.asarray(terms, np.float64)
+    acc = np.zeros(t.shape[:-1])
+    with np.errstate(invalid="ignore", over="ignore"):
+        for j in range(0, t.shape[-1], k):
+            parts = np.concatenate([acc[..., None], t[..., j:j + k]], axis=-1)
+            _, e = np.frexp(np.abs(parts).max(axis=-1, keepdims=True))
+            step = np.ldexp(1.0, e - 24)
+            acc = _truncate_f32((np.trunc(parts / step) * step).sum(axis=-1))
+    return acc.astype(F32)
+
+
 def fma(a, b, c) -> np.ndarray:
     """fp32 fused multiply-add: the float64 a*b is exact, one rounding of a*b + c to float64
     and then fp32 (the double rounding is far inside the bounds' slack)."""
@@ -107,14 +131,20 @@ def _round_to(x, dtype):
     return round_dtype(x, dtype)
 
 
-def attention_chunk_fp32(q, k, v, rank, sched, arith, sigma, bg):
+def attention_chunk_fp32(q, k, v, rank, sched, arith, sigma, bg, mma=False):
     """One split chunk of one row, all heads of the group, as an online-softmax fp32 kernel
     with tiles of ``blocks_per_tile`` blocks (or one tile: ``p_max="row"``), exp2 with the
-    scale folded in, P rounded from the kernel's own fp32 value. Returns the fp32 partial
-    output ``[G, D]``, its log-sum-exp (natural log) and whether any key was seen."""
+    scale folded in, P rounded from the kernel's own fp32 value. ``mma``: both products as
+    tensor cores compute them (``tensor_core_sum`` of exact products; K, V and P must be
+    16-bit values), else IEEE fp32 in a random order. Returns the fp32 partial output
+    ``[G, D]``, its log-sum-exp (natural log) and whether any key was seen."""
     scale2 = F32(sigma * np.log2(np.e))
-    prods = (q.astype(F32)[:, None, :] * k.astype(F32)[None, :, :]).astype(F32)
-    s = (random_order_sum(prods, bg) * scale2).astype(F32)  # [G, n], log2 units
+    if mma:
+        dot = tensor_core_sum((q[:, None, :] * k[None, :, :]).astype(np.float64))
+    else:
+        dot = random_order_sum((q.astype(F32)[:, None, :] * k.astype(F32)[None, :, :])
+                               .astype(F32), bg)
+    s = (dot * scale2).astype(F32)  # [G, n], log2 units
     tiles = rank // sched.blocks_per_tile if sched.p_max == "running" else np.zeros_like(rank)
     g_, d = q.shape[0], q.shape[1]
     m = np.full((g_, 1), -np.inf, F32)
@@ -127,8 +157,12 @@ def attention_chunk_fp32(q, k, v, rank, sched, arith, sigma, bg):
         alpha = np.where(np.isfinite(m), _exp2((m - m_new).astype(F32), arith, bg), F32(0))
         p = _exp2((st - m_new).astype(F32), arith, bg)
         pr = _round_to(p, sched.p_dtype).astype(F32) if sched.p_dtype != "float64" else p
-        pv = random_order_sum((pr[:, :, None] * v[cols].astype(F32)[None]).astype(F32)
-                              .transpose(0, 2, 1), bg)
+        if mma:
+            pv = tensor_core_sum((pr.astype(np.float64)[:, :, None] * v[cols][None])
+                                 .transpose(0, 2, 1))
+        else:
+            pv = random_order_sum((pr[:, :, None] * v[cols].astype(F32)[None]).astype(F32)
+                                  .transpose(0, 2, 1), bg)
         acc = ((acc * alpha).astype(F32) + pv).astype(F32)
         l_sum = ((l_sum * alpha).astype(F32) + random_order_sum(p, bg)[:, None]).astype(F32)
         m = m_new
@@ -137,10 +171,10 @@ def attention_chunk_fp32(q, k, v, rank, sched, arith, sigma, bg):
     return out, within_ulps(lse, 2.0, bg)
 
 
-def attention_row_fp32(q, k, v, chunk, rank, sched, arith, sigma, bg):
+def attention_row_fp32(q, k, v, chunk, rank, sched, arith, sigma, bg, mma=False):
     """One row and KV head group: chunks, partials in the partial dtype, fp32 merge."""
     parts = [attention_chunk_fp32(q, k[chunk == c], v[chunk == c], rank[chunk == c], sched,
-                                  arith, sigma, bg) for c in np.unique(chunk)]
+                                  arith, sigma, bg, mma) for c in np.unique(chunk)]
     if sched.blocks_per_split is None:
         return parts[0][0].astype(np.float64)
     o = np.stack([_round_to(p[0], sched.partial_dtype) for p in parts]).astype(F32)

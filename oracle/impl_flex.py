@@ -62,6 +62,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from oracle.bounds import TENSOR_CORE_DOT_REL
 from oracle.impl_torch import (
     HALF_DTYPES,
     _codes_in,
@@ -317,6 +318,8 @@ def _register():
         register(Implementation(
             "flex", op, run, devices=("cpu", "cuda"), shape_classes=classes,
             schedule=SCHEDULE,
+            # Compiled: Triton templates, both products on tensor cores.
+            score_rel=TENSOR_CORE_DOT_REL if SCHEDULE.compiled else 0.0,
             notes=f"{how} on K/V gathered from the pages and dequantised to act (gather "
                   f"not timed); BlockMask from the selections, mask_mod = selection & "
                   f"causal"))

@@ -17,9 +17,11 @@ Declared numerics: ``arith`` (fp32 special-function errors, ``oracle.bounds.Fp32
 ``(model_dtype, case)`` returning one, ``case`` being the case's inputs or None: an
 implementation whose rounding depends on the cache format or the kind of scales says so
 there; ``schedule_for``); ``score_rel``
-(indexer: relative error of its block scores beyond fp32 summation, e.g. reduced-precision
-fp8 MMA accumulation; a float, or a callable ``(case) -> float`` where it depends on the
-index format: ``score_rel_for``).
+(relative error of its dot products beyond IEEE fp32 summation, relative to the sum of the
+terms' magnitudes: tensor-core accumulation, ``oracle.bounds.TENSOR_CORE_DOT_REL`` for
+16-bit operands, more for fp8 MMA; the indexer's block scores, attention's ``q . K`` and
+(per tile of keys) ``P @ V``; a float, or a callable ``(case) -> float`` where it depends
+on the index format: ``score_rel_for``).
 """
 
 from __future__ import annotations

@@ -189,11 +189,14 @@ def _admits_row(res, sel, bound, h, row):
                                 res.local_blocks, res.initial_blocks)
 
 
-def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None) -> dict:
+def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None,
+                        dot_rel: float = 0.0) -> dict:
     """Adversarial fp32 evaluations (``oracle.emulate.attention_row_fp32``) of seeded tiny
     and small attention cases under several schedules (exact, vLLM-like with running tiles,
     split-K with bf16 partials): every rounded output must be admissible. ``cases`` counts
-    (row, query head) pairs."""
+    (row, query head) pairs. ``dot_rel`` > 0: both products on emulated tensor cores
+    (``tensor_core_sum``), judged by the bound with that declared ``score_rel``; the
+    schedules then keep K/V in the model dtype (16-bit MMA operands)."""
     from oracle.attention_bound import _row_keys, attention_bound
     from oracle.cases import Case, make_inputs
     from oracle.emulate import attention_row_fp32
@@ -220,7 +223,7 @@ def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None) -> d
                     seed=seed * 100_000 + i)
         x = make_inputs(case)
         exact = attention_call(x, schedule=sched, return_details=True).unrounded
-        bound = attention_bound(x, sched, arith)
+        bound = attention_bound(x, sched, arith, dot_rel=dot_rel)
         seq = np.asarray(x["seq_lens"], np.int64)
         if "rows_per_request" in x:
             req, pos = decode_positions(seq, x["rows_per_request"])
@@ -238,7 +241,7 @@ def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None) -> d
                         continue
                     heads = slice(g * grp, (g + 1) * grp)
                     got = attention_row_fp32(scheduled_q(x["q"][t, heads], sched.q_dtype),
-                                             *keys, sched, arith, sigma, bg)
+                                             *keys, sched, arith, sigma, bg, mma=dot_rel > 0)
                     c = classify(round_codes(got, md), exact[t, heads], bound[t, heads], md)
                     violations += int(np.count_nonzero(~c["ok"]))
                     ratio = np.abs(got - exact[t, heads]) / bound[t, heads]

@@ -153,6 +153,56 @@ def test_attention_bound_is_sound_on_10000_adversarial_rows():
     assert r["max_err_over_bound"] <= 1.0, r
 
 
+@pytest.mark.slow
+def test_attention_bound_with_tensor_cores_is_sound():
+    """Both products summed as tensor cores do (exact 16-bit products, k-steps aligned to
+    the largest term and truncated, no guard bits), judged by the bound with the declared
+    ``TENSOR_CORE_DOT_REL``: every rounded output is admissible."""
+    from oracle.bounds import TENSOR_CORE_DOT_REL
+    from oracle.soundness import attention_soundness
+
+    r = attention_soundness(3_000, seed=5, dot_rel=TENSOR_CORE_DOT_REL)
+    assert r["cases"] >= 3_000 and r["violations"] == 0, r
+    assert r["max_err_over_bound"] <= 1.0, r
+
+
+def test_tensor_core_sum_truncates_within_the_declared_error():
+    """The emulated tensor-core sum of positive terms never exceeds the exact sum (its cuts
+    are toward zero), differs from it (it is not an IEEE sum), and errs by less than the
+    declared ``tensor_core_rel`` of the terms' magnitude; mixed signs likewise within it."""
+    from oracle import rand
+    from oracle.bounds import TENSOR_CORE_DOT_REL, tensor_core_rel
+    from oracle.emulate import tensor_core_sum
+
+    bg = rand.generator(11)
+    for n in (16, 128, 256, 2048):
+        a = np.ldexp(1.0 + rand.uniform(bg, (64, n)), rand.integers(bg, -8, 8, (64, n)))
+        a = a.astype(np.float16).astype(np.float64)  # 16-bit products stay exact
+        for terms in (a, a * np.where(rand.uniform(bg, a.shape) < 0.5, -1.0, 1.0)):
+            exact = terms.sum(axis=-1)
+            err = np.abs(tensor_core_sum(terms).astype(np.float64) - exact)
+            mag = np.abs(terms).sum(axis=-1)
+            assert np.all(err <= tensor_core_rel(TENSOR_CORE_DOT_REL, n) * mag), n
+            assert np.any(err > 0), n
+        assert np.all(tensor_core_sum(a).astype(np.float64) <= a.sum(axis=-1))
+
+
+def test_declared_dot_error_widens_the_attention_bound():
+    """An implementation's declared dot error (``score_rel``) enters the attention bound:
+    with it every element's bound is at least the IEEE one and some are larger."""
+    from oracle.attention_bound import attention_bound
+    from oracle.bounds import TENSOR_CORE_DOT_REL, Fp32Arith
+    from oracle.cases import Case, make_inputs
+    from reference.attention import vllm_schedule
+
+    x = make_inputs(Case("attention_decode", "tiny", "normal", "cuda", "auto", "bfloat16",
+                         "none", 3))
+    sched = vllm_schedule("bfloat16")
+    plain = attention_bound(x, sched, Fp32Arith())
+    wide = attention_bound(x, sched, Fp32Arith(), dot_rel=TENSOR_CORE_DOT_REL)
+    assert np.all(wide >= plain) and np.any(wide > plain)
+
+
 BROKEN_CASES = {  # (shape class, dist, platform, kv_cache_dtype, model dtype, scales), seeds
     "norm_rope_insert": [(("tiny", "normal", "cuda", "fp8", "bfloat16", "slot"), range(3)),
                          (("small", "normal", "cuda", "fp8", "bfloat16", "none"), range(3))],
