@@ -9,6 +9,7 @@
   conformance  the fp8 codec against ml_dtypes, and which policy torch's casts follow
   e2e          end-to-end accuracy cost of each KV cache format: the float64 reference
                pipeline beside a registered implementation's (--impl, e.g. triton)
+  mutants      the mutant catalog against the standard budget: the kill matrix
 
 Errors in the user's input print one line and exit 2, never a traceback.
 """
@@ -143,7 +144,10 @@ def cmd_replay(args) -> int:
     if args.hash and args.hash != input_hash(x):
         print(f"input hash differs from the recorded {args.hash}: not the same inputs")
         return 1
-    impls = implementations(case.op, [args.impl] if args.impl else None, _device())
+    if args.impl and args.impl.startswith("mutant:"):  # printed by the kill matrix
+        impls = [_mutant(args.impl.split(":", 1)[1]).implementation(_device())]
+    else:
+        impls = implementations(case.op, [args.impl] if args.impl else None, _device())
     failed = 0
     for impl in impls:
         ok, why = impl.supports(case)
@@ -188,6 +192,40 @@ def cmd_fuzz(args) -> int:
         print(fuzz.markdown(doc))
         print(f"wrote {path}")
     return 1 if any(s["failure"] for s in stats) else 0
+
+
+def _mutant(name: str):
+    from oracle.mutants import catalog
+
+    known = catalog()
+    if name not in known:
+        raise ValueError(f"mutant must be among {sorted(known)}, got {name!r}")
+    return known[name]
+
+
+def cmd_mutants(args) -> int:
+    from oracle import mutants
+    from oracle.report import write_json
+
+    known = mutants.catalog()
+    if args.list:
+        for m in known.values():
+            print(f"{m.name:32s} {m.op:18s} {m.bug}: {m.incident}")
+        return 0
+    chosen = [_mutant(n) for n in _split(args.mutants)] if args.mutants else list(
+        known.values())
+    if args.fuzz_seconds < 0:
+        raise ValueError(f"fuzz-seconds must be >= 0, got {args.fuzz_seconds}")
+    gpu = _device() == "cuda"
+    doc = mutants.kill_matrix(chosen, gpu=gpu, fuzz_seconds=args.fuzz_seconds,
+                              full=args.full)
+    out = Path(args.out or f"reports/mutants-{'h200' if gpu else 'cpu'}.json")
+    write_json(doc, out)
+    text = mutants.markdown(doc)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    print(f"wrote {out}, {out.with_suffix('.md')}")
+    return 1 if doc["survivors"] or doc["errors"] else 0
 
 
 def cmd_e2e(args) -> int:
@@ -294,6 +332,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     s.add_argument("--quiet", action="store_true", help="no per-row progress on stderr")
     s.set_defaults(func=cmd_e2e)
+
+    s = sub.add_parser("mutants", help="the mutant catalog against the standard budget: "
+                       "the kill matrix")
+    s.add_argument("--mutants", help="comma-separated names (default: the whole catalog)")
+    s.add_argument("--list", action="store_true", help="print the catalog and exit")
+    s.add_argument("--fuzz-seconds", type=float, default=60.0, help="budget of the fuzz "
+                   "class per mutant (default 60)")
+    s.add_argument("--full", action="store_true", help="run every test class (default: a "
+                   "mutant stops at its first kill)")
+    s.add_argument("--out", help="OUT.json, with OUT.md beside it (default "
+                   "reports/mutants-cpu.json, reports/mutants-h200.json on CUDA)")
+    s.set_defaults(func=cmd_mutants)
     return p
 
 

@@ -137,7 +137,7 @@ def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failure
 
 def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failures"),
               device: str = "cpu", db: Path | None = DEFAULT_DB, progress: bool = True,
-              shape_classes=DEFAULT_SHAPE_CLASSES) -> dict:
+              shape_classes=DEFAULT_SHAPE_CLASSES, shrink: bool = True) -> dict:
     """Fuzz for ``seconds`` in this process and return what was done: ``cases`` (every
     drawn case checked by each implementation claiming it, shrinking's and the database's
     replays included), ``case_times_s`` (when each finished, seconds since this call began),
@@ -160,7 +160,8 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
     database = DirectoryBasedExampleDatabase(str(db)) if db is not None else None
 
     @settings(max_examples=3, deadline=None, database=database, derandomize=False,
-              phases=[Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+              phases=[Phase.reuse, Phase.generate, Phase.target,
+                      *([Phase.shrink] if shrink else [])],
               report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
     @given(case_strategy(ops, shape_classes))
     def one(case):

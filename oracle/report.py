@@ -31,6 +31,46 @@ DISTS_BY_OP = {
 DEFAULT_DISTS = ("normal", "outliers", "near_overflow", "tiny")
 
 
+SWEPT_OPS = ("norm_rope_insert", "reshape_and_cache")
+LONG_OPS = ("indexer_prefill", "indexer_decode", "attention_prefill", "attention_decode")
+
+
+def differential_cases(op: str, gpu: bool, seed0: int = 0) -> list[Case]:
+    """Per platform x distinct format x distribution: one tiny case, one small case on a
+    rotating subset, and (GPU) one model-shape case per platform x format plus, for the
+    insert ops, two ``sweep`` cases (random shapes over the whole domain, N up to 16,384;
+    the outliers one has V with -0/Inf/NaN), for the indexer and attention ops one ``long``
+    case (contexts up to 128k tokens, prefill prefixes up to 64k; the kernels only: the
+    torch and flex baselines stop at the model class). Scales rotate through none/tensor/slot; fp16
+    activations on a rotating subset. The standard budget of the differential test and of
+    the mutants' kill matrix; ``seed0`` offsets every seed (a run exploring new shapes)."""
+    cases, i = [], 0
+    for plat in PLATFORMS:
+        seen = set()
+        for kv in KV_CACHE_DTYPES:
+            fmt = kv_cache_format(kv, plat)
+            if fmt in seen:
+                continue
+            seen.add(fmt)
+            fp8 = fmt not in ("bfloat16", "float16")
+            for d, dist in enumerate(DISTS_BY_OP.get(op, DEFAULT_DISTS)):
+                i += 1
+                scales = ("slot", "tensor", "none")[i % 3] if fp8 and "indexer" not in op \
+                    else "none"
+                md = "float16" if i % 4 == 0 and kv == "auto" or kv == "float16" else "bfloat16"
+                kv_ = "auto" if kv == "float16" else kv
+                classes = ["tiny"] + (["small"] if i % 2 == 0 else [])
+                if gpu and d == 0:
+                    classes.append("model")
+                if gpu and op in SWEPT_OPS and d < 2:
+                    classes.append("sweep")
+                if gpu and op in LONG_OPS and d == 1:
+                    classes.append("long")
+                for sc in classes:
+                    cases.append(Case(op, sc, dist, plat, kv_, md, scales, seed0 + i))
+    return cases
+
+
 def default_cases(ops=OPS, platforms=PLATFORMS, shape_classes=("tiny", "small"),
                   budget: int = 1, model_dtypes=("bfloat16",)) -> list[Case]:
     """The standard case set: every op x platform x distinct storage format x distribution x

@@ -14,51 +14,11 @@ import pytest
 from oracle.cases import OPS, Case, make_inputs
 from oracle.checks import run_check
 from oracle.registry import implementations
-from oracle.report import DEFAULT_DISTS, DISTS_BY_OP
+from oracle.report import differential_cases
 from oracle.suite import SuiteRecorder
-from reference.platforms import KV_CACHE_DTYPES, PLATFORMS, kv_cache_format
 
 # A different seed offset per run explores new shapes; CI and replays use 0.
 SEED0 = int(os.environ.get("ORACLE_SEED", "0"))
-
-
-SWEPT_OPS = ("norm_rope_insert", "reshape_and_cache")
-LONG_OPS = ("indexer_prefill", "indexer_decode", "attention_prefill", "attention_decode")
-
-
-def differential_cases(op: str, gpu: bool) -> list[Case]:
-    """Per platform x distinct format x distribution: one tiny case, one small case on a
-    rotating subset, and (GPU) one model-shape case per platform x format plus, for the
-    insert ops, two ``sweep`` cases (random shapes over the whole domain, N up to 16,384;
-    the outliers one has V with -0/Inf/NaN), for the indexer and attention ops one ``long``
-    case (contexts up to 128k tokens, prefill prefixes up to 64k; the kernels only: the
-    torch and flex baselines stop at the model class). Scales rotate through none/tensor/slot; fp16
-    activations on a rotating subset."""
-    cases, i = [], 0
-    for plat in PLATFORMS:
-        seen = set()
-        for kv in KV_CACHE_DTYPES:
-            fmt = kv_cache_format(kv, plat)
-            if fmt in seen:
-                continue
-            seen.add(fmt)
-            fp8 = fmt not in ("bfloat16", "float16")
-            for d, dist in enumerate(DISTS_BY_OP.get(op, DEFAULT_DISTS)):
-                i += 1
-                scales = ("slot", "tensor", "none")[i % 3] if fp8 and "indexer" not in op \
-                    else "none"
-                md = "float16" if i % 4 == 0 and kv == "auto" or kv == "float16" else "bfloat16"
-                kv_ = "auto" if kv == "float16" else kv
-                classes = ["tiny"] + (["small"] if i % 2 == 0 else [])
-                if gpu and d == 0:
-                    classes.append("model")
-                if gpu and op in SWEPT_OPS and d < 2:
-                    classes.append("sweep")
-                if gpu and op in LONG_OPS and d == 1:
-                    classes.append("long")
-                for sc in classes:
-                    cases.append(Case(op, sc, dist, plat, kv_, md, scales, SEED0 + i))
-    return cases
 
 
 def _params():
@@ -76,7 +36,7 @@ def _params():
             if "cuda" in impl.devices:
                 runs.append((True, [pytest.mark.gpu]))
             for gpu, marks in runs:
-                for case in differential_cases(op, gpu=gpu):
+                for case in differential_cases(op, gpu=gpu, seed0=SEED0):
                     if impl.supports(case)[0]:
                         params.append((gpu, case.id, impl.name, marks))
     params.sort(key=lambda p: (OPS.index(p[1].split(":")[0]), p[0], p[1]))

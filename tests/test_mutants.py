@@ -1,0 +1,95 @@
+"""The mutant machinery (oracle/mutants.py) and the catalog: every mutant builds on the
+real kernel it names, and the CPU part of the standard budget kills every mutant that is
+not marked as showing only on CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from oracle import mutants
+from oracle.cases import Case, make_inputs
+from oracle.checks import run_check
+from oracle.cli import main
+from oracle.registry import REGISTRY, implementations
+
+CATALOG = mutants.catalog()
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_mutant_builds_on_its_registered_base(name):
+    """The mutant's patch still matches its kernel (or its wrapper applies) and the result
+    declares what the base declares, under a mutant's name; the copy registers nothing."""
+    m = CATALOG[name]
+    implementations(m.op)  # the registry loads the project's kernels on first use
+    before = {op: set(impls) for op, impls in REGISTRY.items()}
+    impl = m.implementation()
+    (base,) = implementations(m.op, [m.base])
+    assert impl.name == f"mutant:{name}" and impl.run is not base.run
+    assert (impl.schedule, impl.score_rel, impl.arith) == (base.schedule, base.score_rel,
+                                                         base.arith)
+    assert {op: set(impls) for op, impls in REGISTRY.items()} == before
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("name", sorted(n for n, m in CATALOG.items() if not m.gpu_only))
+def test_cpu_budget_kills_the_mutant(name):
+    """The tiny, then small, cases of the standard budget fail the mutant (a survivor is a
+    hole in the suite); the killing check is a numeric or contract failure of the mutant,
+    and the unmutated base passes the same case."""
+    m = CATALOG[name]
+    impl = m.implementation()
+    for cls in mutants.CPU_CLASSES:
+        res = mutants.first_kill(impl, mutants.class_cases(m.op, cls, gpu=False))
+        if res["killed"]:
+            break
+    assert res["killed"], f"{name} survived {res['cases']} cases"
+    case = Case.from_id(res["case"])
+    (base,) = implementations(m.op, [m.base])
+    assert run_check(case, base, make_inputs(case)).passed
+
+
+def test_patch_that_no_longer_matches_is_an_error():
+    """A pattern absent from the kernel source (a refactor) raises MutantError naming it,
+    so a stale mutant can never silently test the unmutated kernel."""
+    m = mutants.Mutant("stale", "attention_decode", "triton", "bug", "incident",
+                       mutants.patch("kernels.attention_decode", ("no such line\n", "x\n")))
+    with pytest.raises(mutants.MutantError, match="occurs 0 times"):
+        m.implementation()
+
+
+def test_wrapped_inputs_are_copies():
+    """wrap_inputs hands the function a copy of the input dict: replacing an entry there
+    leaves the caller's inputs as they were."""
+    seen = {}
+
+    def base_run(x):
+        seen.update(x)
+        return {}
+
+    base = implementations("attention_decode", ["triton"])[0]
+    run = mutants.wrap_inputs(lambda x: {**x, "k_scale": 7.0})(
+        type("B", (), {"run": staticmethod(base_run)})())
+    x = {"k_scale": np.float32(1.0)}
+    run(x)
+    assert seen["k_scale"] == 7.0 and x["k_scale"] == 1.0 and base.name == "triton"
+
+
+def test_kill_matrix_report_and_cli(tmp_path, capsys):
+    """python -m oracle mutants writes the kill matrix (JSON + Markdown): each mutant's
+    killing class, cases and seconds and its replay command, which replays the failure."""
+    out = tmp_path / "m.json"
+    names = "decode_gqa_modulo,decode_k_scale_ignored"
+    assert main(["mutants", "--mutants", names, "--fuzz-seconds", "0",
+                 "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["killed"] == 2 and not doc["survivors"]
+    kill = doc["mutants"][0]["classes"]["tiny"]
+    assert kill["killed"] and kill["cases"] >= 1 and "--impl mutant:" in kill["replay"]
+    assert "| decode_gqa_modulo |" in (tmp_path / "m.md").read_text()
+    case = kill["replay"].split()[4]
+    assert main(["replay", case, "--impl", "mutant:decode_gqa_modulo"]) == 1
+    assert main(["mutants", "--mutants", "no_such_mutant"]) == 2
+    capsys.readouterr()
