@@ -10,6 +10,8 @@
   e2e          end-to-end accuracy cost of each KV cache format: the float64 reference
                pipeline beside a registered implementation's (--impl, e.g. triton)
   mutants      the mutant catalog against the standard budget: the kill matrix
+  falsealarm   clean randomized cases on the unmutated implementations: failures (none
+               allowed) and the calibration of the reported-only statistics
 
 Errors in the user's input print one line and exit 2, never a traceback.
 """
@@ -228,6 +230,30 @@ def cmd_mutants(args) -> int:
     return 1 if doc["survivors"] or doc["errors"] else 0
 
 
+def cmd_falsealarm(args) -> int:
+    from oracle import falsealarm
+    from oracle.cases import OPS, SHAPE_CLASSES
+    from oracle.registry import known_names
+    from oracle.report import write_json
+
+    ops = _check_names("ops", _split(args.ops), OPS) or list(OPS)
+    impls = _check_names("impls", _split(args.impls), sorted(known_names()))
+    classes = _check_names("shape-classes", _split(args.shape_classes), SHAPE_CLASSES) \
+        or ["tiny", "small"]
+    if args.cases < 1 or args.workers < 1:
+        raise ValueError(f"cases and workers must be >= 1, got {args.cases}, {args.workers}")
+    device = _device()
+    doc = falsealarm.run(ops, args.cases, args.seed, classes, impls, device, args.workers)
+    out = Path(args.out or f"reports/false-alarms-{'h200' if device == 'cuda' else 'cpu'}"
+                           f".json")
+    write_json(doc, out)
+    text = falsealarm.markdown(doc)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    print(f"wrote {out}, {out.with_suffix('.md')}")
+    return 1 if doc["failures"] else 0
+
+
 def cmd_e2e(args) -> int:
     from oracle import e2e
 
@@ -344,6 +370,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="OUT.json, with OUT.md beside it (default "
                    "reports/mutants-cpu.json, reports/mutants-h200.json on CUDA)")
     s.set_defaults(func=cmd_mutants)
+
+    s = sub.add_parser("falsealarm", help="clean randomized cases: failures and the "
+                       "calibration of the reported-only statistics")
+    s.add_argument("--cases", type=int, default=2000, help="cases per op (default 2000)")
+    s.add_argument("--ops", help="comma-separated ops (default all)")
+    s.add_argument("--impls", help="comma-separated implementations (default all)")
+    s.add_argument("--shape-classes", help="comma-separated (default tiny,small)")
+    s.add_argument("--seed", type=int, default=0, help="draws the cases (default 0)")
+    s.add_argument("--workers", type=int, default=1, help="processes (default 1)")
+    s.add_argument("--out", help="OUT.json, with OUT.md beside it (default "
+                   "reports/false-alarms-cpu.json, -h200 on CUDA)")
+    s.set_defaults(func=cmd_falsealarm)
     return p
 
 

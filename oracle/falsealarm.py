@@ -1,0 +1,163 @@
+"""The false-alarm run: clean randomized cases on the unmutated implementations, counting
+failures (there must be none), and the calibration of the reported-only statistics.
+
+Cases (``draw_cases``): per op, ``n`` cases whose fields are drawn uniformly from the op's
+domain (shape classes given, every distribution the op takes, platform, cache dtype, model
+dtype, scales where the format has them) with seeds from a seeded generator, so a run is a
+pure function of (op, n, seed, shape classes). Each case runs through every implementation
+that claims it (``oracle.checks.run_check``), the reference included.
+
+Calibration of the reported, non-gating statistics (``oracle.checks.reported_attention_stats``
+and the indexer's ``needed_bound``): per op and implementation the distribution of each
+statistic over the clean cases (max, 99.9th and 99th percentiles). A gate "statistic <=
+multiplier" raises no false alarm on this run when the multiplier is at least the max;
+the calibrated multiplier is the max times ``MARGIN``. Whether one may gate: ``fa_ratio``
+(FlashAttention's criterion, the kernel's error over a same-precision baseline's) may gate
+at FlashAttention's customary 2 only if no clean case exceeded 2 / ``MARGIN``;
+``prob_ratio`` (the error over a probabilistic bound with a 1e-6 failure probability per
+element) only if its max stays below 1 / ``MARGIN``; the index ``needed_bound`` is already
+the gate (the rigorous score bound), reported for its headroom.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from oracle import rand
+from oracle.cases import DISTRIBUTIONS, SCALES, Case, make_inputs
+from oracle.checks import run_check
+from oracle.registry import implementations
+from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
+
+MARGIN = 1.5  # the calibrated multiplier: the clean run's max times this
+CUSTOMARY = {"fa_ratio": 2.0, "prob_ratio": 1.0}  # where the literature would gate
+
+
+def _pick(bg, options):
+    return options[int(rand.integers(bg, 0, len(options), ())[()])]
+
+
+def draw_cases(op: str, n: int, seed: int = 0, shape_classes=("tiny", "small")) -> list[Case]:
+    """``n`` valid cases of ``op`` with uniformly drawn fields (module docstring)."""
+    bg = rand.generator(rand.seed_of(f"falsealarm:{op}:{seed}"))
+    dists = [d for d in DISTRIBUTIONS if d != "ties" or op.startswith("indexer")]
+    cases = []
+    while len(cases) < n:
+        fields = dict(op=op, shape_class=_pick(bg, shape_classes), dist=_pick(bg, dists),
+                      platform=_pick(bg, PLATFORMS), kv_cache_dtype=_pick(bg, KV_CACHE_DTYPES),
+                      model_dtype=_pick(bg, MODEL_DTYPES), scales=_pick(bg, SCALES),
+                      seed=int(rand.integers(bg, 0, 2**31 - 1, ())[()]))
+        try:
+            cases.append(Case(**fields))
+        except ValueError:  # scales on a 16-bit cache: the same draw without them
+            try:
+                cases.append(Case(**{**fields, "scales": "none"}))
+            except ValueError:
+                continue
+    return cases
+
+
+def run_cases(cases, impl_names=None, device: str = "cpu") -> list[dict]:
+    """Every claiming implementation on every case: one row per check."""
+    rows = []
+    for case in cases:
+        x = None
+        for impl in implementations(case.op, impl_names, device):
+            if not impl.supports(case)[0]:
+                continue
+            x = make_inputs(case) if x is None else x
+            r = run_check(case, impl, x)
+            rows.append({"op": case.op, "impl": impl.name, "case": case.id,
+                         "passed": r.passed, "seconds": r.seconds, "replay": r.replay,
+                         "summary": None if r.passed else r.summary(),
+                         "stats": {k: float(v) for k, v in r.extra.items()
+                                   if isinstance(v, (int, float))}})
+    return rows
+
+
+def _worker(args):
+    cases, impl_names, device = args
+    return run_cases(cases, impl_names, device)
+
+
+def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=None,
+        device: str = "cpu", workers: int = 1) -> dict:
+    """The clean run over ``n`` cases per op and its calibration (module docstring)."""
+    from oracle.report import machine_info
+
+    t0 = time.perf_counter()
+    cases = [c for op in ops for c in draw_cases(op, n, seed, shape_classes)]
+    if workers > 1:
+        import multiprocessing
+
+        chunks = [(cases[i::workers], impl_names, device) for i in range(workers)]
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            rows = [r for part in pool.map(_worker, chunks) for r in part]
+    else:
+        rows = run_cases(cases, impl_names, device)
+    return {"schema": "false-alarms/1", "machine": machine_info(), "device": device,
+            "seed": seed, "cases_per_op": n, "shape_classes": list(shape_classes),
+            "workers": workers, "seconds": round(time.perf_counter() - t0, 2),
+            "cells": summarize(rows), "failures": [r for r in rows if not r["passed"]]}
+
+
+def summarize(rows) -> list[dict]:
+    """Per (op, implementation): checks, failures, and each reported statistic's
+    distribution with its calibrated multiplier and whether it may gate."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["op"], r["impl"])].append(r)
+    cells = []
+    for (op, impl), rs in sorted(groups.items()):
+        stats = defaultdict(list)
+        for r in rs:
+            for k, v in r["stats"].items():
+                stats[k].append(v)
+        cell = {"op": op, "impl": impl, "checks": len(rs),
+                "failures": sum(not r["passed"] for r in rs), "stats": {}}
+        for k, vals in sorted(stats.items()):
+            a = np.asarray(vals, np.float64)
+            top = float(a.max())
+            entry = {"n": int(a.size), "max": top, "p999": float(np.quantile(a, 0.999)),
+                     "p99": float(np.quantile(a, 0.99)), "calibrated": top * MARGIN}
+            if k in CUSTOMARY:
+                entry["customary"] = CUSTOMARY[k]
+                entry["over_customary"] = int(np.count_nonzero(a > CUSTOMARY[k]))
+                entry["may_gate_at_customary"] = bool(top * MARGIN <= CUSTOMARY[k])
+            cell["stats"][k] = entry
+        cells.append(cell)
+    return cells
+
+
+def _yes_no(flag) -> str:
+    return "-" if flag is None else "yes" if flag else "no"
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# False-alarm run ({doc['device']}, {doc['machine'].get('device')})", "",
+             f"{doc['cases_per_op']} clean cases per op (shape classes "
+             f"{', '.join(doc['shape_classes'])}, seed {doc['seed']}), every implementation "
+             f"that claims each; {doc['seconds']} s on {doc['workers']} worker(s). "
+             f"Failures: {len(doc['failures'])}.", "",
+             "| op | impl | checks | failures |", "|---|---|---:|---:|"]
+    lines += [f"| {c['op']} | {c['impl']} | {c['checks']} | {c['failures']} |"
+              for c in doc["cells"]]
+    lines += ["", "Reported statistics (not gating): distribution over the clean checks, the "
+              f"calibrated multiplier (max x {MARGIN}), and whether the customary gate "
+              "(FlashAttention's 2x for fa_ratio, 1 for prob_ratio) would hold with that "
+              "margin.", "",
+              "| op | impl | statistic | p99 | p99.9 | max | calibrated | over customary "
+              "| may gate at customary |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for c in doc["cells"]:
+        for k, s in c["stats"].items():
+            lines.append(f"| {c['op']} | {c['impl']} | {k} | {s['p99']:.3g} | "
+                         f"{s['p999']:.3g} | {s['max']:.3g} | {s['calibrated']:.3g} | "
+                         f"{s.get('over_customary', '-')} | "
+                         f"{_yes_no(s.get('may_gate_at_customary'))} |")
+    for f in doc["failures"][:30]:
+        lines += ["", "```", f["summary"], "```"]
+    return "\n".join(lines) + "\n"
+

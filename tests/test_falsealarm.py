@@ -1,0 +1,64 @@
+"""The false-alarm run (oracle/falsealarm.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from oracle import falsealarm, registry
+from oracle.cli import main
+
+
+def test_draws_are_valid_reproducible_and_cover_the_domain():
+    """The same (op, n, seed) draws the same cases; every case is valid for its op; over
+    200 draws every distribution the op takes and every platform appear."""
+    a = falsealarm.draw_cases("attention_decode", 200, seed=3)
+    assert [c.id for c in a] == [c.id for c in falsealarm.draw_cases("attention_decode", 200, 3)]
+    assert {c.dist for c in a} == {"normal", "outliers", "near_overflow", "tiny"}
+    assert {c.platform for c in a} == {"cuda", "rocm-ocp", "rocm-fnuz"}
+    assert {c.dist for c in falsealarm.draw_cases("indexer_prefill", 200)} >= {"ties"}
+    assert [c.id for c in falsealarm.draw_cases("attention_decode", 20, seed=4)] != [
+        c.id for c in a[:20]]
+
+
+def test_calibration_of_a_statistic():
+    """Per (op, impl): the max, the calibrated multiplier (max x MARGIN), how many clean
+    checks exceed the customary gate and whether that gate may be used with the margin."""
+    rows = [{"op": "attention_decode", "impl": "k", "passed": True,
+             "stats": {"fa_ratio": v, "prob_ratio": v / 4}} for v in (0.5, 1.0, 2.5)]
+    rows.append({"op": "attention_decode", "impl": "k", "passed": False, "stats": {}})
+    (cell,) = falsealarm.summarize(rows)
+    assert cell["checks"] == 4 and cell["failures"] == 1
+    fa = cell["stats"]["fa_ratio"]
+    assert fa["max"] == 2.5 and fa["calibrated"] == 2.5 * falsealarm.MARGIN
+    assert fa["over_customary"] == 1 and fa["may_gate_at_customary"] is False
+    pr = cell["stats"]["prob_ratio"]
+    assert pr["max"] == 0.625 and pr["may_gate_at_customary"] is True
+
+
+def test_clean_run_has_no_failures_and_a_broken_kernel_shows(tmp_path, monkeypatch):
+    """A few clean cases through the torch baseline raise no failure; the same run over a
+    copy of the baseline that drops the last selected block counts failures with their
+    replay commands (the run can fail)."""
+    out = tmp_path / "fa.json"
+    assert main(["falsealarm", "--cases", "4", "--ops", "attention_decode", "--impls",
+                 "torch", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["failures"] == [] and doc["cells"][0]["checks"] == 4
+    assert "fa_ratio" in doc["cells"][0]["stats"]
+
+    (torch_impl,) = registry.implementations("attention_decode", ["torch"])
+
+    def broken(x):
+        topk = np.array(x["topk"], copy=True)
+        topk[..., 0] = -1
+        return torch_impl.run({**x, "topk": topk})
+
+    bad = dataclasses.replace(torch_impl, name="broken_torch", run=broken)
+    monkeypatch.setitem(registry.REGISTRY["attention_decode"], "broken_torch", bad)
+    doc = falsealarm.run(["attention_decode"], 4, impl_names=["broken_torch"])
+    assert doc["failures"] and all("--impl broken_torch" in f["replay"]
+                                   for f in doc["failures"])
+    assert "FAIL" in falsealarm.markdown(doc)
