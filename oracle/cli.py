@@ -184,7 +184,7 @@ def cmd_fuzz(args) -> int:
                              db=fuzz.DEFAULT_DB if args.db is None else
                              None if args.db == "none" else Path(args.db),
                              gpus=int(os.environ.get("ORACLE_GPUS", "0")),
-                             shape_classes=classes)
+                             shape_classes=classes, shrink=not args.no_shrink)
     wall = time.monotonic() - t0
     if args.report:
         names = sorted({i.name for op in ops for i in implementations(op, impls, device)})
@@ -327,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shape-classes", help="comma-separated shape classes drawn (default "
                    "tiny,small)")
     s.add_argument("--out", default="fuzz-failures", help="folder for shrunk failing cases")
+    s.add_argument("--no-shrink", action="store_true", help="report a failing case as "
+                   "drawn (hypothesis may spend minutes shrinking it)")
     s.add_argument("--report", help="write a fuzz/1 JSON here: counts per op, shape class "
                    "and implementation, the failure, cases per second after the warm-up")
     s.add_argument("--warmup", type=float, help="seconds from each worker's start not "

@@ -103,27 +103,29 @@ def run_parallel(workers: int, seconds: float, ops=None, impls=None,
 def run_workers(workers: int, seconds: float, ops=None, impls=None,
                 out_dir: Path = Path("fuzz-failures"), device: str = "cpu",
                 db: Path | None = DEFAULT_DB, gpus: int = 0,
-                shape_classes=DEFAULT_SHAPE_CLASSES) -> list[dict]:
+                shape_classes=DEFAULT_SHAPE_CLASSES, shrink: bool = True) -> list[dict]:
     """As ``run_parallel``, returning every worker's stats (``run_stats``), worker 0 first
-    (one worker: in this process)."""
+    (one worker: in this process). ``shrink=False``: a failure is reported as drawn
+    (hypothesis may spend minutes shrinking one)."""
     import multiprocessing
 
     if workers <= 1:
         return [run_stats(seconds, ops, impls, out_dir, device, db,
-                          shape_classes=shape_classes)]
-    args = [(i, gpus, seconds, ops, impls, out_dir, device, db, tuple(shape_classes))
+                          shape_classes=shape_classes, shrink=shrink)]
+    args = [(i, gpus, seconds, ops, impls, out_dir, device, db, tuple(shape_classes), shrink)
             for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         return pool.starmap(_worker, args)
 
 
-def _worker(index, gpus, seconds, ops, impls, out_dir, device, db, shape_classes) -> dict:
+def _worker(index, gpus, seconds, ops, impls, out_dir, device, db, shape_classes,
+            shrink=True) -> dict:
     import os
 
     if gpus > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
     stats = run_stats(seconds, ops, impls, out_dir, device, db, progress=index == 0,
-                      shape_classes=shape_classes)
+                      shape_classes=shape_classes, shrink=shrink)
     return dict(stats, worker=index)
 
 

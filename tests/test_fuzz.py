@@ -2,6 +2,7 @@
 the long fuzz run (marker ``fuzz``) searches the CPU implementations."""
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -184,3 +185,30 @@ def test_report_counts_failures_and_rates_from_worker_stats():
                                     " tiny,small ", " 4 ", " 2 ", " 6 ", " 1.0 ", " 2.2 ",
                                     " 1 "]
     assert "| a | 5 |" in md and "| b | 1 |" in md and "python -m oracle replay x" in md
+
+
+def test_no_shrink_reports_the_failure_as_drawn(tmp_path, monkeypatch):
+    """With shrink=False a failing implementation is reported on the first failing case
+    drawn (its replay file written), without hypothesis's shrinking passes: the search
+    checks no more cases after the failure than before it."""
+    import dataclasses
+
+    import numpy as np
+
+    from oracle import registry
+
+    (torch_impl,) = registry.implementations("attention_decode", ["torch"])
+
+    def broken(x):
+        topk = np.array(x["topk"], copy=True)
+        topk[..., 0] = -1
+        return torch_impl.run({**x, "topk": topk})
+
+    bad = dataclasses.replace(torch_impl, name="broken_torch", run=broken)
+    monkeypatch.setitem(registry.REGISTRY["attention_decode"], "broken_torch", bad)
+    stats = fuzz.run_stats(30, ["attention_decode"], ["broken_torch"], tmp_path, db=None,
+                           progress=False, shrink=False)
+    f = stats["failure"]
+    assert f is not None and "broken_torch" in f["summary"]
+    assert (tmp_path / Path(f["file"]).name).exists()
+    assert stats["checks"]["broken_torch"] == stats["cases"]
