@@ -152,7 +152,9 @@ MAX_ROWS = 4
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Counts and sizes vary from call to call: not specialised (one compile for every shape).
+@triton.jit(do_not_specialize=[
+    "num_pages", "bt_cols", "topk_k", "group", "num_q_heads", "num_splits"])
 def _decode_split_kernel(
         q_ptr, q_s0, q_s1,
         kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,

@@ -135,7 +135,9 @@ NUM_WARPS = 8
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Counts and sizes vary from call to call: not specialised (one compile for every shape).
+@triton.jit(do_not_specialize=[
+    "num_tokens", "num_pages", "bt_cols", "num_reqs", "search_steps", "topk_k", "group"])
 def _prefill_kernel(
         q_ptr, q_s0, q_s1, num_tokens,
         kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,

@@ -75,7 +75,10 @@ from oracle.bounds import TENSOR_CORE_DOT_REL
 from reference.domain import DECODE_ROWS_RANGE
 
 
-@triton.jit
+# Counts and sizes vary from call to call: not specialised (one compile for every shape).
+@triton.jit(do_not_specialize=[
+    "num_pages", "width", "num_tokens", "hi", "q_rows", "topk", "local_blocks",
+    "initial_blocks", "blocks_per_split", "num_splits"])
 def _indexer_decode_kernel(
         q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages,
         bt_ptr, bt_s0, bt_s1, width, seq_ptr, num_tokens,

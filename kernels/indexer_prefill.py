@@ -30,7 +30,10 @@ from kernels._host import check_int, check_tensor, fail
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
 
 
-@triton.jit
+# Counts and sizes vary from call to call: not specialised (one compile for every shape).
+@triton.jit(do_not_specialize=[
+    "num_pages", "width", "num_tokens", "hi", "tile_tokens", "topk", "local_blocks",
+    "initial_blocks"])
 def _indexer_prefill_kernel(
         q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages,
         bt_ptr, bt_s0, bt_s1, width, cu_ptr, seq_ptr, num_tokens,

@@ -126,7 +126,8 @@ def _store_head(dst, y1, y2, y3, hmask, D: tl.constexpr, HALF: tl.constexpr,
         tl.store(dst + p[None, :], y3, mask=hmask[:, None] & (p < D)[None, :])
 
 
-@triton.jit
+# Counts and sizes vary from call to call: not specialised (one compile for every shape).
+@triton.jit(do_not_specialize=["max_pos", "n", "num_slots", "ic_num_slots", "hq", "hkv", "hi"])
 def _norm_rope_insert_kernel(
         rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos, n,
         wq_ptr, wk_ptr, wiq_ptr, wik_ptr,

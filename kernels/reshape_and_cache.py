@@ -49,7 +49,8 @@ from kernels._triton import ensure_ready, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, encode_fp8, fmt_code
 
 
-@triton.jit
+# Counts and sizes vary from call to call: not specialised (one compile for every shape).
+@triton.jit(do_not_specialize=["num_slots", "hkv"])
 def _reshape_and_cache_kernel(
         k_ptr, k_s0, k_s1, v_ptr, v_s0, v_s1, slot_ptr, slot_s0,
         kv_ptr, kv_s0, kv_s1, kv_s2, page_size, num_slots,
