@@ -27,7 +27,10 @@ Distributions (values before rounding to their storage dtype):
   outliers       N(0, 1) plus N(0, 10^2) on 0.1% of entries (FlashAttention-3's fp8 setup);
                  insert ops: V also holds -0, +-Inf and NaN on 1% of entries (SPEC.md s.4)
   near_overflow  V around the fp8 format's max on both sides; K and index keys pushed there
-                 by small k scales and large norm weights
+                 by small k scales and large norm weights (the indexer ops: keys and
+                 index_q at the index format's max); attention queries N(0, 48^2), so
+                 logits reach +-100 and beyond
+Attention selections: a quarter of the rows keep only part of their blocks, -1 elsewhere.
   tiny           magnitudes around the fp8 format's min subnormal
   ties           indexer only: blocks whose keys are copies of another block's (exact ties)
                  or copies plus a one-ulp change (near ties)
@@ -464,6 +467,27 @@ def random_selections(bg, positions, page: int, num_heads: int, k: int, local: i
     return np.take_along_axis(sel, shuffle, axis=-1)
 
 
+#: The std of an attention near_overflow case's queries (keys are N(0, 1)): logits ~ N(0, 48^2).
+NEAR_OVERFLOW_Q_STD = 48.0
+
+
+def _partial_selections(bg, topk, hkv):
+    """A quarter of the rows keep a random nonempty part of their selection, the rest -1
+    (an attention op takes any set: block 0 is then often absent while -1 entries are
+    present, so reading -1 as block 0 changes the output). Drawn after everything else, so
+    the other inputs of a case do not depend on it."""
+    sel = topk.copy()
+    hk, t, k = sel.shape
+    cut = rand.uniform(bg, (hk, t)) < 0.25
+    keep = rand.uniform(bg, (hk, t, k)) < 0.5
+    valid = sel >= 0
+    keep |= ~cut[..., None] | ~valid
+    # At least one valid entry of a cut row stays (its first).
+    first = np.argmax(valid, axis=-1)
+    np.put_along_axis(keep, first[..., None], True, axis=-1)
+    return np.where(keep, sel, -1).astype(sel.dtype)
+
+
 def _attention_inputs(case: Case, bg, decode: bool) -> dict:
     hs = head_shape(bg, case.shape_class)
     hkv, g, d, page = hs["num_kv_heads"], hs["group"], hs["head_dim"], hs["page_size"]
@@ -500,9 +524,12 @@ def _attention_inputs(case: Case, bg, decode: bool) -> dict:
     t = len(positions)
     k = _draw_topk(bg, case.shape_class, seq, page)
     topk = random_selections(bg, positions, page, hkv, k)
-    std = 2.5 if case.dist == "normal" else 1.0
+    # near_overflow: logits of +-100 and more (attention sinks), so a row's log-sum-exp lies
+    # past exp2's fp32 range: a split-K merge must subtract the max.
+    std = {"normal": 2.5, "near_overflow": NEAR_OVERFLOW_Q_STD}.get(case.dist, 1.0)
     q = to_model(draw_values(bg, case.dist if case.dist != "near_overflow" else "normal",
                              (t, g * hkv, d), fmt, std=std), case.model_dtype)
+    topk = _partial_selections(bg, topk, hkv)
     out = dict(q=q, kv_cache=cache, kv_fmt=fmt, block_table=table, seq_lens=seq, topk=topk,
                k_scale=k_scale, v_scale=v_scale, model_dtype=case.model_dtype,
                cache_layout=layout_name)

@@ -205,6 +205,16 @@ def check_norm_rope_insert(x, out, impl) -> tuple[Tally, list, dict]:
     return t, failures, {}
 
 
+def _division_bound(val, scaled: bool, impl) -> np.ndarray:
+    """The fp32 division by a scale, allowed its declared error: |val| x div_rel, and 0
+    where val is +-Inf or NaN (Inf / scale is exactly Inf: a bound of |Inf| x div_rel would
+    admit any code, e.g. 240 written for +Inf in e4m3fn)."""
+    if not scaled:
+        return np.zeros(np.shape(val))
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(val), np.abs(val) * impl.arith.div_rel, 0.0)
+
+
 def _check_kv_writes(x, out, k_exact, k_bound, v, impl) -> list[str]:
     """K codes: one value in k_exact +- bound must explain both the model-dtype K output and
     the cache code (through the fp32 division by the scale). V codes: the rounding of
@@ -225,10 +235,10 @@ def _check_kv_writes(x, out, k_exact, k_bound, v, impl) -> list[str]:
                                   1.0 if ks is None else ks, q_rel)
         bad_k += int(np.count_nonzero(~ok_k))
         v_val = v[tok, h] / (1.0 if vs is None else vs)
-        v_bound = np.abs(v_val) * (impl.arith.div_rel if vs is not None else 0.0)
+        v_bound = _division_bound(v_val, vs is not None, impl)
         with np.errstate(invalid="ignore"):
             c = classify(codes[:, d:], np.where(np.isinf(v_val), np.sign(v_val) * 1e300, v_val),
-                         np.nan_to_num(v_bound), fmt)
+                         v_bound, fmt)
         bad_v += int(np.count_nonzero(~c["ok"]))
     out_lines = []
     if bad_k:
@@ -264,9 +274,7 @@ def check_reshape_and_cache(x, out, impl) -> tuple[Tally, list, dict]:
         for part, values, scale in (("k", x["k"], x["k_scale"]), ("v", x["v"], x["v_scale"])):
             sc = _scale_columns(scale, h, slots)
             val = values[tok, h] / (1.0 if sc is None else sc)
-            with np.errstate(invalid="ignore"):
-                bound = np.nan_to_num(np.abs(val) * (impl.arith.div_rel if sc is not None
-                                                     else 0.0))
+            bound = _division_bound(val, sc is not None, impl)
             t.add(f"kv_cache.{part}", codes[:, :d] if part == "k" else codes[:, d:], val,
                   bound, fmt)
     return t, failures, {}

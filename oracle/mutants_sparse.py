@@ -137,9 +137,9 @@ register(Mutant(
            "uni[None, :]) & (ss[:, None] < ss[None, :]))) & first[:, None]).to(tl.int32), "
            "axis=0)\n"))))
 
-# On the standard cases a -1 only stands in a row that already selects every visible block
-# (block 0 included), so the clamp shows only through the padding lanes of a K that is not
-# a power of two (no standard case holds a partial selection).
+# The clamp shows through the padding lanes of a K that is not a power of two, and through
+# the rows of a partial selection (-1 entries, block 0 absent: the attention cases' quarter
+# of cut rows, added after this mutant survived them); the next mutant has only the latter.
 register(Mutant(
     "decode_minus1_as_block0", "attention_decode", "triton",
     "-1 entries read as block 0",
@@ -148,6 +148,17 @@ register(Mutant(
     patch("kernels.attention_decode",
           ("    in_range = row_ok[:, None] & (e >= 0) &",
            "    e = tl.maximum(e, 0)\n    in_range = row_ok[:, None] & (e >= 0) &"))))
+
+register(Mutant(
+    "decode_minus1_entries_as_block0", "attention_decode", "triton",
+    "-1 entries read as block 0",
+    "the same clamp applied to the K real entries only (the padding lanes past K kept "
+    "apart): shown by the rows whose selection holds -1 but not block 0 (the attention "
+    "cases' partial selections)",
+    patch("kernels.attention_decode",
+          ("    in_range = row_ok[:, None] & (e >= 0) &",
+           "    e = tl.where((kk < topk_k)[None, :], tl.maximum(e, 0), e)\n"
+           "    in_range = row_ok[:, None] & (e >= 0) &"))))
 
 register(Mutant(
     "prefill_diag_block_assumed_last", "attention_prefill", "triton",

@@ -18,6 +18,12 @@ from oracle.registry import REGISTRY, implementations
 CATALOG = mutants.catalog()
 
 
+def test_catalog_has_at_least_25_mutants_with_their_incidents():
+    """Issue 11's catalog: at least 25 mutants, each with a bug class and an incident."""
+    assert len(CATALOG) >= 25, sorted(CATALOG)
+    assert all(m.bug and m.incident and m.op and m.base for m in CATALOG.values())
+
+
 @pytest.mark.parametrize("name", sorted(CATALOG))
 def test_mutant_builds_on_its_registered_base(name):
     """The mutant's patch still matches its kernel (or its wrapper applies) and the result
