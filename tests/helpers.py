@@ -201,3 +201,22 @@ PAGED_ATTENTION_FORMATS = [
     ("e5m2fnuz", "bfloat16", "NHD", 8, "tensor"),
     ("e5m2fnuz", "bfloat16", "HND", 0, "slot"),
 ]
+
+
+def register_broken_attention(monkeypatch, name: str = "broken_torch") -> str:
+    """Register (for one test) a copy of the torch attention_decode baseline that drops
+    every row's first selected block: an implementation the oracle must fail."""
+    import dataclasses
+
+    from oracle import registry
+
+    (torch_impl,) = registry.implementations("attention_decode", ["torch"])
+
+    def broken(x):
+        topk = np.array(x["topk"], copy=True)
+        topk[..., 0] = -1
+        return torch_impl.run({**x, "topk": topk})
+
+    bad = dataclasses.replace(torch_impl, name=name, run=broken)
+    monkeypatch.setitem(registry.REGISTRY["attention_decode"], name, bad)
+    return name

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
-import numpy as np
-
-from oracle import falsealarm, registry
+from oracle import falsealarm
 from oracle.cli import main
+from tests.helpers import register_broken_attention
 
 
 def test_draws_are_valid_reproducible_and_cover_the_domain():
@@ -49,16 +47,8 @@ def test_clean_run_has_no_failures_and_a_broken_kernel_shows(tmp_path, monkeypat
     assert doc["failures"] == [] and doc["cells"][0]["checks"] == 4
     assert "fa_ratio" in doc["cells"][0]["stats"]
 
-    (torch_impl,) = registry.implementations("attention_decode", ["torch"])
-
-    def broken(x):
-        topk = np.array(x["topk"], copy=True)
-        topk[..., 0] = -1
-        return torch_impl.run({**x, "topk": topk})
-
-    bad = dataclasses.replace(torch_impl, name="broken_torch", run=broken)
-    monkeypatch.setitem(registry.REGISTRY["attention_decode"], "broken_torch", bad)
-    doc = falsealarm.run(["attention_decode"], 4, impl_names=["broken_torch"])
+    name = register_broken_attention(monkeypatch)
+    doc = falsealarm.run(["attention_decode"], 4, impl_names=[name])
     assert doc["failures"] and all("--impl broken_torch" in f["replay"]
                                    for f in doc["failures"])
     assert "FAIL" in falsealarm.markdown(doc)

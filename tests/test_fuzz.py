@@ -191,22 +191,10 @@ def test_no_shrink_reports_the_failure_as_drawn(tmp_path, monkeypatch):
     """With shrink=False a failing implementation is reported on the first failing case
     drawn (its replay file written), without hypothesis's shrinking passes: the search
     checks no more cases after the failure than before it."""
-    import dataclasses
+    from tests.helpers import register_broken_attention
 
-    import numpy as np
-
-    from oracle import registry
-
-    (torch_impl,) = registry.implementations("attention_decode", ["torch"])
-
-    def broken(x):
-        topk = np.array(x["topk"], copy=True)
-        topk[..., 0] = -1
-        return torch_impl.run({**x, "topk": topk})
-
-    bad = dataclasses.replace(torch_impl, name="broken_torch", run=broken)
-    monkeypatch.setitem(registry.REGISTRY["attention_decode"], "broken_torch", bad)
-    stats = fuzz.run_stats(30, ["attention_decode"], ["broken_torch"], tmp_path, db=None,
+    stats = fuzz.run_stats(30, ["attention_decode"], [register_broken_attention(monkeypatch)],
+                           tmp_path, db=None,
                            progress=False, shrink=False)
     f = stats["failure"]
     assert f is not None and "broken_torch" in f["summary"]
