@@ -23,7 +23,7 @@ def test_report_holds_every_check_outcome_and_replay(tmp_path):
     one's passed), and each failure with its replay command."""
     (tmp_path / "my_kernels.py").write_text(PLUGIN)
     path = tmp_path / "suite.json"
-    env = {**os.environ, "ORACLE_PLUGINS": "my_kernels",
+    env = {**os.environ, "ORACLE_PLUGINS": "my_kernels", "PYTEST_ADDOPTS": "",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
