@@ -72,7 +72,7 @@ def pytest_configure(config):
     if path and not hasattr(config, "workerinput"):
         from oracle.suite import SuiteRecorder
 
-        config._suite_recorder = SuiteRecorder(path)
+        config.pluginmanager.register(SuiteRecorder(path), "suite_recorder")
 
 
 def _prebuild_csrc():
@@ -88,26 +88,6 @@ def _prebuild_csrc():
         cuda_build.build()
     except cuda_build.BuildError:
         pass
-
-
-def pytest_runtest_logreport(report):
-    recorder = getattr(_CONFIG[0], "_suite_recorder", None) if _CONFIG else None
-    if recorder is not None:
-        recorder.add(report)
-
-
-def pytest_sessionstart(session):
-    _CONFIG[:] = [session.config]
-
-
-def pytest_sessionfinish(session):
-    recorder = getattr(session.config, "_suite_recorder", None)
-    if recorder is not None:
-        path = recorder.write()
-        print(f"\nsuite report: {path}")
-
-
-_CONFIG: list = []  # the session's config, for the report hook (it gets no config argument)
 
 
 def pytest_generate_tests(metafunc):

@@ -7,7 +7,8 @@ user property ``check``, which pytest-xdist carries from the workers), and a ``s
 adds what only the test run knows: every test's outcome and seconds, the wall time, the
 slowest tests and the failures with their replay commands.
 
-Collected on the controller (``pytest_runtest_logreport`` sees every worker's reports), so
+Registered as a plugin of the controller (its ``pytest_runtest_logreport`` sees every
+worker's reports), so
 ``pytest -m gpu -n N --suite-report PATH`` writes one file.
 """
 
@@ -33,8 +34,9 @@ class SuiteRecorder:
         self.tests: dict[str, dict] = {}
         self.checks: list[dict] = []
 
-    def add(self, report) -> None:
-        """One phase's report (setup, call, teardown) of one test."""
+    def pytest_runtest_logreport(self, report) -> None:
+        """One phase's report (setup, call, teardown) of one test (a pytest hook: the
+        recorder is registered as a plugin of the controller)."""
         # pytest-xdist's loadgroup appends "@group" to the node id: the test's id is before it.
         test = re.sub(r"@[^\]]*$", "", report.nodeid)
         row = self.tests.setdefault(test, {"outcome": "passed", "seconds": 0.0})
@@ -86,3 +88,6 @@ class SuiteRecorder:
 
     def write(self):
         return write_json(self.report(), self.path)
+
+    def pytest_sessionfinish(self, session) -> None:
+        print(f"\nsuite report: {self.write()}")

@@ -67,7 +67,7 @@ def test_recorder_classifies_phases(tmp_path):
                             ((("setup", "skipped"),), "skipped")):
         rec = SuiteRecorder(tmp_path / "r.json")
         for when, what in phases:
-            rec.add(_report(when, what))
+            rec.pytest_runtest_logreport(_report(when, what))
         row = rec.report()["suite"]
         assert row["tests"] == {"t::x[a|b]": outcome}  # without xdist's group suffix
         assert row["test_seconds"] == len(phases)
