@@ -118,7 +118,7 @@ from kernels._host import (
     codes_of,
     fail,
 )
-from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, fmt_code
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
@@ -372,9 +372,11 @@ def _block_t(block_rows, g_p: int) -> int:
 
 
 def _num_stages(page: int, d: int, fp8: bool) -> int:
-    """Default software-pipelining depth: the K and V tiles of one block (``2 P D`` codes)
-    per stage must leave shared memory for the dequantised operands and q (a guess to be
-    checked on the H200: 3 stages up to 32 KiB per stage, 2 up to 64 KiB, else 1)."""
+    """The deepest software pipeline tried by default: the K and V tiles of one block
+    (``2 P D`` codes) per stage must leave shared memory for the dequantised operands and
+    q (3 stages up to 32 KiB per stage, 2 up to 64 KiB, else 1). The launcher lowers it
+    until the compiled kernel fits (``fitting_stages``): with D = 256, P = 64, a 16-bit
+    cache and 16 heads per group, 2 stages asked for 240 KiB of the H200's 227."""
     per_stage = 2 * page * d * (1 if fp8 else 2)
     return 3 if per_stage <= 32768 else 2 if per_stage <= 65536 else 1
 
@@ -410,8 +412,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     grp = p.hq // p.hkv
     g_p = triton.next_power_of_2(grp)
     block_t = _block_t(block_rows, g_p)
-    opts = {"num_stages": _num_stages(p.page, p.d, p.fp8) if num_stages is None
-            else check_int(num_stages, "num_stages", 1, 8)}
+    opts = {} if num_stages is None else {"num_stages": check_int(num_stages, "num_stages",
+                                                                  1, 8)}
     opts["num_warps"] = NUM_WARPS if num_warps is None else check_int(num_warps, "num_warps",
                                                                       1, 16)
     ensure_ready(_prefill_kernel)
@@ -432,6 +434,10 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
                  ASM=p.fp8 and kv_fmt in HW_FORMATS and not INTERPRETED, **opts)
+    if num_stages is None:  # the guess, lowered until both passes fit shared memory
+        const["num_stages"] = min(
+            fitting_stages(_prefill_kernel, args, {**const, "REPAIR": r}, q.device,
+                           deepest=_num_stages(p.page, p.d, p.fp8)) for r in (False, True))
     # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
     # their rows must not see are flagged by the first and recomputed by the second.
     _prefill_kernel[grid](*args, REPAIR=False, **const)

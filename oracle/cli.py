@@ -219,9 +219,10 @@ def cmd_mutants(args) -> int:
     if args.fuzz_seconds < 0:
         raise ValueError(f"fuzz-seconds must be >= 0, got {args.fuzz_seconds}")
     gpu = _device() == "cuda"
-    doc = mutants.kill_matrix(chosen, gpu=gpu, fuzz_seconds=args.fuzz_seconds,
-                              full=args.full)
     out = Path(args.out or f"reports/mutants-{'h200' if gpu else 'cpu'}.json")
+    # Written after every mutant: a run stopped by a time limit keeps its finished rows.
+    doc = mutants.kill_matrix(chosen, gpu=gpu, fuzz_seconds=args.fuzz_seconds,
+                              full=args.full, partial=lambda d: write_json(d, out))
     write_json(doc, out)
     text = mutants.markdown(doc)
     out.with_suffix(".md").write_text(text)
@@ -243,7 +244,10 @@ def cmd_falsealarm(args) -> int:
     if args.cases < 1 or args.workers < 1:
         raise ValueError(f"cases and workers must be >= 1, got {args.cases}, {args.workers}")
     device = _device()
-    doc = falsealarm.run(ops, args.cases, args.seed, classes, impls, device, args.workers)
+    if args.seconds is not None and args.seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {args.seconds}")
+    doc = falsealarm.run(ops, args.cases, args.seed, classes, impls, device, args.workers,
+                         args.seconds)
     out = Path(args.out or f"reports/false-alarms-{'h200' if device == 'cuda' else 'cpu'}"
                            f".json")
     write_json(doc, out)
@@ -381,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shape-classes", help="comma-separated (default tiny,small)")
     s.add_argument("--seed", type=int, default=0, help="draws the cases (default 0)")
     s.add_argument("--workers", type=int, default=1, help="processes (default 1)")
+    s.add_argument("--seconds", type=float, help="time budget: cases not started by then "
+                   "are left out, the report says how many ran (default: none)")
     s.add_argument("--out", help="OUT.json, with OUT.md beside it (default "
                    "reports/false-alarms-cpu.json, -h200 on CUDA)")
     s.set_defaults(func=cmd_falsealarm)

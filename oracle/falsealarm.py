@@ -60,10 +60,15 @@ def draw_cases(op: str, n: int, seed: int = 0, shape_classes=("tiny", "small")) 
     return cases
 
 
-def run_cases(cases, impl_names=None, device: str = "cpu") -> list[dict]:
-    """Every claiming implementation on every case: one row per check."""
+def run_cases(cases, impl_names=None, device: str = "cpu", deadline: float | None = None
+              ) -> list[dict]:
+    """Every claiming implementation on every case: one row per check. Cases not started
+    by ``deadline`` (a ``time.time()`` value) are skipped: a budgeted run reports what it
+    checked instead of nothing."""
     rows = []
     for case in cases:
+        if deadline is not None and time.time() > deadline:
+            break
         x = None
         for impl in implementations(case.op, impl_names, device):
             if not impl.supports(case)[0]:
@@ -79,27 +84,40 @@ def run_cases(cases, impl_names=None, device: str = "cpu") -> list[dict]:
 
 
 def _worker(args):
-    cases, impl_names, device = args
-    return run_cases(cases, impl_names, device)
+    cases, impl_names, device, deadline = args
+    return run_cases(cases, impl_names, device, deadline)
+
+
+def _interleaved(per_op: list[list[Case]]) -> list[Case]:
+    """Round-robin over the ops, so a budgeted run covers each op about equally."""
+    return [c for group in zip(*per_op) for c in group]
 
 
 def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=None,
-        device: str = "cpu", workers: int = 1) -> dict:
-    """The clean run over ``n`` cases per op and its calibration (module docstring)."""
+        device: str = "cpu", workers: int = 1, seconds: float | None = None) -> dict:
+    """The clean run over ``n`` cases per op and its calibration (module docstring); with
+    ``seconds``, cases not started within that budget are left out and the report says
+    how many each op got (``cases_run``)."""
     from oracle.report import machine_info
 
     t0 = time.perf_counter()
-    cases = [c for op in ops for c in draw_cases(op, n, seed, shape_classes)]
+    deadline = None if seconds is None else time.time() + seconds
+    cases = _interleaved([draw_cases(op, n, seed, shape_classes) for op in ops])
     if workers > 1:
         import multiprocessing
 
-        chunks = [(cases[i::workers], impl_names, device) for i in range(workers)]
+        # Small tasks in case order: every worker stops at the same deadline, and the
+        # cases run are a prefix of the interleaved order (each op about equally).
+        tasks = [(cases[i:i + 4], impl_names, device, deadline)
+                 for i in range(0, len(cases), 4)]
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            rows = [r for part in pool.map(_worker, chunks) for r in part]
+            rows = [r for part in pool.imap(_worker, tasks) for r in part]
     else:
-        rows = run_cases(cases, impl_names, device)
+        rows = run_cases(cases, impl_names, device, deadline)
+    cases_run = {op: len({r["case"] for r in rows if r["op"] == op}) for op in ops}
     return {"schema": "false-alarms/1", "machine": machine_info(), "device": device,
-            "seed": seed, "cases_per_op": n, "shape_classes": list(shape_classes),
+            "seed": seed, "cases_per_op": n, "cases_run": cases_run,
+            "budget_s": seconds, "shape_classes": list(shape_classes),
             "workers": workers, "seconds": round(time.perf_counter() - t0, 2),
             "cells": summarize(rows), "failures": [r for r in rows if not r["passed"]]}
 
@@ -136,9 +154,18 @@ def _yes_no(flag) -> str:
     return "-" if flag is None else "yes" if flag else "no"
 
 
+def _cases_line(doc: dict) -> str:
+    run = doc.get("cases_run")
+    if not run or all(v == doc["cases_per_op"] for v in run.values()):
+        return f"{doc['cases_per_op']} clean cases per op"
+    got = ", ".join(f"{op} {v}" for op, v in run.items())
+    return (f"clean cases run per op within the {doc['budget_s']} s budget ({got}; "
+            f"{doc['cases_per_op']} drawn)")
+
+
 def markdown(doc: dict) -> str:
     lines = [f"# False-alarm run ({doc['device']}, {doc['machine'].get('device')})", "",
-             f"{doc['cases_per_op']} clean cases per op (shape classes "
+             f"{_cases_line(doc)} (shape classes "
              f"{', '.join(doc['shape_classes'])}, seed {doc['seed']}), every implementation "
              f"that claims each; {doc['seconds']} s on {doc['workers']} worker(s). "
              f"Failures: {len(doc['failures'])}.", "",

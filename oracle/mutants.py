@@ -42,12 +42,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from oracle.cases import make_inputs
+from oracle.cases import SHAPE_CLASSES, make_inputs
 from oracle.checks import run_check
 from oracle.registry import Implementation, implementations
 
 CPU_CLASSES = ("tiny", "small")
-GPU_CLASSES = ("model", "sweep", "long")
+GPU_CLASSES = ("model", "sweep", "long", "large")
+LARGE_CASES = 3  # tiny cases run behind a 2^31-element prefix in the ``large`` class
 
 
 class MutantError(RuntimeError):
@@ -171,10 +172,13 @@ def catalog() -> dict[str, Mutant]:
 
 
 def class_cases(op: str, test_class: str, gpu: bool) -> list:
-    """The standard budget's cases of ``op`` in one shape class (the differential test's)."""
+    """The standard budget's cases of ``op`` in one shape class (the differential test's);
+    ``large``: the first tiny ones, run with the caches past 2^31 elements."""
     from oracle.report import differential_cases
 
-    return [c for c in differential_cases(op, gpu=gpu) if c.shape_class == test_class]
+    shape_class = "tiny" if test_class == "large" else test_class
+    cases = [c for c in differential_cases(op, gpu=gpu) if c.shape_class == shape_class]
+    return cases[:LARGE_CASES] if test_class == "large" else cases
 
 
 def first_kill(impl: Implementation, cases, limit_s: float | None = None) -> dict:
@@ -221,46 +225,71 @@ def fuzz_kill(impl: Implementation, seconds: float, shape_classes=CPU_CLASSES,
 
 
 def kill_matrix(mutants, gpu: bool = False, fuzz_seconds: float = 60.0,
-                full: bool = False, progress=print) -> dict:
+                full: bool = False, progress=print, partial=None) -> dict:
     """Each mutant against the test classes in order (``CPU_CLASSES``, on CUDA also
     ``GPU_CLASSES``, then ``fuzz``), each class run to its first kill; a mutant stops at
-    its first killing class unless ``full``."""
+    its first killing class unless ``full``; ``partial(doc)`` receives the report after
+    each mutant (a run cut short still leaves its rows). The ``large`` class (CUDA) runs
+    the tiny cases with every cache behind a prefix past 2^31 elements (``oracle.large``),
+    where 32-bit offsets wrap; the mutants that only CUDA shows run last, since a wrapped offset may
+    fault and leave the process's CUDA context unusable."""
+    from oracle.large import behind_large_prefix
     from oracle.report import machine_info
 
+    machine = machine_info()
+    mutants = sorted(mutants, key=lambda m: m.gpu_only)
     classes = [*CPU_CLASSES, *(GPU_CLASSES if gpu else ()), "fuzz"]
     device = "cuda" if gpu else "cpu"
     rows, t0 = [], time.perf_counter()
     for m in mutants:
-        row = {"mutant": m.name, "op": m.op, "base": m.base, "bug": m.bug,
-               "incident": m.incident, "classes": {}}
-        rows.append(row)
-        if m.gpu_only and not gpu:
-            row["skipped"] = "shows only on CUDA"
-            continue
-        try:
-            impl = m.implementation(device)
-        except MutantError as e:
-            row["error"] = str(e)
-            continue
-        for cls in classes:
-            if cls == "fuzz":
-                res = fuzz_kill(impl, fuzz_seconds, (*CPU_CLASSES, *(GPU_CLASSES if gpu
-                                                                     else ())), device)
-            else:
-                res = first_kill(impl, class_cases(m.op, cls, gpu))
-            row["classes"][cls] = res
-            progress(f"{m.name} [{cls}]: {'killed' if res['killed'] else 'survived'} after "
-                     f"{res['cases']} cases, {res['seconds']:.1f} s")
-            if res["killed"] and not full:
-                break
-        row["killed"] = any(r["killed"] for r in row["classes"].values())
-    return {"schema": "mutants/1", "machine": machine_info(), "device": device,
+        rows.append(_kill_row(m, classes, gpu, device, fuzz_seconds, full, progress,
+                              behind_large_prefix))
+        if partial is not None:
+            partial(_matrix_doc(rows, len(mutants), machine, device, classes, fuzz_seconds,
+                                full, t0))
+    return _matrix_doc(rows, len(mutants), machine, device, classes, fuzz_seconds, full, t0)
+
+
+def _kill_row(m, classes, gpu, device, fuzz_seconds, full, progress, large) -> dict:
+    """One mutant through the classes in order (``kill_matrix``)."""
+    row = {"mutant": m.name, "op": m.op, "base": m.base, "bug": m.bug,
+           "incident": m.incident, "classes": {}}
+    if m.gpu_only and not gpu:
+        return dict(row, skipped="shows only on CUDA")
+    try:
+        impl = m.implementation(device)
+    except MutantError as e:
+        return dict(row, error=str(e))
+    for cls in classes:
+        if cls == "fuzz":
+            shapes = [c for c in classes if c in SHAPE_CLASSES]
+            res = fuzz_kill(impl, fuzz_seconds, tuple(shapes), device)
+        elif cls == "large":
+            res = first_kill(large(impl), class_cases(m.op, cls, gpu))
+        else:
+            res = first_kill(impl, class_cases(m.op, cls, gpu))
+        row["classes"][cls] = res
+        progress(f"{m.name} [{cls}]: {'killed' if res['killed'] else 'survived'} after "
+                 f"{res['cases']} cases, {res['seconds']:.1f} s")
+        if res["killed"] and not full:
+            break
+    row["killed"] = any(r["killed"] for r in row["classes"].values())
+    return row
+
+
+def _matrix_doc(rows, planned, machine, device, classes, fuzz_seconds, full, t0) -> dict:
+    return {"schema": "mutants/1", "machine": machine, "device": device, "planned": planned,
             "classes": classes, "fuzz_seconds": fuzz_seconds, "full": full,
             "seconds": round(time.perf_counter() - t0, 2), "mutants": rows,
             "killed": sum(bool(r.get("killed")) for r in rows),
             "survivors": [r["mutant"] for r in rows if r.get("killed") is False],
             "errors": [r["mutant"] for r in rows if "error" in r],
             "skipped": [r["mutant"] for r in rows if "skipped" in r]}
+
+
+def _cut_short(doc: dict) -> str:
+    left = doc.get("planned", len(doc["mutants"])) - len(doc["mutants"])
+    return f"; cut short: {left} mutant(s) not run" if left else ""
 
 
 def markdown(doc: dict) -> str:
@@ -270,7 +299,8 @@ def markdown(doc: dict) -> str:
              f"{doc['killed']} of {len(doc['mutants'])} mutants killed in {doc['seconds']} s"
              f"; survivors: {', '.join(doc['survivors']) or 'none'}; not built: "
              f"{', '.join(doc['errors']) or 'none'}; left to CUDA: "
-             f"{', '.join(doc['skipped']) or 'none'}. A cell: cases run to the first "
+             f"{', '.join(doc['skipped']) or 'none'}"
+             f"{_cut_short(doc)}. A cell: cases run to the first "
              f"failing check / seconds (x = killed there, - = survived it, blank = not run"
              f": a mutant stops at its first kill).", "",
              "| mutant | op | bug | " + " | ".join(classes) + " |",

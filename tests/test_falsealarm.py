@@ -52,3 +52,15 @@ def test_clean_run_has_no_failures_and_a_broken_kernel_shows(tmp_path, monkeypat
     assert doc["failures"] and all("--impl broken_torch" in f["replay"]
                                    for f in doc["failures"])
     assert "FAIL" in falsealarm.markdown(doc)
+
+
+def test_budget_keeps_ops_even_and_says_what_ran():
+    """Cases are interleaved over the ops (a budget cut leaves each op about equally
+    covered); an exhausted budget runs nothing and the report says so instead of claiming
+    the drawn count."""
+    a, b = falsealarm.draw_cases("attention_decode", 3), falsealarm.draw_cases("indexer_decode", 3)
+    assert [c.op for c in falsealarm._interleaved([a, b])] == ["attention_decode",
+                                                               "indexer_decode"] * 3
+    doc = falsealarm.run(["attention_decode"], 3, impl_names=["torch"], seconds=-1.0)
+    assert doc["cases_run"] == {"attention_decode": 0} and doc["cells"] == []
+    assert "within the -1.0 s budget" in falsealarm.markdown(doc)

@@ -19,41 +19,11 @@ import numpy as np
 import pytest
 
 from oracle.cases import Case, make_inputs
+from oracle.large import LARGE_CACHE_ELEMENTS, extra_pages, moved
 
-ELEMENTS = int(os.environ.get("LARGE_CACHE_ELEMENTS", 2**31 + 2**24))
+ELEMENTS = int(os.environ.get("LARGE_CACHE_ELEMENTS", LARGE_CACHE_ELEMENTS))
 # GPU-sized by default; with the size lowered they are interpreter tests of the logic.
 pytestmark = pytest.mark.interp if "LARGE_CACHE_ELEMENTS" in os.environ else pytest.mark.gpu
-
-
-def _extra_pages(cache: np.ndarray) -> int:
-    """Pages to put in front so that the cache holds more than ELEMENTS elements."""
-    per_page = int(np.prod(cache.shape[1:]))
-    return max(1, -(-(ELEMENTS - cache.size) // per_page) + 1)
-
-
-def _moved(x: dict, caches, extra: int, tables=(), slots=(), scales=()) -> dict:
-    """x with each cache of ``caches`` behind ``extra`` zero pages, the block tables'
-    entries and the slots (>= 0) shifted by as much, per-slot scales padded with 1.0."""
-    y = dict(x)
-    for key in caches:
-        c = x[key]
-        big = np.zeros((extra + c.shape[0],) + c.shape[1:], c.dtype)
-        big[extra:] = c
-        y[key] = big
-    page = x[caches[0]].shape[-2]
-    for key in tables:
-        t = np.array(x[key], copy=True)
-        t[t >= 0] += extra
-        y[key] = t
-    for key in slots:
-        s = np.array(x[key], copy=True)
-        s[s >= 0] += extra * page
-        y[key] = s
-    for key in scales:
-        s = x[key]
-        if s is not None and np.ndim(s) == 2:
-            y[key] = np.concatenate([np.ones((s.shape[0], extra * page), s.dtype), s], axis=1)
-    return y
 
 
 def _run(module: str, x: dict) -> dict:
@@ -76,8 +46,8 @@ def test_fused_insert_writes_past_2_31_elements(case_id):
     2^31 elements exactly as into a small cache; its other outputs do not change."""
     x = make_inputs(Case.from_id(case_id))
     caches = ("kv_cache",) + (("index_cache",) if x.get("index_cache") is not None else ())
-    extra = _extra_pages(x["kv_cache"])
-    y = _moved(x, caches, extra, slots=("slot_mapping",), scales=("k_scale", "v_scale"))
+    extra = extra_pages(x["kv_cache"], ELEMENTS)
+    y = moved(x, caches, extra, slots=("slot_mapping",), scales=("k_scale", "v_scale"))
     small, big = _run("kernels.norm_rope_insert", x), _run("kernels.norm_rope_insert", y)
     for key in small:
         if key in caches:
@@ -91,8 +61,8 @@ def test_indexer_reads_past_2_31_elements(op):
     """The Triton indexer selects the same blocks when the index cache's pages lie past
     2^31 elements."""
     x = make_inputs(Case(op, "small", "normal", "cuda", "fp8", "bfloat16", "none", 5))
-    extra = _extra_pages(x["index_cache"])
-    y = _moved(x, ("index_cache",), extra, tables=("block_table",))
+    extra = extra_pages(x["index_cache"], ELEMENTS)
+    y = moved(x, ("index_cache",), extra, tables=("block_table",))
     small, big = _run(f"kernels.{op}", x), _run(f"kernels.{op}", y)
     assert np.array_equal(small["topk"], big["topk"])
 
@@ -103,8 +73,8 @@ def test_attention_reads_past_2_31_elements(op, scales):
     """The Triton sparse attention gives the same output, bit for bit, when the selected
     pages (and their per-slot scales) lie past 2^31 elements."""
     x = make_inputs(Case(op, "small", "normal", "cuda", "fp8", "bfloat16", scales, 6))
-    extra = _extra_pages(x["kv_cache"])
-    y = _moved(x, ("kv_cache",), extra, tables=("block_table",),
+    extra = extra_pages(x["kv_cache"], ELEMENTS)
+    y = moved(x, ("kv_cache",), extra, tables=("block_table",),
                scales=("k_scale", "v_scale"))
     small, big = _run(f"kernels.{op}", x), _run(f"kernels.{op}", y)
     assert np.array_equal(small["out"], big["out"])

@@ -99,3 +99,18 @@ def test_kill_matrix_report_and_cli(tmp_path, capsys):
     assert main(["replay", case, "--impl", "mutant:decode_gqa_modulo"]) == 1
     assert main(["mutants", "--mutants", "no_such_mutant"]) == 2
     capsys.readouterr()
+
+
+def test_partial_reports_after_each_mutant_and_cut_short_runs_say_so():
+    """The kill matrix hands out its report after every mutant (the CLI writes it, so a
+    run stopped by a time limit keeps its rows); a report with fewer rows than planned
+    says how many mutants did not run. The CUDA-only mutants are ordered last."""
+    seen = []
+    ms = [mutants.catalog()[n] for n in ("insert_int32_offsets", "decode_gqa_modulo",
+                                         "decode_k_scale_ignored")]
+    doc = mutants.kill_matrix(ms, fuzz_seconds=0, progress=lambda _: None,
+                              partial=lambda d: seen.append(len(d["mutants"])))
+    assert seen == [1, 2, 3]
+    assert [r["mutant"] for r in doc["mutants"]][-1] == "insert_int32_offsets"
+    cut = dict(doc, mutants=doc["mutants"][:1], planned=3)
+    assert "cut short: 2 mutant(s) not run" in mutants.markdown(cut)
