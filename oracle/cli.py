@@ -118,11 +118,29 @@ def _summary_table(doc) -> str:
     return "\n".join(lines)
 
 
+#: The run reports other than the tolerance report: schema -> module with ``markdown``.
+RUN_REPORTS = {"fuzz/1": "oracle.fuzz", "mutants/1": "oracle.mutants",
+               "false-alarms/1": "oracle.falsealarm"}
+
+
 def cmd_render(args) -> int:
+    import importlib
+    import json
+
     from oracle import render, report
 
-    doc = report.load(args.report)
     out = Path(args.out) if args.out else Path(args.report).with_suffix("")
+    try:  # a GPU run's fuzz / mutants / false-alarm JSON: its Markdown beside it
+        schema = json.loads(Path(args.report).read_text()).get("schema")
+    except (OSError, ValueError, AttributeError):
+        schema = None
+    if schema in RUN_REPORTS:
+        doc = json.loads(Path(args.report).read_text())
+        md = out.with_name(out.name + ".md")
+        md.write_text(importlib.import_module(RUN_REPORTS[schema]).markdown(doc))
+        print(f"wrote {md}")
+        return 0
+    doc = report.load(args.report)
     print("wrote " + ", ".join(str(p) for p in render.render(doc, out)))
     return 0
 
@@ -301,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_report)
 
-    s = sub.add_parser("render", help="Markdown and PNG from a report JSON")
+    s = sub.add_parser("render", help="Markdown and PNG from a report JSON (also Markdown "
+                       "from a fuzz, mutants or false-alarm JSON)")
     s.add_argument("report")
     s.add_argument("--out", help="output prefix (default: the report's path without .json)")
     s.set_defaults(func=cmd_render)

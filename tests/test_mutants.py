@@ -98,6 +98,9 @@ def test_kill_matrix_report_and_cli(tmp_path, capsys):
     case = kill["replay"].split()[4]
     assert main(["replay", case, "--impl", "mutant:decode_gqa_modulo"]) == 1
     assert main(["mutants", "--mutants", "no_such_mutant"]) == 2
+    (tmp_path / "m.md").unlink()
+    assert main(["render", str(out)]) == 0  # a GPU run's JSON rendered where it lands
+    assert "| decode_gqa_modulo |" in (tmp_path / "m.md").read_text()
     capsys.readouterr()
 
 
