@@ -47,7 +47,7 @@ from oracle.checks import run_check
 from oracle.registry import Implementation, implementations
 
 CPU_CLASSES = ("tiny", "small")
-GPU_CLASSES = ("model", "sweep", "long", "large")
+GPU_CLASSES = ("large", "model", "sweep", "long")  # cheapest first: large is 3 tiny cases
 LARGE_CASES = 3  # tiny cases run behind a 2^31-element prefix in the ``large`` class
 
 
