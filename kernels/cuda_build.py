@@ -1,7 +1,8 @@
 """Builds csrc/ into a shared library with nvcc, cached by content.
 
-``build()`` compiles every source (``nvcc -O3 -arch=sm_90 -Xcompiler -fPIC -c``, one process
-per source, in parallel), links them with ``nvcc -shared`` and returns the path of the .so.
+``build()`` compiles every source (``nvcc -O3 -arch=sm_90 -Xcompiler -fPIC,-Wall,-Wextra
+-c``, one process per source, in parallel; what they print is kept beside the library,
+``build_warnings``), links them with ``nvcc -shared`` and returns the path of the .so.
 The library lives under ``<cache>/<key>/`` where the key is a sha256 of the sources, every
 header in csrc/ (``.h`` and ``.cuh``), the flags and the nvcc path: a cached build costs a
 hash of a few files and no process. The cache root is ``$CSRC_CACHE_DIR``, else
@@ -36,7 +37,9 @@ LIB_SOURCES = ("norm_rope_insert.cu", "nri_vec_shfl_bf16.cu", "nri_vec_shfl_f16.
 HEADER_GLOBS = ("*.h", "*.cuh")
 ARCH = "sm_90"
 #: compile flags (each source, and the link, which adds ``-shared``).
-NVCC_FLAGS = ("-O3", f"-arch={ARCH}", "-std=c++17", "-Xcompiler", "-fPIC")
+NVCC_FLAGS = ("-O3", f"-arch={ARCH}", "-std=c++17", "-Xcompiler", "-fPIC,-Wall,-Wextra")
+#: what nvcc and the host compiler printed while compiling (warnings), beside the library
+WARNINGS_NAME = "warnings.txt"
 LIB_NAME = "libcsrc.so"
 _TIMEOUT_S = 600
 
@@ -83,11 +86,12 @@ def build_key(sources, flags, nvcc: str, include_dir: Path = CSRC) -> str:
     return h.hexdigest()[:32]
 
 
-def _run(cmds: list[list[str]]) -> None:
-    """Runs the commands in parallel; raises BuildError with the first failure's output."""
+def _run(cmds: list[list[str]]) -> str:
+    """Runs the commands in parallel; raises BuildError with the failures' output, else
+    returns what they printed (warnings), each under its command."""
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for c in cmds]
-    failures = []
+    failures, printed = [], []
     for cmd, p in zip(cmds, procs):
         try:
             out, err = p.communicate(timeout=_TIMEOUT_S)
@@ -97,8 +101,11 @@ def _run(cmds: list[list[str]]) -> None:
             err += f"\n(killed after {_TIMEOUT_S} s)"
         if p.returncode:
             failures.append(f"$ {' '.join(cmd)}\n{err.strip() or out.strip()}")
+        elif (err or "").strip():
+            printed.append(f"$ {' '.join(cmd)}\n{err.strip()}")
     if failures:
         raise BuildError("nvcc failed:\n" + "\n\n".join(failures))
+    return "\n\n".join(printed)
 
 
 def build(sources=None, flags=NVCC_FLAGS, name: str = LIB_NAME, cache_dir=None,
@@ -120,11 +127,18 @@ def build(sources=None, flags=NVCC_FLAGS, name: str = LIB_NAME, cache_dir=None,
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
         inc = [f"-I{include_dir}"] if include_dir else []
         objs = [Path(tmp) / f"{i}_{s.stem}.o" for i, s in enumerate(srcs)]
-        _run([[nvcc, *flags, *inc, "-c", str(s), "-o", str(o)] for s, o in zip(srcs, objs)])
+        printed = _run([[nvcc, *flags, *inc, "-c", str(s), "-o", str(o)]
+                        for s, o in zip(srcs, objs)])
         tmp_lib = Path(tmp) / name
         _run([[nvcc, "-shared", *flags, *map(str, objs), "-o", str(tmp_lib)]])
+        (out_dir / WARNINGS_NAME).write_text(printed)
         os.replace(tmp_lib, lib)
     return lib
+
+
+def build_warnings(lib: Path) -> str:
+    """What the compile of the library at ``lib`` printed (empty: no warning)."""
+    return (Path(lib).parent / WARNINGS_NAME).read_text()
 
 
 def main(argv=None) -> int:

@@ -196,6 +196,7 @@ def cmd_fuzz(args) -> int:
     if not 0 <= warmup < seconds:
         raise ValueError(f"warmup must be in [0, {seconds:g}) seconds, got {warmup:g}")
     device = _device()
+    impls = impls or fuzz.default_impls(device)
     t0 = time.monotonic()
     stats = fuzz.run_workers(args.workers, seconds=seconds, ops=ops, impls=impls,
                              out_dir=Path(args.out), device=device,
@@ -224,6 +225,8 @@ def _mutant(name: str):
 
 
 def cmd_mutants(args) -> int:
+    import json
+
     from oracle import mutants
     from oracle.report import write_json
 
@@ -231,6 +234,13 @@ def cmd_mutants(args) -> int:
     if args.list:
         for m in known.values():
             print(f"{m.name:32s} {m.op:18s} {m.bug}: {m.incident}")
+        return 0
+    if args.merge:
+        doc = mutants.merge([json.loads(Path(p).read_text()) for p in args.merge], list(known))
+        out = Path(args.out or "reports/mutants-merged.json")
+        write_json(doc, out)
+        out.with_suffix(".md").write_text(mutants.markdown(doc))
+        print(f"wrote {out}, {out.with_suffix('.md')}")
         return 0
     chosen = [_mutant(n) for n in _split(args.mutants)] if args.mutants else list(
         known.values())
@@ -388,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "the kill matrix")
     s.add_argument("--mutants", help="comma-separated names (default: the whole catalog)")
     s.add_argument("--list", action="store_true", help="print the catalog and exit")
+    s.add_argument("--merge", nargs="+", metavar="JSON", help="merge the reports of runs "
+                   "over parts of the catalog into one (--out) instead of running")
     s.add_argument("--fuzz-seconds", type=float, default=60.0, help="budget of the fuzz "
                    "class per mutant (default 60)")
     s.add_argument("--full", action="store_true", help="run every test class (default: a "

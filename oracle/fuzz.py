@@ -86,6 +86,22 @@ def check_case(case: Case, impl_names=None, device: str = "cpu",
 
 DEFAULT_SHAPE_CLASSES = ("tiny", "small")
 
+#: Left out of a CUDA fuzz run unless named with ``--impls``: the compiled flex baseline is
+#: compiled by Inductor for every new shape (``dynamic=False``, oracle/impl_flex.py), seconds
+#: per case, which the suite's fixed case set amortises and a random-shape search does not
+#: (H200, 14 workers: a quarter of the gaps between cases were over 3 s).
+CUDA_FUZZ_SKIPS = ("flex",)
+
+
+def default_impls(device: str) -> list[str] | None:
+    """The implementations a fuzz run checks when none are named: all (None) on the CPU,
+    all but ``CUDA_FUZZ_SKIPS`` on CUDA."""
+    from oracle.registry import known_names
+
+    if device != "cuda":
+        return None
+    return sorted(known_names() - set(CUDA_FUZZ_SKIPS))
+
 
 def run_parallel(workers: int, seconds: float, ops=None, impls=None,
                  out_dir: Path = Path("fuzz-failures"), device: str = "cpu",

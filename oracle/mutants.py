@@ -245,9 +245,10 @@ def kill_matrix(mutants, gpu: bool = False, fuzz_seconds: float = 60.0,
         rows.append(_kill_row(m, classes, gpu, device, fuzz_seconds, full, progress,
                               behind_large_prefix))
         if partial is not None:
-            partial(_matrix_doc(rows, len(mutants), machine, device, classes, fuzz_seconds,
-                                full, t0))
-    return _matrix_doc(rows, len(mutants), machine, device, classes, fuzz_seconds, full, t0)
+            partial(_matrix_doc(rows, [m.name for m in mutants], machine, device, classes,
+                                fuzz_seconds, full, t0))
+    return _matrix_doc(rows, [m.name for m in mutants], machine, device, classes, fuzz_seconds,
+                       full, t0)
 
 
 def _kill_row(m, classes, gpu, device, fuzz_seconds, full, progress, large) -> dict:
@@ -278,7 +279,9 @@ def _kill_row(m, classes, gpu, device, fuzz_seconds, full, progress, large) -> d
 
 
 def _matrix_doc(rows, planned, machine, device, classes, fuzz_seconds, full, t0) -> dict:
-    return {"schema": "mutants/1", "machine": machine, "device": device, "planned": planned,
+    ran = {r["mutant"] for r in rows}
+    return {"schema": "mutants/1", "machine": machine, "device": device,
+            "planned": len(planned), "not_run": [n for n in planned if n not in ran],
             "classes": classes, "fuzz_seconds": fuzz_seconds, "full": full,
             "seconds": round(time.perf_counter() - t0, 2), "mutants": rows,
             "killed": sum(bool(r.get("killed")) for r in rows),
@@ -287,9 +290,30 @@ def _matrix_doc(rows, planned, machine, device, classes, fuzz_seconds, full, t0)
             "skipped": [r["mutant"] for r in rows if "skipped" in r]}
 
 
+def merge(docs: list[dict], planned: list[str]) -> dict:
+    """One kill matrix from several runs' reports (a catalog split over device calls):
+    each mutant's row from the last report holding it, seconds summed, ``planned`` the
+    catalog's names (the Markdown names those no run reached); the last report's class
+    order."""
+    rows: dict = {}
+    for d in docs:
+        if d.get("schema") != "mutants/1" or d.get("device") != docs[0].get("device"):
+            raise ValueError("merge takes mutants/1 reports of one device, got "
+                             f"{d.get('schema')!r} on {d.get('device')!r}")
+        rows.update((r["mutant"], r) for r in d["mutants"])
+    doc = _matrix_doc(list(rows.values()), planned, docs[0]["machine"], docs[0]["device"],
+                      docs[-1]["classes"] + [c for d in docs for c in d["classes"]
+                                             if c not in docs[-1]["classes"]],
+                      docs[0]["fuzz_seconds"],
+                      any(d["full"] for d in docs), time.perf_counter())
+    doc["seconds"] = round(sum(d["seconds"] for d in docs), 2)
+    doc["merged_from"] = len(docs)
+    return doc
+
+
 def _cut_short(doc: dict) -> str:
-    left = doc.get("planned", len(doc["mutants"])) - len(doc["mutants"])
-    return f"; cut short: {left} mutant(s) not run" if left else ""
+    left = doc.get("not_run") or []
+    return f"; cut short, not run: {', '.join(left)}" if left else ""
 
 
 def markdown(doc: dict) -> str:

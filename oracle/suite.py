@@ -74,6 +74,7 @@ class SuiteRecorder:
                 "test_seconds": round(sum(t["seconds"] for t in self.tests.values()), 2),
                 "outcomes": dict(outcomes),
                 "slowest": [{"test": k, "seconds": round(v["seconds"], 2)} for k, v in slowest],
+                "seconds_by_file": _seconds_by_file(self.tests),
                 "failed": [{"test": k, **v} for k, v in self.tests.items()
                            if v["outcome"] in ("failed", "error")],
                 "tests": {k: v["outcome"] for k, v in self.tests.items()},
@@ -91,3 +92,11 @@ class SuiteRecorder:
 
     def pytest_sessionfinish(self, session) -> None:
         print(f"\nsuite report: {self.write()}")
+
+
+def _seconds_by_file(tests: dict) -> dict:
+    """Test seconds summed per test file, largest first (where a run's time goes)."""
+    by = Counter()
+    for k, v in tests.items():
+        by[k.split("::")[0]] += v["seconds"]
+    return {f: round(sec, 2) for f, sec in by.most_common()}

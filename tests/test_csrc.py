@@ -62,16 +62,23 @@ def sets():
 
 
 @needs_nvcc
-def test_csrc_compiles_for_sm90_without_warnings(tmp_path):
-    """Every .cu in csrc/ compiles for sm_90 (nvcc -c, the build's flags) with host and
-    device warnings treated as errors."""
-    sources = sorted(cuda_build.CSRC.glob("*.cu"))
-    assert {s.name for s in sources} >= set(cuda_build.LIB_SOURCES)
-    cmds = [[NVCC, *cuda_build.NVCC_FLAGS, f"-I{cuda_build.CSRC}", "-Werror", "all-warnings",
-             "-Xcompiler", "-Wall,-Wextra,-Werror", "-c", str(s), "-o",
-             str(tmp_path / f"{s.stem}.o")] for s in sources]
-    cuda_build._run(cmds)
-    assert all((tmp_path / f"{s.stem}.o").stat().st_size > 0 for s in sources)
+def test_csrc_compiles_for_sm90_without_warnings():
+    """Every .cu in csrc/ is a library source, and the library's own build (sm_90, the host
+    compiler with -Wall -Wextra) printed no warning from nvcc or the host compiler (one
+    compile serves the build and this check)."""
+    assert {s.name for s in cuda_build.CSRC.glob("*.cu")} == set(cuda_build.LIB_SOURCES)
+    assert "-fPIC,-Wall,-Wextra" in cuda_build.NVCC_FLAGS
+    assert cuda_build.build_warnings(cuda_build.build()) == ""
+
+
+@needs_nvcc
+def test_build_keeps_what_the_compiler_printed(tmp_path):
+    """A source that draws a host-compiler warning builds, and the warning is kept beside
+    the library (the check above can fail)."""
+    src = tmp_path / "warn.cu"
+    src.write_text("extern \"C\" int warn_answer(void) { int unused = 1; return 42; }\n")
+    lib = cuda_build.build([src], cache_dir=tmp_path / "cache", include_dir=None)
+    assert "unused" in cuda_build.build_warnings(lib)
 
 
 @pytest.fixture(scope="module")

@@ -200,3 +200,13 @@ def test_no_shrink_reports_the_failure_as_drawn(tmp_path, monkeypatch):
     assert f is not None and "broken_torch" in f["summary"]
     assert (tmp_path / Path(f["file"]).name).exists()
     assert stats["checks"]["broken_torch"] == stats["cases"]
+
+
+def test_cuda_fuzz_leaves_out_the_per_shape_compiled_baseline():
+    """On CUDA a fuzz run without --impls checks every implementation but the flex
+    baseline (compiled anew for every random shape); on the CPU it checks all."""
+    from oracle.registry import known_names
+
+    assert fuzz.default_impls("cpu") is None
+    names = fuzz.default_impls("cuda")
+    assert "flex" not in names and set(names) == known_names() - {"flex"}

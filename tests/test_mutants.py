@@ -115,5 +115,10 @@ def test_partial_reports_after_each_mutant_and_cut_short_runs_say_so():
                               partial=lambda d: seen.append(len(d["mutants"])))
     assert seen == [1, 2, 3]
     assert [r["mutant"] for r in doc["mutants"]][-1] == "insert_int32_offsets"
-    cut = dict(doc, mutants=doc["mutants"][:1], planned=3)
-    assert "cut short: 2 mutant(s) not run" in mutants.markdown(cut)
+    cut = dict(doc, mutants=doc["mutants"][:1], not_run=["a", "b"])
+    assert "cut short, not run: a, b" in mutants.markdown(cut)
+    first = mutants.kill_matrix(ms[1:2], fuzz_seconds=0, progress=lambda _: None)
+    second = mutants.kill_matrix(ms[2:], fuzz_seconds=0, progress=lambda _: None)
+    merged = mutants.merge([first, second], [m.name for m in ms])
+    assert merged["killed"] == 2 and merged["not_run"] == ["insert_int32_offsets"]
+    assert merged["seconds"] == round(first["seconds"] + second["seconds"], 2)

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from oracle.render import markdown
 from oracle.report import load
 from oracle.suite import SuiteRecorder
@@ -46,6 +48,10 @@ def test_report_holds_every_check_outcome_and_replay(tmp_path):
     assert all(f["impl"] == "plugin_broken" and "oracle replay" in f["replay"] for f in fails)
     assert {f["test"] for f in doc["suite"]["failed"]} == {
         k for k, v in broken.items() if v == "failed"}
+    by_file = doc["suite"]["seconds_by_file"]
+    assert list(by_file) == ["tests/test_differential.py"]
+    assert by_file["tests/test_differential.py"] == pytest.approx(
+        doc["suite"]["test_seconds"], abs=0.05)
     text = markdown(doc)
     assert f"{doc['suite']['outcomes']['failed']} failed" in text
     assert all(f"FAILED `{f['test']}`" in text for f in doc["suite"]["failed"])
