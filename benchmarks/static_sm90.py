@@ -38,8 +38,10 @@ def _value(text: str):
         return text
 
 
-def compile_one(module: str, pick: int, overrides: dict):
-    """The compiled kernel (triton CompiledKernel) of compile_signatures()[pick]."""
+def compile_one(module: str, pick: int, overrides: dict, divisible=()):
+    """The compiled kernel (triton CompiledKernel) of compile_signatures()[pick];
+    ``divisible``: integer arguments to declare 16-divisible too (as a launch does for a
+    value that is, e.g. the insert's ``half`` = 32 at the model shape)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -52,7 +54,8 @@ def compile_one(module: str, pick: int, overrides: dict):
     # a launch would give them.
     names = kernel.arg_names
     hint = [i for i, n in enumerate(names)
-            if sig.get(n, "").startswith("*") or re.search(r"(_s\d|stride)", n)]
+            if sig.get(n, "").startswith("*") or re.search(r"(_s\d|stride)", n)
+            or n in divisible]
     attrs = {(i,): [["tt.divisibility", 16]] for i in hint}
     src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts), const, opts
@@ -93,12 +96,15 @@ def main(argv=None) -> int:
                     help="constexpr override or launch option (num_warps, num_stages, maxnreg)")
     ap.add_argument("--top", type=int, default=20, help="opcodes listed")
     ap.add_argument("--sass", help="also write the SASS listing here")
+    ap.add_argument("--divisible", action="append", default=[], metavar="ARG",
+                    help="an integer argument the launch would find 16-divisible")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("set TRITON_INTERPRET=0: the interpreter does not compile")
     overrides = dict(kv.split("=", 1) for kv in args.const)
     compiled, const, opts = compile_one(args.module, args.pick,
-                                        {k: _value(v) for k, v in overrides.items()})
+                                        {k: _value(v) for k, v in overrides.items()},
+                                        args.divisible)
     print(args.module, args.pick, opts, {k: v for k, v in const.items()})
     print(report(compiled, args.top, args.sass))
     return 0

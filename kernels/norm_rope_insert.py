@@ -10,7 +10,14 @@ fp32, then rotate-half RoPE with the table row of the token's position, as given
 R <= D: a head is loaded as three contiguous segments, the rotated halves [0, R/2) and
 [R/2, R) (each other's RoPE partners, element by element) and the pass-through dims [R, D),
 each padded to a power of two and masked, so R/2 need not be a power of two and every load
-is a vector load (a gathered partner load cost instructions on the H200).
+is a vector load (a gathered partner load cost instructions on the H200). ``half`` = R/2 is a
+runtime argument, not a constexpr: one compile serves every R with the same padded
+segment widths (a constexpr R/2 compiled the kernel anew for each of the D/2 values, which
+kept a random-shape fuzz run compiling). Triton specialises it by divisibility as any
+integer argument, so at R/2 = 32 (the model) the segments' loads are the same 8-byte
+vectors as with the constexpr (same global/shared load instructions in the sm_90 SASS,
+``benchmarks/static_sm90.py --divisible half``; 96 registers instead of 123); an R/2 that
+16 does not divide loads its second segment element-wise.
 
 Outputs: q, k, index_k rounded once (RNE) to the model dtype; index_q in the index cache's
 format (e4m3 codes of the fp32 value when the index cache is fp8). K goes into the cache
@@ -33,13 +40,13 @@ from kernels.fp8 import HW_FORMATS, encode_fp8, fmt_code
 
 
 @triton.jit
-def _weights(w_ptr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _weights(w_ptr, D: tl.constexpr, half, BLOCK_HALF: tl.constexpr,
              BLOCK_REST: tl.constexpr):
     """1 + w (fp32) of the three segments of a head: loaded once per program."""
     a = tl.arange(0, BLOCK_HALF)
-    w1 = 1.0 + tl.load(w_ptr + a, mask=a < HALF, other=0.0).to(tl.float32)
-    w2 = 1.0 + tl.load(w_ptr + HALF + a, mask=a < HALF, other=0.0).to(tl.float32)
-    p = 2 * HALF + tl.arange(0, BLOCK_REST)
+    w1 = 1.0 + tl.load(w_ptr + a, mask=a < half, other=0.0).to(tl.float32)
+    w2 = 1.0 + tl.load(w_ptr + half + a, mask=a < half, other=0.0).to(tl.float32)
+    p = 2 * half + tl.arange(0, BLOCK_REST)
     w3 = 1.0 + tl.load(w_ptr + p, mask=p < D, other=0.0).to(tl.float32)
     return w1, w2, w3
 
@@ -77,36 +84,37 @@ def _token(tok, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos)
 
 @triton.jit
 def _norm_rope_head(row_ptr, col0, head0, n_heads, w1, w2, w3, cs_ptr, pos_ok, eps,
-                    D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+                    D: tl.constexpr, half, BLOCK_H: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                    HAS_REST: tl.constexpr):
     """fp32 norm + RoPE of heads head0.. of one kind (starting at column col0 of the row),
-    in three segments of a head: the rotated halves [0, HALF) and [HALF, 2 HALF), and the
-    pass-through dims [2 HALF, D). Each segment is a contiguous load (vectorised, and
+    in three segments of a head: the rotated halves [0, half) and [half, 2 half), and the
+    pass-through dims [2 half, D). Each segment is a contiguous load (vectorised, and
     pipelined through shared memory by the caller's loop): no gathered partner lanes, and
     any even R works (a segment's tail is masked). Returns the three fp32 segments, the
     heads and their mask."""
     heads = head0 + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     a = tl.arange(0, BLOCK_HALF)
-    amask = hmask[:, None] & (a < HALF)[None, :]
+    amask = hmask[:, None] & (a < half)[None, :]
     base = row_ptr + col0 + heads[:, None].to(tl.int64) * D
     x1 = tl.load(base + a[None, :], mask=amask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + a[None, :], mask=amask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + a[None, :], mask=amask, other=0.0).to(tl.float32)
     ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-    if 2 * HALF < D:
-        p = 2 * HALF + tl.arange(0, BLOCK_REST)
+    if HAS_REST:
+        p = 2 * half + tl.arange(0, BLOCK_REST)
         x3 = tl.load(base + p[None, :], mask=hmask[:, None] & (p < D)[None, :],
                      other=0.0).to(tl.float32)
         ss += tl.sum(x3 * x3, axis=1)
     r = tl.math.rsqrt(ss / D + eps)[:, None]
-    cmask = (a < HALF) & pos_ok
+    cmask = (a < half) & pos_ok
     c = tl.load(cs_ptr + a, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(cs_ptr + HALF + a, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(cs_ptr + half + a, mask=cmask, other=0.0).to(tl.float32)[None, :]
     n1 = x1 * r * w1[None, :]
     n2 = x2 * r * w2[None, :]
     y1 = n1 * c - n2 * s
     y2 = n2 * c + n1 * s
-    if 2 * HALF < D:
+    if HAS_REST:
         y3 = x3 * r * w3[None, :]
     else:
         y3 = tl.zeros((BLOCK_H, BLOCK_REST), tl.float32)
@@ -114,15 +122,15 @@ def _norm_rope_head(row_ptr, col0, head0, n_heads, w1, w2, w3, cs_ptr, pos_ok, e
 
 
 @triton.jit
-def _store_head(dst, y1, y2, y3, hmask, D: tl.constexpr, HALF: tl.constexpr,
-                BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+def _store_head(dst, y1, y2, y3, hmask, D: tl.constexpr, half,
+                BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, HAS_REST: tl.constexpr):
     """Store the three segments of heads (dst: [BLOCK_H, 1] pointers to their dim 0)."""
     a = tl.arange(0, BLOCK_HALF)
-    amask = hmask[:, None] & (a < HALF)[None, :]
+    amask = hmask[:, None] & (a < half)[None, :]
     tl.store(dst + a[None, :], y1, mask=amask)
-    tl.store(dst + HALF + a[None, :], y2, mask=amask)
-    if 2 * HALF < D:
-        p = 2 * HALF + tl.arange(0, BLOCK_REST)
+    tl.store(dst + half + a[None, :], y2, mask=amask)
+    if HAS_REST:
+        p = 2 * half + tl.arange(0, BLOCK_REST)
         tl.store(dst + p[None, :], y3, mask=hmask[:, None] & (p < D)[None, :])
 
 
@@ -135,10 +143,10 @@ def _norm_rope_insert_kernel(
         kv_ptr, kv_s0, kv_s1, kv_s2, page_size, num_slots, slot_ptr,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
         ic_ptr, ic_s0, ic_s1, ic_page, ic_num_slots, islot_ptr,
-        hq, hkv, hi, eps,
-        D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+        hq, hkv, hi, eps, half,
+        D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
         BLOCK_IQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-        BLOCK_REST: tl.constexpr, NUM_STAGES: tl.constexpr,
+        BLOCK_REST: tl.constexpr, HAS_REST: tl.constexpr, NUM_STAGES: tl.constexpr,
         KV_FP8: tl.constexpr, KV_FMT: tl.constexpr, KV_HW: tl.constexpr,
         IDX_FP8: tl.constexpr, IDX_FMT: tl.constexpr, IDX_HW: tl.constexpr,
         HAS_IK: tl.constexpr):
@@ -156,37 +164,37 @@ def _norm_rope_insert_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nqb = tl.cdiv(hq, BLOCK_H)
-    w1, w2, w3 = _weights(wq_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
+    w1, w2, w3 = _weights(wq_ptr, D, half, BLOCK_HALF, BLOCK_REST)
     q_tok, q_b, st, sb = _first_item(pid, nprog, nqb)
     for _ in tl.range(pid, n * nqb, nprog, num_stages=NUM_STAGES):
         tok, b, row, cs, pos_ok, q_tok, q_b = _item(
             q_tok, q_b, st, sb, nqb, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
             max_pos)
         y1, y2, y3, heads, hmask = _norm_rope_head(
-            row, 0, b * BLOCK_H, hq, w1, w2, w3, cs, pos_ok, eps, D, HALF, BLOCK_H,
-            BLOCK_HALF, BLOCK_REST)
+            row, 0, b * BLOCK_H, hq, w1, w2, w3, cs, pos_ok, eps, D, half, BLOCK_H,
+            BLOCK_HALF, BLOCK_REST, HAS_REST)
         qt = q_out.dtype.element_ty
         _store_head(q_out + tok * q_s0 + heads[:, None].to(tl.int64) * q_s1, y1.to(qt),
-                    y2.to(qt), y3.to(qt), hmask, D, HALF, BLOCK_HALF, BLOCK_REST)
+                    y2.to(qt), y3.to(qt), hmask, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
 
     nkb = tl.cdiv(hkv, BLOCK_KV)
     dims = tl.arange(0, BLOCK_D)
-    kw1, kw2, kw3 = _weights(wk_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
+    kw1, kw2, kw3 = _weights(wk_ptr, D, half, BLOCK_HALF, BLOCK_REST)
     k_tok, k_b, st, sb = _first_item(pid, nprog, nkb)
     for _ in tl.range(pid, n * nkb, nprog, num_stages=NUM_STAGES):
         tok, b, row, cs, pos_ok, k_tok, k_b = _item(
             k_tok, k_b, st, sb, nkb, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
             max_pos)
         ky1, ky2, ky3, kheads, khmask = _norm_rope_head(
-            row, hq * D, b * BLOCK_KV, hkv, kw1, kw2, kw3, cs, pos_ok, eps, D, HALF, BLOCK_KV,
-            BLOCK_HALF, BLOCK_REST)
+            row, hq * D, b * BLOCK_KV, hkv, kw1, kw2, kw3, cs, pos_ok, eps, D, half, BLOCK_KV,
+            BLOCK_HALF, BLOCK_REST, HAS_REST)
         h64 = kheads.to(tl.int64)
         vmask = khmask[:, None] & (dims < D)[None, :]
         v = tl.load(row + (hq + hkv) * D + h64[:, None] * D + dims[None, :], mask=vmask,
                     other=0.0)
         kt = k_out.dtype.element_ty
         _store_head(k_out + tok * row_stride + h64[:, None] * D, ky1.to(kt), ky2.to(kt),
-                    ky3.to(kt), khmask, D, HALF, BLOCK_HALF, BLOCK_REST)
+                    ky3.to(kt), khmask, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         ok = (slot >= 0) & (slot < num_slots)
         sl = tl.where(ok, slot, 0)
@@ -198,17 +206,17 @@ def _norm_rope_insert_kernel(
             _store_head(kv, encode_fp8(ky1 / ks, KV_FMT, KV_HW),
                         encode_fp8(ky2 / ks, KV_FMT, KV_HW),
                         encode_fp8(ky3 / ks, KV_FMT, KV_HW),
-                        khmask & ok, D, HALF, BLOCK_HALF, BLOCK_REST)
+                        khmask & ok, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
             tl.store(kv + D + dims[None, :], encode_fp8(v.to(tl.float32) / vs, KV_FMT, KV_HW),
                      mask=vmask & ok)
         else:
             ct = kv_ptr.dtype.element_ty
-            _store_head(kv, ky1.to(ct), ky2.to(ct), ky3.to(ct), khmask & ok, D, HALF,
-                        BLOCK_HALF, BLOCK_REST)
+            _store_head(kv, ky1.to(ct), ky2.to(ct), ky3.to(ct), khmask & ok, D, half,
+                        BLOCK_HALF, BLOCK_REST, HAS_REST)
             tl.store(kv + D + dims[None, :], v.to(ct), mask=vmask & ok)
 
     nib = tl.cdiv(hi, BLOCK_IQ)
-    iw1, iw2, iw3 = _weights(wiq_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
+    iw1, iw2, iw3 = _weights(wiq_ptr, D, half, BLOCK_HALF, BLOCK_REST)
     i_tok, i_b, st, sb = _first_item(pid, nprog, nib)
     for _ in tl.range(pid, n * nib, nprog, num_stages=NUM_STAGES):
         tok, b, row, cs, pos_ok, i_tok, i_b = _item(
@@ -216,29 +224,29 @@ def _norm_rope_insert_kernel(
             max_pos)
         iy1, iy2, iy3, iheads, ihmask = _norm_rope_head(
             row, (hq + 2 * hkv) * D, b * BLOCK_IQ, hi, iw1, iw2, iw3, cs, pos_ok, eps, D,
-            HALF, BLOCK_IQ, BLOCK_HALF, BLOCK_REST)
+            half, BLOCK_IQ, BLOCK_HALF, BLOCK_REST, HAS_REST)
         iq_dst = iq_out + tok * iq_s0 + iheads[:, None].to(tl.int64) * iq_s1
         if IDX_FP8:
             _store_head(iq_dst, encode_fp8(iy1, IDX_FMT, IDX_HW),
                         encode_fp8(iy2, IDX_FMT, IDX_HW), encode_fp8(iy3, IDX_FMT, IDX_HW),
-                        ihmask, D, HALF, BLOCK_HALF, BLOCK_REST)
+                        ihmask, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
         else:
             it = iq_out.dtype.element_ty
-            _store_head(iq_dst, iy1.to(it), iy2.to(it), iy3.to(it), ihmask, D, HALF,
-                        BLOCK_HALF, BLOCK_REST)
+            _store_head(iq_dst, iy1.to(it), iy2.to(it), iy3.to(it), ihmask, D, half,
+                        BLOCK_HALF, BLOCK_REST, HAS_REST)
 
     if HAS_IK:
-        jw1, jw2, jw3 = _weights(wik_ptr, D, HALF, BLOCK_HALF, BLOCK_REST)
+        jw1, jw2, jw3 = _weights(wik_ptr, D, half, BLOCK_HALF, BLOCK_REST)
         for i in tl.range(pid, n, nprog, num_stages=NUM_STAGES):
             tok, row, cs, pos_ok = _token(i, rows_ptr, row_stride, pos_ptr, table_ptr,
                                           table_stride, max_pos)
             jy1, jy2, jy3, jheads, jhmask = _norm_rope_head(
-                row, (hq + 2 * hkv + hi) * D, 0, 1, jw1, jw2, jw3, cs, pos_ok, eps, D, HALF,
-                1, BLOCK_HALF, BLOCK_REST)
+                row, (hq + 2 * hkv + hi) * D, 0, 1, jw1, jw2, jw3, cs, pos_ok, eps, D, half,
+                1, BLOCK_HALF, BLOCK_REST, HAS_REST)
             ikt = ik_out.dtype.element_ty
             _store_head(ik_out + tok * row_stride + jheads[:, None].to(tl.int64) * D,
-                        jy1.to(ikt), jy2.to(ikt), jy3.to(ikt), jhmask, D, HALF, BLOCK_HALF,
-                        BLOCK_REST)
+                        jy1.to(ikt), jy2.to(ikt), jy3.to(ikt), jhmask, D, half, BLOCK_HALF,
+                        BLOCK_REST, HAS_REST)
             islot = tl.load(islot_ptr + tok).to(tl.int64)
             iok = (islot >= 0) & (islot < ic_num_slots)
             isl = tl.where(iok, islot, 0)
@@ -247,11 +255,11 @@ def _norm_rope_insert_kernel(
             if IDX_FP8:
                 _store_head(ic, encode_fp8(jy1, IDX_FMT, IDX_HW),
                             encode_fp8(jy2, IDX_FMT, IDX_HW), encode_fp8(jy3, IDX_FMT, IDX_HW),
-                            jhmask & iok, D, HALF, BLOCK_HALF, BLOCK_REST)
+                            jhmask & iok, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
             else:
                 ict = ic_ptr.dtype.element_ty
-                _store_head(ic, jy1.to(ict), jy2.to(ict), jy3.to(ict), jhmask & iok, D, HALF,
-                            BLOCK_HALF, BLOCK_REST)
+                _store_head(ic, jy1.to(ict), jy2.to(ict), jy3.to(ict), jhmask & iok, D, half,
+                            BLOCK_HALF, BLOCK_REST, HAS_REST)
 
 
 #: True when the kernel runs in the (patched) CPU interpreter.
@@ -340,14 +348,14 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.page,
         p.num_slots, slot_mapping, p.ks, *p.ks_strides, p.vs, *p.vs_strides,
         p.ic, *p.ic_strides, p.ic_page, p.ic_slots, p.islots,
-        hq, hkv, hi if p.transform_iq else 0, float(eps))
+        hq, hkv, hi if p.transform_iq else 0, float(eps), rotary_dim // 2)
     kwargs = dict(
-        D=d, HALF=rotary_dim // 2, BLOCK_H=block_h,
+        D=d, BLOCK_H=block_h,
         BLOCK_KV=min(block_h, triton.next_power_of_2(hkv)),
         BLOCK_IQ=min(block_h, triton.next_power_of_2(max(hi, 1))),
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
-        BLOCK_REST=triton.next_power_of_2(max(d - rotary_dim, 1)),
+        BLOCK_REST=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_REST=rotary_dim < d,
         KV_FP8=p.kv_fp8, KV_FMT=fmt_code(p.kv_fmt) if p.kv_fp8 else 0,
         KV_HW=p.kv_fp8 and p.kv_fmt in HW_FORMATS,
         IDX_FP8=p.idx_fp8, IDX_FMT=fmt_code(p.index_fmt) if p.idx_fp8 else 0,
@@ -383,11 +391,11 @@ def compile_signatures():
             sig[name] = f"*{act}"
         sig.update(n="i32", pos_ptr="*i64", slot_ptr="*i32", islot_ptr="*i64", ks_ptr="*fp32",
                    vs_ptr="*fp32", kv_ptr=f"*{kv}", ic_ptr=f"*{idx}", iq_out=f"*{idx}",
-                   hq="i32", hkv="i32", hi="i32", eps="fp32")
+                   hq="i32", hkv="i32", hi="i32", eps="fp32", half="i32")
         half = 32 if kv_fmt != 3 else 24  # R 64, and R 48 (segments not powers of two)
-        const = dict(D=128, HALF=half, BLOCK_H=8, BLOCK_KV=4, BLOCK_IQ=2, BLOCK_D=128,
-                     BLOCK_HALF=32,
-                     BLOCK_REST=triton.next_power_of_2(128 - 2 * half), KV_FP8=kv == "u8",
+        const = dict(D=128, BLOCK_H=8, BLOCK_KV=4, BLOCK_IQ=2, BLOCK_D=128,
+                     BLOCK_HALF=32, BLOCK_REST=triton.next_power_of_2(128 - 2 * half),
+                     HAS_REST=True, KV_FP8=kv == "u8",
                      KV_FMT=kv_fmt, KV_HW=kv_hw, IDX_FP8=idx == "u8", IDX_FMT=idx_fmt,
                      IDX_HW=idx_hw, HAS_IK=has_ik, NUM_STAGES=3 if kv_fmt != 1 else 1)
         sig.update(dict.fromkeys(const, "constexpr"))

@@ -177,7 +177,7 @@ _m("insert_gemma_w_instead_of_1_plus_w", "norm_rope_insert",
    "stored as w - 1 (the norm is x * (1 + w)), shrinking every head",
    patch(FUSED,
          ("w1 = 1.0 + tl.load(w_ptr + a,", "w1 = tl.load(w_ptr + a,"),
-         ("w2 = 1.0 + tl.load(w_ptr + HALF + a,", "w2 = tl.load(w_ptr + HALF + a,"),
+         ("w2 = 1.0 + tl.load(w_ptr + half + a,", "w2 = tl.load(w_ptr + half + a,"),
          ("w3 = 1.0 + tl.load(w_ptr + p,", "w3 = tl.load(w_ptr + p,")))
 
 _m("insert_rope_interleaved", "norm_rope_insert",
@@ -187,14 +187,14 @@ _m("insert_rope_interleaved", "norm_rope_insert",
    patch(FUSED,
          # the rotated part of a head read and written as pairs (2i, 2i+1), weights too
          ("w1 = 1.0 + tl.load(w_ptr + a,", "w1 = 1.0 + tl.load(w_ptr + 2 * a,"),
-         ("w2 = 1.0 + tl.load(w_ptr + HALF + a,", "w2 = 1.0 + tl.load(w_ptr + 2 * a + 1,"),
+         ("w2 = 1.0 + tl.load(w_ptr + half + a,", "w2 = 1.0 + tl.load(w_ptr + 2 * a + 1,"),
          ("x1 = tl.load(base + a[None, :], mask=amask",
           "x1 = tl.load(base + 2 * a[None, :], mask=amask"),
-         ("x2 = tl.load(base + HALF + a[None, :], mask=amask",
+         ("x2 = tl.load(base + half + a[None, :], mask=amask",
           "x2 = tl.load(base + 2 * a[None, :] + 1, mask=amask"),
          ("tl.store(dst + a[None, :], y1, mask=amask)",
           "tl.store(dst + 2 * a[None, :], y1, mask=amask)"),
-         ("tl.store(dst + HALF + a[None, :], y2, mask=amask)",
+         ("tl.store(dst + half + a[None, :], y2, mask=amask)",
           "tl.store(dst + 2 * a[None, :] + 1, y2, mask=amask)")))
 
 
@@ -223,7 +223,7 @@ _m("insert_rope_partner_pow2", "norm_rope_insert",
    "a rotary kernel located the second rotated half at the padded block offset "
    "(next_power_of_2(R/2)) instead of R/2, right for R = 64/128 and wrong for "
    "partial-rotary models with other R",
-   patch(FUSED, ("x2 = tl.load(base + HALF + a[None, :], mask=amask",
+   patch(FUSED, ("x2 = tl.load(base + half + a[None, :], mask=amask",
                  "x2 = tl.load(base + BLOCK_HALF + a[None, :], mask=amask")))
 
 _LOG2_BASE = math.log2(MODEL.rope_base)
@@ -235,11 +235,11 @@ _m("insert_rope_table_recomputed", "norm_rope_insert",
    patch(FUSED,
          ("    return t64, rows_ptr + t64 * row_stride, cs, pos_ok\n",
           "    return t64, rows_ptr + t64 * row_stride, cs, tl.where(pos_ok, pos, -1)\n"),
-         ("    cmask = (a < HALF) & pos_ok\n"
+         ("    cmask = (a < half) & pos_ok\n"
           "    c = tl.load(cs_ptr + a, mask=cmask, other=0.0).to(tl.float32)[None, :]\n"
-          "    s = tl.load(cs_ptr + HALF + a, mask=cmask, other=0.0).to(tl.float32)[None, :]\n",
-          "    cmask = (a < HALF) & (pos_ok >= 0)\n"
-          "    inv_freq = tl.exp2(-(a.to(tl.float32) / HALF) * " + repr(_LOG2_BASE) + ")\n"
+          "    s = tl.load(cs_ptr + half + a, mask=cmask, other=0.0).to(tl.float32)[None, :]\n",
+          "    cmask = (a < half) & (pos_ok >= 0)\n"
+          "    inv_freq = tl.exp2(-(a.to(tl.float32) / half) * " + repr(_LOG2_BASE) + ")\n"
           "    ang = pos_ok.to(tl.float32) * inv_freq\n"
           "    c = tl.where(cmask, tl.cos(ang), 0.0)[None, :]\n"
           "    s = tl.where(cmask, tl.sin(ang), 0.0)[None, :]\n")))
