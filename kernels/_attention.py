@@ -76,6 +76,17 @@ def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
     return k, v
 
 
+#: The narrowest padded top-k width (``KP``) the attention kernels compile.
+MIN_TOPK_WIDTH = 16
+
+
+def topk_width(k: int) -> int:
+    """``KP``, the padded width of a row's top-k list: a power of two of at least
+    ``MIN_TOPK_WIDTH`` (the model's K), so that the small K of random shapes (1..15) share
+    one compile instead of five; the padding is masked (``kk < topk_k``)."""
+    return max(MIN_TOPK_WIDTH, triton.next_power_of_2(max(k, 1)))
+
+
 def scales_outside(case) -> bool:
     """Whether the attention kernels take their scalar-scale fp8 path for a case's inputs
     (an fp8 cache, k_scale and v_scale each None or one value): K and V then enter the

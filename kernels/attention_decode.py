@@ -120,6 +120,7 @@ from kernels._attention import (
     operand_dtypes,
     q_operand,
     repair_pv,
+    topk_width,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -524,7 +525,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
             p.out, p.out.stride(0), p.out.stride(1), part, lse, flags, counters,
             float(np.float32(p.softmax_scale * LOG2E)), grp, p.hq, splits)
     const = dict(ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d,
-                 P=p.page, KP=triton.next_power_of_2(p.topk_k), NB=p.blocks_per_split,
+                 P=p.page, KP=topk_width(p.topk_k), NB=p.blocks_per_split,
                  NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
@@ -569,7 +570,7 @@ def compile_signatures():
         rows_p = triton.next_power_of_2(rows)
         g_p = triton.next_power_of_2(grp)
         const = dict(ROWS=rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=128,
-                     P=128 if cache == "u8" else 64, KP=triton.next_power_of_2(k), NB=nb,
+                     P=128 if cache == "u8" else 64, KP=topk_width(k), NB=nb,
                      NBP=triton.next_power_of_2(nb), FP8=cache == "u8", FMT=fmt, HW=hw,
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw, DIRECT=direct,
                      REPAIR=rows > 1 and i % 2 == 1,

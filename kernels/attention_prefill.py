@@ -109,6 +109,7 @@ from kernels._attention import (
     operand_dtypes,
     q_operand,
     repair_pv,
+    topk_width,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -429,7 +430,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
             p.out, p.out.stride(0), p.out.stride(1), flags,
             float(np.float32(p.softmax_scale * LOG2E)), grp)
     const = dict(BLOCK_T=block_t, G_P=g_p, D=p.d, P=p.page,
-                 KP=triton.next_power_of_2(p.topk_k), FP8=p.fp8,
+                 KP=topk_width(p.topk_k), FP8=p.fp8,
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
@@ -468,7 +469,7 @@ def compile_signatures():
                    num_pages="i64")
         g_p = triton.next_power_of_2(grp)
         const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
-                     KP=triton.next_power_of_2(k), FP8=cache == "u8", FMT=fmt, HW=hw,
+                     KP=topk_width(k), FP8=cache == "u8", FMT=fmt, HW=hw,
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw, REPAIR=i % 3 == 1)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_prefill_kernel, sig, const))
