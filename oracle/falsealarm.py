@@ -138,8 +138,14 @@ def summarize(rows) -> list[dict]:
                 "failures": sum(not r["passed"] for r in rs), "stats": {}}
         for k, vals in sorted(stats.items()):
             a = np.asarray(vals, np.float64)
+            undefined = int(np.count_nonzero(np.isnan(a)))  # never calibrates a gate
+            a = a[~np.isnan(a)]
+            if not a.size:
+                cell["stats"][k] = {"n": 0, "undefined": undefined}
+                continue
             top = float(a.max())
-            entry = {"n": int(a.size), "max": top, "p999": float(np.quantile(a, 0.999)),
+            entry = {"n": int(a.size), "undefined": undefined, "max": top,
+                     "p999": float(np.quantile(a, 0.999)),
                      "p99": float(np.quantile(a, 0.99)), "calibrated": top * MARGIN}
             if k in CUSTOMARY:
                 entry["customary"] = CUSTOMARY[k]
@@ -180,6 +186,8 @@ def markdown(doc: dict) -> str:
               "| may gate at customary |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for c in doc["cells"]:
         for k, s in c["stats"].items():
+            if not s["n"]:
+                continue
             lines.append(f"| {c['op']} | {c['impl']} | {k} | {s['p99']:.3g} | "
                          f"{s['p999']:.3g} | {s['max']:.3g} | {s['calibrated']:.3g} | "
                          f"{s.get('over_customary', '-')} | "

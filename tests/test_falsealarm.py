@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from oracle import falsealarm
 from oracle.cli import main
 from tests.helpers import register_broken_attention
@@ -34,6 +36,9 @@ def test_calibration_of_a_statistic():
     assert fa["over_customary"] == 1 and fa["may_gate_at_customary"] is False
     pr = cell["stats"]["prob_ratio"]
     assert pr["max"] == 0.625 and pr["may_gate_at_customary"] is True
+    rows[0]["stats"]["fa_ratio"] = float("nan")  # undefined: counted, not calibrated
+    (cell,) = falsealarm.summarize(rows)
+    assert cell["stats"]["fa_ratio"]["undefined"] == 1 and cell["stats"]["fa_ratio"]["n"] == 2
 
 
 def test_clean_run_has_no_failures_and_a_broken_kernel_shows(tmp_path, monkeypatch):
@@ -64,3 +69,28 @@ def test_budget_keeps_ops_even_and_says_what_ran():
     doc = falsealarm.run(["attention_decode"], 3, impl_names=["torch"], seconds=-1.0)
     assert doc["cases_run"] == {"attention_decode": 0} and doc["cells"] == []
     assert "within the -1.0 s budget" in falsealarm.markdown(doc)
+
+
+def test_nan_is_admitted_only_where_the_exact_output_is_infinite():
+    """The false-alarm run's first find: with fp16 activations, e5m2 V x per-slot scale
+    overflows to -Inf in the K/V dtype, so the exact output is -Inf, and the torch baseline
+    (fp32 softmax: the P of far-below-max keys underflows to 0, 0 x -Inf = NaN) gives NaN.
+    NaN is admitted where the exact value is +-Inf (and counted); NaN where it is finite
+    is still a violation."""
+    from oracle.cases import Case
+    from oracle.checks import _nan_admitted_for_inf, run_check
+    from oracle.registry import implementations
+    from reference.codec import encode
+
+    case = Case.from_id(
+        "attention_prefill:tiny:near_overflow:rocm-ocp:fp8_e5m2:float16:slot:61771398")
+    (torch_impl,) = implementations(case.op, ["torch"], "cpu")
+    r = run_check(case, torch_impl)
+    assert r.passed and r.extra["nan_for_inf"] > 0, r.summary()
+
+    exact = np.array([-np.inf, 1.0, np.inf])
+    nan = encode(np.full(3, np.nan), "float16")
+    codes, n = _nan_admitted_for_inf(nan, exact, "float16")
+    inf_codes = encode(exact, "float16", policy="nonsaturating")
+    assert n == 2 and codes[0] == inf_codes[0] and codes[2] == inf_codes[2]
+    assert codes[1] == nan[1]  # the finite exact value: NaN stays NaN, a violation
