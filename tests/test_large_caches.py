@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from oracle.cases import Case, make_inputs
-from oracle.large import LARGE_CACHE_ELEMENTS, extra_pages, moved
+from oracle.large import LARGE_CACHE_ELEMENTS, moved_op_inputs
 
 ELEMENTS = int(os.environ.get("LARGE_CACHE_ELEMENTS", LARGE_CACHE_ELEMENTS))
 # GPU-sized by default; with the size lowered they are interpreter tests of the logic.
@@ -46,8 +46,7 @@ def test_fused_insert_writes_past_2_31_elements(case_id):
     2^31 elements exactly as into a small cache; its other outputs do not change."""
     x = make_inputs(Case.from_id(case_id))
     caches = ("kv_cache",) + (("index_cache",) if x.get("index_cache") is not None else ())
-    extra = extra_pages(x["kv_cache"], ELEMENTS)
-    y = moved(x, caches, extra, slots=("slot_mapping",), scales=("k_scale", "v_scale"))
+    y, extra = moved_op_inputs("norm_rope_insert", x, ELEMENTS)
     small, big = _run("kernels.norm_rope_insert", x), _run("kernels.norm_rope_insert", y)
     for key in small:
         if key in caches:
@@ -61,8 +60,7 @@ def test_indexer_reads_past_2_31_elements(op):
     """The Triton indexer selects the same blocks when the index cache's pages lie past
     2^31 elements."""
     x = make_inputs(Case(op, "small", "normal", "cuda", "fp8", "bfloat16", "none", 5))
-    extra = extra_pages(x["index_cache"], ELEMENTS)
-    y = moved(x, ("index_cache",), extra, tables=("block_table",))
+    y, extra = moved_op_inputs(op, x, ELEMENTS)
     small, big = _run(f"kernels.{op}", x), _run(f"kernels.{op}", y)
     assert np.array_equal(small["topk"], big["topk"])
 
@@ -73,8 +71,6 @@ def test_attention_reads_past_2_31_elements(op, scales):
     """The Triton sparse attention gives the same output, bit for bit, when the selected
     pages (and their per-slot scales) lie past 2^31 elements."""
     x = make_inputs(Case(op, "small", "normal", "cuda", "fp8", "bfloat16", scales, 6))
-    extra = extra_pages(x["kv_cache"], ELEMENTS)
-    y = moved(x, ("kv_cache",), extra, tables=("block_table",),
-               scales=("k_scale", "v_scale"))
+    y, extra = moved_op_inputs(op, x, ELEMENTS)
     small, big = _run(f"kernels.{op}", x), _run(f"kernels.{op}", y)
     assert np.array_equal(small["out"], big["out"])
