@@ -279,7 +279,8 @@ def cmd_falsealarm(args) -> int:
     # As a fuzz run: random shapes, so on CUDA the per-shape compiled flex baseline is
     # left out unless named.
     doc = falsealarm.run(ops, args.cases, args.seed, classes, impls or default_impls(device),
-                         device, args.workers, args.seconds)
+                         device, args.workers, args.seconds,
+                         gpus=int(os.environ.get("ORACLE_GPUS", "0")))
     out = Path(args.out or f"reports/false-alarms-{'h200' if device == 'cuda' else 'cpu'}"
                            f".json")
     write_json(doc, out)

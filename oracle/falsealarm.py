@@ -88,16 +88,28 @@ def _worker(args):
     return run_cases(cases, impl_names, device, deadline)
 
 
+def _pin_worker(counter, gpus: int) -> None:
+    """Pool initializer: the i-th worker started runs on GPU i mod ``gpus`` alone (set
+    before it touches CUDA), as ``oracle fuzz`` pins its workers."""
+    from oracle.gpus import pin_gpu
+
+    with counter.get_lock():
+        index = counter.value
+        counter.value += 1
+    pin_gpu(index, gpus)
+
+
 def _interleaved(per_op: list[list[Case]]) -> list[Case]:
     """Round-robin over the ops, so a budgeted run covers each op about equally."""
     return [c for group in zip(*per_op) for c in group]
 
 
 def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=None,
-        device: str = "cpu", workers: int = 1, seconds: float | None = None) -> dict:
+        device: str = "cpu", workers: int = 1, seconds: float | None = None,
+        gpus: int = 0) -> dict:
     """The clean run over ``n`` cases per op and its calibration (module docstring); with
     ``seconds``, cases not started within that budget are left out and the report says
-    how many each op got (``cases_run``)."""
+    how many each op got (``cases_run``). ``gpus`` > 1: worker i on GPU i mod gpus."""
     from oracle.report import machine_info
 
     t0 = time.perf_counter()
@@ -110,7 +122,8 @@ def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=
         # cases run are a prefix of the interleaved order (each op about equally).
         tasks = [(cases[i:i + 4], impl_names, device, deadline)
                  for i in range(0, len(cases), 4)]
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(workers, _pin_worker, (ctx.Value("i", 0), gpus)) as pool:
             rows = [r for part in pool.imap(_worker, tasks) for r in part]
     else:
         rows = run_cases(cases, impl_names, device, deadline)
@@ -118,7 +131,8 @@ def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=
     return {"schema": "false-alarms/1", "machine": machine_info(), "device": device,
             "seed": seed, "cases_per_op": n, "cases_run": cases_run,
             "budget_s": seconds, "shape_classes": list(shape_classes),
-            "workers": workers, "seconds": round(time.perf_counter() - t0, 2),
+            "workers": workers, "gpus": max(gpus, 1) if device == "cuda" else 0,
+            "seconds": round(time.perf_counter() - t0, 2),
             "cells": summarize(rows), "failures": [r for r in rows if not r["passed"]]}
 
 
@@ -169,11 +183,17 @@ def _cases_line(doc: dict) -> str:
             f"{doc['cases_per_op']} drawn)")
 
 
+def _gpus(doc: dict) -> str:
+    n = doc.get("gpus", 0)
+    return f" over {n} GPUs" if n > 1 else ""
+
+
 def markdown(doc: dict) -> str:
     lines = [f"# False-alarm run ({doc['device']}, {doc['machine'].get('device')})", "",
              f"{_cases_line(doc)} (shape classes "
              f"{', '.join(doc['shape_classes'])}, seed {doc['seed']}), every implementation "
-             f"that claims each; {doc['seconds']} s on {doc['workers']} worker(s). "
+             f"that claims each; {doc['seconds']} s on {doc['workers']} worker(s)"
+             f"{_gpus(doc)}. "
              f"Failures: {len(doc['failures'])}.", "",
              "| op | impl | checks | failures |", "|---|---|---:|---:|"]
     lines += [f"| {c['op']} | {c['impl']} | {c['checks']} | {c['failures']} |"

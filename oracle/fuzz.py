@@ -145,10 +145,9 @@ def run_workers(workers: int, seconds: float, ops=None, impls=None,
 
 def _worker(index, gpus, seconds, ops, impls, out_dir, device, db, shape_classes,
             shrink=True) -> dict:
-    import os
+    from oracle.gpus import pin_gpu
 
-    if gpus > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+    pin_gpu(index, gpus)
     stats = run_stats(seconds, ops, impls, out_dir, device, db, progress=index == 0,
                       shape_classes=shape_classes, shrink=shrink, offset=index)
     return dict(stats, worker=index)

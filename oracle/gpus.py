@@ -19,6 +19,17 @@ def worker_gpu(worker: str | None, gpus: int) -> int | None:
     return int(worker[2:]) % gpus
 
 
+def pin_gpu(index: int, gpus: int, environ=os.environ) -> int | None:
+    """Put worker ``index`` of a process pool (``oracle fuzz``, ``oracle falsealarm``) on
+    GPU ``index mod gpus`` alone, unless the user set CUDA_VISIBLE_DEVICES or there are
+    fewer than two GPUs; returns the GPU index chosen, or None. Call it before CUDA is
+    initialised."""
+    if "CUDA_VISIBLE_DEVICES" in environ or gpus <= 1:
+        return None
+    environ["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+    return index % gpus
+
+
 def pin_worker_gpu(environ=os.environ) -> int | None:
     """Set CUDA_VISIBLE_DEVICES for this xdist worker from ORACLE_GPUS (see the module
     docstring); returns the GPU index chosen, or None."""
@@ -29,7 +40,7 @@ def pin_worker_gpu(environ=os.environ) -> int | None:
     except ValueError:
         raise ValueError(f"ORACLE_GPUS must be an integer, got "
                          f"{environ['ORACLE_GPUS']!r}") from None
-    gpu = worker_gpu(environ.get("PYTEST_XDIST_WORKER"), gpus)
-    if gpu is not None:
-        environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    return gpu
+    worker = environ.get("PYTEST_XDIST_WORKER")
+    if worker_gpu(worker, gpus) is None:
+        return None
+    return pin_gpu(int(worker[2:]), gpus, environ)

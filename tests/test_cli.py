@@ -89,3 +89,32 @@ def test_xdist_workers_get_one_gpu_each():
     env = {"PYTEST_XDIST_WORKER": "gw5", "ORACLE_GPUS": "4", "CUDA_VISIBLE_DEVICES": "3"}
     assert pin_worker_gpu(env) is None and env["CUDA_VISIBLE_DEVICES"] == "3"
     assert pin_worker_gpu({"ORACLE_GPUS": "2"}) is None
+
+
+def test_pool_workers_get_one_gpu_each(monkeypatch):
+    """``pin_gpu``: pool worker i on GPU i mod N, nothing set for one GPU or a user's
+    CUDA_VISIBLE_DEVICES; the false-alarm pool's initializer gives its workers GPUs 0 and 1
+    on two GPUs (each process sees the variable before anything touches CUDA)."""
+    import multiprocessing
+
+    from oracle.falsealarm import _pin_worker
+    from oracle.gpus import pin_gpu
+
+    env = {}
+    assert pin_gpu(3, 2, env) == 1 and env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert pin_gpu(3, 1, {}) is None
+    env = {"CUDA_VISIBLE_DEVICES": "5"}
+    assert pin_gpu(0, 2, env) is None and env["CUDA_VISIBLE_DEVICES"] == "5"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2, _pin_worker, (ctx.Value("i", 0), 2)) as pool:
+        seen = set(pool.map(_visible_devices, range(40), chunksize=1))
+    assert seen == {"0", "1"}
+
+
+def _visible_devices(_):
+    import os
+    import time
+
+    time.sleep(0.01)  # both workers take tasks
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
