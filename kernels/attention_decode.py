@@ -146,8 +146,12 @@ TARGET_PROGRAMS = 256
 #: (e4m3) with 219 / 190 registers: two programs per SM, so one program's dependent start
 #: (selections -> block table -> K/V addresses, three global round trips before its first
 #: byte arrives) overlaps the other's transfers. Four rows x 16 heads need 256 KiB at 3
-#: stages (more than the H200's 227 KiB). The H200 sweep decides; this is the static pick.
+#: stages (more than the H200's 227 KiB). The H200 sweep (model shape, graph replay,
+#: 2026-11-30, us for stages 2 / 3 / 4): bf16 batch 64 78.6 / 84.3 / 88.1, batch 256
+#: 261.8 / 277.2 / 282.7; e4m3fn batch 64 65.7 / 59.6 / 86.2, batch 256 218.7 / 205.0 /
+#: 308.9. So 2 for 16-bit caches, 3 for fp8 (the 1-byte tiles leave room for a third).
 DEFAULT_STAGES = 2
+DEFAULT_STAGES_FP8 = 3
 #: Domain limit (SPEC.md s.7); MAX_GROUP and MAX_TOPK: kernels._attention.
 MAX_ROWS = 4
 LOG2E = 1.4426950408889634
@@ -482,7 +486,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     positive finite scales. Without it, bad contents are guarded in the kernel (never an
     illegal access; see the module docstring).
     Launch knobs (speed only): ``num_warps`` (default 4), ``num_stages`` (depth of the
-    K/V loads' shared-memory pipeline across blocks; default ``DEFAULT_STAGES``, or the
+    K/V loads' shared-memory pipeline across blocks; default ``DEFAULT_STAGES`` (16-bit
+    caches) or ``DEFAULT_STAGES_FP8``, or the
     deepest below that fits the GPU's shared memory, ``kernels._triton.fitting_stages``),
     ``max_registers``
     (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape)."""
@@ -532,10 +537,10 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
                  ASM=p.fp8 and kv_fmt in HW_FORMATS and not INTERPRETED, DIRECT=direct,
                  SP=triton.next_power_of_2(splits), **opts)
-    if num_stages is None:  # 2 where it fits (see the docstring)
-        const["num_stages"] = fitting_stages(_decode_split_kernel, args,
-                                             {**const, "REPAIR": False}, dev,
-                                             deepest=DEFAULT_STAGES)
+    if num_stages is None:  # the default where it fits (see the docstring)
+        const["num_stages"] = fitting_stages(
+            _decode_split_kernel, args, {**const, "REPAIR": False}, dev,
+            deepest=DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES)
     _decode_split_kernel[grid](*args, REPAIR=False, **const)
     if p.rows > 1:  # the programs flagged by the first pass, recomputed with the guard
         _decode_split_kernel[grid](*args, REPAIR=True, **const)
