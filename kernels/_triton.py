@@ -10,6 +10,8 @@ present; elsewhere: set it in the environment of the process).
 
 from __future__ import annotations
 
+import time
+
 import triton
 import triton.language as tl
 
@@ -95,5 +97,35 @@ def fitting_stages(kernel, args, kwargs, device, deepest: int = 3) -> int:
     return _STAGES[key]
 
 
-__all__ = ["INTERPRET", "ensure_ready", "fitting_stages", "is_interpreted",
+class CompileClock:
+    """Counts Triton's JIT compiles in this process and their seconds: every miss of a
+    kernel's in-memory cache (a new specialisation: constexprs, dtypes, the divisibility of
+    the integer arguments Triton specialises on), whether the disk cache then holds it or
+    the compiler builds it. ``install()`` sets Triton's ``jit_cache_hook`` /
+    ``jit_post_compile_hook`` (one clock per process; the interpreter never compiles, so
+    it counts nothing there). ``oracle fuzz`` reports it: on a GPU a random-shape search
+    is compile-bound when most of its cases meet a new specialisation."""
+
+    def __init__(self):
+        self.count = 0
+        self.seconds = 0.0
+        self._started: float | None = None
+
+    def install(self) -> CompileClock:
+        triton.knobs.runtime.jit_cache_hook = self.started
+        triton.knobs.runtime.jit_post_compile_hook = self.finished
+        return self
+
+    def started(self, **_) -> bool:
+        self._started = time.perf_counter()
+        return False  # go on compiling
+
+    def finished(self, **_) -> None:
+        if self._started is not None:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+
+__all__ = ["INTERPRET", "CompileClock", "ensure_ready", "fitting_stages", "is_interpreted",
            "patch_interpreter", "resident_programs", "tl", "triton"]

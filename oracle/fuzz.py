@@ -174,6 +174,8 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
     shrunk case's id, replay command and file)."""
     from tqdm import tqdm
 
+    from kernels._triton import CompileClock  # here: after the CLI has set TRITON_INTERPRET
+
     start = time.monotonic()
     ops = ops or list(OPS)
     deadline = start + seconds
@@ -184,6 +186,8 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
     per_class: Counter = Counter()
     checks: Counter = Counter()
     bar = tqdm(total=int(seconds), desc="fuzz (s)", unit="s", disable=not progress)
+    clock = CompileClock().install()
+    compile_s: list[float] = []  # each case's seconds in Triton compiles
 
     database = DirectoryBasedExampleDatabase(str(db)) if db is not None else None
     seen: set[str] = set()
@@ -202,6 +206,7 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
                 return  # budget spent, or a case already checked (hypothesis repeats some)
             seen.add(case.id)
             n += 1
+            compiled_before = clock.seconds
             try:
                 results = check_case(case, impls, device, checks)
             except CaseFailed as e:
@@ -209,6 +214,7 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
                 raise
             finally:
                 times.append(time.monotonic() - start)
+                compile_s.append(clock.seconds - compiled_before)
                 per_op[case.op] += 1
                 per_class[case.shape_class] += 1
                 bar.n = int(time.monotonic() - start)
@@ -225,7 +231,8 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
             break
     elapsed = time.monotonic() - start
     bar.close()
-    stats = {"cases": n, "case_times_s": times, "per_op": dict(per_op),
+    stats = {"cases": n, "case_times_s": times, "case_compile_s": compile_s,
+             "compiles": clock.count, "per_op": dict(per_op),
              "per_shape_class": dict(per_class), "checks": dict(checks),
              "elapsed_s": elapsed, "failure": None}
     if not failures:
@@ -253,6 +260,13 @@ def rate_after(times, elapsed: float, warmup: float) -> float | None:
     return sum(t > warmup for t in times) / (elapsed - warmup)
 
 
+def compile_after(stats: dict, warmup: float) -> float:
+    """Seconds one worker spent in Triton compiles on the cases it finished after the
+    warm-up."""
+    return sum(c for t, c in zip(stats["case_times_s"], stats.get("case_compile_s", ()))
+               if t > warmup)
+
+
 def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shape_classes,
            device: str, wall_s: float | None = None) -> dict:
     """One ``fuzz/1`` document from the workers' stats (``run_workers``). Throughput is
@@ -265,7 +279,7 @@ def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shap
     per_class: Counter = Counter()
     checks: Counter = Counter()
     workers = []
-    after, overall = [], []
+    after, overall, net = [], [], []
     for i, s in enumerate(stats):
         per_op.update(s["per_op"])
         per_class.update(s["per_shape_class"])
@@ -273,6 +287,10 @@ def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shap
         r = rate_after(s["case_times_s"], s["elapsed_s"], warmup)
         after.append(r)
         overall.append(s["cases"] / s["elapsed_s"] if s["elapsed_s"] > 0 else 0.0)
+        compiling = compile_after(s, warmup)
+        net.append(None if r is None else
+                   r * (s["elapsed_s"] - warmup) / max(s["elapsed_s"] - warmup - compiling,
+                                                      1e-9))
         workers.append({
             "worker": s.get("worker", i), "cases": s["cases"],
             "cases_after_warmup": sum(t > warmup for t in s["case_times_s"]),
@@ -281,8 +299,13 @@ def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shap
             "elapsed_s": s["elapsed_s"],
             "cases_per_s_after_warmup": r, "cases_per_s": overall[-1],
             "case_times_s": s["case_times_s"],
+            "compiles": s.get("compiles", 0),
+            "compile_s": sum(s.get("case_compile_s", ())),
+            "compile_s_after_warmup": compiling,
+            "case_compile_s": s.get("case_compile_s", []),
             "failure": s["failure"]})
     measured = [r for r in after if r is not None]
+    after_s = sum(max(s["elapsed_s"] - warmup, 0.0) for s in stats)
     return {
         "schema": "fuzz/1",
         "machine": machine_info(),
@@ -302,6 +325,12 @@ def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shap
             "cases_per_s_after_warmup": sum(measured) if measured else None,
             "workers_measured_after_warmup": len(measured),
             "cases_per_s": sum(overall),
+            # The share of the workers' time after the warm-up spent in Triton compiles, and
+            # the rate with that time taken out (what a warm compile cache would give).
+            "compile_share_after_warmup": (sum(w["compile_s_after_warmup"] for w in workers)
+                                           / after_s if after_s else None),
+            "cases_per_s_after_warmup_net_of_compiles":
+                sum(r for r in net if r is not None) if measured else None,
         },
         "failures": [w["failure"] for w in workers if w["failure"]],
         "per_worker": workers,
@@ -319,17 +348,24 @@ def _rate(v) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
+def _share(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
 def markdown(doc: dict) -> str:
     """A short Markdown summary of a ``fuzz/1`` document."""
     t = doc["throughput"]
     lines = [
         "| device | workers | shape classes | budget (s) | warm-up (s) | cases | "
-        "cases/s after warm-up | cases/s overall | failures |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "cases/s after warm-up | cases/s overall | compile share after warm-up | "
+        "cases/s after warm-up, compiles taken out | failures |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {doc['machine'].get('device', doc['device'])} | {doc['workers']} | "
         f"{','.join(doc['shape_classes'])} | {doc['seconds']:g} | {doc['warmup_s']:g} | "
         f"{doc['cases']} | {_rate(t['cases_per_s_after_warmup'])} | "
-        f"{_rate(t['cases_per_s'])} | {len(doc['failures'])} |",
+        f"{_rate(t['cases_per_s'])} | {_share(t.get('compile_share_after_warmup'))} | "
+        f"{_rate(t.get('cases_per_s_after_warmup_net_of_compiles'))} | "
+        f"{len(doc['failures'])} |",
         "",
         "| op | cases |",
         "|---|---:|",

@@ -231,8 +231,9 @@ def kill_matrix(mutants, gpu: bool = False, fuzz_seconds: float = 60.0,
     its first killing class unless ``full``; ``partial(doc)`` receives the report after
     each mutant (a run cut short still leaves its rows). The ``large`` class (CUDA) runs
     the tiny cases with every cache behind a prefix past 2^31 elements (``oracle.large``),
-    where 32-bit offsets wrap; the mutants that only CUDA shows run last, since a wrapped offset may
-    fault and leave the process's CUDA context unusable."""
+    where 32-bit offsets wrap. The mutants that only CUDA shows run last (a wrapped offset
+    may fault and leave the process's CUDA context unusable), ``GPU_CLASSES`` first: their
+    bug cannot show in the CPU classes, which on CUDA cost a compile per case."""
     from oracle.large import behind_large_prefix
     from oracle.report import machine_info
 
@@ -261,6 +262,9 @@ def _kill_row(m, classes, gpu, device, fuzz_seconds, full, progress, large) -> d
         impl = m.implementation(device)
     except MutantError as e:
         return dict(row, error=str(e))
+    if m.gpu_only:  # its bug shows only where CUDA's classes reach (past 2^31 elements)
+        classes = [c for c in classes if c in GPU_CLASSES] + \
+            [c for c in classes if c not in GPU_CLASSES]
     for cls in classes:
         if cls == "fuzz":
             shapes = [c for c in classes if c in SHAPE_CLASSES]

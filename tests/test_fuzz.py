@@ -176,14 +176,17 @@ def test_report_counts_failures_and_rates_from_worker_stats():
     assert doc["checks"] == {"t": 6, "u": 1}
     assert doc["throughput"] == {"cases_per_s_after_warmup": 1.0,
                                  "workers_measured_after_warmup": 1,
-                                 "cases_per_s": 5 / 4 + 1 / 1}
+                                 "cases_per_s": 5 / 4 + 1 / 1,
+                                 # no compile times recorded: none taken out
+                                 "compile_share_after_warmup": 0.0,
+                                 "cases_per_s_after_warmup_net_of_compiles": 1.0}
     assert [w["cases_per_s_after_warmup"] for w in doc["per_worker"]] == [1.0, None]
     assert doc["failures"] == [fail]
     md = fuzz.markdown(doc)
     row = md.splitlines()[2]
     assert row.split("|")[1:-1] == [" " + doc["machine"]["device"] + " ", " 2 ",
                                     " tiny,small ", " 4 ", " 2 ", " 6 ", " 1.0 ", " 2.2 ",
-                                    " 1 "]
+                                    " 0% ", " 1.0 ", " 1 "]
     assert "| a | 5 |" in md and "| b | 1 |" in md and "python -m oracle replay x" in md
 
 
@@ -210,3 +213,44 @@ def test_cuda_fuzz_leaves_out_the_per_shape_compiled_baseline():
     assert fuzz.default_impls("cpu") is None
     names = fuzz.default_impls("cuda")
     assert "flex" not in names and set(names) == known_names() - {"flex"}
+
+
+def test_fuzz_report_takes_compile_seconds_out_of_the_net_rate():
+    """The report's compile share and net rate: a worker with 10 s elapsed, a 2 s warm-up
+    and cases finished at 1, 3, 5 and 9 s, of which those after the warm-up spent 1, 0 and
+    3 s compiling, ran 3 cases in 8 s (0.375/s), half of them compiling, so 3 cases in the
+    4 s left (0.75/s)."""
+    stats = [{"cases": 4, "case_times_s": [1.0, 3.0, 5.0, 9.0],
+              "case_compile_s": [0.5, 1.0, 0.0, 3.0], "compiles": 3,
+              "per_op": {"reshape_and_cache": 4}, "per_shape_class": {"small": 4},
+              "checks": {"torch": 4}, "elapsed_s": 10.0, "failure": None}]
+    doc = fuzz.report(stats, seconds=10, warmup=2, ops=["reshape_and_cache"],
+                      impls=["torch"], shape_classes=["small"], device="cpu")
+    t = doc["throughput"]
+    assert t["cases_per_s_after_warmup"] == pytest.approx(0.375)
+    assert t["compile_share_after_warmup"] == pytest.approx(0.5)
+    assert t["cases_per_s_after_warmup_net_of_compiles"] == pytest.approx(0.75)
+    assert doc["per_worker"][0]["compile_s"] == pytest.approx(4.5)
+    assert "50%" in fuzz.markdown(doc)
+
+
+def test_compile_clock_counts_the_time_between_triton_hooks(monkeypatch):
+    """``CompileClock``: installed as Triton's JIT cache / post-compile hooks, it lets the
+    compile go on and adds one compile and its seconds per start-finish pair; a finish
+    without a start adds nothing."""
+    import time
+
+    import triton
+
+    from kernels._triton import CompileClock
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", None)
+    clock = CompileClock().install()
+    assert triton.knobs.runtime.jit_cache_hook == clock.started
+    assert triton.knobs.runtime.jit_post_compile_hook == clock.finished
+    assert clock.started(key="k") is False
+    time.sleep(0.02)
+    clock.finished(key="k")
+    clock.finished(key="k")
+    assert clock.count == 1 and 0.02 <= clock.seconds < 1.0

@@ -122,3 +122,29 @@ def test_partial_reports_after_each_mutant_and_cut_short_runs_say_so():
     merged = mutants.merge([first, second], [m.name for m in ms])
     assert merged["killed"] == 2 and merged["not_run"] == ["insert_int32_offsets"]
     assert merged["seconds"] == round(first["seconds"] + second["seconds"], 2)
+
+
+def test_gpu_only_mutants_meet_the_gpu_classes_first(monkeypatch):
+    """On CUDA a mutant whose bug shows only there (32-bit offsets) runs the GPU classes
+    (``large`` first) before the CPU ones; every other mutant keeps the cheapest-first
+    order. Checked on the class order ``_kill_row`` walks (the kills stubbed out)."""
+    walked = []
+
+    def fake_first_kill(impl, cases):
+        walked.append(cases)
+        return {"killed": False, "cases": 0, "seconds": 0.0}
+
+    monkeypatch.setattr(mutants, "first_kill", fake_first_kill)
+    monkeypatch.setattr(mutants, "class_cases", lambda op, cls, gpu: cls)
+    monkeypatch.setattr(mutants, "fuzz_kill", lambda *a: walked.append("fuzz") or
+                        {"killed": False, "cases": 0, "seconds": 0.0})
+    classes = [*mutants.CPU_CLASSES, *mutants.GPU_CLASSES, "fuzz"]
+    for gpu_only in (True, False):
+        walked.clear()
+        m = mutants.Mutant("m", "reshape_and_cache", "torch", "bug", "incident",
+                           build=lambda base: base.run, gpu_only=gpu_only)
+        mutants._kill_row(m, classes, True, "cpu", 1.0, False, lambda s: None,
+                          lambda impl: impl)
+        expected = ([*mutants.GPU_CLASSES, *mutants.CPU_CLASSES, "fuzz"] if gpu_only
+                    else classes)
+        assert walked == expected
