@@ -537,10 +537,13 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
                  ASM=p.fp8 and kv_fmt in HW_FORMATS and not INTERPRETED, DIRECT=direct,
                  SP=triton.next_power_of_2(splits), **opts)
-    if num_stages is None:  # the default where it fits (see the docstring)
-        const["num_stages"] = fitting_stages(
-            _decode_split_kernel, args, {**const, "REPAIR": False}, dev,
-            deepest=DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES)
+    if num_stages is None:  # the default, lowered until every pass fits shared memory
+        # (the repair pass takes more: fp8, fp16 q, G 16, 4 rows asked for 268 KiB at 3
+        # stages where the first pass fitted; found by the H200 fuzz run)
+        const["num_stages"] = min(
+            fitting_stages(_decode_split_kernel, args, {**const, "REPAIR": r}, dev,
+                           deepest=DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES)
+            for r in ((False, True) if p.rows > 1 else (False,)))
     _decode_split_kernel[grid](*args, REPAIR=False, **const)
     if p.rows > 1:  # the programs flagged by the first pass, recomputed with the guard
         _decode_split_kernel[grid](*args, REPAIR=True, **const)

@@ -229,6 +229,30 @@ def _tie_to_higher_id(base):
     return mod.run
 
 
+def _rows_at_last_position(base):
+    """The decode indexer with every row of a request at the request's last position, in
+    each of its scans: the interpreted one (kernels/indexer_decode.py) and the compiled
+    tensor-core and FMA ones (kernels/_indexer.py, imported as a module: the copy's import
+    is pointed at the patched helper, as ``_tie_to_higher_id`` does). Patching only the
+    interpreted scan left the GPU's kernel unmutated: the H200 kill matrix saw it survive
+    every class."""
+    last = "    pos = seq - 1 + tq * 0\n    live = (rows < NR) & (tok0 + tq < num_tokens)"
+    helpers = patched_module("kernels._indexer", (
+        ("    pos = seq - QR + tq\n    live = (rows < NR) & (tok0 + tq < num_tokens) & "
+         "(seq > 0) & (pos >= 0)\n    own = pos // P  # each row's last visible block\n",
+         f"{last} & (seq > 0) & (pos >= 0)\n    own = pos // P\n"),
+        ("                p_i = seq - QR + i // HI\n", "                p_i = seq - 1\n"),
+        ("    pos = seq - QR + tq\n    live = (rows < NR) & (tok0 + tq < num_tokens) & "
+         "(seq > 0) & (pos >= 0)\n    own = pos // P\n    dd",
+         f"{last} & (seq > 0) & (pos >= 0)\n    own = pos // P\n    dd"),
+        ("    m_pos = seq - QR + mq\n", "    m_pos = seq - 1 + mq * 0\n"),
+    ))
+    mod = patched_module("kernels.indexer_decode", (
+        ("from kernels import _indexer as ix\n", f"import {helpers.__name__} as ix\n"),
+        ("    pos = seq - q_rows + qr\n", "    pos = seq - 1 + qr * 0\n")))
+    return mod.run
+
+
 # The checker admits any order among exactly tied scores (a set up to near-ties), so this
 # dies through the forced blocks (initial vs local when they exceed n), not score ties.
 register(Mutant(
@@ -246,8 +270,7 @@ register(Mutant(
     "a multi-token (speculative / MTP) decode indexer gave every row of a request the "
     "request's last position, so earlier rows scored keys of later rows and could select "
     "a block past their own",
-    patch("kernels.indexer_decode",
-          ("    pos = seq - q_rows + qr\n", "    pos = seq - 1 + qr * 0\n"))))
+    _rows_at_last_position))
 
 register(Mutant(
     "index_decode_topk_off_by_one", "indexer_decode", "triton",
