@@ -260,11 +260,15 @@ def cmd_mutants(args) -> int:
 
 
 def cmd_falsealarm(args) -> int:
+    import json
+
     from oracle import falsealarm
     from oracle.cases import OPS, SHAPE_CLASSES
     from oracle.registry import known_names
-    from oracle.report import write_json
 
+    if args.merge:
+        doc = falsealarm.merge([json.loads(Path(p).read_text()) for p in args.merge])
+        return _write_falsealarm(doc, Path(args.out or "reports/false-alarms-merged.json"))
     ops = _check_names("ops", _split(args.ops), OPS) or list(OPS)
     impls = _check_names("impls", _split(args.impls), sorted(known_names()))
     classes = _check_names("shape-classes", _split(args.shape_classes), SHAPE_CLASSES) \
@@ -281,8 +285,14 @@ def cmd_falsealarm(args) -> int:
     doc = falsealarm.run(ops, args.cases, args.seed, classes, impls or default_impls(device),
                          device, args.workers, args.seconds,
                          gpus=int(os.environ.get("ORACLE_GPUS", "0")))
-    out = Path(args.out or f"reports/false-alarms-{'h200' if device == 'cuda' else 'cpu'}"
-                           f".json")
+    return _write_falsealarm(doc, Path(args.out or f"reports/false-alarms-"
+                                       f"{'h200' if device == 'cuda' else 'cpu'}.json"))
+
+
+def _write_falsealarm(doc: dict, out: Path) -> int:
+    from oracle import falsealarm
+    from oracle.report import write_json
+
     write_json(doc, out)
     text = falsealarm.markdown(doc)
     out.with_suffix(".md").write_text(text)
@@ -427,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "are left out, the report says how many ran (default: none)")
     s.add_argument("--out", help="OUT.json, with OUT.md beside it (default "
                    "reports/false-alarms-cpu.json, -h200 on CUDA)")
+    s.add_argument("--merge", nargs="+", metavar="JSON", help="join runs over disjoint "
+                   "--ops into one report (default out: reports/false-alarms-merged.json)")
     s.set_defaults(func=cmd_falsealarm)
     return p
 

@@ -136,6 +136,35 @@ def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=
             "cells": summarize(rows), "failures": [r for r in rows if not r["passed"]]}
 
 
+def merge(docs: list[dict]) -> dict:
+    """One false-alarm report from runs over disjoint ops (a 2,000-case-per-op run split
+    over device calls with ``--ops``): cells, failures and per-op counts joined, seconds
+    summed, the first run's settings. The percentiles are per (op, implementation) cell,
+    so runs sharing an op cannot be joined without their raw rows: that is an error."""
+    if not docs:
+        raise ValueError("merge needs at least one false-alarm report")
+    first = docs[0]
+    seen: set = set()
+    for d in docs:
+        if d.get("schema") != "false-alarms/1":
+            raise ValueError(f"not a false-alarm report: schema {d.get('schema')!r}")
+        for key in ("device", "seed", "cases_per_op", "shape_classes"):
+            if d.get(key) != first.get(key):
+                raise ValueError(f"runs differ in {key}: {first.get(key)!r} vs {d.get(key)!r}")
+        ops = set(d["cases_run"])
+        if ops & seen:
+            raise ValueError(f"runs share ops {sorted(ops & seen)}: merge needs disjoint --ops")
+        seen |= ops
+    return {**first,
+            "cases_run": {op: n for d in docs for op, n in d["cases_run"].items()},
+            "workers": max(d["workers"] for d in docs),
+            "seconds": round(sum(d["seconds"] for d in docs), 2),
+            "cells": sorted((c for d in docs for c in d["cells"]),
+                            key=lambda c: (c["op"], c["impl"])),
+            "failures": [f for d in docs for f in d["failures"]],
+            "merged_from": len(docs)}
+
+
 def summarize(rows) -> list[dict]:
     """Per (op, implementation): checks, failures, and each reported statistic's
     distribution with its calibrated multiplier and whether it may gate."""

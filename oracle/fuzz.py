@@ -261,10 +261,15 @@ def rate_after(times, elapsed: float, warmup: float) -> float | None:
 
 
 def compile_after(stats: dict, warmup: float) -> float:
-    """Seconds one worker spent in Triton compiles on the cases it finished after the
-    warm-up."""
-    return sum(c for t, c in zip(stats["case_times_s"], stats.get("case_compile_s", ()))
-               if t > warmup)
+    """Seconds one worker spent in Triton compiles after the warm-up: each case's compile
+    seconds, capped at the part of its span (from the previous case's end) that lies after
+    the warm-up (a case straddling it compiled partly within it)."""
+    total, prev = 0.0, 0.0
+    for t, c in zip(stats["case_times_s"], stats.get("case_compile_s", ())):
+        if t > warmup:
+            total += min(c, t - max(prev, warmup))
+        prev = t
+    return total
 
 
 def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shape_classes,
@@ -288,9 +293,8 @@ def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shap
         after.append(r)
         overall.append(s["cases"] / s["elapsed_s"] if s["elapsed_s"] > 0 else 0.0)
         compiling = compile_after(s, warmup)
-        net.append(None if r is None else
-                   r * (s["elapsed_s"] - warmup) / max(s["elapsed_s"] - warmup - compiling,
-                                                      1e-9))
+        left = s["elapsed_s"] - warmup - compiling
+        net.append(None if r is None or left <= 0 else r * (s["elapsed_s"] - warmup) / left)
         workers.append({
             "worker": s.get("worker", i), "cases": s["cases"],
             "cases_after_warmup": sum(t > warmup for t in s["case_times_s"]),

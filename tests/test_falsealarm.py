@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from oracle import falsealarm
 from oracle.cli import main
@@ -94,3 +95,28 @@ def test_nan_is_admitted_only_where_the_exact_output_is_infinite():
     inf_codes = encode(exact, "float16", policy="nonsaturating")
     assert n == 2 and codes[0] == inf_codes[0] and codes[2] == inf_codes[2]
     assert codes[1] == nan[1]  # the finite exact value: NaN stays NaN, a violation
+
+
+def test_runs_over_disjoint_ops_merge_into_one_report(tmp_path):
+    """``falsealarm --merge``: two runs with the same settings over different ops join
+    into one report holding both ops' cells and case counts, their seconds summed, and
+    it equals the cells of one run over both ops; runs sharing an op, or with different
+    seeds, are refused (percentiles cannot be joined without the raw rows)."""
+    paths = []
+    for op in ("reshape_and_cache", "indexer_decode"):
+        paths.append(tmp_path / f"{op}.json")
+        assert main(["falsealarm", "--cases", "3", "--ops", op, "--impls", "torch",
+                     "--out", str(paths[-1])]) == 0
+    out = tmp_path / "merged.json"
+    assert main(["falsealarm", "--merge", *map(str, paths), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    parts = [json.loads(p.read_text()) for p in paths]
+    assert doc["cases_run"] == {"reshape_and_cache": 3, "indexer_decode": 3}
+    assert doc["seconds"] == round(sum(p["seconds"] for p in parts), 2)
+    both = falsealarm.run(["reshape_and_cache", "indexer_decode"], 3, impl_names=["torch"])
+    assert [(c["op"], c["impl"], c["checks"], c["stats"]) for c in doc["cells"]] == [
+        (c["op"], c["impl"], c["checks"], c["stats"]) for c in both["cells"]]
+    with pytest.raises(ValueError, match="share ops"):
+        falsealarm.merge([parts[0], parts[0]])
+    with pytest.raises(ValueError, match="seed"):
+        falsealarm.merge([parts[0], {**parts[1], "seed": 5}])

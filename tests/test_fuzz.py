@@ -215,6 +215,13 @@ def test_cuda_fuzz_leaves_out_the_per_shape_compiled_baseline():
     assert "flex" not in names and set(names) == known_names() - {"flex"}
 
 
+def test_compile_seconds_after_the_warmup_are_capped_at_the_case_span():
+    """A case finishing at 3 s after one at 1 s, with a 2 s warm-up and 1.5 s of compiles,
+    compiled at most 1 s after the warm-up; cases within the warm-up count nothing."""
+    stats = {"case_times_s": [1.0, 3.0, 5.0], "case_compile_s": [1.0, 1.5, 0.5]}
+    assert fuzz.compile_after(stats, 2.0) == pytest.approx(1.0 + 0.5)
+
+
 def test_fuzz_report_takes_compile_seconds_out_of_the_net_rate():
     """The report's compile share and net rate: a worker with 10 s elapsed, a 2 s warm-up
     and cases finished at 1, 3, 5 and 9 s, of which those after the warm-up spent 1, 0 and
