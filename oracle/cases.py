@@ -89,6 +89,12 @@ class Case:
     model_dtype: str = "bfloat16"
     scales: str = "none"
     seed: int = 0
+    #: None: every draw from the case's own stream. An integer: the shapes (heads, head
+    #: dim, page size, layout, requests and their lengths, rows, top-k width, token count,
+    #: rotary dim) come from a stream named by (op, shape class, config) alone, the values
+    #: and everything else from the case's stream: cases sharing a config share their
+    #: kernels' compiled specialisations (``shape_stream``).
+    config: int | None = None
 
     def __post_init__(self):
         check_choice("op", self.op, OPS)
@@ -110,22 +116,36 @@ class Case:
             raise ValueError(f"scales must be 'none' for a {self.kv_fmt} cache, got {self.scales}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.config is not None and (not isinstance(self.config, int) or self.config < 0):
+            raise ValueError(f"config must be None or a non-negative integer, got "
+                             f"{self.config!r}")
 
     @property
     def id(self) -> str:
-        return ":".join(str(getattr(self, f.name)) for f in fields(self))
+        """op:shape_class:dist:platform:kv_cache_dtype:model_dtype:scales:seed, then
+        ``:c<config>`` when the case has a shape config."""
+        head = ":".join(str(getattr(self, f.name)) for f in fields(self)
+                        if f.name != "config")
+        return head if self.config is None else f"{head}:c{self.config}"
 
     @classmethod
     def from_id(cls, case_id: str) -> Case:
         parts = case_id.split(":")
-        names = [f.name for f in fields(cls)]
+        names = [f.name for f in fields(cls) if f.name != "config"]
+        config = None
+        if len(parts) == len(names) + 1 and parts[-1].startswith("c"):
+            try:
+                config = int(parts.pop()[1:])
+            except ValueError:
+                raise ValueError(f"config must read c<integer>, got {case_id!r}") from None
         if len(parts) != len(names):
-            raise ValueError(f"case id must read {':'.join(names)}, got {case_id!r}")
+            raise ValueError(f"case id must read {':'.join(names)}[:c<config>], got "
+                             f"{case_id!r}")
         try:
             seed = int(parts[-1])
         except ValueError:
             raise ValueError(f"seed must be an integer, got {parts[-1]!r}") from None
-        return cls(*parts[:-1], seed=seed)
+        return cls(*parts[:-1], seed=seed, config=config)
 
     @property
     def kv_fmt(self) -> str:
@@ -266,15 +286,15 @@ def _with_specials(bg, v: np.ndarray) -> np.ndarray:
     return v
 
 
-def _insert_inputs(case: Case, bg, fused: bool) -> dict:
-    hs = head_shape(bg, case.shape_class)
+def _insert_inputs(case: Case, bg, sg, fused: bool) -> dict:
+    hs = head_shape(sg, case.shape_class)
     hkv, g, d, page = hs["num_kv_heads"], hs["group"], hs["head_dim"], hs["page_size"]
-    n = _token_count(bg, case.shape_class, (g + 3) * hkv * d + 2 * d)
+    n = _token_count(sg, case.shape_class, (g + 3) * hkv * d + 2 * d)
     num_pages = -(-n // page) + 2
     num_slots = num_pages * page
     slots = rand.permutation(bg, num_slots)[:n].astype(np.int64)
     slots[rand.uniform(bg, (n,)) < 0.1] = -1  # padding tokens are skipped
-    layout_name, pad = _layout(bg, case.shape_class)
+    layout_name, pad = _layout(sg, case.shape_class)
     kv_fmt = case.kv_fmt
     cache = empty_cache(num_pages, hkv, page, d, kv_fmt, layout_name, pad,
                         fill_code=poison_code(kv_fmt))
@@ -290,11 +310,11 @@ def _insert_inputs(case: Case, bg, fused: bool) -> dict:
             v = _with_specials(bg, v)
         out.update(k=k, v=v)
         return out
-    dense = case.shape_class != "model" and rand.uniform(bg, ())[()] < 0.2
+    dense = case.shape_class != "model" and rand.uniform(sg, ())[()] < 0.2
     hi = 0 if dense else hkv
     layout = QKVLayout(g * hkv, hkv, d, num_index_heads=hi, has_index_k=not dense)
     rotary = MODEL.rotary_dim if case.shape_class == "model" else 2 * _between(
-        bg, 1, min(d, 128) // 2 if case.shape_class == "sweep" else d // 2)
+        sg, 1, min(d, 128) // 2 if case.shape_class == "sweep" else d // 2)
     # Positions up to 2^14 keep the table cheap to build; large positions are the
     # fp32-angle problem of the table builder, which is an input here.
     max_pos = 1 << 14
@@ -386,10 +406,10 @@ def _paged_layout(bg, seq_lens, page, extra_pages=2):
     return table, num_pages
 
 
-def _index_inputs(case: Case, bg, decode: bool) -> dict:
-    hs = head_shape(bg, case.shape_class)
+def _index_inputs(case: Case, bg, sg, decode: bool) -> dict:
+    hs = head_shape(sg, case.shape_class)
     hi, d, page = hs["num_kv_heads"], hs["head_dim"], hs["page_size"]
-    seq, qlens = _requests(bg, case.shape_class, page, decode, heads=1)
+    seq, qlens = _requests(sg, case.shape_class, page, decode, heads=1)
     table, num_pages = _paged_layout(bg, seq, page)
     fmt = case.index_fmt
     cache = empty_index_cache(num_pages, page, d, fmt, fill_code=poison_code(fmt))
@@ -409,7 +429,7 @@ def _index_inputs(case: Case, bg, decode: bool) -> dict:
         from reference.codec import decode as dec
 
         q = dec(encode(q, fmt, "satfinite"), fmt)
-    topk = _draw_topk(bg, case.shape_class, seq, page)
+    topk = _draw_topk(sg, case.shape_class, seq, page)
     local = MODEL.local_blocks if case.shape_class == "model" else _between(bg, 0, 2)
     initial = MODEL.initial_blocks if case.shape_class == "model" else _between(bg, 0, 2)
     out = dict(index_q=q, index_cache=cache, index_fmt=fmt, block_table=table, seq_lens=seq,
@@ -488,13 +508,13 @@ def _partial_selections(bg, topk, hkv):
     return np.where(keep, sel, -1).astype(sel.dtype)
 
 
-def _attention_inputs(case: Case, bg, decode: bool) -> dict:
-    hs = head_shape(bg, case.shape_class)
+def _attention_inputs(case: Case, bg, sg, decode: bool) -> dict:
+    hs = head_shape(sg, case.shape_class)
     hkv, g, d, page = hs["num_kv_heads"], hs["group"], hs["head_dim"], hs["page_size"]
-    seq, qlens = _requests(bg, case.shape_class, page, decode, heads=hkv)
+    seq, qlens = _requests(sg, case.shape_class, page, decode, heads=hkv)
     table, num_pages = _paged_layout(bg, seq, page)
     fmt = case.kv_fmt
-    layout_name, pad = _layout(bg, case.shape_class)
+    layout_name, pad = _layout(sg, case.shape_class)
     cache = empty_cache(num_pages, hkv, page, d, fmt, layout_name, pad,
                         fill_code=poison_code(fmt))
     num_slots = num_pages * page
@@ -522,7 +542,7 @@ def _attention_inputs(case: Case, bg, decode: bool) -> dict:
     else:
         positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq, qlens)])
     t = len(positions)
-    k = _draw_topk(bg, case.shape_class, seq, page)
+    k = _draw_topk(sg, case.shape_class, seq, page)
     topk = random_selections(bg, positions, page, hkv, k)
     # near_overflow: logits of +-100 and more (attention sinks), so a row's log-sum-exp lies
     # past exp2's fp32 range: a split-K merge must subtract the max.
@@ -540,15 +560,25 @@ def _attention_inputs(case: Case, bg, decode: bool) -> dict:
     return out
 
 
+def shape_stream(case: Case, bg):
+    """Where a case draws its shapes from: its own stream ``bg`` (no config: shapes and
+    values interleave in one stream, as they always have), or a stream named by (op,
+    shape class, config)."""
+    if case.config is None:
+        return bg
+    return rand.generator(rand.seed_of(f"shape:{case.op}:{case.shape_class}:{case.config}"))
+
+
 def make_inputs(case: Case) -> dict:
     """The input set of a case (numpy arrays and scalars), a pure function of the case."""
     bg = rand.generator(rand.seed_of(case.id))
+    sg = shape_stream(case, bg)
     makers = {
-        "norm_rope_insert": lambda: _insert_inputs(case, bg, fused=True),
-        "reshape_and_cache": lambda: _insert_inputs(case, bg, fused=False),
-        "indexer_prefill": lambda: _index_inputs(case, bg, decode=False),
-        "indexer_decode": lambda: _index_inputs(case, bg, decode=True),
-        "attention_prefill": lambda: _attention_inputs(case, bg, decode=False),
-        "attention_decode": lambda: _attention_inputs(case, bg, decode=True),
+        "norm_rope_insert": lambda: _insert_inputs(case, bg, sg, fused=True),
+        "reshape_and_cache": lambda: _insert_inputs(case, bg, sg, fused=False),
+        "indexer_prefill": lambda: _index_inputs(case, bg, sg, decode=False),
+        "indexer_decode": lambda: _index_inputs(case, bg, sg, decode=True),
+        "attention_prefill": lambda: _attention_inputs(case, bg, sg, decode=False),
+        "attention_decode": lambda: _attention_inputs(case, bg, sg, decode=True),
     }
     return makers[case.op]()

@@ -197,18 +197,26 @@ def cmd_fuzz(args) -> int:
         raise ValueError(f"warmup must be in [0, {seconds:g}) seconds, got {warmup:g}")
     device = _device()
     impls = impls or fuzz.default_impls(device)
+    salt = args.config_salt if args.config_salt is not None else \
+        int.from_bytes(os.urandom(3), "little")
+    configs = fuzz.config_pool(args.configs, salt)
+    if configs:
+        print(f"shape configs {configs[0]}..{configs[-1]} (--configs {args.configs} "
+              f"--config-salt {salt})")
     t0 = time.monotonic()
     stats = fuzz.run_workers(args.workers, seconds=seconds, ops=ops, impls=impls,
                              out_dir=Path(args.out), device=device,
                              db=fuzz.DEFAULT_DB if args.db is None else
                              None if args.db == "none" else Path(args.db),
                              gpus=int(os.environ.get("ORACLE_GPUS", "0")),
-                             shape_classes=classes, shrink=not args.no_shrink)
+                             shape_classes=classes, shrink=not args.no_shrink,
+                             configs=configs)
     wall = time.monotonic() - t0
     if args.report:
         names = sorted({i.name for op in ops for i in implementations(op, impls, device)})
         doc = fuzz.report(stats, seconds=seconds, warmup=warmup, ops=ops, impls=names,
-                          shape_classes=classes, device=device, wall_s=wall)
+                          shape_classes=classes, device=device, wall_s=wall,
+                          configs=list(configs) if configs else None)
         path = fuzz.write_report(doc, args.report)
         print(fuzz.markdown(doc))
         print(f"wrote {path}")
@@ -284,7 +292,7 @@ def cmd_falsealarm(args) -> int:
     # left out unless named.
     doc = falsealarm.run(ops, args.cases, args.seed, classes, impls or default_impls(device),
                          device, args.workers, args.seconds,
-                         gpus=int(os.environ.get("ORACLE_GPUS", "0")))
+                         gpus=int(os.environ.get("ORACLE_GPUS", "0")), configs=args.configs)
     return _write_falsealarm(doc, Path(args.out or f"reports/false-alarms-"
                                        f"{'h200' if device == 'cuda' else 'cpu'}.json"))
 
@@ -375,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "CUDA all but flex, which Inductor compiles for every new shape)")
     s.add_argument("--shape-classes", help="comma-separated shape classes drawn (default "
                    "tiny,small)")
+    s.add_argument("--configs", type=int, default=0, help="shape configs per run: every "
+                   "case takes its shapes from one of N configs (Case.config), so cases "
+                   "share compiled kernels; 0 (default): every case its own shapes")
+    s.add_argument("--config-salt", type=int, help="picks the run's configs (default: "
+                   "random, printed)")
     s.add_argument("--out", default="fuzz-failures", help="folder for shrunk failing cases")
     s.add_argument("--no-shrink", action="store_true", help="report a failing case as "
                    "drawn (hypothesis may spend minutes shrinking it)")
@@ -414,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "the kill matrix")
     s.add_argument("--mutants", help="comma-separated names (default: the whole catalog)")
     s.add_argument("--list", action="store_true", help="print the catalog and exit")
+    s.add_argument("--configs", type=int, default=0, help="shape configs per op (each "
+                   "case's shapes from one of N, chosen by --seed; cases share compiled "
+                   "kernels); 0 (default): every case its own shapes")
     s.add_argument("--merge", nargs="+", metavar="JSON", help="merge the reports of runs "
                    "over parts of the catalog into one (--out) instead of running")
     s.add_argument("--fuzz-seconds", type=float, default=60.0, help="budget of the fuzz "
@@ -437,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "are left out, the report says how many ran (default: none)")
     s.add_argument("--out", help="OUT.json, with OUT.md beside it (default "
                    "reports/false-alarms-cpu.json, -h200 on CUDA)")
+    s.add_argument("--configs", type=int, default=0, help="shape configs per op (each "
+                   "case's shapes from one of N, chosen by --seed; cases share compiled "
+                   "kernels); 0 (default): every case its own shapes")
     s.add_argument("--merge", nargs="+", metavar="JSON", help="join runs over disjoint "
                    "--ops into one report (default out: reports/false-alarms-merged.json)")
     s.set_defaults(func=cmd_falsealarm)

@@ -40,8 +40,14 @@ def _pick(bg, options):
     return options[int(rand.integers(bg, 0, len(options), ())[()])]
 
 
-def draw_cases(op: str, n: int, seed: int = 0, shape_classes=("tiny", "small")) -> list[Case]:
-    """``n`` valid cases of ``op`` with uniformly drawn fields (module docstring)."""
+def draw_cases(op: str, n: int, seed: int = 0, shape_classes=("tiny", "small"),
+               configs: int = 0) -> list[Case]:
+    """``n`` valid cases of ``op`` with uniformly drawn fields (module docstring);
+    ``configs`` > 0: each case's shapes from one of that many shape configs
+    (``oracle.fuzz.config_pool(configs, seed)``), so the cases share compiled kernels."""
+    from oracle.fuzz import config_pool
+
+    pool = config_pool(configs, seed)
     bg = rand.generator(rand.seed_of(f"falsealarm:{op}:{seed}"))
     dists = [d for d in DISTRIBUTIONS if d != "ties" or op.startswith("indexer")]
     cases = []
@@ -50,6 +56,8 @@ def draw_cases(op: str, n: int, seed: int = 0, shape_classes=("tiny", "small")) 
                       platform=_pick(bg, PLATFORMS), kv_cache_dtype=_pick(bg, KV_CACHE_DTYPES),
                       model_dtype=_pick(bg, MODEL_DTYPES), scales=_pick(bg, SCALES),
                       seed=int(rand.integers(bg, 0, 2**31 - 1, ())[()]))
+        if pool:
+            fields["config"] = _pick(bg, pool)
         try:
             cases.append(Case(**fields))
         except ValueError:  # scales on a 16-bit cache: the same draw without them
@@ -106,7 +114,7 @@ def _interleaved(per_op: list[list[Case]]) -> list[Case]:
 
 def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=None,
         device: str = "cpu", workers: int = 1, seconds: float | None = None,
-        gpus: int = 0) -> dict:
+        gpus: int = 0, configs: int = 0) -> dict:
     """The clean run over ``n`` cases per op and its calibration (module docstring); with
     ``seconds``, cases not started within that budget are left out and the report says
     how many each op got (``cases_run``). ``gpus`` > 1: worker i on GPU i mod gpus."""
@@ -114,7 +122,7 @@ def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=
 
     t0 = time.perf_counter()
     deadline = None if seconds is None else time.time() + seconds
-    cases = _interleaved([draw_cases(op, n, seed, shape_classes) for op in ops])
+    cases = _interleaved([draw_cases(op, n, seed, shape_classes, configs) for op in ops])
     if workers > 1:
         import multiprocessing
 
@@ -129,7 +137,7 @@ def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=
         rows = run_cases(cases, impl_names, device, deadline)
     cases_run = {op: len({r["case"] for r in rows if r["op"] == op}) for op in ops}
     return {"schema": "false-alarms/1", "machine": machine_info(), "device": device,
-            "seed": seed, "cases_per_op": n, "cases_run": cases_run,
+            "seed": seed, "cases_per_op": n, "configs": configs, "cases_run": cases_run,
             "budget_s": seconds, "shape_classes": list(shape_classes),
             "workers": workers, "gpus": max(gpus, 1) if device == "cuda" else 0,
             "seconds": round(time.perf_counter() - t0, 2),
@@ -148,7 +156,7 @@ def merge(docs: list[dict]) -> dict:
     for d in docs:
         if d.get("schema") != "false-alarms/1":
             raise ValueError(f"not a false-alarm report: schema {d.get('schema')!r}")
-        for key in ("device", "seed", "cases_per_op", "shape_classes"):
+        for key in ("device", "seed", "cases_per_op", "shape_classes", "configs"):
             if d.get(key) != first.get(key):
                 raise ValueError(f"runs differ in {key}: {first.get(key)!r} vs {d.get(key)!r}")
         ops = set(d["cases_run"])
@@ -212,6 +220,11 @@ def _cases_line(doc: dict) -> str:
             f"{doc['cases_per_op']} drawn)")
 
 
+def _configs(doc: dict) -> str:
+    n = doc.get("configs") or 0
+    return f", shapes from {n} configs per op" if n else ""
+
+
 def _gpus(doc: dict) -> str:
     n = doc.get("gpus", 0)
     return f" over {n} GPUs" if n > 1 else ""
@@ -220,7 +233,8 @@ def _gpus(doc: dict) -> str:
 def markdown(doc: dict) -> str:
     lines = [f"# False-alarm run ({doc['device']}, {doc['machine'].get('device')})", "",
              f"{_cases_line(doc)} (shape classes "
-             f"{', '.join(doc['shape_classes'])}, seed {doc['seed']}), every implementation "
+             f"{', '.join(doc['shape_classes'])}, seed {doc['seed']}"
+             f"{_configs(doc)}), every implementation "
              f"that claims each; {doc['seconds']} s on {doc['workers']} worker(s)"
              f"{_gpus(doc)}. "
              f"Failures: {len(doc['failures'])}.", "",

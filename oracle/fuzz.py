@@ -41,7 +41,10 @@ def _valid(fields) -> Case | None:
         return None
 
 
-def case_strategy(ops=OPS, shape_classes=("tiny", "small")) -> st.SearchStrategy[Case]:
+def case_strategy(ops=OPS, shape_classes=("tiny", "small"), configs=None
+                  ) -> st.SearchStrategy[Case]:
+    """Cases over the domain; ``configs`` (a sequence of ints): each case's shapes come
+    from one of these shape configs (``Case.config``), so cases share compiled kernels."""
     fields = st.fixed_dictionaries({
         "op": st.sampled_from(list(ops)),
         "shape_class": st.sampled_from(list(shape_classes)),
@@ -51,6 +54,7 @@ def case_strategy(ops=OPS, shape_classes=("tiny", "small")) -> st.SearchStrategy
         "model_dtype": st.sampled_from(list(MODEL_DTYPES)),
         "scales": st.sampled_from(list(SCALES)),
         "seed": st.integers(0, 2**31 - 1),
+        "config": st.sampled_from(list(configs)) if configs else st.none(),
     })
     return fields.map(_valid).filter(lambda c: c is not None)
 
@@ -102,6 +106,15 @@ DEFAULT_SHAPE_CLASSES = ("tiny", "small")
 CUDA_FUZZ_SKIPS = ("flex",)
 
 
+def config_pool(size: int, salt: int) -> tuple[int, ...] | None:
+    """The shape configs of one run: ``size`` consecutive ids from ``salt * size`` (a
+    run's salt picks a fresh pool; the ids are in the cases' replay commands), or None
+    for ``size`` 0 (every case draws its own shapes)."""
+    if size < 0 or salt < 0:
+        raise ValueError(f"configs and config salt must be >= 0, got {size}, {salt}")
+    return tuple(range(salt * size, (salt + 1) * size)) if size else None
+
+
 def default_impls(device: str) -> list[str] | None:
     """The implementations a fuzz run checks when none are named: all (None) on the CPU,
     all but ``CUDA_FUZZ_SKIPS`` on CUDA."""
@@ -128,7 +141,8 @@ def run_parallel(workers: int, seconds: float, ops=None, impls=None,
 def run_workers(workers: int, seconds: float, ops=None, impls=None,
                 out_dir: Path = Path("fuzz-failures"), device: str = "cpu",
                 db: Path | None = DEFAULT_DB, gpus: int = 0,
-                shape_classes=DEFAULT_SHAPE_CLASSES, shrink: bool = True) -> list[dict]:
+                shape_classes=DEFAULT_SHAPE_CLASSES, shrink: bool = True,
+                configs=None) -> list[dict]:
     """As ``run_parallel``, returning every worker's stats (``run_stats``), worker 0 first
     (one worker: in this process). ``shrink=False``: a failure is reported as drawn
     (hypothesis may spend minutes shrinking one)."""
@@ -136,20 +150,22 @@ def run_workers(workers: int, seconds: float, ops=None, impls=None,
 
     if workers <= 1:
         return [run_stats(seconds, ops, impls, out_dir, device, db,
-                          shape_classes=shape_classes, shrink=shrink)]
-    args = [(i, gpus, seconds, ops, impls, out_dir, device, db, tuple(shape_classes), shrink)
+                          shape_classes=shape_classes, shrink=shrink, configs=configs)]
+    args = [(i, gpus, seconds, ops, impls, out_dir, device, db, tuple(shape_classes), shrink,
+             configs)
             for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         return pool.starmap(_worker, args)
 
 
 def _worker(index, gpus, seconds, ops, impls, out_dir, device, db, shape_classes,
-            shrink=True) -> dict:
+            shrink=True, configs=None) -> dict:
     from oracle.gpus import pin_gpu
 
     pin_gpu(index, gpus)
     stats = run_stats(seconds, ops, impls, out_dir, device, db, progress=index == 0,
-                      shape_classes=shape_classes, shrink=shrink, offset=index)
+                      shape_classes=shape_classes, shrink=shrink, offset=index,
+                      configs=configs)
     return dict(stats, worker=index)
 
 
@@ -163,8 +179,8 @@ def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failure
 
 def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failures"),
               device: str = "cpu", db: Path | None = DEFAULT_DB, progress: bool = True,
-              shape_classes=DEFAULT_SHAPE_CLASSES, shrink: bool = True, offset: int = 0
-              ) -> dict:
+              shape_classes=DEFAULT_SHAPE_CLASSES, shrink: bool = True, offset: int = 0,
+              configs=None) -> dict:
     """Fuzz for ``seconds`` in this process and return what was done: ``cases`` (every
     distinct drawn case checked by each implementation claiming it, the database's replays
     and shrinking's included; searches of ``EXAMPLES_PER_SEARCH`` examples, one op each,
@@ -197,7 +213,7 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
                   derandomize=False, phases=[Phase.reuse, Phase.generate, Phase.target,
                                              *([Phase.shrink] if shrink else [])],
                   report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
-        @given(case_strategy([op], shape_classes))
+        @given(case_strategy([op], shape_classes, configs))
         def one(case):
             nonlocal n
             if failures:
@@ -273,7 +289,7 @@ def compile_after(stats: dict, warmup: float) -> float:
 
 
 def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shape_classes,
-           device: str, wall_s: float | None = None) -> dict:
+           device: str, wall_s: float | None = None, configs=None) -> dict:
     """One ``fuzz/1`` document from the workers' stats (``run_workers``). Throughput is
     summed over the workers' own rates: ``after_warmup`` counts the cases each finished
     after ``warmup`` seconds from its start over its time after that; ``overall`` each
@@ -321,6 +337,7 @@ def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shap
         "ops": list(ops),
         "impls": list(impls),
         "shape_classes": list(shape_classes),
+        "configs": configs,
         "cases": sum(s["cases"] for s in stats),
         "per_op": dict(sorted(per_op.items())),
         "per_shape_class": dict(sorted(per_class.items())),

@@ -120,3 +120,14 @@ def test_runs_over_disjoint_ops_merge_into_one_report(tmp_path):
         falsealarm.merge([parts[0], parts[0]])
     with pytest.raises(ValueError, match="seed"):
         falsealarm.merge([parts[0], {**parts[1], "seed": 5}])
+
+
+def test_false_alarm_cases_can_share_shape_configs():
+    """``--configs N``: every drawn case takes one of the N configs of the seed's pool, the
+    draw stays a pure function of its arguments, and without configs no case has one."""
+    from oracle.fuzz import config_pool
+
+    a = falsealarm.draw_cases("attention_decode", 40, seed=2, configs=3)
+    assert {c.config for c in a} <= set(config_pool(3, 2)) and len({c.config for c in a}) > 1
+    assert a == falsealarm.draw_cases("attention_decode", 40, seed=2, configs=3)
+    assert {c.config for c in falsealarm.draw_cases("attention_decode", 40, seed=2)} == {None}

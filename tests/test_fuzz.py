@@ -261,3 +261,41 @@ def test_compile_clock_counts_the_time_between_triton_hooks(monkeypatch):
     clock.finished(key="k")
     clock.finished(key="k")
     assert clock.count == 1 and 0.02 <= clock.seconds < 1.0
+
+
+def test_a_config_pool_confines_the_cases_shapes_to_its_configs():
+    """``--configs N``: the run's pool is N consecutive config ids picked by the salt (a
+    new salt, a disjoint pool); the strategy draws every case's config from the pool, and
+    without a pool none."""
+    from hypothesis import HealthCheck, given, settings
+
+    pool = fuzz.config_pool(4, 3)
+    assert pool == (12, 13, 14, 15) and set(pool).isdisjoint(fuzz.config_pool(4, 4))
+    assert fuzz.config_pool(0, 3) is None
+    with pytest.raises(ValueError, match="configs"):
+        fuzz.config_pool(-1, 0)
+    seen = []
+
+    @settings(max_examples=60, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(fuzz.case_strategy(["indexer_decode"], ("small",), pool))
+    def draw(case):
+        seen.append(case.config)
+
+    draw()
+    assert set(seen) <= set(pool) and len(set(seen)) > 1
+    seen.clear()
+    given(fuzz.case_strategy(["indexer_decode"], ("small",)))(
+        settings(max_examples=10, database=None)(lambda case: seen.append(case.config)))()
+    assert set(seen) == {None}
+
+
+def test_fuzz_cli_runs_on_the_salted_config_pool(tmp_path, capsys):
+    """``fuzz --configs 2 --config-salt 5``: the run prints and reports its pool (configs
+    10 and 11) and checks cases; a negative pool size is a usage error."""
+    from oracle.cli import main
+
+    rc, doc = _fuzz_report(tmp_path, "--seconds", "2", "--configs", "2", "--config-salt", "5")
+    assert rc == 0 and doc["configs"] == [10, 11] and doc["cases"] > 0
+    assert "--configs 2 --config-salt 5" in capsys.readouterr().out
+    assert main(["fuzz", "--seconds", "1", "--configs", "-1", "--db", "none"]) == 2

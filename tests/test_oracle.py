@@ -93,6 +93,34 @@ def test_replay_reproduces_inputs_and_verdict(op):
     assert r1.passed == r2.passed and r1.input_hash == r2.input_hash
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_cases_of_one_shape_config_share_shapes_not_values(op):
+    """``Case.config``: two cases of one config (and shape class) have arrays of the same
+    shapes and scalar shape parameters, but different values; another config gives other
+    shapes for some op's draw; the id carries the config (``:c7``) and rebuilds the case;
+    without a config the id is the eight fields it always was."""
+    a = Case(op, "small", "normal", "cuda", "auto", "bfloat16", seed=5, config=7)
+    b = dataclasses.replace(a, seed=6, dist="outliers")
+    assert a.id.endswith(":5:c7") and Case.from_id(a.id) == a
+    assert Case.from_id(dataclasses.replace(a, config=None).id).config is None
+    assert len(dataclasses.replace(a, config=None).id.split(":")) == 8
+    xa, xb = make_inputs(a), make_inputs(b)
+
+    def shapes(x):
+        return {k: np.shape(v) if isinstance(v, np.ndarray) else v for k, v in x.items()
+                if isinstance(v, np.ndarray) or k in ("rows_per_request", "topk",
+                                                      "rotary_dim", "cache_layout")}
+
+    assert shapes(xa) == shapes(xb)
+    assert input_hash(xa) != input_hash(xb)
+    others = [shapes(make_inputs(dataclasses.replace(a, config=c))) for c in range(8, 12)]
+    assert any(o != shapes(xa) for o in others)
+    with pytest.raises(ValueError, match="config"):
+        Case(op, config=-1)
+    with pytest.raises(ValueError, match="config"):
+        Case.from_id(a.id[:-3] + ":cx")
+
+
 def _worse_norm_rope(impl):
     """A legitimate but worse implementation: it declares a sloppy rsqrt (2,000 ulp) and
     rounds q from e + 0.9 d, inside its bound (so every check still passes), instead of the
