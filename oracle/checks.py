@@ -24,7 +24,7 @@ from oracle import impl_reference as ref_impl
 from oracle.bounds import gamma, norm_rope_bound
 from oracle.cases import Case, input_hash, make_inputs
 from oracle.intervals import classify, joint_value_exists, preimage
-from oracle.registry import schedule_for, score_rel_for
+from oracle.registry import implementations, schedule_for, score_rel_for
 from reference import norm_rope
 from reference.codec import decode, encode, get_format
 from reference.kv_cache import scale_at
@@ -418,3 +418,15 @@ def run_check(case: Case, impl, inputs: dict | None = None) -> CheckResult:
     passed = not failures and tally.violations == 0
     return CheckResult(case.op, impl.name, case.id, h, passed, case.replay_command(impl.name),
                        time.perf_counter() - t0, tally, failures, extra)
+
+
+def check_claimants(case: Case, impl_names=None, device: str | None = None):
+    """(implementation, CheckResult) for each implementation claiming ``case`` (optionally
+    only the named ones, or those on ``device``), all judged on one input set, made when
+    the first claimant runs (none: no inputs made). A generator: a caller may stop at the
+    first failure."""
+    x = None
+    for impl in implementations(case.op, impl_names, device):
+        if impl.supports(case)[0]:
+            x = make_inputs(case) if x is None else x
+            yield impl, run_check(case, impl, x)

@@ -27,9 +27,8 @@ from collections import defaultdict
 import numpy as np
 
 from oracle import rand
-from oracle.cases import DISTRIBUTIONS, SCALES, Case, make_inputs
-from oracle.checks import run_check
-from oracle.registry import implementations
+from oracle.cases import DISTRIBUTIONS, SCALES, Case
+from oracle.checks import check_claimants
 from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
 
 MARGIN = 1.5  # the calibrated multiplier: the clean run's max times this
@@ -77,12 +76,7 @@ def run_cases(cases, impl_names=None, device: str = "cpu", deadline: float | Non
     for case in cases:
         if deadline is not None and time.time() > deadline:
             break
-        x = None
-        for impl in implementations(case.op, impl_names, device):
-            if not impl.supports(case)[0]:
-                continue
-            x = make_inputs(case) if x is None else x
-            r = run_check(case, impl, x)
+        for impl, r in check_claimants(case, impl_names, device):
             rows.append({"op": case.op, "impl": impl.name, "case": case.id,
                          "passed": r.passed, "seconds": r.seconds, "replay": r.replay,
                          "summary": None if r.passed else r.summary(),

@@ -28,9 +28,8 @@ from hypothesis import HealthCheck, Phase, given, settings, target
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from oracle.cases import DISTRIBUTIONS, OPS, SCALES, Case, make_inputs
-from oracle.checks import run_check
-from oracle.registry import implementations
+from oracle.cases import DISTRIBUTIONS, OPS, SCALES, Case
+from oracle.checks import check_claimants
 from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
 
 
@@ -84,16 +83,12 @@ def check_case(case: Case, impl_names=None, device: str = "cpu",
     ``checks`` (when given) counts the checks run per implementation name, the failing
     one included."""
     results = []
-    x = None  # made once: every implementation is judged on the same input set
-    for impl in implementations(case.op, impl_names, device):
-        if impl.supports(case)[0]:
-            x = make_inputs(case) if x is None else x
-            r = run_check(case, impl, x)
-            if checks is not None:
-                checks[impl.name] += 1
-            results.append(r)
-            if not r.passed:
-                raise CaseFailed(r.summary())
+    for impl, r in check_claimants(case, impl_names, device):
+        if checks is not None:
+            checks[impl.name] += 1
+        results.append(r)
+        if not r.passed:
+            raise CaseFailed(r.summary())
     return results
 
 
@@ -216,10 +211,10 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
         @given(case_strategy([op], shape_classes, configs))
         def one(case):
             nonlocal n
-            if failures:
-                pass  # shrinking replays the failure and its variants, past the budget too
-            elif time.monotonic() >= deadline or case.id in seen:
-                return  # budget spent, or a case already checked (hypothesis repeats some)
+            # Budget spent, or a case already checked (hypothesis repeats some): skipped,
+            # unless shrinking a failure (it replays it and its variants, past the budget).
+            if not failures and (time.monotonic() >= deadline or case.id in seen):
+                return
             seen.add(case.id)
             n += 1
             compiled_before = clock.seconds

@@ -208,12 +208,19 @@ register(Mutant(
 # ---------------------------------------------------------------------------- indexers
 
 
+def _on_helpers(module: str, helpers, *replacements):
+    """A patched copy of an indexer module importing the patched copy ``helpers`` of
+    kernels._indexer (it imports the helpers as a module, ``from kernels import _indexer
+    as ix``, which ``patch(deps=...)`` does not rewrite), with ``replacements`` too."""
+    return patched_module(module, (
+        ("from kernels import _indexer as ix\n", f"import {helpers.__name__} as ix\n"),
+        *replacements))
+
+
 def _tie_to_higher_id(base):
     """The prefill indexer built on a copy of kernels._indexer whose selection keys rank
     bit-equal scores (and forced blocks) to the HIGHER block id; the decode indexer keeps
-    the lower-id rule. kernels.indexer_prefill imports the helpers as a module
-    (``from kernels import _indexer as ix``), which ``patch(deps=...)`` does not rewrite,
-    so the copy's import is pointed at the patched helper explicitly."""
+    the lower-id rule (``_on_helpers``)."""
     helpers = patched_module("kernels._indexer", (
         ("    low = (4294967295 - b.to(tl.int64)).to(tl.uint64)\n",
          "    low = b.to(tl.int64).to(tl.uint64)\n"),
@@ -224,16 +231,13 @@ def _tie_to_higher_id(base):
          "    dst = (out_ptr + heads.to(tl.int64)[:, None] * o_s0 + "
          "toks.to(tl.int64)[:, None] * o_s1\n           + rank.to(tl.int64) * o_s2)"),
     ))
-    mod = patched_module("kernels.indexer_prefill", (
-        ("from kernels import _indexer as ix\n", f"import {helpers.__name__} as ix\n"),))
-    return mod.run
+    return _on_helpers("kernels.indexer_prefill", helpers).run
 
 
 def _rows_at_last_position(base):
     """The decode indexer with every row of a request at the request's last position, in
     each of its scans: the interpreted one (kernels/indexer_decode.py) and the compiled
-    tensor-core and FMA ones (kernels/_indexer.py, imported as a module: the copy's import
-    is pointed at the patched helper, as ``_tie_to_higher_id`` does). Patching only the
+    tensor-core and FMA ones (kernels/_indexer.py, ``_on_helpers``). Patching only the
     interpreted scan left the GPU's kernel unmutated: the H200 kill matrix saw it survive
     every class."""
     last = "    pos = seq - 1 + tq * 0\n    live = (rows < NR) & (tok0 + tq < num_tokens)"
@@ -247,10 +251,8 @@ def _rows_at_last_position(base):
          f"{last} & (seq > 0) & (pos >= 0)\n    own = pos // P\n    dd"),
         ("    m_pos = seq - QR + mq\n", "    m_pos = seq - 1 + mq * 0\n"),
     ))
-    mod = patched_module("kernels.indexer_decode", (
-        ("from kernels import _indexer as ix\n", f"import {helpers.__name__} as ix\n"),
-        ("    pos = seq - q_rows + qr\n", "    pos = seq - 1 + qr * 0\n")))
-    return mod.run
+    return _on_helpers("kernels.indexer_decode", helpers,
+                       ("    pos = seq - q_rows + qr\n", "    pos = seq - 1 + qr * 0\n")).run
 
 
 # The checker admits any order among exactly tied scores (a set up to near-ties), so this
