@@ -173,6 +173,22 @@ def decode(codes, fmt: str | FloatFormat) -> np.ndarray:
     return f.values[c.astype(np.int64)]
 
 
+def _magnitude_codes(mag: np.ndarray, f: FloatFormat) -> np.ndarray:
+    """Codes of finite magnitudes rounded to nearest-even as if the exponent range went on
+    past the top (a code above ``max_code`` means overflow; ``_grid`` lists the values).
+
+    Exact arithmetic, no table search: with E = max(floor(log2 mag), emin), mag * 2^(m - E)
+    is an exact float64 scaling, and rint rounds it half-to-even to the significand q
+    (2^m..2^(m+1) for normals, 0..2^m below); code = (E - emin) * 2^m + q, so q = 2^(m+1)
+    carries into the next binade and q's parity is the code's. ``tests/test_codec.py``
+    checks it against a search of ``_grid`` at every grid value, midpoint and neighbour."""
+    m, emin = f.man_bits, 1 - f.bias
+    mag = np.minimum(mag, 4 * f.max_finite)  # past any overflow; keeps q small
+    e = np.where(mag < f.min_normal, emin, np.frexp(mag)[1] - 1)
+    q = np.rint(np.ldexp(mag, m - e))
+    return ((e - emin).astype(np.int64) << m) + q.astype(np.int64)
+
+
 def encode(x, fmt: str | FloatFormat, policy: str = "satfinite", scale=None) -> np.ndarray:
     """Codes of ``x / scale`` rounded to nearest-even, with the given overflow policy."""
     f = get_format(fmt)
@@ -182,13 +198,7 @@ def encode(x, fmt: str | FloatFormat, policy: str = "satfinite", scale=None) -> 
     if scale is not None:
         v = v / check_scale(scale)
     finite = np.isfinite(v)
-    mag = np.where(finite, np.abs(v), 0.0)
-    grid = f._grid
-    hi = np.clip(np.searchsorted(grid, mag, side="left"), 1, len(grid) - 1)
-    lo = hi - 1
-    d_lo, d_hi = mag - grid[lo], grid[hi] - mag
-    # Tie: the even code wins (the code's LSB is the mantissa's LSB).
-    code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    code = _magnitude_codes(np.where(finite, np.abs(v), 0.0), f)
     overflow = ~finite | (code > f.max_code)
     if policy == "satfinite":
         code = np.where(overflow, f.max_code, code)

@@ -84,6 +84,30 @@ def test_spec_examples_of_rounding_before_overflow(fmt):
                                                                -FORMATS[fmt].max_finite]
 
 
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_encode_is_the_nearest_grid_value_in_float64(fmt):
+    """At every finite magnitude, every midpoint between neighbours (the first value past
+    max included) and the float64 neighbours of both, satfinite encode gives the nearest
+    code by brute force over the whole grid, ties to the even code, overflow to max: the
+    float64 inputs between float32 values that the ml_dtypes comparison cannot reach."""
+    f = FORMATS[fmt]
+    grid = f._grid
+    mid = (grid[1:] + grid[:-1]) / 2
+    pts = np.concatenate([grid, mid, [2 * grid[-1]]])
+    mags = np.concatenate([pts, np.nextafter(pts, 0), np.nextafter(pts, np.inf)])
+    dist = np.abs(mags[:, None] - grid[None, :])
+    nearest = dist == dist.min(axis=1, keepdims=True)
+    # Of two nearest codes the even one (a tie has exactly two, adjacent).
+    even = nearest & (np.arange(len(grid)) % 2 == 0)
+    want = np.where(even.any(axis=1), even.argmax(axis=1), nearest.argmax(axis=1))
+    want = np.minimum(want, f.max_code)
+    for sign, bit in ((1.0, 0), (-1.0, f.sign_bit)):
+        got = encode(sign * mags, fmt).astype(np.int64)
+        zero = want == 0
+        exp = np.where(zero & (f.specials == "fnuz"), 0, want | bit)
+        assert np.array_equal(got, exp), mags[got != exp][:8]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
 def test_round_trip_of_every_representable_value(fmt, policy):
