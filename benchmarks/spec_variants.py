@@ -58,10 +58,11 @@ def launch_key(fn, do_not_specialize, args, kwargs) -> tuple:
 
 
 def count_keys(op: str, cases: int, shape_classes=("small",), seed: int = 11,
-               configs: int = 0):
+               configs: int = 0, pin_formats: bool = False):
     """(curve, varied): distinct keys per kernel after each fifth of the cases, and per
     kernel the arguments whose class took more than one value. ``configs``: the cases'
-    shapes from that many shape configs (``Case.config``; 0: each case its own)."""
+    shapes from that many shape configs (``Case.config``; 0: each case its own);
+    ``pin_formats``: their format fields too (``oracle.cases.config_formats``)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from oracle.cases import make_inputs
@@ -80,7 +81,7 @@ def count_keys(op: str, cases: int, shape_classes=("small",), seed: int = 11,
         (impl,) = implementations(op, ["triton"], "cpu")
         curve = []
         drawn = draw_cases(op, cases, seed=seed, shape_classes=tuple(shape_classes),
-                           configs=configs)
+                           configs=configs, pin_formats=pin_formats)
         step = max(1, cases // 5)
         for i, case in enumerate(drawn, 1):
             ok, why = impl.supports(case)
@@ -112,13 +113,15 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=100)
     ap.add_argument("--shape-classes", nargs="+", default=["small"])
     ap.add_argument("--configs", type=int, default=0, help="shape configs (0: none)")
+    ap.add_argument("--pin-formats", action="store_true", help="configs fix the formats too")
     args = ap.parse_args(argv)
     if args.cases < 1:
         ap.error(f"--cases must be >= 1, got {args.cases}")
     print("| op | kernel | cases | distinct keys | keys per case |")
     print("|---|---|---:|---:|---:|")
     for op in args.ops:
-        curve, varied = count_keys(op, args.cases, args.shape_classes, configs=args.configs)
+        curve, varied = count_keys(op, args.cases, args.shape_classes, configs=args.configs,
+                                   pin_formats=args.pin_formats)
         n, last = curve[-1]
         for name, k in last.items():
             print(f"| {op} | {name} | {n} | {k} | {k / n:.2f} |")

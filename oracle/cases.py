@@ -224,7 +224,8 @@ def poison_code(fmt: str) -> int:
 # ------------------------------------------------------------------------------ shapes
 
 
-def _pick(bg, options):
+def pick(bg, options):
+    """One of ``options``, uniformly, from the raw stream ``bg``."""
     return options[int(rand.integers(bg, 0, len(options), ())[()])]
 
 
@@ -239,16 +240,16 @@ def head_shape(bg, shape_class: str) -> dict:
         return dict(num_kv_heads=MODEL.num_kv_heads, group=MODEL.num_q_heads // MODEL.num_kv_heads,
                     head_dim=MODEL.head_dim, page_size=MODEL.page_size)
     if shape_class == "tiny":
-        return dict(num_kv_heads=_between(bg, 1, 2), group=_pick(bg, (1, 2, 4)), head_dim=64,
+        return dict(num_kv_heads=_between(bg, 1, 2), group=pick(bg, (1, 2, 4)), head_dim=64,
                     page_size=16)
     if shape_class == "long":
-        return dict(num_kv_heads=_pick(bg, (1, 3, 4)), group=_pick(bg, (1, 2, 8, 16)),
-                    head_dim=MODEL.head_dim, page_size=_pick(bg, (16, 64, 128)))
+        return dict(num_kv_heads=pick(bg, (1, 3, 4)), group=pick(bg, (1, 2, 8, 16)),
+                    head_dim=MODEL.head_dim, page_size=pick(bg, (16, 64, 128)))
     if shape_class == "sweep":
         return dict(num_kv_heads=_between(bg, 1, 8), group=_between(bg, 1, 16),
-                    head_dim=_pick(bg, (64, 128, 256)), page_size=_pick(bg, (16, 32, 64, 128)))
-    return dict(num_kv_heads=_between(bg, 1, 8), group=_pick(bg, (1, 2, 3, 8, 16)),
-                head_dim=_pick(bg, (64, 128, 128, 256)), page_size=_pick(bg, (16, 32, 64, 128)))
+                    head_dim=pick(bg, (64, 128, 256)), page_size=pick(bg, (16, 32, 64, 128)))
+    return dict(num_kv_heads=_between(bg, 1, 8), group=pick(bg, (1, 2, 3, 8, 16)),
+                head_dim=pick(bg, (64, 128, 128, 256)), page_size=pick(bg, (16, 32, 64, 128)))
 
 
 def _random_pages(bg, num_pages: int, count: int) -> np.ndarray:
@@ -259,7 +260,7 @@ def _random_pages(bg, num_pages: int, count: int) -> np.ndarray:
 def _layout(bg, shape_class):
     if shape_class == "model":
         return "HND", 0
-    return _pick(bg, ("HND", "NHD")), _pick(bg, (0, 0, 8))
+    return pick(bg, ("HND", "NHD")), pick(bg, (0, 0, 8))
 
 
 # -------------------------------------------------------------------------- op inputs
@@ -567,6 +568,28 @@ def shape_stream(case: Case, bg):
     if case.config is None:
         return bg
     return rand.generator(rand.seed_of(f"shape:{case.op}:{case.shape_class}:{case.config}"))
+
+
+#: The Case fields that pick a kernel's compiled variant beyond its shapes (dtypes,
+#: format constexprs, scale kinds): what ``config_formats`` fixes per config.
+FORMAT_FIELDS = ("platform", "kv_cache_dtype", "model_dtype", "scales")
+
+
+def config_formats(op: str, shape_class: str, config: int) -> dict:
+    """The format fields (``FORMAT_FIELDS``) of a config, drawn uniformly over the valid
+    combinations from a stream named by (op, shape class, config). A fuzz run that pins
+    them (``fuzz --pin-formats``) meets one compiled variant per kernel and config instead
+    of one per format, scale kind and model dtype as well; the fields stay explicit in
+    every case id, so a case replays without knowing its config's origin."""
+    bg = rand.generator(rand.seed_of(f"formats:{op}:{shape_class}:{config}"))
+    while True:
+        fields = dict(platform=pick(bg, PLATFORMS), kv_cache_dtype=pick(bg, KV_CACHE_DTYPES),
+                      model_dtype=pick(bg, MODEL_DTYPES), scales=pick(bg, SCALES))
+        try:
+            Case(op, shape_class, config=config, **fields)
+        except ValueError:
+            continue
+        return fields
 
 
 def make_inputs(case: Case) -> dict:

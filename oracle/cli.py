@@ -120,7 +120,7 @@ def _summary_table(doc) -> str:
 
 #: The run reports other than the tolerance report: schema -> module with ``markdown``.
 RUN_REPORTS = {"fuzz/1": "oracle.fuzz", "mutants/1": "oracle.mutants",
-               "false-alarms/1": "oracle.falsealarm"}
+               "false-alarms/1": "oracle.falsealarm", "scaleout/1": "oracle.suite"}
 
 
 def cmd_render(args) -> int:
@@ -202,7 +202,7 @@ def cmd_fuzz(args) -> int:
     configs = fuzz.config_pool(args.configs, salt)
     if configs:
         print(f"shape configs {configs[0]}..{configs[-1]} (--configs {args.configs} "
-              f"--config-salt {salt})")
+              f"--config-salt {salt}{' --pin-formats' if args.pin_formats else ''})")
     t0 = time.monotonic()
     stats = fuzz.run_workers(args.workers, seconds=seconds, ops=ops, impls=impls,
                              out_dir=Path(args.out), device=device,
@@ -210,13 +210,15 @@ def cmd_fuzz(args) -> int:
                              None if args.db == "none" else Path(args.db),
                              gpus=int(os.environ.get("ORACLE_GPUS", "0")),
                              shape_classes=classes, shrink=not args.no_shrink,
-                             configs=configs)
+                             configs=configs, pin_formats=args.pin_formats)
     wall = time.monotonic() - t0
     if args.report:
         names = sorted({i.name for op in ops for i in implementations(op, impls, device)})
         doc = fuzz.report(stats, seconds=seconds, warmup=warmup, ops=ops, impls=names,
                           shape_classes=classes, device=device, wall_s=wall,
-                          configs=list(configs) if configs else None)
+                          configs=list(configs) if configs else None,
+                          pin_formats=args.pin_formats,
+                          gpus=int(os.environ.get("ORACLE_GPUS", "0")))
         path = fuzz.write_report(doc, args.report)
         print(fuzz.markdown(doc))
         print(f"wrote {path}")
@@ -309,6 +311,18 @@ def _write_falsealarm(doc: dict, out: Path) -> int:
     return 1 if doc["failures"] else 0
 
 
+def cmd_scaleout(args) -> int:
+    from oracle import suite
+    from oracle.report import write_json
+
+    doc = suite.scaleout(args.runs, args.subset, args.warm)
+    path = write_json(doc, args.out)
+    md = Path(path).with_suffix(".md")
+    md.write_text(suite.markdown(doc))
+    print(suite.markdown(doc) + f"wrote {path}, {md}")
+    return 0
+
+
 def cmd_e2e(args) -> int:
     from oracle import e2e
 
@@ -388,6 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "share compiled kernels; 0 (default): every case its own shapes")
     s.add_argument("--config-salt", type=int, help="picks the run's configs (default: "
                    "random, printed)")
+    s.add_argument("--pin-formats", action="store_true", help="with --configs: each config "
+                   "fixes the platform, cache dtype, model dtype and scale kind too "
+                   "(oracle.cases.config_formats), so a warm-up compiles every variant the "
+                   "run meets; values, distributions and seeds stay free")
     s.add_argument("--out", default="fuzz-failures", help="folder for shrunk failing cases")
     s.add_argument("--no-shrink", action="store_true", help="report a failing case as "
                    "drawn (hypothesis may spend minutes shrinking it)")
@@ -459,6 +477,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--merge", nargs="+", metavar="JSON", help="join runs over disjoint "
                    "--ops into one report (default out: reports/false-alarms-merged.json)")
     s.set_defaults(func=cmd_falsealarm)
+
+    s = sub.add_parser("scaleout", help="one scale-out report (JSON and Markdown) from the "
+                       "suite reports of .ci/gpu scaleout")
+    s.add_argument("runs", nargs="+", help="scaleout-W-G.json suite reports (W workers on "
+                   "G GPUs; scaleout-1-1.json, the baseline, among them)")
+    s.add_argument("--subset", required=True, help="the tests the runs ran (SCALE_K)")
+    s.add_argument("--warm", required=True, help="how Triton's cache was filled first")
+    s.add_argument("--out", default="reports/scaleout-h200x2.json", help="OUT.json, with "
+                   "OUT.md beside it (default reports/scaleout-h200x2.json)")
+    s.set_defaults(func=cmd_scaleout)
     return p
 
 

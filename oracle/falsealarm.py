@@ -27,7 +27,7 @@ from collections import defaultdict
 import numpy as np
 
 from oracle import rand
-from oracle.cases import DISTRIBUTIONS, SCALES, Case
+from oracle.cases import DISTRIBUTIONS, SCALES, Case, config_formats, pick
 from oracle.checks import check_claimants
 from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
 
@@ -35,15 +35,12 @@ MARGIN = 1.5  # the calibrated multiplier: the clean run's max times this
 CUSTOMARY = {"fa_ratio": 2.0, "prob_ratio": 1.0}  # where the literature would gate
 
 
-def _pick(bg, options):
-    return options[int(rand.integers(bg, 0, len(options), ())[()])]
-
-
 def draw_cases(op: str, n: int, seed: int = 0, shape_classes=("tiny", "small"),
-               configs: int = 0) -> list[Case]:
+               configs: int = 0, pin_formats: bool = False) -> list[Case]:
     """``n`` valid cases of ``op`` with uniformly drawn fields (module docstring);
     ``configs`` > 0: each case's shapes from one of that many shape configs
-    (``oracle.fuzz.config_pool(configs, seed)``), so the cases share compiled kernels."""
+    (``oracle.fuzz.config_pool(configs, seed)``), so the cases share compiled kernels;
+    ``pin_formats``: its format fields too (``oracle.cases.config_formats``)."""
     from oracle.fuzz import config_pool
 
     pool = config_pool(configs, seed)
@@ -51,12 +48,14 @@ def draw_cases(op: str, n: int, seed: int = 0, shape_classes=("tiny", "small"),
     dists = [d for d in DISTRIBUTIONS if d != "ties" or op.startswith("indexer")]
     cases = []
     while len(cases) < n:
-        fields = dict(op=op, shape_class=_pick(bg, shape_classes), dist=_pick(bg, dists),
-                      platform=_pick(bg, PLATFORMS), kv_cache_dtype=_pick(bg, KV_CACHE_DTYPES),
-                      model_dtype=_pick(bg, MODEL_DTYPES), scales=_pick(bg, SCALES),
+        fields = dict(op=op, shape_class=pick(bg, shape_classes), dist=pick(bg, dists),
+                      platform=pick(bg, PLATFORMS), kv_cache_dtype=pick(bg, KV_CACHE_DTYPES),
+                      model_dtype=pick(bg, MODEL_DTYPES), scales=pick(bg, SCALES),
                       seed=int(rand.integers(bg, 0, 2**31 - 1, ())[()]))
         if pool:
-            fields["config"] = _pick(bg, pool)
+            fields["config"] = pick(bg, pool)
+            if pin_formats:
+                fields.update(config_formats(op, fields["shape_class"], fields["config"]))
         try:
             cases.append(Case(**fields))
         except ValueError:  # scales on a 16-bit cache: the same draw without them

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings, target
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from oracle.cases import DISTRIBUTIONS, OPS, SCALES, Case
+from oracle.cases import DISTRIBUTIONS, OPS, SCALES, Case, config_formats
 from oracle.checks import check_claimants
 from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
 
@@ -40,10 +40,12 @@ def _valid(fields) -> Case | None:
         return None
 
 
-def case_strategy(ops=OPS, shape_classes=("tiny", "small"), configs=None
-                  ) -> st.SearchStrategy[Case]:
+def case_strategy(ops=OPS, shape_classes=("tiny", "small"), configs=None,
+                  pin_formats: bool = False) -> st.SearchStrategy[Case]:
     """Cases over the domain; ``configs`` (a sequence of ints): each case's shapes come
-    from one of these shape configs (``Case.config``), so cases share compiled kernels."""
+    from one of these shape configs (``Case.config``), so cases share compiled kernels;
+    ``pin_formats``: its format fields too (``oracle.cases.config_formats``: one compiled
+    variant per kernel and config; the values, distribution and seed stay free)."""
     fields = st.fixed_dictionaries({
         "op": st.sampled_from(list(ops)),
         "shape_class": st.sampled_from(list(shape_classes)),
@@ -55,6 +57,9 @@ def case_strategy(ops=OPS, shape_classes=("tiny", "small"), configs=None
         "seed": st.integers(0, 2**31 - 1),
         "config": st.sampled_from(list(configs)) if configs else st.none(),
     })
+    if configs and pin_formats:
+        fields = fields.map(lambda f: {**f, **config_formats(f["op"], f["shape_class"],
+                                                             f["config"])})
     return fields.map(_valid).filter(lambda c: c is not None)
 
 
@@ -137,7 +142,7 @@ def run_workers(workers: int, seconds: float, ops=None, impls=None,
                 out_dir: Path = Path("fuzz-failures"), device: str = "cpu",
                 db: Path | None = DEFAULT_DB, gpus: int = 0,
                 shape_classes=DEFAULT_SHAPE_CLASSES, shrink: bool = True,
-                configs=None) -> list[dict]:
+                configs=None, pin_formats: bool = False) -> list[dict]:
     """As ``run_parallel``, returning every worker's stats (``run_stats``), worker 0 first
     (one worker: in this process). ``shrink=False``: a failure is reported as drawn
     (hypothesis may spend minutes shrinking one)."""
@@ -145,22 +150,23 @@ def run_workers(workers: int, seconds: float, ops=None, impls=None,
 
     if workers <= 1:
         return [run_stats(seconds, ops, impls, out_dir, device, db,
-                          shape_classes=shape_classes, shrink=shrink, configs=configs)]
+                          shape_classes=shape_classes, shrink=shrink, configs=configs,
+                          pin_formats=pin_formats)]
     args = [(i, gpus, seconds, ops, impls, out_dir, device, db, tuple(shape_classes), shrink,
-             configs)
+             configs, pin_formats)
             for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         return pool.starmap(_worker, args)
 
 
 def _worker(index, gpus, seconds, ops, impls, out_dir, device, db, shape_classes,
-            shrink=True, configs=None) -> dict:
+            shrink=True, configs=None, pin_formats=False) -> dict:
     from oracle.gpus import pin_gpu
 
     pin_gpu(index, gpus)
     stats = run_stats(seconds, ops, impls, out_dir, device, db, progress=index == 0,
                       shape_classes=shape_classes, shrink=shrink, offset=index,
-                      configs=configs)
+                      configs=configs, pin_formats=pin_formats)
     return dict(stats, worker=index)
 
 
@@ -175,7 +181,7 @@ def run(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failure
 def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-failures"),
               device: str = "cpu", db: Path | None = DEFAULT_DB, progress: bool = True,
               shape_classes=DEFAULT_SHAPE_CLASSES, shrink: bool = True, offset: int = 0,
-              configs=None) -> dict:
+              configs=None, pin_formats: bool = False) -> dict:
     """Fuzz for ``seconds`` in this process and return what was done: ``cases`` (every
     distinct drawn case checked by each implementation claiming it, the database's replays
     and shrinking's included; searches of ``EXAMPLES_PER_SEARCH`` examples, one op each,
@@ -208,7 +214,7 @@ def run_stats(seconds: float, ops=None, impls=None, out_dir: Path = Path("fuzz-f
                   derandomize=False, phases=[Phase.reuse, Phase.generate, Phase.target,
                                              *([Phase.shrink] if shrink else [])],
                   report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
-        @given(case_strategy([op], shape_classes, configs))
+        @given(case_strategy([op], shape_classes, configs, pin_formats))
         def one(case):
             nonlocal n
             # Budget spent, or a case already checked (hypothesis repeats some): skipped,
@@ -284,7 +290,8 @@ def compile_after(stats: dict, warmup: float) -> float:
 
 
 def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shape_classes,
-           device: str, wall_s: float | None = None, configs=None) -> dict:
+           device: str, wall_s: float | None = None, configs=None,
+           pin_formats: bool = False, gpus: int = 0) -> dict:
     """One ``fuzz/1`` document from the workers' stats (``run_workers``). Throughput is
     summed over the workers' own rates: ``after_warmup`` counts the cases each finished
     after ``warmup`` seconds from its start over its time after that; ``overall`` each
@@ -326,6 +333,7 @@ def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shap
         "machine": machine_info(),
         "device": device,
         "workers": len(stats),
+        "gpus": max(gpus, 1) if device == "cuda" else 0,
         "seconds": seconds,
         "warmup_s": warmup,
         "wall_s": wall_s,
@@ -333,6 +341,7 @@ def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shap
         "impls": list(impls),
         "shape_classes": list(shape_classes),
         "configs": configs,
+        "pin_formats": bool(configs) and pin_formats,
         "cases": sum(s["cases"] for s in stats),
         "per_op": dict(sorted(per_op.items())),
         "per_shape_class": dict(sorted(per_class.items())),
@@ -368,20 +377,31 @@ def _share(v) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
+def _configs_line(doc: dict) -> str:
+    ids = doc.get("configs")
+    if not ids:
+        return "Every case its own shapes and formats."
+    pinned = " and formats" if doc.get("pin_formats") else " (formats drawn per case)"
+    return f"Shapes{pinned} from {len(ids)} configs (ids {ids[0]}..{ids[-1]})."
+
+
 def markdown(doc: dict) -> str:
     """A short Markdown summary of a ``fuzz/1`` document."""
     t = doc["throughput"]
     lines = [
-        "| device | workers | shape classes | budget (s) | warm-up (s) | cases | "
+        "| device | GPUs | workers | shape classes | budget (s) | warm-up (s) | cases | "
         "cases/s after warm-up | cases/s overall | compile share after warm-up | "
         "cases/s after warm-up, compiles taken out | failures |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {doc['machine'].get('device', doc['device'])} | {doc['workers']} | "
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {doc['machine'].get('device', doc['device'])} | {doc.get('gpus', '-')} | "
+        f"{doc['workers']} | "
         f"{','.join(doc['shape_classes'])} | {doc['seconds']:g} | {doc['warmup_s']:g} | "
         f"{doc['cases']} | {_rate(t['cases_per_s_after_warmup'])} | "
         f"{_rate(t['cases_per_s'])} | {_share(t.get('compile_share_after_warmup'))} | "
         f"{_rate(t.get('cases_per_s_after_warmup_net_of_compiles'))} | "
         f"{len(doc['failures'])} |",
+        "",
+        _configs_line(doc),
         "",
         "| op | cases |",
         "|---|---:|",

@@ -14,9 +14,11 @@ worker's reports), so
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections import Counter
+from pathlib import Path
 
 from oracle.cases import Case
 from oracle.checks import CheckResult
@@ -100,3 +102,40 @@ def _seconds_by_file(tests: dict) -> dict:
     for k, v in tests.items():
         by[k.split("::")[0]] += v["seconds"]
     return {f: round(sec, 2) for f, sec in by.most_common()}
+
+
+def scaleout(paths, subset: str, warm: str) -> dict:
+    """One ``scaleout/1`` document from the suite reports of ``.ci/gpu scaleout``
+    (``scaleout-W-G.json``: W pytest-xdist workers on G GPUs), each run's wall and test
+    seconds, outcomes, and speedup over the one-worker one-GPU run (which must be there:
+    it is the baseline)."""
+    runs = []
+    for p in paths:
+        m = re.search(r"scaleout-(\d+)-(\d+)\.json$", str(p))
+        if not m:
+            raise ValueError(f"a scale-out report is named scaleout-W-G.json, got {p}")
+        doc = json.loads(Path(p).read_text())
+        s = doc["suite"]
+        runs.append({"workers": int(m[1]), "gpus": int(m[2]), "wall_s": s["wall_seconds"],
+                     "test_s": s["test_seconds"], "outcomes": s["outcomes"],
+                     "machine": doc["machine"]})
+    base = [r["wall_s"] for r in runs if (r["workers"], r["gpus"]) == (1, 1)]
+    if not base:
+        raise ValueError("the scale-out runs need the 1-worker 1-GPU baseline scaleout-1-1")
+    runs.sort(key=lambda r: (r["gpus"], r["workers"]))
+    for r in runs:
+        r["speedup_vs_1_gpu"] = round(base[0] / r["wall_s"], 2)
+    return {"schema": "scaleout/1", "machine": runs[0].pop("machine"), "subset": subset,
+            "warm_cache": warm, "runs": [{k: v for k, v in r.items() if k != "machine"}
+                                         for r in runs]}
+
+
+def markdown(doc: dict) -> str:
+    """The scale-out table of a ``scaleout/1`` document."""
+    lines = [f"Subset: `{doc['subset']}`; {doc['warm_cache']}.", "",
+             "| workers | GPUs | wall (s) | test (s) | outcomes | speedup vs 1 GPU |",
+             "|---:|---:|---:|---:|---|---:|"]
+    lines += [f"| {r['workers']} | {r['gpus']} | {r['wall_s']:.2f} | {r['test_s']:.2f} | "
+              f"{', '.join(f'{k} {v}' for k, v in r['outcomes'].items())} | "
+              f"{r['speedup_vs_1_gpu']:.2f}x |" for r in doc["runs"]]
+    return "\n".join(lines) + "\n"

@@ -124,10 +124,15 @@ def test_runs_over_disjoint_ops_merge_into_one_report(tmp_path):
 
 def test_false_alarm_cases_can_share_shape_configs():
     """``--configs N``: every drawn case takes one of the N configs of the seed's pool, the
-    draw stays a pure function of its arguments, and without configs no case has one."""
+    draw stays a pure function of its arguments, and without configs no case has one;
+    ``pin_formats``: each case's format fields are its config's."""
+    from oracle.cases import config_formats
     from oracle.fuzz import config_pool
 
     a = falsealarm.draw_cases("attention_decode", 40, seed=2, configs=3)
     assert {c.config for c in a} <= set(config_pool(3, 2)) and len({c.config for c in a}) > 1
     assert a == falsealarm.draw_cases("attention_decode", 40, seed=2, configs=3)
     assert {c.config for c in falsealarm.draw_cases("attention_decode", 40, seed=2)} == {None}
+    pinned = falsealarm.draw_cases("attention_decode", 40, seed=2, configs=3, pin_formats=True)
+    assert all((c.platform, c.kv_cache_dtype, c.model_dtype, c.scales)
+               == tuple(config_formats(c.op, c.shape_class, c.config).values()) for c in pinned)

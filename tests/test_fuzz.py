@@ -159,7 +159,8 @@ def test_report_counts_failures_and_rates_from_worker_stats():
     """``fuzz.report`` on hand-made worker stats: counts are summed over workers, a
     worker's rate after warm-up counts only cases finished after it (2 of 5 over 2 s),
     a worker that stopped within the warm-up has no such rate, and its failure is listed;
-    ``markdown`` shows the device, workers, cases, warm-up, both rates and per-op counts."""
+    ``markdown`` shows the device, GPUs (none on the CPU), workers, cases, warm-up, both
+    rates and per-op counts."""
     fail = {"case": "x", "replay": "python -m oracle replay x", "file": "x.txt"}
     stats = [
         {"worker": 0, "cases": 5, "case_times_s": [0.1, 0.2, 0.3, 2.5, 3.5], "elapsed_s": 4.0,
@@ -184,7 +185,7 @@ def test_report_counts_failures_and_rates_from_worker_stats():
     assert doc["failures"] == [fail]
     md = fuzz.markdown(doc)
     row = md.splitlines()[2]
-    assert row.split("|")[1:-1] == [" " + doc["machine"]["device"] + " ", " 2 ",
+    assert row.split("|")[1:-1] == [" " + doc["machine"]["device"] + " ", " 0 ", " 2 ",
                                     " tiny,small ", " 4 ", " 2 ", " 6 ", " 1.0 ", " 2.2 ",
                                     " 0% ", " 1.0 ", " 1 "]
     assert "| a | 5 |" in md and "| b | 1 |" in md and "python -m oracle replay x" in md
@@ -288,6 +289,34 @@ def test_a_config_pool_confines_the_cases_shapes_to_its_configs():
     given(fuzz.case_strategy(["indexer_decode"], ("small",)))(
         settings(max_examples=10, database=None)(lambda case: seen.append(case.config)))()
     assert set(seen) == {None}
+
+
+def test_pinned_formats_give_each_config_one_format_combination():
+    """``pin_formats``: every case of a config has that config's platform, cache dtype,
+    model dtype and scale kind (``config_formats``, the same for every draw), while the
+    distribution and seed stay free; the pool still spans several combinations."""
+    from hypothesis import HealthCheck, given, settings
+
+    from oracle.cases import FORMAT_FIELDS, config_formats
+
+    pool = fuzz.config_pool(6, 1)
+    seen = []
+
+    @settings(max_examples=80, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(fuzz.case_strategy(["attention_decode"], ("small",), pool, pin_formats=True))
+    def draw(case):
+        seen.append(case)
+
+    draw()
+    for case in seen:
+        want = config_formats(case.op, case.shape_class, case.config)
+        assert {f: getattr(case, f) for f in FORMAT_FIELDS} == want, case.id
+    assert len({c.seed for c in seen}) > 10 and len({c.dist for c in seen}) > 1
+    combos = {tuple(config_formats("attention_decode", "small", c).values()) for c in pool}
+    assert len(combos) > 1
+    assert config_formats("attention_decode", "small", 6) == \
+        config_formats("attention_decode", "small", 6)
 
 
 def test_fuzz_cli_runs_on_the_salted_config_pool(tmp_path, capsys):

@@ -79,3 +79,32 @@ def test_recorder_classifies_phases(tmp_path):
         assert row["test_seconds"] == len(phases)
         if outcome in ("failed", "error"):
             assert row["failed"][0]["message"] == "t.py:1: AssertionError"
+
+
+def test_scaleout_report_divides_the_one_gpu_wall_time(tmp_path, capsys):
+    """``oracle scaleout``: each scaleout-W-G.json suite report becomes one run (workers and
+    GPUs from its name) whose speedup is the 1-worker 1-GPU run's wall time over its own;
+    a report without the baseline, or misnamed, is refused."""
+    import json
+
+    from oracle import suite
+    from oracle.cli import main
+
+    def run(name, wall):
+        p = tmp_path / name
+        p.write_text(json.dumps({"machine": {"device": "X"}, "suite": {
+            "wall_seconds": wall, "test_seconds": 2 * wall, "outcomes": {"passed": 3}}}))
+        return str(p)
+
+    paths = [run("scaleout-2-2.json", 25.0), run("scaleout-1-1.json", 60.0),
+             run("scaleout-2-1.json", 40.0)]
+    out = tmp_path / "s.json"
+    assert main(["scaleout", *paths, "--subset", "k", "--warm", "w", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["workers"], r["gpus"], r["speedup_vs_1_gpu"]) for r in doc["runs"]] == \
+        [(1, 1, 1.0), (2, 1, 1.5), (2, 2, 2.4)]
+    assert "| 2 | 2 | 25.00 |" in out.with_suffix(".md").read_text()
+    with pytest.raises(ValueError, match="baseline"):
+        suite.scaleout(paths[::2], "k", "w")
+    with pytest.raises(ValueError, match="scaleout-W-G"):
+        suite.scaleout([str(tmp_path / "s.json")], "k", "w")
