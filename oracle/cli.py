@@ -199,10 +199,11 @@ def cmd_fuzz(args) -> int:
     impls = impls or fuzz.default_impls(device)
     salt = args.config_salt if args.config_salt is not None else \
         int.from_bytes(os.urandom(3), "little")
-    configs = fuzz.config_pool(args.configs, salt)
+    size, pin = fuzz.default_configs(device, args.configs, args.pin_formats)
+    configs = fuzz.config_pool(size, salt)
     if configs:
-        print(f"shape configs {configs[0]}..{configs[-1]} (--configs {args.configs} "
-              f"--config-salt {salt}{' --pin-formats' if args.pin_formats else ''})")
+        print(f"shape configs {configs[0]}..{configs[-1]} (--configs {size} "
+              f"--config-salt {salt}{' --pin-formats' if pin else ''})")
     t0 = time.monotonic()
     stats = fuzz.run_workers(args.workers, seconds=seconds, ops=ops, impls=impls,
                              out_dir=Path(args.out), device=device,
@@ -210,14 +211,14 @@ def cmd_fuzz(args) -> int:
                              None if args.db == "none" else Path(args.db),
                              gpus=int(os.environ.get("ORACLE_GPUS", "0")),
                              shape_classes=classes, shrink=not args.no_shrink,
-                             configs=configs, pin_formats=args.pin_formats)
+                             configs=configs, pin_formats=pin)
     wall = time.monotonic() - t0
     if args.report:
         names = sorted({i.name for op in ops for i in implementations(op, impls, device)})
         doc = fuzz.report(stats, seconds=seconds, warmup=warmup, ops=ops, impls=names,
                           shape_classes=classes, device=device, wall_s=wall,
                           configs=list(configs) if configs else None,
-                          pin_formats=args.pin_formats,
+                          pin_formats=pin,
                           gpus=int(os.environ.get("ORACLE_GPUS", "0")))
         path = fuzz.write_report(doc, args.report)
         print(fuzz.markdown(doc))
@@ -397,9 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "CUDA all but flex, which Inductor compiles for every new shape)")
     s.add_argument("--shape-classes", help="comma-separated shape classes drawn (default "
                    "tiny,small)")
-    s.add_argument("--configs", type=int, default=0, help="shape configs per run: every "
-                   "case takes its shapes from one of N configs (Case.config), so cases "
-                   "share compiled kernels; 0 (default): every case its own shapes")
+    s.add_argument("--configs", type=int, help="shape configs per run: every case takes "
+                   "its shapes from one of N configs (Case.config), so cases share compiled "
+                   "kernels; 0: every case its own shapes (default: 0 on the CPU; on CUDA "
+                   "oracle.fuzz.CUDA_CONFIGS with --pin-formats, a new pool each run)")
     s.add_argument("--config-salt", type=int, help="picks the run's configs (default: "
                    "random, printed)")
     s.add_argument("--pin-formats", action="store_true", help="with --configs: each config "

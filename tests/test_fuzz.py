@@ -328,3 +328,13 @@ def test_fuzz_cli_runs_on_the_salted_config_pool(tmp_path, capsys):
     assert rc == 0 and doc["configs"] == [10, 11] and doc["cases"] > 0
     assert "--configs 2 --config-salt 5" in capsys.readouterr().out
     assert main(["fuzz", "--seconds", "1", "--configs", "-1", "--db", "none"]) == 2
+
+
+def test_cuda_fuzz_defaults_to_pinned_configs_and_the_cpu_to_none():
+    """Without ``--configs`` a CUDA run draws from ``CUDA_CONFIGS`` pinned configs (every
+    random specialisation there costs a compile) and a CPU run from none; given values
+    are kept as given."""
+    assert fuzz.default_configs("cuda", None, False) == (fuzz.CUDA_CONFIGS, True)
+    assert fuzz.default_configs("cpu", None, False) == (0, False)
+    assert fuzz.default_configs("cuda", 0, False) == (0, False)
+    assert fuzz.default_configs("cpu", 3, True) == (3, True)
