@@ -31,7 +31,7 @@ from kernels._host import (
     strided_codes_in,
 )
 from kernels._triton import tl, triton
-from kernels.fp8 import decode_fp8, decode_fp8_f16, decode_fp8_to
+from kernels.fp8 import decode_fp8, decode_fp8_f16
 from reference.platforms import is_fp8
 
 #: Domain limits (SPEC.md s.7).
@@ -62,7 +62,12 @@ def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
     k_raw = tl.load(src, mask=kmask[:, None], other=0)
     v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
     if FP8 and SCALAR:  # fp16 operands (``operand_dtypes``)
-        k = decode_fp8_to(k_raw, FMT, HW, tl.float16)
+        # K in registers by the pure conversion (one cvt per two codes) where the hardware
+        # converts; e4m3fnuz's K through the assembly too, so staged as fp16 like a 16-bit
+        # cache (static sm_90, decode at the model shape: 5,824 SASS with its software
+        # decode and 255 registers + 136 B of spills; V alone through the assembly 4,528 and
+        # 208 B; K as well 3,688, 204 registers, no spills; e4m3fn's hardware path 2,392).
+        k = decode_fp8_f16(k_raw, FMT, HW, ASM and not HW)
         v = decode_fp8_f16(v_raw, FMT, HW, ASM)
     elif FP8:
         k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT, HW).to(ACT)

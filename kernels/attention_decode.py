@@ -56,7 +56,9 @@ act = the model dtype = q's dtype):
   value is one: on the H200 one ``cvt`` e4m3x2 -> f16x2 per two codes; V through
   ``kernels.fp8.decode_fp8_f16``, opaque to Triton so it stages fp16 in shared memory for
   ``ldmatrix.trans``; K converted in registers, in the MMA operand layout: staging it too
-  cost 40 us more at batch 256 on the H200), ``Schedule.kv_dtype = "float64"``; the
+  cost 40 us more at batch 256 on the H200; e4m3fnuz, which NVIDIA cannot convert, takes
+  both K and V through the assembly of ``decode_fp8_f16``, staged as fp16 like a 16-bit
+  cache and on its pipeline depth), ``Schedule.kv_dtype = "float64"``; the
   scales applied in fp32 outside the products: the logit scale ``fp32(softmax_scale *
   log2(e)) * k_scale`` and the output (or each split's partial) times ``v_scale`` (the
   bound allows the two extra fp32 roundings). q: each row times a power of two and
@@ -131,7 +133,7 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
-from kernels.fp8 import HW_FORMATS, fmt_code
+from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 
 #: Blocks per split-K chunk for small grids (model: K 16 -> 4 splits), and the grid size
 #: beyond which ``auto_blocks_per_split`` makes chunks longer. H200, model shape, batch 64
@@ -535,14 +537,18 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
-                 ASM=p.fp8 and kv_fmt in HW_FORMATS and not INTERPRETED, DIRECT=direct,
+                 ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), DIRECT=direct,
                  SP=triton.next_power_of_2(splits), **opts)
+    # e4m3fnuz through the assembly: K and V staged as fp16, sized like a 16-bit cache's
+    # tiles (3 stages: 132 KiB, one program per SM).
+    staged_k = const["ASM"] and const["SCALAR"] and kv_fmt not in HW_FORMATS
     if num_stages is None:  # the default, lowered until every pass fits shared memory
         # (the repair pass takes more: fp8, fp16 q, G 16, 4 rows asked for 268 KiB at 3
         # stages where the first pass fitted; found by the H200 fuzz run)
         const["num_stages"] = min(
             fitting_stages(_decode_split_kernel, args, {**const, "REPAIR": r}, dev,
-                           deepest=DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES)
+                           deepest=DEFAULT_STAGES_FP8 if p.fp8 and not staged_k
+                           else DEFAULT_STAGES)
             for r in ((False, True) if p.rows > 1 else (False,)))
     _decode_split_kernel[grid](*args, REPAIR=False, **const)
     if p.rows > 1:  # the programs flagged by the first pass, recomputed with the guard
@@ -580,7 +586,7 @@ def compile_signatures():
         const = dict(ROWS=rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=128,
                      P=128 if cache == "u8" else 64, KP=topk_width(k), NB=nb,
                      NBP=triton.next_power_of_2(nb), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw, DIRECT=direct,
+                     SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, DIRECT=direct,
                      REPAIR=rows > 1 and i % 2 == 1,
                      SP=triton.next_power_of_2(triton.cdiv(k, nb)))
         sig.update(dict.fromkeys(const, "constexpr"))

@@ -120,7 +120,7 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
-from kernels.fp8 import HW_FORMATS, fmt_code
+from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
 #: H200, model shape, 8k new tokens on an 8k prefix (reports/bench_attention_prefill.json,
@@ -434,7 +434,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
-                 ASM=p.fp8 and kv_fmt in HW_FORMATS and not INTERPRETED, **opts)
+                 ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), **opts)
     if num_stages is None:  # the guess, lowered until both passes fit shared memory
         const["num_stages"] = min(
             fitting_stages(_prefill_kernel, args, {**const, "REPAIR": r}, q.device,
@@ -470,7 +470,7 @@ def compile_signatures():
         g_p = triton.next_power_of_2(grp)
         const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
                      KP=topk_width(k), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw, REPAIR=i % 3 == 1)
+                     SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, REPAIR=i % 3 == 1)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_prefill_kernel, sig, const))
     return out

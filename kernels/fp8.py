@@ -118,6 +118,20 @@ def _decode_fnuz(c, M: tl.constexpr, SCALE: tl.constexpr):
 
 
 @triton.jit
+def _decode_e4m3fnuz_f16(c):
+    """e4m3fnuz code -> exact fp16 value, with no fp32 step: e4m3fnuz's fields fit fp16's
+    (the 4-bit exponent in the low bits of fp16's 5, the 3 mantissa bits on top of its
+    10), so the code's sign at bit 15 and its other 7 bits at bits 13..7 make the value
+    times 2^-7 (fp16 bias 15 vs 8), its subnormals fp16 subnormals; one exact fp16 multiply
+    by 2^7 rescales (at most 240). 0x80 (-0 so built) is the NaN. e5m2fnuz has no such
+    form: its top binade is fp16's Inf/NaN exponent."""
+    c16 = c.to(tl.uint16)
+    bits = ((c16 & 0x80) << 8) | ((c16 & 0x7F) << 7)
+    v = bits.to(tl.float16, bitcast=True) * tl.full((), 128.0, tl.float16)
+    return tl.where(c16 == 0x80, float("nan"), v)
+
+
+@triton.jit
 def encode_fp8(x, FMT: tl.constexpr, HW: tl.constexpr):
     """fp32 values -> uint8 codes of format FMT (satfinite, RNE); HW picks the branch."""
     tl.static_assert(FMT >= 0 and FMT <= 3, "FMT must be one of the FMT_* constants")
@@ -182,9 +196,36 @@ def decode_fp8_to(c, FMT: tl.constexpr, HW: tl.constexpr, DTYPE: tl.constexpr):
         else:
             v = c.to(tl.float8e5, bitcast=True).to(tl.float16)
         v = v.to(DTYPE)
+    elif FMT == FMT_E4M3FNUZ and DTYPE == tl.float16:
+        v = _decode_e4m3fnuz_f16(c)
     else:
         v = decode_fp8(c, FMT, HW).to(DTYPE)
     return v
+
+
+#: Four e4m3fnuz codes ($2) -> two f16x2 registers ($0: codes 0, 1; $1: codes 2, 3), as
+#: ``_decode_e4m3fnuz_f16``: prmt puts each code in the high byte of its 16-bit lane (t),
+#: lane bits = (t & 0x8000) | ((t >> 1) & 0x3F80), then times 2^7 (``mul.f16x2``, exact).
+#: NaN: a lane whose code is 0x80 gets 0x7E00 or'ed in (-0 -> NaN): w = its code ^ 0x80 in
+#: the lane's low byte, w + 0xFF carries into bit 8 unless w is 0 (no carry crosses lanes).
+_E4M3FNUZ_F16X4: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t, a, b, w, k; mov.b32 k, 0x58005800; "
+    "prmt.b32 t, $2, 0, 0x1404; "
+    "shr.b32 a, t, 1; and.b32 a, a, 0x3F803F80; and.b32 b, t, 0x80008000; or.b32 a, a, b; "
+    "xor.b32 w, t, 0x80008000; shr.b32 w, w, 8; and.b32 w, w, 0x00FF00FF; "
+    "add.u32 w, w, 0x00FF00FF; and.b32 w, w, 0x01000100; xor.b32 w, w, 0x01000100; "
+    "mul.lo.u32 w, w, 0x7E; or.b32 a, a, w; mul.rn.f16x2 $0, a, k; "
+    "prmt.b32 t, $2, 0, 0x3424; "
+    "shr.b32 a, t, 1; and.b32 a, a, 0x3F803F80; and.b32 b, t, 0x80008000; or.b32 a, a, b; "
+    "xor.b32 w, t, 0x80008000; shr.b32 w, w, 8; and.b32 w, w, 0x00FF00FF; "
+    "add.u32 w, w, 0x00FF00FF; and.b32 w, w, 0x01000100; xor.b32 w, w, 0x01000100; "
+    "mul.lo.u32 w, w, 0x7E; or.b32 a, a, w; mul.rn.f16x2 $1, a, k; }")
+
+
+def asm_f16(fmt: str, interpreted: bool) -> bool:
+    """Whether the attention kernels decode V with ``decode_fp8_f16``'s inline assembly
+    (its ``ASM``): compiled, and a format it has assembly for."""
+    return not interpreted and fmt in (*HW_FORMATS, "e4m3fnuz")
 
 
 @triton.jit
@@ -199,11 +240,17 @@ def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr):
     conversion it stores fp16 to shared memory and reads it with ``ldmatrix.trans``. (For
     K, a K-major operand, the pure conversion in registers is the better one: staging K
     as well removed ~110 register moves per decode block but its shared-memory round trip
-    made the H200 slower.)
-    Otherwise (interpreter, software formats): ``decode_fp8_to(c, FMT, HW, fp16)``."""
+    made the H200 slower; e4m3fnuz's K, with no hardware conversion, does go through the
+    assembly: kernels._attention.kv_tiles.)
+    e4m3fnuz (no hardware conversion on NVIDIA) likewise in assembly, as
+    ``_decode_e4m3fnuz_f16`` on two codes per 32-bit register (``_E4M3FNUZ_F16X4``).
+    Otherwise (interpreter, other software formats): ``decode_fp8_to(c, FMT, HW, fp16)``."""
     if ASM:
-        tl.static_assert(HW and FMT <= 1, "ASM: the hardware formats only")
-        if FMT == FMT_E4M3FN:
+        tl.static_assert((HW and FMT <= 1) or FMT == FMT_E4M3FNUZ,
+                         "ASM: the hardware formats and e4m3fnuz only")
+        if FMT == FMT_E4M3FNUZ:
+            asm: tl.constexpr = _E4M3FNUZ_F16X4
+        elif FMT == FMT_E4M3FN:
             asm: tl.constexpr = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
                                  "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
         else:
@@ -232,6 +279,15 @@ def _decode_kernel(c_ptr, out_ptr, n, FMT: tl.constexpr, HW: tl.constexpr,
     mask = offs < n
     c = tl.load(c_ptr + offs, mask=mask, other=0)
     tl.store(out_ptr + offs, decode_fp8(c, FMT, HW), mask=mask)
+
+
+@triton.jit
+def _decode_f16_kernel(c_ptr, out_ptr, n, FMT: tl.constexpr, HW: tl.constexpr,
+                       ASM: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    c = tl.load(c_ptr + offs, mask=mask, other=0)
+    tl.store(out_ptr + offs, decode_fp8_f16(c, FMT, HW, ASM), mask=mask)
 
 
 #: True when this module's kernels run in the (patched) CPU interpreter.
@@ -282,7 +338,19 @@ def decode_tensor(codes: torch.Tensor, fmt: str, hw: bool = False,
     return _elementwise(_decode_kernel, codes, torch.float32, code, hw, block)
 
 
-def _elementwise(kernel, x, out_dtype, code, hw, block):
+def decode_tensor_f16(codes: torch.Tensor, fmt: str, hw: bool = False,
+                      block: int | None = None) -> torch.Tensor:
+    """float16 values of uint8 ``codes`` through ``decode_fp8_f16``, the attention kernels'
+    V operand path (its inline assembly where ``asm_f16`` says the kernels use it)."""
+    code = fmt_code(fmt, hw)
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be a torch uint8 tensor, got "
+                         f"{getattr(codes, 'dtype', type(codes))}")
+    asm = asm_f16(fmt, INTERPRETED) and (hw or fmt not in HW_FORMATS)
+    return _elementwise(_decode_f16_kernel, codes, torch.float16, code, hw, block, ASM=asm)
+
+
+def _elementwise(kernel, x, out_dtype, code, hw, block, **consts):
     """One launch of a 1-D codec kernel over x (any shape), output in x's shape."""
     flat = x.contiguous().reshape(-1)
     out = torch.empty(flat.numel(), dtype=out_dtype, device=x.device)
@@ -290,6 +358,6 @@ def _elementwise(kernel, x, out_dtype, code, hw, block):
         ensure_ready(kernel)
         blk = _block(flat.numel(), block)
         kernel[(triton.cdiv(flat.numel(), blk),)](
-            flat, out, flat.numel(), FMT=code, HW=bool(hw), BLOCK=blk)
+            flat, out, flat.numel(), FMT=code, HW=bool(hw), BLOCK=blk, **consts)
     return out.reshape(x.shape)
 
