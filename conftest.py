@@ -66,28 +66,15 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):
-        _prebuild_csrc()
+        from kernels import cuda_build
+
+        cuda_build.prebuild()
     # The controller alone writes the report (xdist workers send it their test reports).
     path = config.getoption("suite_report")
     if path and not hasattr(config, "workerinput"):
         from oracle.suite import SuiteRecorder
 
         config.pluginmanager.register(SuiteRecorder(path), "suite_recorder")
-
-
-def _prebuild_csrc():
-    """On a CUDA machine, build csrc/ once before xdist starts its workers: each worker would
-    otherwise build the same library at its first CUDA-kernel test, all at once (14 parallel
-    cold builds took 150 s each on the H200's 16 cores, against 10 s for one). A failed build
-    is left to the tests that need the library, which report it."""
-    if not _cuda_available():
-        return
-    from kernels import cuda_build
-
-    try:
-        cuda_build.build()
-    except cuda_build.BuildError:
-        pass
 
 
 def pytest_generate_tests(metafunc):

@@ -119,6 +119,9 @@ def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=
     if workers > 1:
         import multiprocessing
 
+        from kernels import cuda_build
+
+        cuda_build.prebuild()  # once here, not in every worker at once
         # Small tasks in case order: every worker stops at the same deadline, and the
         # cases run are a prefix of the interleaved order (each op about equally).
         tasks = [(cases[i:i + 4], impl_names, device, deadline)

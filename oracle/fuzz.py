@@ -167,6 +167,8 @@ def run_workers(workers: int, seconds: float, ops=None, impls=None,
     (hypothesis may spend minutes shrinking one)."""
     import multiprocessing
 
+    from kernels import cuda_build
+
     if workers <= 1:
         return [run_stats(seconds, ops, impls, out_dir, device, db,
                           shape_classes=shape_classes, shrink=shrink, configs=configs,
@@ -174,6 +176,7 @@ def run_workers(workers: int, seconds: float, ops=None, impls=None,
     args = [(i, gpus, seconds, ops, impls, out_dir, device, db, tuple(shape_classes), shrink,
              configs, pin_formats)
             for i in range(workers)]
+    cuda_build.prebuild()  # once here, not in every worker at once
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         return pool.starmap(_worker, args)
 

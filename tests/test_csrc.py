@@ -1287,3 +1287,26 @@ def test_cuda_misaligned_tensors_give_the_same_bits(variant, kv_fmt, r):
     for key in ("rows", "kv_cache", "index_cache"):
         assert _same_bits(a[key], b[key]), key
     torch.cuda.synchronize()
+
+
+def test_prebuild_builds_once_on_cuda_and_leaves_failures_to_the_callers(monkeypatch):
+    """``prebuild`` (before pytest-xdist, fuzz or falsealarm start workers) builds the
+    library only where CUDA is, and a failed build does not raise there: the calls that
+    need the library report it."""
+    import kernels
+    from kernels import cuda_build
+
+    calls = []
+    monkeypatch.setattr(cuda_build, "build", lambda: calls.append(1))
+    monkeypatch.setattr(kernels, "_cuda_available", lambda: False)
+    cuda_build.prebuild()
+    assert calls == []
+    monkeypatch.setattr(kernels, "_cuda_available", lambda: True)
+    cuda_build.prebuild()
+    assert calls == [1]
+
+    def fail():
+        raise cuda_build.BuildError("nvcc failed")
+
+    monkeypatch.setattr(cuda_build, "build", fail)
+    cuda_build.prebuild()
