@@ -199,6 +199,7 @@ def cmd_fuzz(args) -> int:
     impls = impls or fuzz.default_impls(device)
     salt = args.config_salt if args.config_salt is not None else \
         int.from_bytes(os.urandom(3), "little")
+    gpus = int(os.environ.get("ORACLE_GPUS", "0"))
     size, pin = fuzz.default_configs(device, args.configs, args.pin_formats)
     configs = fuzz.config_pool(size, salt)
     if configs:
@@ -209,8 +210,7 @@ def cmd_fuzz(args) -> int:
                              out_dir=Path(args.out), device=device,
                              db=fuzz.DEFAULT_DB if args.db is None else
                              None if args.db == "none" else Path(args.db),
-                             gpus=int(os.environ.get("ORACLE_GPUS", "0")),
-                             shape_classes=classes, shrink=not args.no_shrink,
+                             gpus=gpus, shape_classes=classes, shrink=not args.no_shrink,
                              configs=configs, pin_formats=pin)
     wall = time.monotonic() - t0
     if args.report:
@@ -218,8 +218,7 @@ def cmd_fuzz(args) -> int:
         doc = fuzz.report(stats, seconds=seconds, warmup=warmup, ops=ops, impls=names,
                           shape_classes=classes, device=device, wall_s=wall,
                           configs=list(configs) if configs else None,
-                          pin_formats=pin,
-                          gpus=int(os.environ.get("ORACLE_GPUS", "0")))
+                          pin_formats=pin, gpus=gpus)
         path = fuzz.write_report(doc, args.report)
         print(fuzz.markdown(doc))
         print(f"wrote {path}")

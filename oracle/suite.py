@@ -125,7 +125,7 @@ def scaleout(paths, subset: str, warm: str) -> dict:
     runs.sort(key=lambda r: (r["gpus"], r["workers"]))
     for r in runs:
         r["speedup_vs_1_gpu"] = round(base[0] / r["wall_s"], 2)
-    return {"schema": "scaleout/1", "machine": runs[0].pop("machine"), "subset": subset,
+    return {"schema": "scaleout/1", "machine": runs[0]["machine"], "subset": subset,
             "warm_cache": warm, "runs": [{k: v for k, v in r.items() if k != "machine"}
                                          for r in runs]}
 
