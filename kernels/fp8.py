@@ -223,8 +223,8 @@ _E4M3FNUZ_F16X4: tl.constexpr = tl.constexpr(
 
 
 def asm_f16(fmt: str, interpreted: bool) -> bool:
-    """Whether the attention kernels decode V with ``decode_fp8_f16``'s inline assembly
-    (its ``ASM``): compiled, and a format it has assembly for."""
+    """Whether the attention kernels decode with ``decode_fp8_f16``'s inline assembly (its
+    ``ASM``; V, and e4m3fnuz's K too): compiled, and a format it has assembly for."""
     return not interpreted and fmt in (*HW_FORMATS, "e4m3fnuz")
 
 
