@@ -208,18 +208,20 @@ def decode_fp8_to(c, FMT: tl.constexpr, HW: tl.constexpr, DTYPE: tl.constexpr):
 #: lane bits = (t & 0x8000) | ((t >> 1) & 0x3F80), then times 2^7 (``mul.f16x2``, exact).
 #: NaN: a lane whose code is 0x80 gets 0x7E00 or'ed in (-0 -> NaN): w = its code ^ 0x80 in
 #: the lane's low byte, w + 0xFF carries into bit 8 unless w is 0 (no carry crosses lanes).
+def _e4m3fnuz_pair(selector: str, out: str) -> str:
+    """PTX for two of the four codes: ``selector`` picks them into the lanes' high bytes,
+    ``out`` receives their f16x2."""
+    return (f"prmt.b32 t, $2, 0, {selector}; "
+            "shr.b32 a, t, 1; and.b32 a, a, 0x3F803F80; and.b32 b, t, 0x80008000; "
+            "or.b32 a, a, b; xor.b32 w, t, 0x80008000; shr.b32 w, w, 8; "
+            "and.b32 w, w, 0x00FF00FF; add.u32 w, w, 0x00FF00FF; and.b32 w, w, 0x01000100; "
+            "xor.b32 w, w, 0x01000100; mul.lo.u32 w, w, 0x7E; or.b32 a, a, w; "
+            f"mul.rn.f16x2 {out}, a, k; ")
+
+
 _E4M3FNUZ_F16X4: tl.constexpr = tl.constexpr(
     "{ .reg .b32 t, a, b, w, k; mov.b32 k, 0x58005800; "
-    "prmt.b32 t, $2, 0, 0x1404; "
-    "shr.b32 a, t, 1; and.b32 a, a, 0x3F803F80; and.b32 b, t, 0x80008000; or.b32 a, a, b; "
-    "xor.b32 w, t, 0x80008000; shr.b32 w, w, 8; and.b32 w, w, 0x00FF00FF; "
-    "add.u32 w, w, 0x00FF00FF; and.b32 w, w, 0x01000100; xor.b32 w, w, 0x01000100; "
-    "mul.lo.u32 w, w, 0x7E; or.b32 a, a, w; mul.rn.f16x2 $0, a, k; "
-    "prmt.b32 t, $2, 0, 0x3424; "
-    "shr.b32 a, t, 1; and.b32 a, a, 0x3F803F80; and.b32 b, t, 0x80008000; or.b32 a, a, b; "
-    "xor.b32 w, t, 0x80008000; shr.b32 w, w, 8; and.b32 w, w, 0x00FF00FF; "
-    "add.u32 w, w, 0x00FF00FF; and.b32 w, w, 0x01000100; xor.b32 w, w, 0x01000100; "
-    "mul.lo.u32 w, w, 0x7E; or.b32 a, a, w; mul.rn.f16x2 $1, a, k; }")
+    + _e4m3fnuz_pair("0x1404", "$0") + _e4m3fnuz_pair("0x3424", "$1") + "}")
 
 
 def asm_f16(fmt: str, interpreted: bool) -> bool:
