@@ -19,13 +19,10 @@ Run: ``TRITON_INTERPRET=1 .venv/bin/python -m benchmarks.spec_variants attention
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated
-
-import argparse  # noqa: E402
-import inspect  # noqa: E402
-from collections import defaultdict  # noqa: E402
+from collections import defaultdict
 
 
 def _arg_class(value):
@@ -65,6 +62,10 @@ def count_keys(op: str, cases: int, shape_classes=("small",), seed: int = 11,
     ``pin_formats``: their format fields too (``oracle.cases.config_formats``)."""
     from triton.runtime.interpreter import InterpretedFunction
 
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("count_keys records the Triton interpreter's launches: run it with "
+                           "TRITON_INTERPRET=1 (kernels compiled for a GPU never reach the "
+                           "recorder)")
     from oracle.cases import make_inputs
     from oracle.falsealarm import draw_cases
     from oracle.registry import implementations
@@ -132,4 +133,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # Here, not at import: a test importing this module must not turn the interpreter on
+    # for a GPU process (torch.compile's kernels would then be interpreted and fail).
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated
     raise SystemExit(main())

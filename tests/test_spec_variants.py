@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from benchmarks.spec_variants import count_keys, launch_key
@@ -26,6 +29,26 @@ def test_launch_key_classes_integers_and_tensors_as_triton_specialises():
     assert key(x.double(), 32, 7, BLOCK=16) != key(x, 32, 7, BLOCK=16)
 
 
+def test_importing_the_tool_leaves_the_interpreter_switch_alone():
+    """Importing the module does not set TRITON_INTERPRET: on a GPU that would make every
+    later torch.compile kernel of the process interpreted (the H200 suite of session 11:
+    168 flex checks raised 'Cannot call @triton.jit'd outside of the scope of a kernel')."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os, benchmarks.spec_variants; "
+            "print(os.environ.get('TRITON_INTERPRET'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, cwd=os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__))))
+    assert out.stdout.strip() == "None"
+
+
+@pytest.mark.interp
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton kernels are compiled for a GPU in this process; "
+                           "run TRITON_INTERPRET=1 pytest -m interp")
 def test_count_keys_records_every_launch_without_running_it():
     """Four reshape_and_cache cases launch the kernel once each: the curve ends at 4 cases
     with between 1 and 4 distinct keys of that kernel, and the kernel's varied arguments
