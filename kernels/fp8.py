@@ -203,25 +203,26 @@ def decode_fp8_to(c, FMT: tl.constexpr, HW: tl.constexpr, DTYPE: tl.constexpr):
     return v
 
 
-#: Four e4m3fnuz codes ($2) -> two f16x2 registers ($0: codes 0, 1; $1: codes 2, 3), as
-#: ``_decode_e4m3fnuz_f16``: prmt puts each code in the high byte of its 16-bit lane (t),
-#: lane bits = (t & 0x8000) | ((t >> 1) & 0x3F80), then times 2^7 (``mul.f16x2``, exact).
-#: NaN: a lane whose code is 0x80 gets 0x7E00 or'ed in (-0 -> NaN): w = its code ^ 0x80 in
-#: the lane's low byte, w + 0xFF carries into bit 8 unless w is 0 (no carry crosses lanes).
-def _e4m3fnuz_pair(selector: str, out: str) -> str:
-    """PTX for two of the four codes: ``selector`` picks them into the lanes' high bytes,
-    ``out`` receives their f16x2."""
-    return (f"prmt.b32 t, $2, 0, {selector}; "
-            "shr.b32 a, t, 1; and.b32 a, a, 0x3F803F80; and.b32 b, t, 0x80008000; "
-            "or.b32 a, a, b; xor.b32 w, t, 0x80008000; shr.b32 w, w, 8; "
-            "and.b32 w, w, 0x00FF00FF; add.u32 w, w, 0x00FF00FF; and.b32 w, w, 0x01000100; "
-            "xor.b32 w, w, 0x01000100; mul.lo.u32 w, w, 0x7E; or.b32 a, a, w; "
-            f"mul.rn.f16x2 {out}, a, k; ")
-
-
+#: Four e4m3fnuz codes ($2) -> two f16x2 registers ($0: codes 0, 1; $1: codes 2, 3) on the
+#: hardware e4m3fn conversion. An e4m3fnuz code's value is half its e4m3fn value (bias 8,
+#: not 7; subnormals too) except for three codes: 0x80 is NaN (e4m3fn: -0), and 0x7F /
+#: 0xFF are +-240 where e4m3fn has NaN. Per byte, without carries across bytes: s marks
+#: the +-240 codes (low 7 bits 0x7F: + 1 sets bit 7), z the 0x80 code (bit 7 set, low 7
+#: bits 0: + 0x7F leaves bit 7 clear). The +-240 codes go one below (+-448 in e4m3fn, fp16
+#: 0x5F00), 0x80 to 0xFF (e4m3fn NaN); after ``cvt`` the +-240 lanes get bit 7 or'ed in
+#: (0x5F80 = 480), and every lane is halved (``mul.f16x2`` by 0.5, exact: the doubled
+#: values are fp16 normals or NaN). 19 instructions for four codes where building the
+#: fp16 bits from the code's fields took 28.
 _E4M3FNUZ_F16X4: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t, a, b, w, k; mov.b32 k, 0x58005800; "
-    + _e4m3fnuz_pair("0x1404", "$0") + _e4m3fnuz_pair("0x3424", "$1") + "}")
+    "{ .reg .b32 m, s, t, z, w, p, k; .reg .b16 lo, hi; "
+    "and.b32 m, $2, 0x7F7F7F7F; add.u32 s, m, 0x01010101; and.b32 s, s, 0x80808080; "
+    "add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; and.b32 z, $2, t; and.b32 z, z, 0x80808080; "
+    "shr.b32 p, s, 7; sub.u32 w, $2, p; "
+    "shr.b32 p, z, 7; sub.u32 p, z, p; or.b32 w, w, p; "
+    "mov.b32 {lo, hi}, w; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; "
+    "prmt.b32 p, s, 0, 0x4140; or.b32 $0, $0, p; "
+    "prmt.b32 p, s, 0, 0x4342; or.b32 $1, $1, p; "
+    "mov.b32 k, 0x38003800; mul.rn.f16x2 $0, $0, k; mul.rn.f16x2 $1, $1, k; }")
 
 
 def asm_f16(fmt: str, interpreted: bool) -> bool:
@@ -231,7 +232,8 @@ def asm_f16(fmt: str, interpreted: bool) -> bool:
 
 
 @triton.jit
-def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr):
+def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr,
+                   PURE: tl.constexpr = False):
     """uint8 codes of format FMT -> their exact values in fp16 (every value of the four
     formats, subnormals, Inf and NaN included, is an fp16 value). ASM (compiled, hardware
     formats): ``cvt.rn.f16x2.{e4m3,e5m2}x2`` in inline assembly marked impure, four codes
@@ -242,10 +244,12 @@ def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr):
     conversion it stores fp16 to shared memory and reads it with ``ldmatrix.trans``. (For
     K, a K-major operand, the pure conversion in registers is the better one: staging K
     as well removed ~110 register moves per decode block but its shared-memory round trip
-    made the H200 slower; e4m3fnuz's K, with no hardware conversion, does go through the
-    assembly: kernels._attention.kv_tiles.)
-    e4m3fnuz (no hardware conversion on NVIDIA) likewise in assembly, as
-    ``_decode_e4m3fnuz_f16`` on two codes per 32-bit register (``_E4M3FNUZ_F16X4``).
+    made the H200 slower.) e4m3fnuz (no conversion of its own on NVIDIA) likewise in
+    assembly, through the e4m3fn ``cvt`` with its three differing codes patched and the
+    result halved (``_E4M3FNUZ_F16X4``; sm_89+, as the hardware formats); PURE marks it
+    pure, for e4m3fnuz's K (kernels._attention.kv_tiles: converted in registers like the
+    hardware formats' K; staged through shared memory it made decode at batch 64 96.0 us
+    instead of 78.0 on the H200).
     Otherwise (interpreter, other software formats): ``decode_fp8_to(c, FMT, HW, fp16)``."""
     if ASM:
         tl.static_assert((HW and FMT <= 1) or FMT == FMT_E4M3FNUZ,
@@ -259,7 +263,7 @@ def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr):
             asm: tl.constexpr = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
                                  "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }")
         v = tl.inline_asm_elementwise(asm, "=r,=r,r", [c.to(tl.uint8)], dtype=tl.float16,
-                                      is_pure=False, pack=4)
+                                      is_pure=PURE, pack=4)
     else:
         v = decode_fp8_to(c, FMT, HW, tl.float16)
     return v

@@ -37,7 +37,19 @@ OPS = {
     "add.u32": lambda a, b: (a + b) & M32,
     "mul.lo.u32": lambda a, b: (a * b) & M32,
     "mul.rn.f16x2": _f16x2_mul,
+    "not.b32": lambda a: ~a,
+    "sub.u32": lambda a, b: (a - b) & M32,
+    "cvt.rn.f16x2.e4m3x2": lambda a: _e4m3x2_to_f16x2(a),
 }
+
+
+def _e4m3x2_to_f16x2(a: int) -> int:
+    """``cvt.rn.f16x2.e4m3x2``: the low byte to the low half, by the reference codec's
+    e4m3fn decode (the hardware conversion equals it on every code: issue 5's exhaustive
+    H200 run, and tests/test_fp8_codec_gpu.py), NaN as fp16's canonical 0x7FFF."""
+    v = decode(np.array([a & 0xFF, (a >> 8) & 0xFF], np.uint8), "e4m3fn").astype(np.float16)
+    bits = np.where(np.isnan(v), np.uint16(0x7FFF), v.view(np.uint16))
+    return int(bits[0]) | int(bits[1]) << 16
 
 
 def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
@@ -50,6 +62,12 @@ def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
         if stmt.startswith(".reg"):
             continue
         op, args = stmt.split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):  # split into 16-bit halves
+            halves, src = args[1:].split("}")
+            lo, hi = (h.strip() for h in halves.split(","))
+            word = regs[src.strip(" ,")]
+            regs[lo], regs[hi] = word & 0xFFFF, word >> 16
+            continue
         dst, *src = (a.strip() for a in args.split(","))
         vals = [regs[a] if a in regs else int(a, 0) for a in src]
         regs[dst] = OPS[op](*vals) & M32
