@@ -292,6 +292,26 @@ def table_row(doc: dict, r: dict, d: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def sweep_table(doc: dict) -> list[str]:
+    """The ``--knobs`` sweep beside the results: median us per (batch, cache), one column
+    per knob set, the results' own set first (empty without a sweep)."""
+    if not doc.get("sweep"):
+        return []
+    def knobs(r):
+        return ",".join(f"{k}={v}" for k, v in sorted((r.get("knobs") or {}).items())) or "default"
+
+    rows = doc["results"] + doc["sweep"]
+    sets = list(dict.fromkeys(knobs(r) for r in rows))
+    cell = {(r["batch"], r["cache"], knobs(r)): r.get("median_us") for r in rows}
+    lines = ["", "Knob sweep, median us:", "",
+             "| batch | cache | " + " | ".join(sets) + " |",
+             "|---:|---|" + "---:|" * len(sets)]
+    for b, c in dict.fromkeys((r["batch"], r["cache"]) for r in doc["results"]):
+        lines.append(f"| {b} | {c} | " + " | ".join(
+            render_bench._fmt(cell.get((b, c, k)), ".1f") for k in sets) + " |")
+    return lines
+
+
 def markdown(doc: dict) -> str:
     """The header of render_bench, one row per (batch, cache), then the checks."""
     lines = render_bench.header(doc)
@@ -299,6 +319,7 @@ def markdown(doc: dict) -> str:
     lines.append("|---:|---|---|" + "---:|" * 6 + "---|")
     for r, d in zip(doc["results"], render_bench.derive(doc)):
         lines.append(table_row(doc, r, d))
+    lines += sweep_table(doc)
     lines += ["", "Checks:", ""]
     for c in doc.get("checks", ()):
         val = "-" if c["value"] is None else f"{c['value']:.3f}"

@@ -247,6 +247,20 @@ def test_decode_markdown_rows():
     assert "- batch 64 e4m3fnuz: fnuz overhead vs e4m3fn = 0.120 (limit 0.15): yes" in md
 
 
+def test_decode_markdown_sweep_table():
+    """A --knobs sweep renders as one column per knob set (the results' set first, named
+    'default' when empty), each cell the median of that (batch, cache, knobs) run, '-'
+    where the sweep has no run; no sweep, no table."""
+    doc = _decode_doc({("bf16", 64): 72.0, ("e4m3fn", 64): 50.0})
+    assert bad.sweep_table(doc) == []
+    doc["sweep"] = [{"batch": 64, "cache": "e4m3fn", "knobs": {"num_warps": 8},
+                     "median_us": 61.5}]
+    lines = bad.sweep_table(doc)
+    assert lines[3] == "| batch | cache | default | num_warps=8 |"
+    assert "| 64 | e4m3fn | 50.0 | 61.5 |" in lines and "| 64 | bf16 | 72.0 | - |" in lines
+    assert "| 64 | e4m3fn | 50.0 | 61.5 |" in bad.markdown(doc)
+
+
 def test_indexer_markdown_lists_for_scale():
     """The indexer's Markdown lists the issue's numbers for scale, marked not measured."""
     text = bix.for_scale_lines({"for_scale": bix.FOR_SCALE})
