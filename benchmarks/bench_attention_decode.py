@@ -5,7 +5,8 @@ Shape: Hq 64, Hkv 4 (G 16), D 128, P 128, K 16 selected blocks per (request, KV 
 (reference.domain.MODEL), one query row per request, every request a 32,768-token
 context (256 blocks), batch sizes 1, 8, 64, 256; bf16 model dtype (q, out). Caches
 (logical ``[pages, Hkv, P, 2D]``, contiguous, i.e. the HND layout): ``bf16``, ``e4m3fn``,
-``e4m3fnuz`` (software decode on NVIDIA), ``e5m2``; fp8 caches as uint8 codes with a
+``e4m3fnuz`` (the e4m3fn conversion, patched), ``e5m2``, ``e5m2fnuz`` (software decode on
+NVIDIA; not in the default set, ``--caches`` it); fp8 caches as uint8 codes with a
 scalar scale 1.0 (a 0-d float32 tensor: no per-call fill). Content N(0, 1) (torch's cast
 for fp8). Each request's 256 pages are drawn at random from a pool twice the size needed
 (harness.shuffled_block_table). Selections (``random_selections``): per (row, KV head) the
@@ -31,7 +32,8 @@ at most Hkv K x 4 = 256 B per request, under 0.02% at any batch). Batch 64: bf16
 Targets and checks (``checks``; each result carries the ones that concern it):
 - batch 64: e4m3fn >= 70% of the copy bandwidth, bf16 >= 85% (result ``targets``);
 - every fp8 cache faster than bf16 at every batch (``vs_bf16`` = bf16 median / this > 1);
-- e4m3fnuz overhead over e4m3fn below 15% (``fnuz_overhead`` = fnuz / e4m3fn - 1).
+- each fnuz format's overhead over e4m3fn below 15% (``fnuz_overhead`` = fnuz / e4m3fn -
+  1; the issue: "the fnuz formats' software decode costing under 15% against e4m3fn").
 For scale (the issue's vLLM numbers, NOT measured here; ``for_scale`` in the JSON and a
 column of the table): batch 64 86.9 us e4m3, 83.8 us bf16; batch 8 22.6 us e4m3.
 No torch baseline is timed (the issue's targets are against the copy bandwidth and between
@@ -63,7 +65,10 @@ OP = "attention_decode"
 IMPL = "triton"
 BATCHES = (1, 8, 64, 256)
 SEQ_LEN = 32_768
-CACHES = {"bf16": "bfloat16", "e4m3fn": "e4m3fn", "e4m3fnuz": "e4m3fnuz", "e5m2": "e5m2"}
+CACHES = {"bf16": "bfloat16", "e4m3fn": "e4m3fn", "e4m3fnuz": "e4m3fnuz", "e5m2": "e5m2",
+          "e5m2fnuz": "e5m2fnuz"}
+DEFAULT_CACHES = ("bf16", "e4m3fn", "e4m3fnuz", "e5m2")
+FNUZ_CACHES = ("e4m3fnuz", "e5m2fnuz")
 TARGET_BATCH = 64
 TARGETS = {"bf16": {"copy_fraction": 0.85}, "e4m3fn": {"copy_fraction": 0.70}}
 FNUZ_OVERHEAD_MAX = 0.15
@@ -188,7 +193,7 @@ def checks(results: list[dict]) -> list[dict]:
             r["vs_bf16"] = None if us is None or base is None else base / us
             out.append(harness.check("fp8 faster than bf16", r["vs_bf16"], 1.0,
                                      lambda v: v > 1.0, batch=b, cache=r["cache"]))
-        if r["cache"] == "e4m3fnuz":
+        if r["cache"] in FNUZ_CACHES:
             ref = harness.median_of(results, cache="e4m3fn", batch=b)
             r["fnuz_overhead"] = None if us is None or ref is None else us / ref - 1
             out.append(harness.check("fnuz overhead vs e4m3fn", r["fnuz_overhead"],
@@ -236,7 +241,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens of every context")
-    ap.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES))
+    ap.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES), choices=list(CACHES))
     ap.add_argument("--knobs", nargs="*", type=harness.parse_knobs, default=[],
                     help="launcher tuning keywords, one set per argument (k=v,...): the "
                          "first set makes the results, the others a 'sweep' list beside them")
