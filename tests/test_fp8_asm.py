@@ -74,15 +74,18 @@ def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
     return regs
 
 
+@pytest.mark.parametrize("fmt, asm", [("e4m3fnuz", fp8._E4M3FNUZ_F16X4),
+                                      ("e5m2fnuz", fp8._E5M2FNUZ_F16X4)])
 @pytest.mark.parametrize("position", range(4))
-def test_e4m3fnuz_assembly_decodes_every_code_in_every_byte(position):
+def test_fnuz_assembly_decodes_every_code_in_every_byte(fmt, asm, position):
     """The assembly turns each of the four codes of its 32-bit input into the exact fp16
-    value of reference.codec.decode (0x80 NaN, subnormals exact), code k into half
-    (k % 2) of output register k // 2, for every code in every byte position."""
+    value of reference.codec.decode (0x80 NaN, subnormals exact, e5m2fnuz's top binade up
+    to 57344), code k into half (k % 2) of output register k // 2, for every code in every
+    byte position."""
     rng = np.random.default_rng(position)
     for code in range(256):
         word = rng.integers(0, 256, 4, dtype=np.uint8)
         word[position] = code
-        out = run_ptx(fp8._E4M3FNUZ_F16X4.value, {"$2": int(word.view(np.uint32)[0])})
+        out = run_ptx(asm.value, {"$2": int(word.view(np.uint32)[0])})
         lanes = np.array([out["$0"], out["$1"]], np.uint32).view(np.uint16).view(np.float16)
-        assert same_float(lanes, decode(word, "e4m3fnuz")).all(), (code, word, lanes)
+        assert same_float(lanes, decode(word, fmt)).all(), (code, word, lanes)
