@@ -1,0 +1,194 @@
+"""A/B timing: one benchmark run on a git revision's tree and on the working tree, in the
+same GPU call, so a kernel change is judged against its base on the same machine, clocks
+and copy bandwidth (H200 medians drift by a few percent between calls; the same-call
+comparison is what decided this project's kernel changes, e.g. e4m3fnuz decode 78.0 us
+against 96.0 with K staged, reports/bench_attention_decode_fnuz_staged_k.md).
+
+1. CPU: ``python -m benchmarks.ab prepare REV`` writes REV's tree (reports/ left out) to
+   ``.ab-base/`` (gitignored) and its commit to ``.ab-base/AB_REV``.
+2. GPU: ``AB_BENCH=attention_decode AB_ARGS="--caches e4m3fnuz --batches 64"
+   .ci/gpu ab`` with ``.ab-base`` in the device call's ``carry``, i.e. ``python -m
+   benchmarks.ab run --bench NAME [--rounds N] -- ARGS``: per round the base tree's
+   benchmark, then the working tree's, each with the same ARGS (the runs' own reports in
+   a temporary directory: a device call brings back 8 files), and one ``ab/1`` JSON,
+   ``$OUT/ab.json``: per run its copy bandwidth, source state and each row's median
+   (results and ``--knobs`` sweep).
+3. CPU: ``python -m benchmarks.ab render ab.json`` -> Markdown: per row the base and work
+   medians (the median over rounds), work / base and the per-round ratios.
+
+Rows are matched by (implementation, cache, batch, selection distribution, knobs); a row
+only one side has shows '-' on the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_DIR = ".ab-base"
+KEY_FIELDS = ("name", "cache", "batch", "dist")
+
+
+def row_key(r: dict) -> str:
+    """A benchmark row's identity across the two trees (its measured fields left out)."""
+    parts = [f"{k}={r[k]}" for k in KEY_FIELDS if r.get(k) is not None]
+    knobs = ",".join(f"{k}={v}" for k, v in sorted((r.get("knobs") or {}).items()))
+    return " ".join(parts + ([f"knobs={knobs}"] if knobs else []))
+
+
+def medians(doc: dict) -> dict[str, float | None]:
+    """row_key -> median us of a bench/1 report's results and sweep."""
+    return {row_key(r): r.get("median_us") for r in doc.get("results", []) + doc.get("sweep", [])}
+
+
+# ---------------------------------------------------------------------------- prepare
+
+
+def prepare(rev: str, dest: Path = ROOT / BASE_DIR) -> str:
+    """Write ``rev``'s tree without reports/ to ``dest`` (replacing it); returns the commit."""
+    def git(*cmd, **kw):
+        return subprocess.run(["git", *cmd], cwd=ROOT, check=True, capture_output=True, **kw)
+
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}", text=True).stdout.strip()
+    if dest.exists():
+        subprocess.run(["rm", "-rf", str(dest)], check=True)
+    dest.mkdir(parents=True)
+    with tempfile.TemporaryFile() as f:
+        f.write(git("archive", commit, "--", ".", ":(exclude)reports").stdout)
+        f.seek(0)
+        with tarfile.open(fileobj=f) as tar:
+            tar.extractall(dest, filter="data")
+    (dest / "AB_REV").write_text(commit + "\n")
+    return commit
+
+
+# -------------------------------------------------------------------------------- run
+
+
+def _bench(tree: Path, bench: str, args: list[str], out: Path) -> dict:
+    """One benchmark run in ``tree`` (its own modules first on the path); its report."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    cmd = [sys.executable, "-m", f"benchmarks.bench_{bench}", *args, "--out", str(out)]
+    print("+", " ".join(cmd), f"(in {tree})", flush=True)
+    subprocess.run(cmd, cwd=tree, env=env, check=True)
+    return json.loads(out.read_text())
+
+
+def run(bench: str, args: list[str], rounds: int, base: Path = ROOT / BASE_DIR,
+        work: Path = ROOT) -> dict:
+    """``rounds`` x (base, work) runs of ``bench`` with ``args``; the ab/1 document."""
+    if not (base / "AB_REV").exists():
+        raise SystemExit(f"no base tree at {base}: run 'python -m benchmarks.ab prepare REV' "
+                         f"first and carry {BASE_DIR} to the device")
+    doc = {"schema": "ab/1", "bench": bench, "args": args,
+           "base_rev": (base / "AB_REV").read_text().strip(), "rounds": []}
+    tmp = Path(tempfile.mkdtemp(prefix="ab-"))
+    for i in range(rounds):
+        one = {}
+        for side, tree in (("base", base), ("work", work)):
+            rep = _bench(tree, bench, args, tmp / f"{side}-{i}.json")
+            one[side] = {"copy_bps": rep.get("copy", {}).get("bytes_per_s"),
+                         "source": rep.get("source"), "medians": medians(rep)}
+        doc["rounds"].append(one)
+        doc["device"] = rep.get("device")
+    return doc
+
+
+# ----------------------------------------------------------------------------- render
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def table(doc: dict) -> list[dict]:
+    """Per row: base and work medians over the rounds, work / base, per-round ratios."""
+    keys = list(dict.fromkeys(k for r in doc["rounds"] for side in ("base", "work")
+                              for k in r[side]["medians"]))
+    rows = []
+    for k in keys:
+        b = [r["base"]["medians"].get(k) for r in doc["rounds"]]
+        w = [r["work"]["medians"].get(k) for r in doc["rounds"]]
+        bm, wm = _median(b), _median(w)
+        rows.append({"row": k, "base_us": bm, "work_us": wm,
+                     "ratio": None if bm is None or wm is None else wm / bm,
+                     "round_ratios": [None if x is None or y is None else y / x
+                                      for x, y in zip(b, w)]})
+    return rows
+
+
+def _f(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _tbps(run: dict) -> str:
+    bps = run.get("copy_bps")
+    return _f(None if bps is None else bps / 1e12, ".2f")
+
+
+def markdown(doc: dict) -> str:
+    f = _f
+    lines = [f"# A/B: bench_{doc['bench']} {' '.join(doc['args'])}", "",
+             f"Device {doc.get('device', '?')}; base {doc['base_rev'][:12]}, work = the "
+             f"working tree; {len(doc['rounds'])} round(s), each base then work. Copy "
+             "bandwidth per run, base / work (TB/s): " + ", ".join(
+                 f"{_tbps(r['base'])} / {_tbps(r['work'])}" for r in doc["rounds"]) + ".",
+             "",
+             "| row | base us | work us | work / base | per round |",
+             "|---|---:|---:|---:|---|"]
+    for t in table(doc):
+        lines.append(f"| {t['row']} | {f(t['base_us'], '.1f')} | {f(t['work_us'], '.1f')} | "
+                     f"{f(t['ratio'], '.3f')} | "
+                     f"{', '.join(f(x, '.3f') for x in t['round_ratios'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="a revision's tree to .ab-base/")
+    p.add_argument("rev")
+    p = sub.add_parser("run", help="base and work runs of a benchmark (GPU)")
+    p.add_argument("--bench", required=True, help="attention_decode, indexer, insert, ...")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--out", default=os.environ.get("OUT", "reports/gpu-out"))
+    p = sub.add_parser("render", help="Markdown of an ab/1 JSON")
+    p.add_argument("report")
+    p.add_argument("--out", help="Markdown path (default: beside the JSON)")
+    args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        print(f"{BASE_DIR}/ <- {prepare(args.rev)}")
+    elif args.cmd == "run":
+        if args.rounds < 1:
+            ap.error(f"--rounds must be >= 1, got {args.rounds}")
+        if not (ROOT / "benchmarks" / f"bench_{args.bench}.py").exists():
+            ap.error(f"--bench: no benchmarks/bench_{args.bench}.py")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        doc = run(args.bench, extra, args.rounds)
+        (out / "ab.json").write_text(json.dumps(doc, indent=1) + "\n")
+        print(markdown(doc))
+    else:
+        doc = json.loads(Path(args.report).read_text())
+        md = Path(args.out or Path(args.report).with_suffix(".md"))
+        md.write_text(markdown(doc))
+        print(f"wrote {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
