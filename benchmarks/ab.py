@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,8 +59,7 @@ def prepare(rev: str, dest: Path = ROOT / BASE_DIR) -> str:
         return subprocess.run(["git", *cmd], cwd=ROOT, check=True, capture_output=True, **kw)
 
     commit = git("rev-parse", "--verify", f"{rev}^{{commit}}", text=True).stdout.strip()
-    if dest.exists():
-        subprocess.run(["rm", "-rf", str(dest)], check=True)
+    shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     with tempfile.TemporaryFile() as f:
         f.write(git("archive", commit, "--", ".", ":(exclude)reports").stdout)
