@@ -33,6 +33,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from benchmarks import render_bench
+from benchmarks.render_bench import _fmt as _f
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE_DIR = ".ab-base"
 KEY_FIELDS = ("name", "cache", "batch", "dist")
@@ -41,7 +44,7 @@ KEY_FIELDS = ("name", "cache", "batch", "dist")
 def row_key(r: dict) -> str:
     """A benchmark row's identity across the two trees (its measured fields left out)."""
     parts = [f"{k}={r[k]}" for k in KEY_FIELDS if r.get(k) is not None]
-    knobs = ",".join(f"{k}={v}" for k, v in sorted((r.get("knobs") or {}).items()))
+    knobs = render_bench.knob_label(r.get("knobs"))
     return " ".join(parts + ([f"knobs={knobs}"] if knobs else []))
 
 
@@ -124,10 +127,6 @@ def table(doc: dict) -> list[dict]:
                      "round_ratios": [None if x is None or y is None else y / x
                                       for x, y in zip(b, w)]})
     return rows
-
-
-def _f(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def _tbps(run: dict) -> str:

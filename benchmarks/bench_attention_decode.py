@@ -303,7 +303,7 @@ def sweep_table(doc: dict) -> list[str]:
     if not doc.get("sweep"):
         return []
     def knobs(r):
-        return ",".join(f"{k}={v}" for k, v in sorted((r.get("knobs") or {}).items())) or "default"
+        return render_bench.knob_label(r.get("knobs")) or "default"
 
     rows = doc["results"] + doc["sweep"]
     sets = list(dict.fromkeys(knobs(r) for r in rows))

@@ -79,6 +79,12 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def knob_label(knobs: dict | None) -> str:
+    """A result's launch knobs as ``k=v,k=v`` (sorted; '' for none): the inverse of
+    harness.parse_knobs, naming a sweep's column or a row across A/B runs."""
+    return ",".join(f"{k}={v}" for k, v in sorted((knobs or {}).items()))
+
+
 def _yes_no(flag) -> str:
     return "-" if flag is None else ("yes" if flag else "no")
 
