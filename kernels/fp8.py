@@ -251,13 +251,12 @@ _E5M2FNUZ_F16X4: tl.constexpr = tl.constexpr(
 
 def asm_f16(fmt: str, interpreted: bool) -> bool:
     """Whether the attention kernels decode with ``decode_fp8_f16``'s inline assembly (its
-    ``ASM``; V, and e4m3fnuz's K too): compiled, and a format it has assembly for.
-    e5m2fnuz's assembly (``_E5M2FNUZ_F16X4``) is not in the list yet: it has run only in
-    the CPU simulator (static sm_90 at the model shape: decode, 3 stages, 3,480 SASS, no
-    spills, against 5,824 and 136 B of spills on the fp32 software path the kernels use
-    now, 131.4 us at batch 64 on the H200; prefill 7,912 against 9,504); adding it here
-    turns it on everywhere, the GPU codec test included."""
-    return not interpreted and fmt in (*HW_FORMATS, "e4m3fnuz")
+    ``ASM``; V, and the fnuz formats' K too): compiled, and a format it has assembly for:
+    all four. e5m2fnuz's assembly (``_E5M2FNUZ_F16X4``; static sm_90 at the model shape:
+    decode, 3 stages, 3,480 SASS, no spills, against 5,824 and 136 B of spills on the fp32
+    software path it replaced, which took 131.4 us at batch 64 on the H200; prefill 7,912
+    against 9,504)."""
+    return not interpreted and fmt in (*HW_FORMATS, "e4m3fnuz", "e5m2fnuz")
 
 
 @triton.jit
