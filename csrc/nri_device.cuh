@@ -84,9 +84,18 @@ __device__ __forceinline__ void load8(const uint16_t* p, uint32_t (&w)[4]) {
   }
 }
 
+// The aligned case is one 128-bit store: written as a uint4 assignment, ptxas (CUDA 13.0,
+// sm_90) split it into four 32-bit STG when the packed words did not sit in 4 consecutive
+// registers (a quarter of the stores' issue slots and L2 requests otherwise).
 __device__ __forceinline__ void store8(uint16_t* p, const uint32_t (&w)[4]) {
   if (reinterpret_cast<uintptr_t>(p) % 16 == 0) {
+#ifdef __CUDA_ARCH__
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]),
+                 "r"(w[2]), "r"(w[3])
+                 : "memory");
+#else
     *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+#endif
   } else {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -118,12 +127,32 @@ __device__ __forceinline__ float widen(const uint32_t (&w)[4], int j) {
   return cvt::half_to_f32(code16(w, j), ACT);
 }
 
+// Two fp32 -> two 16-bit codes of format FMT (bf16 / fp16, RNE), element 0 in the low half:
+// cvt::half_from_f32 of each. On the device one paired cvt (cvt.rn.{bf16x2,f16x2}.f32) and
+// one unordered compare, the per-element conversion only when a NaN is present (the paired
+// cvt writes 0x7FFF for NaN; the project's canonical NaN codes are cvt::half_from_f32's).
+__device__ __forceinline__ uint32_t pack2(float lo, float hi, int fmt) {
+#ifdef __CUDA_ARCH__
+  uint32_t nan;  // lo or hi is a NaN: one unordered compare
+  asm("{ .reg .pred q; setp.nan.f32 q, %1, %2; selp.u32 %0, 1, 0, q; }"
+      : "=r"(nan)
+      : "f"(lo), "f"(hi));
+  if (!nan) {
+    uint32_t w;
+    if (fmt == cvt::FMT_BF16)
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    else
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+  }
+#endif
+  return (uint32_t)cvt::half_from_f32(lo, fmt) | ((uint32_t)cvt::half_from_f32(hi, fmt) << 16);
+}
+
 // fp32 -> 16-bit codes of format FMT (bf16 / fp16, RNE: cvt::half_from_f32), packed.
 __device__ __forceinline__ void pack8(const float (&y)[8], int fmt, uint32_t (&w)[4]) {
 #pragma unroll
-  for (int k = 0; k < 4; ++k)
-    w[k] = (uint32_t)cvt::half_from_f32(y[2 * k], fmt) |
-           ((uint32_t)cvt::half_from_f32(y[2 * k + 1], fmt) << 16);
+  for (int k = 0; k < 4; ++k) w[k] = pack2(y[2 * k], y[2 * k + 1], fmt);
 }
 
 // fp32 -> fp8 codes (satfinite), packed.
@@ -158,3 +187,19 @@ NRI_STREAM_ENTRY(nri_launch_stream_bf16_d256);
 NRI_STREAM_ENTRY(nri_launch_stream_f16_d64);
 NRI_STREAM_ENTRY(nri_launch_stream_f16_d128);
 NRI_STREAM_ENTRY(nri_launch_stream_f16_d256);
+
+// Variant 4 (csrc/nri_persist.cuh), one translation unit per activation format and head dim
+// (csrc/nri_persist_{bf16,f16}_d{64,128,256}.cu): persistent warps with `rounds` passes per
+// item (1, 2 or 4) and p.warps_per_block warps per block; return the first failing CUDA
+// call's error.
+namespace nri_dev {
+constexpr int kPersistDefaultWarps = 8;   // warps per block
+constexpr int kPersistDefaultRounds = 2;  // 16-byte passes per item
+}  // namespace nri_dev
+#define NRI_PERSIST_ENTRY(name) cudaError_t name(const NriParams& p, int rounds, cudaStream_t s)
+NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d64);
+NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d128);
+NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d256);
+NRI_PERSIST_ENTRY(nri_launch_persist_f16_d64);
+NRI_PERSIST_ENTRY(nri_launch_persist_f16_d128);
+NRI_PERSIST_ENTRY(nri_launch_persist_f16_d256);

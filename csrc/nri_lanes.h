@@ -142,4 +142,19 @@ NRI_HD int round_head(int first, int round, int group, int heads_per_pass) {
   return first + round * heads_per_pass + group;
 }
 
+// Variant 4 (csrc/nri_persist.cuh): a token's q heads form ceil(hq / hpw) items, its other
+// heads (k, index_q, index_k: `rest`) ceil(rest / hpw), hpw heads per warp and item.
+NRI_HD int persist_items_per_token(int64_t hq, int64_t rest, int hpw) {
+  return (int)((hq + hpw - 1) / hpw + (rest + hpw - 1) / hpw);
+}
+
+// Warp gw of nw takes items [begin, end) of n_items: an even split (the first n_items % nw
+// warps one more), in 64 bits without overflow.
+NRI_HD void persist_range(int64_t n_items, int64_t nw, int64_t gw, int64_t& begin,
+                          int64_t& end) {
+  const int64_t q = n_items / nw, r = n_items % nw;
+  begin = gw * q + (gw < r ? gw : r);
+  end = begin + q + (gw < r ? 1 : 0);
+}
+
 }  // namespace nri

@@ -26,12 +26,13 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 #: the sources of the kernels' library (the fused insert: variant 0 and the launcher;
-#: variants 1 and 2, one translation unit per variant and activation dtype, and variant 3,
-#: one per activation dtype and head dim, so that they compile in parallel and the slowest
+#: variants 1 and 2, one translation unit per variant and activation dtype, and variants 3
+#: and 4, one per activation dtype and head dim, so that they compile in parallel and the slowest
 #: unit stays short; the GPU test entry points).
 LIB_SOURCES = ("norm_rope_insert.cu", "nri_vec_shfl_bf16.cu", "nri_vec_shfl_f16.cu",
                "nri_vec_global_bf16.cu", "nri_vec_global_f16.cu",
                *(f"nri_stream_{a}_d{d}.cu" for a in ("bf16", "f16") for d in (64, 128, 256)),
+               *(f"nri_persist_{a}_d{d}.cu" for a in ("bf16", "f16") for d in (64, 128, 256)),
                "test_support.cu")
 #: headers hashed into the build key (every one in the include directory).
 HEADER_GLOBS = ("*.h", "*.cuh")

@@ -19,7 +19,7 @@ CUDA device and nvcc are present.
 
 Numerics (declared to the oracle with the default ``Fp32Arith``; every variant): fp32 sums
 of squares in warp-shuffle order, correctly rounded ``/`` (no fast math), ``rsqrtf`` (2
-ulp), FMA contraction; variants 1, 2 and 3 give identical bits (variant 0 sums the squares
+ulp), FMA contraction; variants 1-4 give identical bits (variant 0 sums the squares
 in another order); outputs rounded once (RNE); K quantised from its fp32 value
 (``quantize_from="value"``), fp8 satfinite via cvt.rn.satfinite (e4m3fn, e5m2) or the
 software codec (fnuz), csrc/fp8_convert.h.
@@ -153,8 +153,9 @@ def _stream(dev: torch.device) -> int:
 #: The kernel variants (csrc/norm_rope_insert.cu, csrc/nri_vec.cuh, csrc/nri_stream.cuh):
 #: 0 the original warp per head (the verified fallback), 1 16-byte lanes with shuffled RoPE
 #: partners, 2 16-byte lanes with partners re-read from global memory, 3 persistent blocks
-#: with the rows pipelined through shared memory by cp.async (the lanes of 1 and 2).
-VARIANTS = (0, 1, 2, 3)
+#: with the rows pipelined through shared memory by cp.async (the lanes of 1 and 2), 4
+#: persistent warps over (token, head chunk) items, q heads apart (csrc/nri_persist.cuh).
+VARIANTS = (0, 1, 2, 3, 4)
 #: Variant 0's launch shape: 4 warps per block, one head per warp at a time, 32 heads per
 #: block (tuned on the H200: benchmarks/tune_insert.py).
 V0_WARPS, V0_BLOCK_H = 4, 32
@@ -167,6 +168,9 @@ VEC_ROUND_CHOICES = (1, 2, 4)
 #: ``norm_rope_insert``); 2 .. 8 stages may be asked for.
 STREAM_WARPS, STREAM_ROUNDS, STREAM_STAGES = 4, 2, 3
 STREAM_STAGE_CHOICES = tuple(range(2, 9))
+#: Variant 4 by default (csrc/nri_device.cuh's kPersistDefault*): 8 warps per block, 2
+#: passes of 256 / D heads per warp and item.
+PERSIST_WARPS, PERSIST_ROUNDS = 8, 2
 
 
 def _is_int(v) -> bool:
@@ -183,10 +187,10 @@ def launch_shape(head_dim, variant=0, block_h=None, warps_per_block=None,
         fail("variant", f"must be one of {list(VARIANTS)}, got {variant!r}")
     if heads_fast not in (False, True, 0, 1):
         fail("heads_fast", f"must be a bool, got {heads_fast!r}")
+    if variant >= 3 and heads_fast:
+        fail("heads_fast", f"must be False for variant {variant} (a persistent grid), got "
+                           f"{heads_fast!r}")
     if variant == 3:
-        if heads_fast:
-            fail("heads_fast", "must be False for variant 3 (a persistent grid), got "
-                               f"{heads_fast!r}")
         if num_stages is not None and (not _is_int(num_stages)
                                        or num_stages not in STREAM_STAGE_CHOICES):
             fail("num_stages", f"must be one of {list(STREAM_STAGE_CHOICES)} (or None) for "
@@ -207,12 +211,12 @@ def launch_shape(head_dim, variant=0, block_h=None, warps_per_block=None,
             fail("block_h", f"must be a power of two, got {block_h!r}")
         return 0, V0_WARPS, 1, int(block_h), 0
     g = 256 // head_dim  # heads per 16-byte pass of a warp
-    default_wpb = STREAM_WARPS if variant == 3 else VEC_WARPS
+    default_wpb = {3: STREAM_WARPS, 4: PERSIST_WARPS}.get(variant, VEC_WARPS)
     wpb = default_wpb if warps_per_block is None else warps_per_block
     if not _is_int(wpb) or wpb not in VEC_WARP_CHOICES:
         fail("warps_per_block", f"must be one of {list(VEC_WARP_CHOICES)} for variant "
                                 f"{variant}, got {warps_per_block!r}")
-    default_rounds = STREAM_ROUNDS if variant == 3 else VEC_ROUNDS
+    default_rounds = {3: STREAM_ROUNDS, 4: PERSIST_ROUNDS}.get(variant, VEC_ROUNDS)
     hpw = g * default_rounds if heads_per_warp is None else heads_per_warp
     choices = [g * r for r in VEC_ROUND_CHOICES]
     if not _is_int(hpw) or hpw not in choices:
@@ -253,22 +257,29 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
       shared scratch): csrc/nri_stream.cuh. Rows not 16-byte aligned (base or row stride),
       a table not 4-byte aligned, or (with ``num_stages=None``) a row too wide for two
       stages in the device's shared memory run variant 1 instead (the same bits).
-      Variants 1, 2 and 3 give bit-identical results; variant 0 may differ from them by
-      fp32 roundings (another summation order).
+      4: persistent warps (SMs x resident blocks of ``warps_per_block`` warps), each
+      walking a contiguous range of (token, head chunk) items, the q heads' items apart
+      from the others' (1 + w_q in registers for the whole launch, a token's cos / sin
+      widened once for its q items, no kind dispatch on the q path), the lanes and shuffles
+      of 1: csrc/nri_persist.cuh.
+      Variants 1-4 give bit-identical results; variant 0 may differ from them by fp32
+      roundings (another summation order).
     - ``block_h``: heads per CUDA block. Variant 0: a power of two (default 32, tuned; the
-      4 warps loop over them). Variants 1-3: must be ``warps_per_block * heads_per_warp``
+      4 warps loop over them). Variants 1-4: must be ``warps_per_block * heads_per_warp``
       (the default; variant 3: heads per block and pass over a token).
     - ``num_stages``: variant 3 only: shared-memory stages of the pipeline, 2 .. 8 (default
       None: 3, or fewer when the row is too wide); a count whose stages do not fit the
       device's shared memory per block raises ValueError. As Triton's knob.
-    - ``heads_fast``: grid order (variants 0-2). False (default): grid (N, head blocks), one
-      head block's tokens adjacent in launch order; True: a 1-D grid with a token's head
-      blocks adjacent (the rows walked in memory order; needs N * head blocks < 2^31).
+    - ``heads_fast``: grid order (variants 0-2; 3 and 4 are persistent). False (default):
+      grid (N, head blocks), one head block's tokens adjacent in launch order; True: a 1-D
+      grid with a token's head blocks adjacent (the rows walked in memory order; needs
+      N * head blocks < 2^31).
     - ``warps_per_block``: variant 0: 4 only; variants 1, 2: 1, 2, 4 or 8 (default 2);
-      variant 3: 1, 2, 4 or 8 (default 4).
-    - ``heads_per_warp``: variant 0: 1 only; variants 1-3: (256 / D) x {1, 2, 4} passes
+      variant 3: 1, 2, 4 or 8 (default 4); variant 4: 1, 2, 4 or 8 (default 8).
+    - ``heads_per_warp``: variant 0: 1 only; variants 1-4: (256 / D) x {1, 2, 4} passes
       (default 2 passes: 4 heads at D = 128, 8 at 64, 2 at 256; variant 3 processes them
-      together in each pass over a token).
+      together in each pass over a token; variant 4: the heads of one item, whose loads
+      are issued together).
 
     Raises ValueError (naming the argument) for bad arguments, including tensors that are
     not on a CUDA device, and RuntimeError with the CUDA error text if the launch fails."""
@@ -316,7 +327,7 @@ def launch_params(rows, positions, rope_table, w_q, w_k, *, block_h=None, num_st
     ``(outputs, None)`` for N = 0. ``kwargs`` are the other arguments of
     ``norm_rope_insert``. The CPU tests pass ``device_type="cpu"`` to run the kernels'
     source on the host (csrc/nri_vec_host.cpp: variants 1, 2; csrc/nri_stream_host.cpp:
-    variant 3) with these very parameters."""
+    variant 3; csrc/nri_persist_host.cpp: variant 4) with these very parameters."""
     plan = plan_norm_rope_insert(rows, positions, rope_table, w_q, w_k, **kwargs)
     variant, wpb, hpw, block_h, stages = launch_shape(plan.d, variant, block_h,
                                                       warps_per_block, heads_per_warp,

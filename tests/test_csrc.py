@@ -6,11 +6,12 @@ turns CUDA errors into RuntimeError with CUDA's text, and the CUDA launcher shar
 Triton launcher's signature and host checks. The fused kernel's numerics are judged by the
 generic differential test (implementation "cuda", marker gpu) and the gpu tests below, which
 also run every launch variant (0: a warp per head; 1, 2: 16-byte lanes, csrc/nri_vec.cuh;
-3: persistent, rows pipelined through shared memory by cp.async, csrc/nri_stream.cuh)
-against the reference and variants 1-3 against each other bit for bit. The vectorised
+3: persistent, rows pipelined through shared memory by cp.async, csrc/nri_stream.cuh; 4:
+persistent warps over (token, head chunk) items, csrc/nri_persist.cuh) against the
+reference and variants 1-4 against each other bit for bit. The vectorised
 variants' lane arithmetic (csrc/nri_lanes.h: RoPE partner exchange, cos/sin and partner
 indices, head ownership) is simulated on the CPU (csrc/nri_lanes_host.cpp, g++)
-exhaustively over every even R <= D, and the kernels of variants 1-3 themselves run on the
+exhaustively over every even R <= D, and the kernels of variants 1-4 themselves run on the
 CPU against csrc/cuda_sim.h (warps, and for variant 3 whole blocks with their barriers and
 shared memory, as coroutines; cp.async copies complete at once, so the simulation cannot
 judge the copies' asynchrony, the occupancy query or timing: the gpu tests do).
@@ -193,7 +194,7 @@ def test_launch_rejects_bad_parameters(lib):
 
 @pytest.mark.parametrize("change, code", [
     ({}, 0),
-    ({"variant": 4}, 1),
+    ({"variant": 5}, 1),
     ({"variant": -1}, 1),
     ({"stages": 3}, 1),  # variant 3's knob only
     ({"heads_fast": 2}, 1),
@@ -229,14 +230,20 @@ def test_launch_rejects_bad_parameters(lib):
     ({"variant": 3, "heads_per_block": 16, "heads_fast": 1}, 1),  # a persistent grid
     ({"variant": 3, "warps_per_block": 3, "heads_per_warp": 2, "heads_per_block": 6}, 1),
     ({"variant": 3, "warps_per_block": 2, "heads_per_warp": 6, "heads_per_block": 12}, 1),
+    ({"variant": 4}, 1),  # defaults 8 warps x 4 heads at D = 128: 32 heads per block, not 4
+    ({"variant": 4, "heads_per_block": 32}, 0),
+    ({"variant": 4, "warps_per_block": 1, "heads_per_warp": 8, "heads_per_block": 8}, 0),
+    ({"variant": 4, "warps_per_block": 2, "heads_per_warp": 6, "heads_per_block": 12}, 1),
+    ({"variant": 4, "heads_per_block": 32, "heads_fast": 1}, 1),  # a persistent grid
+    ({"variant": 4, "heads_per_block": 32, "stages": 2}, 1),  # variant 3's knob only
 ])
 def test_launch_checks_the_variant_parameters(lib, change, code):
     """The launch-shape fields (variant, warps per block, heads per warp, heads per block,
     grid order, stages) are checked before anything runs (N = 0: no launch, so the verdict
     is the parameter check's): 0 means the variant's default; variant 0 takes 4 warps of one
-    head; variants 1-3 take 1, 2, 4 or 8 warps of (256 / D) x {1, 2, 4} heads, and exactly
+    head; variants 1-4 take 1, 2, 4 or 8 warps of (256 / D) x {1, 2, 4} heads, and exactly
     warps x heads heads per block; variant 3 takes 2 .. 8 stages and the default grid order
-    only, the others no stages."""
+    only, variant 4 the default grid order only, the others no stages."""
     fields = dict(n=0, hq=8, hkv=2, hi=2, write_ik=1, head_dim=128, rotary_dim=64, act_fmt=4,
                   heads_per_block=4, page_size=16, ic_page=16, kv_fmt=0, iq_fmt=0, ic_fmt=0)
     fields.update(change)
@@ -460,18 +467,31 @@ def stream_sim():
     return lib
 
 
-#: Blocks of variant 3's simulated grid: 2, so that a block of 7 tokens pipelines 4 of
+@pytest.fixture(scope="module")
+def persist_sim():
+    """csrc/nri_persist_host.cpp: variant 4 of csrc/nri_persist.cuh, unchanged, compiled by
+    g++ against csrc/cuda_sim.h (a warp's lanes as coroutines meeting at every shuffle);
+    the caller picks the grid (the device takes SMs x resident blocks)."""
+    lib = _build_sim("nri_persist_host.cpp", "nri_persist_sim")
+    lib.nri_persist_sim_launch.argtypes = [ctypes.POINTER(cnri.NriParams), ctypes.c_int64]
+    lib.nri_persist_sim_launch.restype = ctypes.c_int
+    return lib
+
+
+#: Blocks of variant 3's and 4's simulated grid: 2, so that a block of 7 tokens pipelines 4 of
 #: them and wraps around its 3 stages.
 SIM_GRID = 2
 
 
 @pytest.fixture(scope="module")
-def sim(vec_sim, stream_sim):
-    """``sim(p, grid=SIM_GRID)``: runs NriParams (variant 1, 2 or 3) on the CPU; returns the
-    simulation's code (0: ran). Variant 3 on tensors misaligned for cp.async runs variant 1
-    with its default shape, as nri_launch does."""
+def sim(vec_sim, stream_sim, persist_sim):
+    """``sim(p, grid=SIM_GRID)``: runs NriParams (variant 1, 2, 3 or 4) on the CPU; returns
+    the simulation's code (0: ran). Variant 3 on tensors misaligned for cp.async runs
+    variant 1 with its default shape, as nri_launch does."""
 
     def launch(p, grid=SIM_GRID):
+        if p.variant == 4:
+            return persist_sim.nri_persist_sim_launch(ctypes.byref(p), grid)
         if p.variant != 3:
             return vec_sim.nri_vec_sim_launch(ctypes.byref(p))
         code = stream_sim.nri_stream_sim_launch(ctypes.byref(p), grid)
@@ -507,9 +527,9 @@ def _restrided(launch, row_pad=0, row_shift=0):
 
 
 def _sim_impl(sim, variant, grid=SIM_GRID, row_pad=0, row_shift=0, **knobs):
-    """An oracle implementation running ``variant`` (1, 2 or 3) through the CUDA launcher's
-    own host checks and parameters (``launch_params``) on CPU tensors, then the simulated
-    kernel (variant 3 over ``grid`` blocks)."""
+    """An oracle implementation running ``variant`` (1, 2, 3 or 4) through the CUDA
+    launcher's own host checks and parameters (``launch_params``) on CPU tensors, then the
+    simulated kernel (variants 3 and 4 over ``grid`` blocks)."""
     from oracle.registry import Implementation
 
     def launch(*args, **kwargs):
@@ -542,9 +562,9 @@ SIM_FORMATS = [("bfloat16", "e4m3fn"), ("float16", "e5m2fnuz"), ("bfloat16", "bf
 @needs_cpu_tensors
 @pytest.mark.slow
 @pytest.mark.parametrize("d, r", VARIANT_DR)
-@pytest.mark.parametrize("variant", [1, 2, 3])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_vec_kernels_on_the_cpu_match_reference(sim, variant, d, r):
-    """Variants 1, 2 and 3 (default launch shape), the kernel source run on the CPU: D 64 /
+    """Variants 1-4 (default launch shape), the kernel source run on the CPU: D 64 /
     128 / 256 x every R/2 % 8 (odd R/2, R = D), bf16 / fp16 rows, bf16 / fp16 / e4m3fn /
     e5m2fnuz caches, HND / NHD / padded layouts, indexed and dense rows, q in place and to
     a strided q_out, none / tensor / per-slot scales: admitted by the oracle."""
@@ -589,6 +609,7 @@ def test_vec_kernel_launch_shapes_on_the_cpu_give_identical_bits(sim, d, r):
     runs = [(v, k, SIM_GRID) for v in (1, 2) for k in _vec_knobs(d)]
     runs += [(3, k, SIM_GRID) for k in _stream_knobs(d)]
     runs += [(3, dict(num_stages=s), grid) for s in (2, 3) for grid in (1, 3, 100)]
+    runs += [(4, k, grid) for k in _persist_knobs(d) for grid in (1, SIM_GRID, 100)]
     ref = None
     for variant, knobs, grid in runs:
         impl = _sim_impl(sim, variant, grid=grid, **knobs)
@@ -603,9 +624,9 @@ def test_vec_kernel_launch_shapes_on_the_cpu_give_identical_bits(sim, d, r):
 
 
 @needs_cpu_tensors
-@pytest.mark.parametrize("variant", [1, 2, 3])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_vec_kernels_on_the_cpu_guard_slots_and_positions(sim, variant):
-    """CPU simulation of variants 1-3: slots past the cache or negative write nothing
+    """CPU simulation of variants 1-4: slots past the cache or negative write nothing
     (either cache), positions outside the table read no row, the valid tokens are admitted
     by the oracle."""
     from oracle.checks import run_check
@@ -633,7 +654,7 @@ def test_vec_kernels_on_the_cpu_guard_slots_and_positions(sim, variant):
 
 
 @needs_cpu_tensors
-@pytest.mark.parametrize("variant", [1, 2, 3])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_vec_kernels_on_the_cpu_in_place_and_skip_index(sim, variant):
     """CPU simulation: q in place equals q to a strided q_out bit for bit, v is untouched,
     skip_index leaves the index columns and the index cache alone, N = 0 is a no-op."""
@@ -697,7 +718,7 @@ def _same_bits(x, y):
 
 @needs_cpu_tensors
 @pytest.mark.parametrize("kv_fmt, r", [("e4m3fn", 16), ("bfloat16", 32), ("e5m2fnuz", 6)])
-@pytest.mark.parametrize("variant", [1, 2, 3])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_vec_kernels_on_the_cpu_misaligned_tensors_give_the_same_bits(sim, variant,
                                                                        kv_fmt, r):
     """CPU simulation: rows, table, caches and q_out starting off 16-byte boundaries take
@@ -716,7 +737,7 @@ def test_vec_kernels_on_the_cpu_misaligned_tensors_give_the_same_bits(sim, varia
 
 
 @needs_cpu_tensors
-@pytest.mark.parametrize("variant", [1, 2, 3])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_vec_kernels_on_the_cpu_at_the_model_head_layout(sim, variant):
     """CPU simulation at the model's head layout (Hq 64, Hkv 4, Hi 4 + index_k, D 128,
     R 64, P 128), 16 tokens, e4m3fn cache with per-slot scales, three launch shapes:
@@ -726,16 +747,32 @@ def test_vec_kernels_on_the_cpu_at_the_model_head_layout(sim, variant):
 
     x = make_case_inputs(d=128, r=64, kv_fmt="e4m3fn", scales="slot", n=16, hkv=4, group=16,
                          page=128, seed=variant)
-    shapes = (({}, dict(warps_per_block=1, heads_per_warp=4, heads_fast=True),
-               dict(warps_per_block=8, heads_per_warp=8)) if variant != 3 else
-              ({}, dict(warps_per_block=1, heads_per_warp=2, num_stages=2),
-               dict(warps_per_block=8, heads_per_warp=8, num_stages=4)))
-    for knobs in shapes:
+    for knobs in _model_shapes(variant):
         res = run_check(_case(x), _sim_impl(sim, variant, grid=3, **knobs), inputs=x)
         assert res.passed, f"{knobs}: {res.summary()}"
 
 
-#: Variant 3 against variant 1 on the same inputs (CPU simulation and GPU): (model dtype,
+def _model_shapes(variant):
+    """Launch knobs the model-layout tests run for a variant (1-4): the default, the
+    smallest and the largest shapes."""
+    if variant == 3:
+        return ({}, dict(warps_per_block=1, heads_per_warp=2, num_stages=2),
+                dict(warps_per_block=8, heads_per_warp=8, num_stages=4))
+    if variant == 4:
+        return ({}, dict(warps_per_block=1, heads_per_warp=2),
+                dict(warps_per_block=8, heads_per_warp=8))
+    return ({}, dict(warps_per_block=1, heads_per_warp=4, heads_fast=True),
+            dict(warps_per_block=8, heads_per_warp=8))
+
+
+def _persist_knobs(d):
+    """Launch shapes of variant 4 at head dim d: every warps per block x passes per item."""
+    g = 256 // d
+    return [dict(warps_per_block=w, heads_per_warp=g * rounds)
+            for w in cnri.VEC_WARP_CHOICES for rounds in cnri.VEC_ROUND_CHOICES]
+
+
+#: Variants 3 and 4 against variant 1 on the same inputs (CPU simulation and GPU): (model dtype,
 #: cache format, D, R, N, row padding, row shift, cache padding, dense rows, bad slots and
 #: positions). Every activation and cache format, R 64 / 128 / 48 / 2 (R/2 % 8 == 0 and
 #: not; R = D), D 64 / 128 / 256, padded row strides and caches, N 0 / 1 / 3 / 1000, and rows
@@ -782,15 +819,16 @@ def _check_stream_bits(impl3, impl1, x, label):
 
 
 @needs_cpu_tensors
+@pytest.mark.parametrize("variant", [3, 4])
 @pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_stream_kernel_on_the_cpu_gives_variant_1s_bits(sim, case):
-    """CPU simulation: variant 3 (over 3 blocks) gives exactly variant 1's outputs and cache
-    bytes for every row of STREAM_CASES (formats, D, R, N, padded and misaligned rows, out
-    of range slots and positions)."""
+def test_stream_kernel_on_the_cpu_gives_variant_1s_bits(sim, case, variant):
+    """CPU simulation: variants 3 and 4 (over 3 blocks) give exactly variant 1's outputs and
+    cache bytes for every row of STREAM_CASES (formats, D, R, N, padded and misaligned rows,
+    out of range slots and positions)."""
     md, kv_fmt, d, r, n, row_pad, row_shift, cache_pad, dense, bad = case
     x = _stream_case_inputs(md, kv_fmt, d, r, n, cache_pad, dense, bad)
-    impl3 = _sim_impl(sim, 3, grid=3, row_pad=row_pad, row_shift=row_shift)
-    _check_stream_bits(impl3, _sim_impl(sim, 1), x, str(case))
+    impl = _sim_impl(sim, variant, grid=3, row_pad=row_pad, row_shift=row_shift)
+    _check_stream_bits(impl, _sim_impl(sim, 1), x, str(case))
 
 
 @needs_cpu_tensors
@@ -865,7 +903,7 @@ def _good_args(**kw):
     ("slot_mapping", lambda a: {"slot_mapping": a["slot_mapping"].new_tensor([4, 4, -1])}),
     ("positions", lambda a: {"positions": a["positions"].new_tensor([0, 16, 1])}),
     ("block_h", lambda a: {"block_h": 3}),
-    ("variant", lambda a: {"variant": 4}),
+    ("variant", lambda a: {"variant": 5}),
     ("variant", lambda a: {"variant": True}),
     ("num_stages", lambda a: {"num_stages": 3}),  # variant 3's knob
     ("num_stages", lambda a: {"variant": 1, "num_stages": 2}),
@@ -1150,7 +1188,7 @@ def _vec_knobs(d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d, r", [(64, 6), (128, 64), (128, 126), (256, 24)])
 def test_cuda_launch_knobs_give_identical_bits(d, r):
-    """The launch shape never changes a bit: variants 1, 2 and 3 under every warps per block,
+    """The launch shape never changes a bit: variants 1-4 under every warps per block,
     heads per warp, grid order (1, 2) and stage count (3) give identical outputs and caches
     (the per-head fp32 arithmetic does not depend on the shape, and shuffled, re-read and
     shared-memory partners are the same fp32 values), as does variant 0 under every block_h
@@ -1163,6 +1201,7 @@ def test_cuda_launch_knobs_give_identical_bits(d, r):
                          seed=d + r)
     runs = [(v, k) for v in (1, 2) for k in _vec_knobs(d)]
     runs += [(3, k) for k in _stream_knobs(d)]
+    runs += [(4, k) for k in _persist_knobs(d)]
     runs += [(0, dict(block_h=bh, heads_fast=hf)) for bh in (1, 4, 32) for hf in (False, True)]
     judged, first = set(), {}
     for variant, knobs in runs:
@@ -1183,9 +1222,9 @@ def test_cuda_launch_knobs_give_identical_bits(d, r):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [1, 2, 3])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_cuda_variants_guard_out_of_range_slots_and_positions(variant):
-    """Variants 1-3: a slot past the cache or negative is skipped and a position past the
+    """Variants 1-4: a slot past the cache or negative is skipped and a position past the
     table reads no row: nothing outside the valid slots changes, nothing crashes."""
     from tests.test_kernel_norm_rope_insert import MAX_POS, make_case_inputs
 
@@ -1209,21 +1248,17 @@ def test_cuda_variants_guard_out_of_range_slots_and_positions(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [1, 2, 3])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_cuda_variants_at_the_model_shape(variant):
     """The model's head layout (Hq 64, Hkv 4, Hi 4 + index_k, D 128, R 64, P 128 pages),
-    1,024 tokens, e4m3fn cache with per-slot scales, default launch shape and the 1-warp
-    shape (variant 3: also 8 warps with 4 stages): admitted by the oracle."""
+    1,024 tokens, e4m3fn cache with per-slot scales, the default, smallest and largest
+    launch shapes (_model_shapes): admitted by the oracle."""
     from oracle.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case, make_case_inputs
 
     x = make_case_inputs(d=128, r=64, kv_fmt="e4m3fn", scales="slot", n=1024, hkv=4,
                          group=16, page=128, seed=variant)
-    shapes = (({}, dict(warps_per_block=1, heads_per_warp=4, heads_fast=True))
-              if variant != 3 else
-              ({}, dict(warps_per_block=1, heads_per_warp=2, num_stages=2),
-               dict(warps_per_block=8, heads_per_warp=8, num_stages=4)))
-    for knobs in shapes:
+    for knobs in _model_shapes(variant):
         res = run_check(_case(x), _variant_impl(variant, **knobs), inputs=x)
         assert res.passed, f"{knobs}: {res.summary()}"
 
@@ -1246,6 +1281,23 @@ def test_cuda_stream_variant_gives_variant_1s_bits(case):
                   dict(warps_per_block=8, heads_per_warp=4 * g, num_stages=5)):
         impl3 = _variant_impl(3, row_pad=row_pad, row_shift=row_shift, **knobs)
         _check_stream_bits(impl3, ref, x, f"{case} {knobs}")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_persist_variant_gives_variant_1s_bits(case):
+    """Variant 4 (default shape, 1 warp x 1 pass, 8 warps x 4 passes) gives exactly variant
+    1's outputs and cache bytes on the same inputs for every row of STREAM_CASES (formats,
+    D, R, N up to 1000 tokens: more items than one wave of warps for the 1-warp blocks, out
+    of range slots and positions, padded and misaligned rows)."""
+    md, kv_fmt, d, r, n, row_pad, row_shift, cache_pad, dense, bad = case
+    x = _stream_case_inputs(md, kv_fmt, d, r, n, cache_pad, dense, bad)
+    g = 256 // d
+    for knobs in ({}, dict(warps_per_block=1, heads_per_warp=g),
+                  dict(warps_per_block=8, heads_per_warp=4 * g)):
+        impl4 = _variant_impl(4, row_pad=row_pad, row_shift=row_shift, **knobs)
+        _check_stream_bits(impl4, _variant_impl(1), x, f"{case} {knobs}")
     torch.cuda.synchronize()
 
 

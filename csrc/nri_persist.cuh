@@ -1,0 +1,341 @@
+// Variant 4 of the fused insert (SPEC.md sections 3 and 4, the contract of
+// csrc/norm_rope_insert.cu): persistent WARPS over (token, head chunk) items, the 16-byte
+// lanes of variants 1 and 2 with their RoPE partners by warp shuffles, no shared memory and
+// no block barrier. Instantiated by csrc/nri_persist_{bf16,f16}_d{64,128,256}.cu (one translation unit
+// per activation format and head dim); simulated on the CPU by csrc/nri_persist_host.cpp.
+//
+// Why: variant 1 (one short-lived block per (token, head block)) was issue-bound on the
+// H200 (306 us at the model shape, 0.8 instructions per cycle per scheduler) because every
+// pass redid what does not change: the head's kind and weight (a load, a widening and 1 + w
+// per element), the token's position, table row and cos / sin, the slots. Variant 3 moved
+// the rows through shared memory and became latency-bound (18% occupancy). Here a warp
+// keeps a lane's dims for the whole launch, so 1 + w_q stays in registers; it walks a
+// CONTIGUOUS range of items, so a token's cos / sin are widened once per token and reused by
+// its ceil(Hq / HPW) q items; and the q items (nearly all the bytes) take a path with no
+// kind dispatch: load, normalise, rotate, round, store.
+//
+// Items: a token's heads are enumerated as everywhere (q, k, index_q, index_k); its q heads
+// form nq = ceil(Hq / HPW) items, the others nr = ceil((Hkv + Hi + index_k) / HPW) items
+// (HPW = G x ROUNDS heads per warp: G = 256 / D heads per 16-byte pass, ROUNDS passes), so
+// no item mixes q with the rest. Item i is (token i / (nq + nr), chunk i % (nq + nr)).
+// Warp gw of nw = gridDim.x x warps_per_block takes the items nri::persist_range(...) gives
+// it (an even split, one item of difference at most). Per item the warp issues the x loads
+// of its ROUNDS passes first (all lanes, zeros past the item's heads), then, on a new token,
+// its position and cos / signed sin (16-byte loads when R/2 % 8 == 0), then computes.
+//
+// Arithmetic (explicitly rounded, as variants 1-3: BIT-IDENTICAL outputs): the lane's sum of
+// squares in dim order (__fmaf_rn), the butterfly over the head's lanes, rs = rsqrtf(ss / D
+// + eps), n = (x rs) (1 + w), partners by nri::exchange (shuffles), y = fma(n', s, n c) in the
+// rotated dims, n beyond R. Stores: q items round and store y to q_out; the other items go
+// through store_head (csrc/nri_vec.cuh, shared with variants 1-3: k and index_k in place, K/V
+// and index_k into the caches at the token's slots, index_q to iq_out). A lane reads and
+// writes only its own 16 bytes of each head (partners come by shuffle), so in-place writes
+// need no ordering; every lane of a warp runs every shuffle (stores are what the guards skip).
+#pragma once
+
+#ifdef __CUDACC__
+#include <mutex>
+#endif
+
+#include "nri_vec.cuh"
+
+namespace nri_dev {
+
+// Blocks of kVecMaxWarps warps per SM asked of the register allocator: 64 registers for
+// 1 and 2 passes, 80 for 4 (the queue of 4 x 16 bytes, 1 + w_q, cos and sin in fp32).
+constexpr int persist_min_blocks(int rounds) { return rounds == 4 ? 2 : 3; }
+
+// Normalise and rotate one pass: the lane's 8 codes xb (dims c .. c + 7 of a head of D
+// dims, LPH lanes), 1 + w of its dims w1, cos / signed sin cs / sn (0 in pass-through dims)
+// -> y. Every lane of the warp must call it (shuffles). ALIGNED (R/2 % 8 == 0, the model's
+// case): the lane's 8 dims share one RoPE role and one partner lane, `src` (nri::exchange's
+// source lane for B = 0, computed once per lane by aligned_partner), and rotate when
+// `rot_lane`; else nri::exchange and the role per dim. The same values either way.
+template <int ACT, int D, bool ALIGNED>
+__device__ __forceinline__ void norm_rope_pass(const uint32_t (&xb)[4], const float (&w1)[8],
+                                               const float (&cs)[8], const float (&sn)[8],
+                                               int l, int c, int hr, int src, bool rot_lane,
+                                               float eps, float (&y)[8]) {
+  constexpr int C = nri::kChunk;
+  constexpr int LPH = nri::Geo<D>::kLanesPerHead;
+  float x[C];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < C; ++j) {
+    x[j] = widen<ACT>(xb, j);
+    ss = __fmaf_rn(x[j], x[j], ss);
+  }
+#pragma unroll
+  for (int o = LPH / 2; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xFFFFFFFFu, ss, o));
+  const float rs = rsqrtf(__fadd_rn(__fmul_rn(ss, 1.f / D), eps));  // / D: exact, D = 2^k
+  float n[C], np[C];
+#pragma unroll
+  for (int j = 0; j < C; ++j) n[j] = __fmul_rn(__fmul_rn(x[j], rs), w1[j]);
+  if (ALIGNED) {
+#pragma unroll
+    for (int j = 0; j < C; ++j) np[j] = __shfl_sync(0xFFFFFFFFu, n[j], src, LPH);
+#pragma unroll
+    for (int j = 0; j < C; ++j)
+      y[j] = rot_lane ? __fmaf_rn(np[j], sn[j], __fmul_rn(n[j], cs[j])) : n[j];
+  } else {
+    nri::exchange<LPH>(n, l, hr, WarpShfl<LPH>{}, np);
+#pragma unroll
+    for (int j = 0; j < C; ++j)
+      y[j] = nri::rope_role(c + j, hr) == 2 ? n[j]
+                                            : __fmaf_rn(np[j], sn[j], __fmul_rn(n[j], cs[j]));
+  }
+}
+
+// 1 + w of the lane's dims c .. c + 7 (w: D codes of format ACT).
+template <int ACT>
+__device__ __forceinline__ void one_plus_w(const uint16_t* w, int c, float (&w1)[8]) {
+  uint32_t wb[4];
+  load8(w + c, wb);
+#pragma unroll
+  for (int j = 0; j < nri::kChunk; ++j) w1[j] = __fadd_rn(1.f, widen<ACT>(wb, j));
+}
+
+// The cos / signed sin of position `pos` at the lane's dims c .. c + 7 in fp32 (as variant 1:
+// the sine's sign flipped in the first half; 0 in pass-through dims and for positions
+// outside the table, where no row is read).
+template <int ACT>
+__device__ __forceinline__ void rope_coeffs(const NriParams& p, int64_t tok, int c, int rot,
+                                            float (&cs)[8], float (&sn)[8]) {
+  constexpr int C = nri::kChunk;
+  const int hr = rot >> 1;
+  uint32_t cw[4] = {0, 0, 0, 0}, sw[4] = {0, 0, 0, 0};
+  const int64_t pos = load_index(p.positions, p.pos_is64, tok * p.pos_stride);
+  if (pos >= 0 && pos < p.max_pos && c < rot) {
+    const uint16_t* trow = static_cast<const uint16_t*>(p.table) + pos * p.table_stride;
+    if ((hr & 7) == 0) {
+      const int ci = nri::cos_chunk(c, hr);
+      load8(trow + ci, cw);
+      load8(trow + hr + ci, sw);
+    } else {
+#pragma unroll
+      for (int j = 0; j < C; ++j) {
+        const int ci = nri::cos_index(c + j, hr);
+        const bool in = c + j < rot;
+        cw[j >> 1] |= (in ? (uint32_t)trow[ci] : 0u) << (16 * (j & 1));
+        sw[j >> 1] |= (in ? (uint32_t)trow[hr + ci] : 0u) << (16 * (j & 1));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < C; ++j)
+      if (nri::rope_role(c + j, hr) == 0) sw[j >> 1] ^= 0x8000u << (16 * (j & 1));
+  }
+#pragma unroll
+  for (int j = 0; j < C; ++j) {
+    cs[j] = widen<ACT>(cw, j);
+    sn[j] = widen<ACT>(sw, j);
+  }
+}
+
+// nri::exchange's source lane for the lane's 8 dims when R/2 % 8 == 0 (its B = 0 case: one
+// partner lane for all 8, l + R/16 in the first half, l - R/16 in the second).
+template <int LPH>
+__device__ __forceinline__ int aligned_partner(int l, int c, int hr) {
+  return (c < hr ? l + (hr >> 3) : l - (hr >> 3)) & (LPH - 1);
+}
+
+// Phase 1 of the kernel: the warp's share of the q items (nq = ceil(Hq / HPW) per token),
+// x loads of its ROUNDS passes first, cos / sin on a new token, then pass after pass (not
+// unrolled: unrolled, the compiler interleaves the passes' shuffles and needs more than 128
+// registers; the queue moves down instead). cs / sn: the kernel's registers for cos / sin.
+template <int ACT, int D, int ROUNDS, bool ALIGNED>
+__device__ __forceinline__ void q_items(const NriParams& p, int64_t nw, int64_t gw, int grp,
+                                        int l, int c, float (&cs)[8], float (&sn)[8]) {
+  constexpr int C = nri::kChunk;
+  constexpr int LPH = nri::Geo<D>::kLanesPerHead;
+  constexpr int G = nri::Geo<D>::kHeadsPerPass;
+  constexpr int HPW = G * ROUNDS;
+  const int hq = (int)p.hq;
+  const int rot = (int)p.rotary_dim;
+  const int hr = rot >> 1;
+  const float eps = (float)p.eps;
+  const int src = aligned_partner<LPH>(l, c, hr);
+  const bool rot_lane = c < rot;
+  const int nq = (hq + HPW - 1) / HPW;
+  int64_t it, end;
+  nri::persist_range(p.n * nq, nw, gw, it, end);
+  float wq1[C];
+  one_plus_w<ACT>(static_cast<const uint16_t*>(p.w_q), c, wq1);
+  int64_t tok = it / nq;
+  int ch = (int)(it - tok * nq);
+  int64_t cur = -1;
+  for (; it < end; ++it) {
+    const int h0 = ch * HPW;
+    const uint16_t* x = static_cast<const uint16_t*>(p.rows) + tok * p.row_stride + c;
+    uint32_t xb[ROUNDS][4];
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+      const int t = h0 + r * G + grp;
+      if (t < hq) {
+        load8(x + t * D, xb[r]);
+      } else {
+        xb[r][0] = xb[r][1] = xb[r][2] = xb[r][3] = 0;
+      }
+    }
+    if (tok != cur) {
+      cur = tok;
+      rope_coeffs<ACT>(p, tok, c, rot, cs, sn);
+    }
+    uint16_t* qo = static_cast<uint16_t*>(p.q_out) + tok * p.q_s0 + c;
+#pragma unroll 1
+    for (int r = 0; r < ROUNDS; ++r) {
+      const int t = h0 + r * G + grp;
+      float y[C];
+      norm_rope_pass<ACT, D, ALIGNED>(xb[0], wq1, cs, sn, l, c, hr, src, rot_lane, eps, y);
+#pragma unroll
+      for (int q = 0; q + 1 < ROUNDS; ++q) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) xb[q][k] = xb[q + 1][k];
+      }
+      if (t < hq) {
+        uint32_t ob[4];
+        pack8(y, ACT, ob);
+        store8(qo + t * p.q_s1, ob);
+      }
+    }
+    if (++ch == nq) {
+      ch = 0;
+      ++tok;
+    }
+  }
+}
+
+template <int ACT, int D, int ROUNDS>
+__global__ void __launch_bounds__(kVecMaxWarps * 32, persist_min_blocks(ROUNDS))
+nri_persist_kernel(const NriParams p) {
+  constexpr int C = nri::kChunk;
+  constexpr int LPH = nri::Geo<D>::kLanesPerHead;
+  constexpr int G = nri::Geo<D>::kHeadsPerPass;
+  constexpr int HPW = G * ROUNDS;
+  const int lane = threadIdx.x & 31;
+  const int grp = lane / LPH;
+  const int l = lane % LPH;
+  const int c = l * C;
+  const int64_t wpb = blockDim.x >> 5;
+  const int64_t nw = (int64_t)gridDim.x * wpb;
+  const int64_t gw = (int64_t)blockIdx.x * wpb + (threadIdx.x >> 5);
+
+  const int hq = (int)p.hq;
+  const int total = (int)(p.hq + p.hkv + p.hi + p.write_ik);
+  const int rot = (int)p.rotary_dim;
+  const int hr = rot >> 1;
+  const float eps = (float)p.eps;
+  float cs[C], sn[C];  // cos / signed sin of token `cur`
+
+  // Phase 1: the q items, nq per token (all the warps, an even split).
+  if ((hr & 7) == 0) {
+    q_items<ACT, D, ROUNDS, true>(p, nw, gw, grp, l, c, cs, sn);
+  } else {
+    q_items<ACT, D, ROUNDS, false>(p, nw, gw, grp, l, c, cs, sn);
+  }
+
+  // Phase 2: the other heads (k with V, index_q, index_k), nr items per token, split over
+  // the warps in reverse order (warp nw - 1 first), so that the warps given one q item
+  // more than others are not also given one rest item more.
+  const int nr = (total - hq + HPW - 1) / HPW;
+  int64_t it, end;
+  nri::persist_range(p.n * nr, nw, nw - 1 - gw, it, end);
+  int64_t tok = it / (nr > 0 ? nr : 1);
+  int ch = (int)(it - tok * nr);
+  int64_t cur = -1;
+  for (; it < end; ++it) {
+    const int h0 = hq + ch * HPW;
+    const int h_end = min(total, h0 + HPW);
+    uint16_t* row = static_cast<uint16_t*>(p.rows) + tok * p.row_stride;
+    if (tok != cur) {
+      cur = tok;
+      rope_coeffs<ACT>(p, tok, c, rot, cs, sn);
+    }
+    // Cache offsets of the token's slots (-1: not written): page * s0 + offset * s2.
+    int64_t slot = -1, kv_base = -1, ic_base = -1;
+    if (h0 < hq + p.hkv) {
+      slot = load_index(p.slots, p.slots_is64, tok * p.slot_stride);
+      if (slot >= 0 && slot < p.num_slots)
+        kv_base = (slot / p.page_size) * p.kv_s0 + (slot % p.page_size) * p.kv_s2;
+    }
+    if (p.write_ik && h_end == total) {
+      const int64_t islot = load_index(p.islots, p.islots_is64, tok * p.islot_stride);
+      if (islot >= 0 && islot < p.ic_num_slots)
+        ic_base = (islot / p.ic_page) * p.ic_s0 + (islot % p.ic_page) * p.ic_s1;
+    }
+    // One pass at a time, its loads in the pass (these heads are few: registers go to the
+    // q items' queue), as many passes as the item has heads; not unrolled, so store_head's
+    // code exists once.
+    const int passes = (h_end - h0 + G - 1) / G;  // uniform over the warp
+#pragma unroll 1
+    for (int r = 0; r < passes; ++r) {
+      const HeadRef hd = head_ref<D>(p, h0 + r * G + grp, h_end);
+      uint32_t xb[4] = {0, 0, 0, 0}, vb[4] = {0, 0, 0, 0};
+      if (hd.kind >= 0) load8(row + hd.col + c, xb);
+      if (hd.kind == 1) load8(row + (p.hq + p.hkv + hd.h) * D + c, vb);
+      float w1[C], y[C];
+      one_plus_w<ACT>(weight_of(p, hd.kind), c, w1);
+      norm_rope_pass<ACT, D, false>(xb, w1, cs, sn, l, c, hr, 0, false, eps, y);
+      if (hd.kind >= 0) store_head<ACT, D>(p, hd, tok, row, c, y, vb, slot, kv_base, ic_base);
+    }
+    if (++ch == nr) {
+      ch = 0;
+      ++tok;
+    }
+  }
+}
+
+#ifdef __CUDACC__
+// The persistent grid's size for an instantiation: SMs x resident blocks of `threads`
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor), cached per instantiation for the last
+// (device, threads), so that a launch inside a CUDA graph capture only reads the cache.
+template <int ACT, int D, int ROUNDS>
+cudaError_t persist_grid_cap(int threads, int64_t* cap) {
+  static std::mutex mu;
+  static int c_dev = -1, c_threads = 0;
+  static int64_t c_cap = 0;
+  int dev = 0, sms = 0, per_sm = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev == c_dev && threads == c_threads) {
+    *cap = c_cap;
+    return cudaSuccess;
+  }
+  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return e;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, nri_persist_kernel<ACT, D, ROUNDS>,
+                                                    threads, 0);
+  if (e != cudaSuccess) return e;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  c_dev = dev, c_threads = threads, c_cap = (int64_t)sms * per_sm;
+  *cap = c_cap;
+  return cudaSuccess;
+}
+
+// Launches one instantiation: min(SMs x resident blocks, blocks enough for one item per
+// warp) blocks of p.warps_per_block warps.
+template <int ACT, int D, int ROUNDS>
+cudaError_t launch_persist_k(const NriParams& p, cudaStream_t s) {
+  const int threads = (int)p.warps_per_block * 32;
+  int64_t cap = 0;
+  const cudaError_t e = persist_grid_cap<ACT, D, ROUNDS>(threads, &cap);
+  if (e != cudaSuccess) return e;
+  const int64_t items = p.n * nri::persist_items_per_token(p.hq, p.hkv + p.hi + p.write_ik,
+                                                           nri::Geo<D>::kHeadsPerPass * ROUNDS);
+  const int64_t need = (items + p.warps_per_block - 1) / p.warps_per_block;
+  const unsigned grid = (unsigned)(need < cap ? need : cap);
+  nri_persist_kernel<ACT, D, ROUNDS><<<grid, threads, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
+template <int ACT, int D>
+cudaError_t launch_persist(const NriParams& p, int rounds, cudaStream_t s) {
+  switch (rounds) {
+    case 1: return launch_persist_k<ACT, D, 1>(p, s);
+    case 2: return launch_persist_k<ACT, D, 2>(p, s);
+    default: return launch_persist_k<ACT, D, 4>(p, s);
+  }
+}
+#endif  // __CUDACC__ (csrc/nri_persist_host.cpp runs the kernel on the CPU instead)
+
+}  // namespace nri_dev
