@@ -138,38 +138,67 @@ __device__ __forceinline__ int aligned_partner(int l, int c, int hr) {
   return (c < hr ? l + (hr >> 3) : l - (hr >> 3)) & (LPH - 1);
 }
 
-// Phase 1 of the kernel: the warp's share of the q items (nq = ceil(Hq / HPW) per token),
-// x loads of its ROUNDS passes first, cos / sin on a new token, then pass after pass (not
-// unrolled: unrolled, the compiler interleaves the passes' shuffles and needs more than 128
-// registers; the queue moves down instead). cs / sn: the kernel's registers for cos / sin.
+// The lane's geometry and the launch constants an item needs.
+struct PersistLane {
+  int grp, l, c, hr, src;
+  bool rot_lane;
+  float eps;
+};
+
+// A q item: the queued x codes of its passes (heads h0 + r G + grp, those below Hq stored)
+// -> normalised, rotated, rounded, stored to q_out. Passes one after another (not unrolled:
+// unrolled, the compiler interleaves the passes' shuffles and spills); the queue moves down.
 template <int ACT, int D, int ROUNDS, bool ALIGNED>
-__device__ __forceinline__ void q_items(const NriParams& p, int64_t nw, int64_t gw, int grp,
-                                        int l, int c, float (&cs)[8], float (&sn)[8]) {
+__device__ __forceinline__ void q_item(const NriParams& p, const PersistLane& ln, int64_t tok,
+                                       int h0, uint32_t (&xb)[ROUNDS][4],
+                                       const float (&w1)[8], const float (&cs)[8],
+                                       const float (&sn)[8]) {
+  constexpr int G = nri::Geo<D>::kHeadsPerPass;
+  const int hq = (int)p.hq;
+  uint16_t* qo = static_cast<uint16_t*>(p.q_out) + tok * p.q_s0 + ln.c;
+#pragma unroll 1
+  for (int r = 0; r < ROUNDS; ++r) {
+    const int t = h0 + r * G + ln.grp;
+    float y[nri::kChunk];
+    norm_rope_pass<ACT, D, ALIGNED>(xb[0], w1, cs, sn, ln.l, ln.c, ln.hr, ln.src, ln.rot_lane,
+                                    ln.eps, y);
+#pragma unroll
+    for (int q = 0; q + 1 < ROUNDS; ++q) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) xb[q][k] = xb[q + 1][k];
+    }
+    if (t < hq) {
+      uint32_t ob[4];
+      pack8(y, ACT, ob);
+      store8(qo + t * p.q_s1, ob);
+    }
+  }
+}
+
+// A q warp's share (warp gw of nw) of the q items (nq = ceil(Hq / HPW) per token, an even
+// split, contiguous and token-major), each: the x loads of its passes,
+// the token's cos / sin when the token changes, then q_item.
+template <int ACT, int D, int ROUNDS, bool ALIGNED>
+__device__ __forceinline__ void q_items(const NriParams& p, const PersistLane& ln, int64_t nw,
+                                        int64_t gw) {
   constexpr int C = nri::kChunk;
-  constexpr int LPH = nri::Geo<D>::kLanesPerHead;
   constexpr int G = nri::Geo<D>::kHeadsPerPass;
   constexpr int HPW = G * ROUNDS;
   const int hq = (int)p.hq;
-  const int rot = (int)p.rotary_dim;
-  const int hr = rot >> 1;
-  const float eps = (float)p.eps;
-  const int src = aligned_partner<LPH>(l, c, hr);
-  const bool rot_lane = c < rot;
   const int nq = (hq + HPW - 1) / HPW;
   int64_t it, end;
   nri::persist_range(p.n * nq, nw, gw, it, end);
-  float wq1[C];
-  one_plus_w<ACT>(static_cast<const uint16_t*>(p.w_q), c, wq1);
-  int64_t tok = it / nq;
+  float wq1[C], cs[C], sn[C];  // 1 + w_q; cos / signed sin of token `cur`
+  one_plus_w<ACT>(static_cast<const uint16_t*>(p.w_q), ln.c, wq1);
+  int64_t tok = it / nq, cur = -1;
   int ch = (int)(it - tok * nq);
-  int64_t cur = -1;
   for (; it < end; ++it) {
     const int h0 = ch * HPW;
-    const uint16_t* x = static_cast<const uint16_t*>(p.rows) + tok * p.row_stride + c;
+    const uint16_t* x = static_cast<const uint16_t*>(p.rows) + tok * p.row_stride + ln.c;
     uint32_t xb[ROUNDS][4];
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
-      const int t = h0 + r * G + grp;
+      const int t = h0 + r * G + ln.grp;
       if (t < hq) {
         load8(x + t * D, xb[r]);
       } else {
@@ -178,25 +207,9 @@ __device__ __forceinline__ void q_items(const NriParams& p, int64_t nw, int64_t 
     }
     if (tok != cur) {
       cur = tok;
-      rope_coeffs<ACT>(p, tok, c, rot, cs, sn);
+      rope_coeffs<ACT>(p, tok, ln.c, 2 * ln.hr, cs, sn);
     }
-    uint16_t* qo = static_cast<uint16_t*>(p.q_out) + tok * p.q_s0 + c;
-#pragma unroll 1
-    for (int r = 0; r < ROUNDS; ++r) {
-      const int t = h0 + r * G + grp;
-      float y[C];
-      norm_rope_pass<ACT, D, ALIGNED>(xb[0], wq1, cs, sn, l, c, hr, src, rot_lane, eps, y);
-#pragma unroll
-      for (int q = 0; q + 1 < ROUNDS; ++q) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) xb[q][k] = xb[q + 1][k];
-      }
-      if (t < hq) {
-        uint32_t ob[4];
-        pack8(y, ACT, ob);
-        store8(qo + t * p.q_s1, ob);
-      }
-    }
+    q_item<ACT, D, ROUNDS, ALIGNED>(p, ln, tok, h0, xb, wq1, cs, sn);
     if (++ch == nq) {
       ch = 0;
       ++tok;
@@ -204,52 +217,28 @@ __device__ __forceinline__ void q_items(const NriParams& p, int64_t nw, int64_t 
   }
 }
 
+// A rest warp's share (warp gw of nw) of the items of the other heads (k with V, index_q,
+// index_k: nr = ceil((Hkv + Hi + index_k) / HPW) per token). Per item the token's slots, then pass after pass (not
+// unrolled: store_head's code once; registers stay with the q phase's queue), each pass
+// issuing its x, V and K/V-scale loads together, then store_head.
 template <int ACT, int D, int ROUNDS>
-__global__ void __launch_bounds__(kVecMaxWarps * 32, persist_min_blocks(ROUNDS))
-nri_persist_kernel(const NriParams p) {
+__device__ __forceinline__ void rest_items(const NriParams& p, const PersistLane& ln,
+                                           int64_t nw, int64_t gw) {
   constexpr int C = nri::kChunk;
-  constexpr int LPH = nri::Geo<D>::kLanesPerHead;
   constexpr int G = nri::Geo<D>::kHeadsPerPass;
   constexpr int HPW = G * ROUNDS;
-  const int lane = threadIdx.x & 31;
-  const int grp = lane / LPH;
-  const int l = lane % LPH;
-  const int c = l * C;
-  const int64_t wpb = blockDim.x >> 5;
-  const int64_t nw = (int64_t)gridDim.x * wpb;
-  const int64_t gw = (int64_t)blockIdx.x * wpb + (threadIdx.x >> 5);
-
   const int hq = (int)p.hq;
   const int total = (int)(p.hq + p.hkv + p.hi + p.write_ik);
-  const int rot = (int)p.rotary_dim;
-  const int hr = rot >> 1;
-  const float eps = (float)p.eps;
-  float cs[C], sn[C];  // cos / signed sin of token `cur`
-
-  // Phase 1: the q items, nq per token (all the warps, an even split).
-  if ((hr & 7) == 0) {
-    q_items<ACT, D, ROUNDS, true>(p, nw, gw, grp, l, c, cs, sn);
-  } else {
-    q_items<ACT, D, ROUNDS, false>(p, nw, gw, grp, l, c, cs, sn);
-  }
-
-  // Phase 2: the other heads (k with V, index_q, index_k), nr items per token, split over
-  // the warps in reverse order (warp nw - 1 first), so that the warps given one q item
-  // more than others are not also given one rest item more.
   const int nr = (total - hq + HPW - 1) / HPW;
   int64_t it, end;
-  nri::persist_range(p.n * nr, nw, nw - 1 - gw, it, end);
-  int64_t tok = it / (nr > 0 ? nr : 1);
+  nri::persist_range(p.n * nr, nw, gw, it, end);
+  float cs[C], sn[C];
+  int64_t tok = it / (nr > 0 ? nr : 1), cur = -1;
   int ch = (int)(it - tok * nr);
-  int64_t cur = -1;
   for (; it < end; ++it) {
     const int h0 = hq + ch * HPW;
     const int h_end = min(total, h0 + HPW);
     uint16_t* row = static_cast<uint16_t*>(p.rows) + tok * p.row_stride;
-    if (tok != cur) {
-      cur = tok;
-      rope_coeffs<ACT>(p, tok, c, rot, cs, sn);
-    }
     // Cache offsets of the token's slots (-1: not written): page * s0 + offset * s2.
     int64_t slot = -1, kv_base = -1, ic_base = -1;
     if (h0 < hq + p.hkv) {
@@ -262,25 +251,59 @@ nri_persist_kernel(const NriParams p) {
       if (islot >= 0 && islot < p.ic_num_slots)
         ic_base = (islot / p.ic_page) * p.ic_s0 + (islot % p.ic_page) * p.ic_s1;
     }
-    // One pass at a time, its loads in the pass (these heads are few: registers go to the
-    // q items' queue), as many passes as the item has heads; not unrolled, so store_head's
-    // code exists once.
+    if (tok != cur) {
+      cur = tok;
+      rope_coeffs<ACT>(p, tok, ln.c, 2 * ln.hr, cs, sn);
+    }
     const int passes = (h_end - h0 + G - 1) / G;  // uniform over the warp
 #pragma unroll 1
     for (int r = 0; r < passes; ++r) {
-      const HeadRef hd = head_ref<D>(p, h0 + r * G + grp, h_end);
+      const HeadRef hd = head_ref<D>(p, h0 + r * G + ln.grp, h_end);
       uint32_t xb[4] = {0, 0, 0, 0}, vb[4] = {0, 0, 0, 0};
-      if (hd.kind >= 0) load8(row + hd.col + c, xb);
-      if (hd.kind == 1) load8(row + (p.hq + p.hkv + hd.h) * D + c, vb);
+      if (hd.kind >= 0) load8(row + hd.col + ln.c, xb);
+      if (hd.kind == 1) load8(row + (p.hq + p.hkv + hd.h) * D + ln.c, vb);
+      const KvScales sc = kv_scales(p, hd, slot, kv_base);
       float w1[C], y[C];
-      one_plus_w<ACT>(weight_of(p, hd.kind), c, w1);
-      norm_rope_pass<ACT, D, false>(xb, w1, cs, sn, l, c, hr, 0, false, eps, y);
-      if (hd.kind >= 0) store_head<ACT, D>(p, hd, tok, row, c, y, vb, slot, kv_base, ic_base);
+      one_plus_w<ACT>(weight_of(p, hd.kind), ln.c, w1);
+      norm_rope_pass<ACT, D, false>(xb, w1, cs, sn, ln.l, ln.c, ln.hr, 0, false, ln.eps, y);
+      if (hd.kind >= 0) store_head<ACT, D>(p, hd, tok, row, ln.c, y, vb, sc, kv_base, ic_base);
     }
     if (++ch == nr) {
       ch = 0;
       ++tok;
     }
+  }
+}
+
+// A warp is a q warp or a rest warp for the whole launch (nri::persist_role: p.rest_warps of
+// every 8 warps take the other heads' items), so that the latency-bound other items (a pass
+// at a time) overlap the streaming q items instead of running after them, and each role's
+// code keeps its own registers (one loop running both spilled). p.rest_warps balances the
+// two roles' finishing times (tuned: benchmarks/tune_insert.py).
+template <int ACT, int D, int ROUNDS>
+__global__ void __launch_bounds__(kVecMaxWarps * 32, persist_min_blocks(ROUNDS))
+nri_persist_kernel(const NriParams p) {
+  constexpr int C = nri::kChunk;
+  constexpr int LPH = nri::Geo<D>::kLanesPerHead;
+  const int lane = threadIdx.x & 31;
+  PersistLane ln;
+  ln.grp = lane / LPH;
+  ln.l = lane % LPH;
+  ln.c = ln.l * C;
+  ln.hr = (int)(p.rotary_dim >> 1);
+  ln.src = aligned_partner<LPH>(ln.l, ln.c, ln.hr);
+  ln.rot_lane = ln.c < p.rotary_dim;
+  ln.eps = (float)p.eps;
+  const int64_t wpb = blockDim.x >> 5;
+  const nri::PersistRole role = nri::persist_role(
+      (int64_t)blockIdx.x * wpb + (threadIdx.x >> 5), (int64_t)gridDim.x * wpb,
+      (int)p.rest_warps);
+  if (role.rest) {
+    rest_items<ACT, D, ROUNDS>(p, ln, role.count, role.index);
+  } else if ((ln.hr & 7) == 0) {  // uniform over the launch
+    q_items<ACT, D, ROUNDS, true>(p, ln, role.count, role.index);
+  } else {
+    q_items<ACT, D, ROUNDS, false>(p, ln, role.count, role.index);
   }
 }
 
@@ -312,8 +335,7 @@ cudaError_t persist_grid_cap(int threads, int64_t* cap) {
   return cudaSuccess;
 }
 
-// Launches one instantiation: min(SMs x resident blocks, blocks enough for one item per
-// warp) blocks of p.warps_per_block warps.
+// Launches one instantiation: nri::persist_grid blocks of p.warps_per_block warps.
 template <int ACT, int D, int ROUNDS>
 cudaError_t launch_persist_k(const NriParams& p, cudaStream_t s) {
   const int threads = (int)p.warps_per_block * 32;
@@ -322,8 +344,7 @@ cudaError_t launch_persist_k(const NriParams& p, cudaStream_t s) {
   if (e != cudaSuccess) return e;
   const int64_t items = p.n * nri::persist_items_per_token(p.hq, p.hkv + p.hi + p.write_ik,
                                                            nri::Geo<D>::kHeadsPerPass * ROUNDS);
-  const int64_t need = (items + p.warps_per_block - 1) / p.warps_per_block;
-  const unsigned grid = (unsigned)(need < cap ? need : cap);
+  const unsigned grid = (unsigned)nri::persist_grid(cap, items, p.warps_per_block);
   nri_persist_kernel<ACT, D, ROUNDS><<<grid, threads, 0, s>>>(p);
   return cudaGetLastError();
 }

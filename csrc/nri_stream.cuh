@@ -383,7 +383,8 @@ __device__ __forceinline__ void stream_compute(const NriParams& p, const StreamG
         if (islot >= 0 && islot < p.ic_num_slots)
           ic_base = (islot / p.ic_page) * p.ic_s0 + (islot % p.ic_page) * p.ic_s1;
       }
-      store_head<ACT, D>(p, hd[r], tok, row, c, y, vb, slot, kv_base, ic_base);
+      store_head<ACT, D>(p, hd[r], tok, row, c, y, vb, kv_scales(p, hd[r], slot, kv_base),
+                         kv_base, ic_base);
     }
   }
 }

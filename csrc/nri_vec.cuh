@@ -113,16 +113,31 @@ __device__ __forceinline__ void load_pass(const NriParams& p, const uint16_t* ro
   if (XCHG == XCHG_GLOBAL) load_partner8(row + hd.col, c, rot, hr, xpb);
 }
 
+// K and V scales of head hd at the token's slot for store_head: loaded for a k head written
+// into an fp8 cache (kv_base >= 0), 1 otherwise (unused). Apart from store_head so that a
+// caller can issue the loads early (variant 4 does, with the head's other loads).
+struct KvScales {
+  float k, v;
+};
+
+__device__ __forceinline__ KvScales kv_scales(const NriParams& p, const HeadRef& hd,
+                                              int64_t slot, int64_t kv_base) {
+  if (hd.kind != 1 || kv_base < 0 || !cvt::is_fp8((int)p.kv_fmt)) return KvScales{1.f, 1.f};
+  const int64_t h = hd.h;
+  return KvScales{p.k_scale[h * p.ks_s0 + slot * p.ks_s1],
+                  p.v_scale[h * p.vs_s0 + slot * p.vs_s1]};
+}
+
 // The outputs of head hd (kind >= 0) from its fp32 values y (the lane's dims c .. c + 7):
 // q -> q_out, index_q -> iq_out (model dtype or fp8 codes), k and index_k in place in the
 // token's row (global memory) and into the caches at kv_base / ic_base (the token's slot
 // offsets page * s0 + offset * s2 / s1; -1: not written), V from its model-dtype codes vb
-// (k heads only). Shared by variants 1, 2 (this file) and 3 (csrc/nri_stream.cuh), so that
-// they write the same bits.
+// (k heads only), its scales sc (kv_scales). Shared by variants 1, 2 (this file), 3
+// (csrc/nri_stream.cuh) and 4 (csrc/nri_persist.cuh), so that they write the same bits.
 template <int ACT, int D>
 __device__ __forceinline__ void store_head(const NriParams& p, const HeadRef& hd, int64_t tok,
                                            uint16_t* row, int c, const float (&y)[nri::kChunk],
-                                           const uint32_t (&vb)[4], int64_t slot,
+                                           const uint32_t (&vb)[4], KvScales sc,
                                            int64_t kv_base, int64_t ic_base) {
   constexpr int C = nri::kChunk;
   const int kind = hd.kind;
@@ -150,13 +165,11 @@ __device__ __forceinline__ void store_head(const NriParams& p, const HeadRef& hd
       const int64_t base = kv_base + h * p.kv_s1 + c;
       const int fmt = (int)p.kv_fmt;
       if (cvt::is_fp8(fmt)) {
-        const float ks = p.k_scale[h * p.ks_s0 + slot * p.ks_s1];
-        const float vs = p.v_scale[h * p.vs_s0 + slot * p.vs_s1];
         float kq[C], vq[C];
 #pragma unroll
         for (int j = 0; j < C; ++j) {
-          kq[j] = y[j] / ks;
-          vq[j] = widen<ACT>(vb, j) / vs;
+          kq[j] = y[j] / sc.k;
+          vq[j] = widen<ACT>(vb, j) / sc.v;
         }
         uint32_t kc[2], vc[2];
         encode8(kq, fmt, kc);
@@ -330,7 +343,8 @@ nri_vec_kernel(const NriParams p) {
       for (int k = 0; k < 4; ++k) xpb[q][k] = xpb[q + 1][k];
     }
 
-    store_head<ACT, D>(p, hd, tok, row, c, y, vb, slot, kv_base, ic_base);
+    store_head<ACT, D>(p, hd, tok, row, c, y, vb, kv_scales(p, hd, slot, kv_base), kv_base,
+                       ic_base);
   }
 }
 
