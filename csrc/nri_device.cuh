@@ -155,12 +155,56 @@ __device__ __forceinline__ void pack8(const float (&y)[8], int fmt, uint32_t (&w
   for (int k = 0; k < 4; ++k) w[k] = pack2(y[2 * k], y[2 * k + 1], fmt);
 }
 
-// fp32 -> fp8 codes (satfinite), packed.
-__device__ __forceinline__ void encode8(const float (&y)[8], int fmt, uint32_t (&w)[2]) {
+// fp32 -> fp8 codes of format FMT (satfinite: cvt::fp8_encode_satfinite<FMT>), packed. On
+// sm_89+ the OCP formats convert two values per cvt.rn.satfinite.{e4m3,e5m2}x2.f32, with
+// one unordered compare per pair and the per-value conversion (its canonical NaN code) only
+// for a pair holding a NaN.
+template <int FMT>
+__device__ __forceinline__ void encode8_t(const float (&y)[8], uint32_t (&w)[2]) {
   w[0] = w[1] = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  constexpr bool kPaired = FMT == cvt::FMT_E4M3FN || FMT == cvt::FMT_E5M2;
+#else
+  constexpr bool kPaired = false;
+#endif
+  if constexpr (kPaired) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-    w[j >> 2] |= (uint32_t)cvt::fp8_encode_satfinite(y[j], fmt) << (8 * (j & 3));
+    for (int k = 0; k < 4; ++k) {
+      const float lo = y[2 * k], hi = y[2 * k + 1];
+      uint32_t nan, pair;
+      asm("{ .reg .pred q; setp.nan.f32 q, %1, %2; selp.u32 %0, 1, 0, q; }"
+          : "=r"(nan)
+          : "f"(lo), "f"(hi));
+      if (!nan) {
+        uint16_t h;
+        if (FMT == cvt::FMT_E4M3FN)
+          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(hi), "f"(lo));
+        else
+          asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(hi), "f"(lo));
+        pair = h;
+      } else {
+        pair = (uint32_t)cvt::fp8_encode_satfinite<FMT>(lo) |
+               ((uint32_t)cvt::fp8_encode_satfinite<FMT>(hi) << 8);
+      }
+      w[k >> 1] |= pair << (16 * (k & 1));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      w[j >> 2] |= (uint32_t)cvt::fp8_encode_satfinite<FMT>(y[j]) << (8 * (j & 3));
+  }
+}
+
+// The same for a runtime format (uniform over a launch): the dispatch is once per 8 values,
+// so that each format's conversion is a branch of its own (a switch per value let the
+// compiler evaluate all four formats' encoders for every value).
+__device__ __forceinline__ void encode8(const float (&y)[8], int fmt, uint32_t (&w)[2]) {
+  switch (fmt) {
+    case cvt::FMT_E4M3FN: encode8_t<cvt::FMT_E4M3FN>(y, w); break;
+    case cvt::FMT_E5M2: encode8_t<cvt::FMT_E5M2>(y, w); break;
+    case cvt::FMT_E4M3FNUZ: encode8_t<cvt::FMT_E4M3FNUZ>(y, w); break;
+    default: encode8_t<cvt::FMT_E5M2FNUZ>(y, w); break;
+  }
 }
 
 }  // namespace nri_dev
