@@ -217,10 +217,13 @@ __device__ __forceinline__ void q_items(const NriParams& p, const PersistLane& l
   }
 }
 
-// A rest warp's share (warp gw of nw) of the items of the other heads (k with V, index_q,
-// index_k: nr = ceil((Hkv + Hi + index_k) / HPW) per token). Per item the token's slots, then pass after pass (not
-// unrolled: store_head's code once; registers stay with the q phase's queue), each pass
-// issuing its x, V and K/V-scale loads together, then store_head.
+// The warp's share (warp gw of nw, taken in reverse order: the warps given one q item more
+// than others are not also given one of these more) of the items of the other heads (k
+// with V, index_q, index_k: nr = ceil((Hkv + Hi + index_k) / HPW) per token). Per item: the
+// token's slots, the x and V loads of all its passes and their K/V scales issued together
+// (one latency per item, not one per pass: these items are few and run after the q items,
+// where nothing else hides their latency), then pass after pass through store_head (not
+// unrolled: its code once; the queues move down).
 template <int ACT, int D, int ROUNDS>
 __device__ __forceinline__ void rest_items(const NriParams& p, const PersistLane& ln,
                                            int64_t nw, int64_t gw) {
@@ -231,7 +234,7 @@ __device__ __forceinline__ void rest_items(const NriParams& p, const PersistLane
   const int total = (int)(p.hq + p.hkv + p.hi + p.write_ik);
   const int nr = (total - hq + HPW - 1) / HPW;
   int64_t it, end;
-  nri::persist_range(p.n * nr, nw, gw, it, end);
+  nri::persist_range(p.n * nr, nw, nw - 1 - gw, it, end);
   float cs[C], sn[C];
   int64_t tok = it / (nr > 0 ? nr : 1), cur = -1;
   int ch = (int)(it - tok * nr);
@@ -251,6 +254,17 @@ __device__ __forceinline__ void rest_items(const NriParams& p, const PersistLane
       if (islot >= 0 && islot < p.ic_num_slots)
         ic_base = (islot / p.ic_page) * p.ic_s0 + (islot % p.ic_page) * p.ic_s1;
     }
+    uint32_t xb[ROUNDS][4], vb[ROUNDS][4];
+    KvScales sc[ROUNDS];
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+      const HeadRef hd = head_ref<D>(p, h0 + r * G + ln.grp, h_end);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) xb[r][k] = vb[r][k] = 0;
+      if (hd.kind >= 0) load8(row + hd.col + ln.c, xb[r]);
+      if (hd.kind == 1) load8(row + (p.hq + p.hkv + hd.h) * D + ln.c, vb[r]);
+      sc[r] = kv_scales(p, hd, slot, kv_base);
+    }
     if (tok != cur) {
       cur = tok;
       rope_coeffs<ACT>(p, tok, ln.c, 2 * ln.hr, cs, sn);
@@ -259,14 +273,17 @@ __device__ __forceinline__ void rest_items(const NriParams& p, const PersistLane
 #pragma unroll 1
     for (int r = 0; r < passes; ++r) {
       const HeadRef hd = head_ref<D>(p, h0 + r * G + ln.grp, h_end);
-      uint32_t xb[4] = {0, 0, 0, 0}, vb[4] = {0, 0, 0, 0};
-      if (hd.kind >= 0) load8(row + hd.col + ln.c, xb);
-      if (hd.kind == 1) load8(row + (p.hq + p.hkv + hd.h) * D + ln.c, vb);
-      const KvScales sc = kv_scales(p, hd, slot, kv_base);
       float w1[C], y[C];
       one_plus_w<ACT>(weight_of(p, hd.kind), ln.c, w1);
-      norm_rope_pass<ACT, D, false>(xb, w1, cs, sn, ln.l, ln.c, ln.hr, 0, false, ln.eps, y);
-      if (hd.kind >= 0) store_head<ACT, D>(p, hd, tok, row, ln.c, y, vb, sc, kv_base, ic_base);
+      norm_rope_pass<ACT, D, false>(xb[0], w1, cs, sn, ln.l, ln.c, ln.hr, 0, false, ln.eps, y);
+      if (hd.kind >= 0)
+        store_head<ACT, D>(p, hd, tok, row, ln.c, y, vb[0], sc[0], kv_base, ic_base);
+#pragma unroll
+      for (int q = 0; q + 1 < ROUNDS; ++q) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) xb[q][k] = xb[q + 1][k], vb[q][k] = vb[q + 1][k];
+        sc[q] = sc[q + 1];
+      }
     }
     if (++ch == nr) {
       ch = 0;
@@ -275,11 +292,10 @@ __device__ __forceinline__ void rest_items(const NriParams& p, const PersistLane
   }
 }
 
-// A warp is a q warp or a rest warp for the whole launch (nri::persist_role: p.rest_warps of
-// every 8 warps take the other heads' items), so that the latency-bound other items (a pass
-// at a time) overlap the streaming q items instead of running after them, and each role's
-// code keeps its own registers (one loop running both spilled). p.rest_warps balances the
-// two roles' finishing times (tuned: benchmarks/tune_insert.py).
+// Every warp takes its q items, then its items of the other heads: two loops one after the
+// other, each with its own registers (one loop running both kinds spilled; giving some
+// warps only the other heads, which are latency-bound, made them the last to finish: on
+// the H200 bf16 251 us against 230 for this order, e4m3 330-344 against 320).
 template <int ACT, int D, int ROUNDS>
 __global__ void __launch_bounds__(kVecMaxWarps * 32, persist_min_blocks(ROUNDS))
 nri_persist_kernel(const NriParams p) {
@@ -295,16 +311,14 @@ nri_persist_kernel(const NriParams p) {
   ln.rot_lane = ln.c < p.rotary_dim;
   ln.eps = (float)p.eps;
   const int64_t wpb = blockDim.x >> 5;
-  const nri::PersistRole role = nri::persist_role(
-      (int64_t)blockIdx.x * wpb + (threadIdx.x >> 5), (int64_t)gridDim.x * wpb,
-      (int)p.rest_warps);
-  if (role.rest) {
-    rest_items<ACT, D, ROUNDS>(p, ln, role.count, role.index);
-  } else if ((ln.hr & 7) == 0) {  // uniform over the launch
-    q_items<ACT, D, ROUNDS, true>(p, ln, role.count, role.index);
+  const int64_t nw = (int64_t)gridDim.x * wpb;
+  const int64_t gw = (int64_t)blockIdx.x * wpb + (threadIdx.x >> 5);
+  if ((ln.hr & 7) == 0) {  // uniform over the launch
+    q_items<ACT, D, ROUNDS, true>(p, ln, nw, gw);
   } else {
-    q_items<ACT, D, ROUNDS, false>(p, ln, role.count, role.index);
+    q_items<ACT, D, ROUNDS, false>(p, ln, nw, gw);
   }
+  rest_items<ACT, D, ROUNDS>(p, ln, nw, gw);
 }
 
 #ifdef __CUDACC__
