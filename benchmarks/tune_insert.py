@@ -3,7 +3,7 @@ Triton configurations (``--triton block_h:num_warps:num_stages:programs_per_sm,.
 variant x warps per block x heads per warp x program order (variant 0: the first kernel, 32
 heads per block), and variant 3 (persistent, cp.async pipeline) as warps per block x heads
 per warp x stages (``--stream warps:heads_per_warp:stages,...``), and variant 4 (persistent
-warps) as warps per block x heads per warp x rest warps (``--persist w:h:r,...``), timed like
+warps) as warps per block x heads per warp (``--persist w:h,...``), timed like
 bench_insert (graph replay over rotating input sets). Prints a table and writes
 ``$OUT/tune.json`` (or reports/tune.json): the defaults in the launchers come from here.
 
@@ -49,13 +49,13 @@ def stream_configs(text: str) -> list[dict]:
 
 
 #: Variant 4's knobs and default sweep at D = 128 (heads per warp 2, 4, 8: 1, 2, 4 passes
-#: per item; of every 8 warps, rest_warps on the non-q heads): the default 8:4:2 first.
-PERSIST_KNOBS = ("warps_per_block", "heads_per_warp", "rest_warps")
-PERSIST_DEFAULT = "8:4:2,8:4:1,8:4:3,8:8:1,8:8:2,8:2:2,4:4:2,2:4:2"
+#: per item): the default 8:4 first.
+PERSIST_KNOBS = ("warps_per_block", "heads_per_warp")
+PERSIST_DEFAULT = "8:4,8:2,8:8,4:4,2:4,1:4"
 
 
 def persist_configs(text: str) -> list[dict]:
-    """``"8:4:2,4:2:1"`` -> warps_per_block:heads_per_warp:rest_warps dicts (variant 4)."""
+    """``"8:4,4:2"`` -> warps_per_block:heads_per_warp dicts (variant 4)."""
     return [dict(zip(PERSIST_KNOBS, map(int, c.split(":")), strict=True))
             for c in text.split(",") if c]
 
@@ -109,8 +109,7 @@ def main(argv=None) -> int:
                          "... (heads_per_warp a multiple of 256 / D; empty: none)")
     ap.add_argument("--persist", type=persist_configs,
                     default=persist_configs(PERSIST_DEFAULT),
-                    help="variant 4 configurations warps_per_block:heads_per_warp:rest_warps,"
-                         "... "
+                    help="variant 4 configurations warps_per_block:heads_per_warp,... "
                          "(heads_per_warp a multiple of 256 / D; empty: none)")
     ap.add_argument("--no-cuda", action="store_true", help="Triton configurations only")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "reports"),

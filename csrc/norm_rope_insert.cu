@@ -243,9 +243,7 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
       q.page_size >= 1 && q.ic_page >= 1 && valid_fmt(q.kv_fmt, true, q.act_fmt) &&
       valid_fmt(q.iq_fmt, true, q.act_fmt) && valid_fmt(q.ic_fmt, true, q.act_fmt) &&
       q.variant >= 0 && q.variant <= 4 && (q.heads_fast == 0 || q.heads_fast == 1) &&
-      (q.stages == 0 || (q.variant == 3 && q.stages >= 2 && q.stages <= kStreamMaxStages)) &&
-      (q.rest_warps == 0 ||
-       (q.variant == 4 && q.rest_warps >= 1 && q.rest_warps < nri::kPersistCycle));
+      (q.stages == 0 || (q.variant == 3 && q.stages >= 2 && q.stages <= kStreamMaxStages));
   if (!ok) return (int)cudaErrorInvalidValue;
   // The kernels count heads, head blocks and row columns in 32 bits.
   const int64_t total = q.hq + q.hkv + q.hi + q.write_ik;
@@ -260,8 +258,7 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
   // head blocks) grid order only (its grid is persistent), 2 .. 8 stages (default: 3, fewer
   // when the rows are too wide for the shared memory). Variant 4: the choices of 1 and 2
   // (defaults kPersistDefaultWarps warps, kPersistDefaultRounds passes per item), the
-  // default grid order only (persistent), rest_warps 1 .. 7 of every 8 warps for the
-  // non-q heads (default kPersistDefaultRestWarps); rest_warps is variant 4's alone.
+  // default grid order only (persistent).
   const int64_t g = 256 / q.head_dim;
   int rounds = 0;
   if (q.variant == 0) {
@@ -286,7 +283,6 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool bf16 = q.act_fmt == cvt::FMT_BF16;
   if (q.variant == 4) {
-    if (q.rest_warps == 0) q.rest_warps = kPersistDefaultRestWarps;
     using Entry = cudaError_t (*)(const NriParams&, int, cudaStream_t);
     const int di = q.head_dim == 64 ? 0 : q.head_dim == 128 ? 1 : 2;
     static const Entry kEntries[2][3] = {

@@ -83,8 +83,6 @@
   X(int64_t, heads_per_warp)                                                                \
   X(int64_t, heads_fast)                                                                    \
   X(int64_t, stages)                                                                        \
-  /* variant 4: of every 8 warps of the grid, how many take the non-q heads (0: default) */ \
-  X(int64_t, rest_warps)                                                                    \
   X(double, eps)
 
 extern "C" {

@@ -239,7 +239,6 @@ NRI_STREAM_ENTRY(nri_launch_stream_f16_d256);
 namespace nri_dev {
 constexpr int kPersistDefaultWarps = 8;   // warps per block
 constexpr int kPersistDefaultRounds = 2;  // 16-byte passes per item
-constexpr int kPersistDefaultRestWarps = 2;  // of every 8 warps, for the non-q heads
 }  // namespace nri_dev
 #define NRI_PERSIST_ENTRY(name) cudaError_t name(const NriParams& p, int rounds, cudaStream_t s)
 NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d64);

@@ -148,32 +148,12 @@ NRI_HD int persist_items_per_token(int64_t hq, int64_t rest, int hpw) {
   return (int)((hq + hpw - 1) / hpw + (rest + hpw - 1) / hpw);
 }
 
-// Roles of variant 4's warps: of every kPersistCycle consecutive warps of the grid (block
-// by block), the first `rest` (1 .. kPersistCycle - 1) take the items of the non-q heads,
-// the others the q items. persist_role gives a warp its role, its index among the warps of
-// that role and their number (nw warps in all, at least kPersistCycle: persist_grid).
-constexpr int kPersistCycle = 8;
-
-struct PersistRole {
-  bool rest;
-  int64_t index, count;
-};
-
-NRI_HD PersistRole persist_role(int64_t gw, int64_t nw, int rest) {
-  const int64_t cycles = nw / kPersistCycle, tail = nw % kPersistCycle;
-  const int64_t n_rest = cycles * rest + (tail < rest ? tail : rest);
-  const int64_t k = gw % kPersistCycle, c = gw / kPersistCycle;
-  if (k < rest) return PersistRole{true, c * rest + k, n_rest};
-  return PersistRole{false, c * (kPersistCycle - rest) + (k - rest), nw - n_rest};
-}
-
-// Blocks of wpb warps in variant 4's grid: enough for one item per warp, at most `cap`
-// (the device's resident blocks), and at least kPersistCycle warps (both roles present).
+// Blocks of wpb warps in variant 4's grid: enough for one item per warp (at least one
+// block), at most `cap` (the device's resident blocks).
 NRI_HD int64_t persist_grid(int64_t cap, int64_t items, int64_t wpb) {
   const int64_t need = (items + wpb - 1) / wpb;
-  const int64_t floor_blocks = (kPersistCycle + wpb - 1) / wpb;
   const int64_t g = need < cap ? need : cap;
-  return g > floor_blocks ? g : floor_blocks;
+  return g > 1 ? g : 1;
 }
 
 // Warp gw of nw takes items [begin, end) of n_items: an even split (the first n_items % nw

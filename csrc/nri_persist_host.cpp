@@ -47,10 +47,9 @@ int run_act(const NriParams& p, int rounds, unsigned grid) {
 
 extern "C" {
 
-// Runs variant 4 on the CPU over `grid` blocks (raised to kPersistCycle warps as nri_launch
-// does). The launch-shape fields must be explicit as the binding fills them (warps_per_block
-// 1, 2, 4 or 8; heads_per_warp (256 / D) x {1, 2, 4}; heads_per_block their product;
-// heads_fast 0; rest_warps 1 .. 7). Returns 0, -1 for an unsupported shape,
+// Runs variant 4 on the CPU over `grid` blocks. The launch-shape fields must be explicit as
+// the binding fills them (warps_per_block 1, 2, 4 or 8; heads_per_warp (256 / D) x {1, 2,
+// 4}; heads_per_block their product; heads_fast 0). Returns 0, -1 for an unsupported shape,
 // -3 if the lanes' barriers deadlocked (lanes of a warp reaching different shuffles).
 int nri_persist_sim_launch(const NriParams* p, int64_t grid) {
   if (p == nullptr || p->variant != 4 || p->n < 0 || grid < 1) return -1;
@@ -62,8 +61,6 @@ int nri_persist_sim_launch(const NriParams* p, int64_t grid) {
   const int rounds = (int)(hpw / g);
   if (rounds != 1 && rounds != 2 && rounds != 4) return -1;
   if (p->n == 0) return 0;
-  if (p->rest_warps < 1 || p->rest_warps >= nri::kPersistCycle) return -1;
-  grid = nri::persist_grid(grid, 1, w);  // at least kPersistCycle warps, as nri_launch
   return p->act_fmt == cvt::FMT_BF16 ? run_act<cvt::FMT_BF16>(*p, rounds, (unsigned)grid)
                                      : run_act<cvt::FMT_F16>(*p, rounds, (unsigned)grid);
 }

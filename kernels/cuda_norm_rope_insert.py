@@ -77,8 +77,7 @@ class NriParams(ctypes.Structure):
         ("act_fmt", ctypes.c_int64), ("heads_per_block", ctypes.c_int64),
         ("variant", ctypes.c_int64), ("warps_per_block", ctypes.c_int64),
         ("heads_per_warp", ctypes.c_int64), ("heads_fast", ctypes.c_int64),
-        ("stages", ctypes.c_int64), ("rest_warps", ctypes.c_int64),
-        ("eps", ctypes.c_double),
+        ("stages", ctypes.c_int64), ("eps", ctypes.c_double),
     ]
 
 
@@ -157,6 +156,10 @@ def _stream(dev: torch.device) -> int:
 #: with the rows pipelined through shared memory by cp.async (the lanes of 1 and 2), 4
 #: persistent warps over (token, head chunk) items, q heads apart (csrc/nri_persist.cuh).
 VARIANTS = (0, 1, 2, 3, 4)
+#: The default: variant 4, the fastest on the H200 (model shape, 16,384 tokens: bf16 234.6
+#: us against 392.9 for variant 0 and 293 for the best variant 3; e4m3 308.6 against 432.5,
+#: reports/tune-insert-cuda-v4-h200.json).
+DEFAULT_VARIANT = 4
 #: Variant 0's launch shape: 4 warps per block, one head per warp at a time, 32 heads per
 #: block (tuned on the H200: benchmarks/tune_insert.py).
 V0_WARPS, V0_BLOCK_H = 4, 32
@@ -172,32 +175,13 @@ STREAM_STAGE_CHOICES = tuple(range(2, 9))
 #: Variant 4 by default (csrc/nri_device.cuh's kPersistDefault*): 8 warps per block, 2
 #: passes of 256 / D heads per warp and item.
 PERSIST_WARPS, PERSIST_ROUNDS = 8, 2
-#: Variant 4's roles: of every PERSIST_CYCLE warps of the grid, ``rest_warps`` (default
-#: PERSIST_REST_WARPS) take the items of the non-q heads (k with V, index_q, index_k).
-PERSIST_CYCLE, PERSIST_REST_WARPS = 8, 2
 
 
 def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
-def persist_rest_warps(variant, rest_warps) -> int:
-    """Variant 4's ``rest_warps`` with its default filled in (0 for the other variants);
-    ValueError naming it outside 1 .. PERSIST_CYCLE - 1, or given to another variant."""
-    if variant != 4:
-        if rest_warps is not None:
-            fail("rest_warps", f"must be None for variant {variant} (variant 4's knob), got "
-                               f"{rest_warps!r}")
-        return 0
-    if rest_warps is None:
-        return PERSIST_REST_WARPS
-    if not _is_int(rest_warps) or not 1 <= rest_warps < PERSIST_CYCLE:
-        fail("rest_warps", f"must be in 1 .. {PERSIST_CYCLE - 1} (of every {PERSIST_CYCLE} "
-                           f"warps, those taking the non-q heads) or None, got {rest_warps!r}")
-    return int(rest_warps)
-
-
-def launch_shape(head_dim, variant=0, block_h=None, warps_per_block=None,
+def launch_shape(head_dim, variant=DEFAULT_VARIANT, block_h=None, warps_per_block=None,
                  heads_per_warp=None, num_stages=None, heads_fast=False):
     """(variant, warps_per_block, heads_per_warp, heads_per_block, stages) of a launch,
     defaults filled in (stages 0: variant 3's automatic choice, or not variant 3);
@@ -256,15 +240,16 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
                      k_scale=None, v_scale=None, index_cache=None, index_fmt=None,
                      index_slot_mapping=None, q_out=None, index_q_out=None,
                      skip_index=False, validate=False, block_h=None, num_stages=None,
-                     heads_fast=False, variant=0, warps_per_block=None, heads_per_warp=None,
-                     rest_warps=None):
+                     heads_fast=False, variant=DEFAULT_VARIANT, warps_per_block=None,
+                     heads_per_warp=None):
     """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]`` on
     the GPU: the contract of ``kernels.norm_rope_insert.norm_rope_insert`` (see there).
 
     Launch knobs (every combination computes the same function; for tuning sweeps):
 
-    - ``variant``: 0 (default) the original kernel, a warp per head: lane l holds D/32
-      dims, RoPE partners through shared memory, 4 warps per block (the verified fallback);
+    - ``variant``: 4 (default, ``DEFAULT_VARIANT``) or 0-3. 0: the original kernel, a warp
+      per head: lane l holds D/32 dims, RoPE partners through shared memory, 4 warps per
+      block;
       1: 16-byte lanes (a lane holds 8 contiguous dims, a head D/8 lanes, a warp 256/D heads
       per instruction), all x loads of a warp's heads issued before the first reduction,
       RoPE partners by warp shuffles inside the head's lanes (8 per lane and pass when
@@ -301,10 +286,6 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
       (default 2 passes: 4 heads at D = 128, 8 at 64, 2 at 256; variant 3 processes them
       together in each pass over a token; variant 4: the heads of one item, whose loads
       are issued together).
-    - ``rest_warps``: variant 4 only: of every 8 warps of the grid, how many take the items
-      of the non-q heads (k with V, index_q, index_k; a pass at a time, latency-bound) while
-      the others stream the q items, so that both run side by side; 1 .. 7 (default 2,
-      tuned: the two roles finish together).
 
     Raises ValueError (naming the argument) for bad arguments, including tensors that are
     not on a CUDA device, and RuntimeError with the CUDA error text if the launch fails."""
@@ -318,7 +299,7 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         index_slot_mapping=index_slot_mapping, q_out=q_out, index_q_out=index_q_out,
         skip_index=skip_index, validate=validate, block_h=block_h, num_stages=num_stages,
         heads_fast=heads_fast, variant=variant, warps_per_block=warps_per_block,
-        heads_per_warp=heads_per_warp, rest_warps=rest_warps)
+        heads_per_warp=heads_per_warp)
     if p is None:
         return out
     dev = rows.device
@@ -345,8 +326,8 @@ def check_stream_smem(p, lib=None) -> None:
 
 
 def launch_params(rows, positions, rope_table, w_q, w_k, *, block_h=None, num_stages=None,
-                  heads_fast=False, variant=0, warps_per_block=None, heads_per_warp=None,
-                  rest_warps=None, device_type="cuda", **kwargs):
+                  heads_fast=False, variant=DEFAULT_VARIANT, warps_per_block=None,
+                  heads_per_warp=None, device_type="cuda", **kwargs):
     """Every host check of ``norm_rope_insert`` (the shared plan, then the launch knobs, then
     the device: ``device_type``), and the kernel's parameters: ``(outputs, NriParams)``, or
     ``(outputs, None)`` for N = 0. ``kwargs`` are the other arguments of
@@ -357,7 +338,6 @@ def launch_params(rows, positions, rope_table, w_q, w_k, *, block_h=None, num_st
     variant, wpb, hpw, block_h, stages = launch_shape(plan.d, variant, block_h,
                                                       warps_per_block, heads_per_warp,
                                                       num_stages, heads_fast)
-    rest = persist_rest_warps(variant, rest_warps)
     dev = rows.device
     if dev.type != device_type:
         where = "a CUDA device" if device_type == "cuda" else f"device type {device_type}"
@@ -407,7 +387,7 @@ def launch_params(rows, positions, rope_table, w_q, w_k, *, block_h=None, num_st
         write_ik=int(plan.write_ik), ik_col=plan.width - d, head_dim=d,
         rotary_dim=int(kwargs["rotary_dim"]), act_fmt=act_code, heads_per_block=block_h,
         variant=variant, warps_per_block=wpb, heads_per_warp=hpw, heads_fast=int(heads_fast),
-        stages=stages, rest_warps=rest, eps=float(np.float32(kwargs["eps"])))
+        stages=stages, eps=float(np.float32(kwargs["eps"])))
     return out, p
 
 

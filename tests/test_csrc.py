@@ -236,10 +236,6 @@ def test_launch_rejects_bad_parameters(lib):
     ({"variant": 4, "warps_per_block": 2, "heads_per_warp": 6, "heads_per_block": 12}, 1),
     ({"variant": 4, "heads_per_block": 32, "heads_fast": 1}, 1),  # a persistent grid
     ({"variant": 4, "heads_per_block": 32, "stages": 2}, 1),  # variant 3's knob only
-    ({"variant": 4, "heads_per_block": 32, "rest_warps": 7}, 0),
-    ({"variant": 4, "heads_per_block": 32, "rest_warps": 8}, 1),
-    ({"variant": 4, "heads_per_block": 32, "rest_warps": -1}, 1),
-    ({"variant": 1, "heads_per_block": 8, "rest_warps": 2}, 1),  # variant 4's knob only
 ])
 def test_launch_checks_the_variant_parameters(lib, change, code):
     """The launch-shape fields (variant, warps per block, heads per warp, heads per block,
@@ -770,12 +766,10 @@ def _model_shapes(variant):
 
 
 def _persist_knobs(d):
-    """Launch shapes of variant 4 at head dim d: every warps per block x passes per item,
-    and 1, 4 and 7 of every 8 warps on the non-q heads."""
+    """Launch shapes of variant 4 at head dim d: every warps per block x passes per item."""
     g = 256 // d
-    return ([dict(warps_per_block=w, heads_per_warp=g * rounds)
-             for w in cnri.VEC_WARP_CHOICES for rounds in cnri.VEC_ROUND_CHOICES]
-            + [dict(rest_warps=rw) for rw in (1, 4, 7)])
+    return [dict(warps_per_block=w, heads_per_warp=g * rounds)
+            for w in cnri.VEC_WARP_CHOICES for rounds in cnri.VEC_ROUND_CHOICES]
 
 
 #: Variants 3 and 4 against variant 1 on the same inputs (CPU simulation and GPU): (model dtype,
@@ -871,7 +865,7 @@ def test_stream_kernel_on_the_cpu_needs_aligned_rows_table_and_slots(stream_sim)
 # --------------------------------------------------------------------- the launcher
 
 
-CUDA_KNOBS = ("heads_fast", "variant", "warps_per_block", "heads_per_warp", "rest_warps")
+CUDA_KNOBS = ("heads_fast", "variant", "warps_per_block", "heads_per_warp")
 TRITON_KNOBS = ("num_warps", "programs", "max_registers")
 
 
@@ -879,15 +873,15 @@ def test_same_signature_as_the_triton_launcher():
     """The CUDA launcher takes exactly the Triton launcher's arguments (names, kinds,
     defaults, order; the shared tuning knobs block_h and num_stages included) apart from
     each one's own tuning knobs (Triton's num_warps, programs, max_registers; CUDA's grid
-    order heads_fast, variant, warps_per_block, heads_per_warp, rest_warps, defaulting to
-    the original kernel), so the two are interchangeable."""
+    order heads_fast, variant, warps_per_block, heads_per_warp, defaulting to the fastest
+    variant, DEFAULT_VARIANT), so the two are interchangeable."""
     from kernels import norm_rope_insert as nri
 
     triton_params = [p for name, p in inspect.signature(nri.norm_rope_insert).parameters.items()
                      if name not in TRITON_KNOBS]
     cuda = inspect.signature(cnri.norm_rope_insert).parameters
     assert [p for name, p in cuda.items() if name not in CUDA_KNOBS] == triton_params
-    assert [cuda[k].default for k in CUDA_KNOBS] == [False, 0, None, None, None]
+    assert [cuda[k].default for k in CUDA_KNOBS] == [False, cnri.DEFAULT_VARIANT, None, None]
     assert all(cuda[k].kind is inspect.Parameter.KEYWORD_ONLY for k in CUDA_KNOBS)
 
 
@@ -920,8 +914,10 @@ def _good_args(**kw):
     ("warps_per_block", lambda a: {"variant": 3, "warps_per_block": 16}),
     ("heads_per_warp", lambda a: {"variant": 3, "heads_per_warp": 12}),
     ("block_h", lambda a: {"variant": 3, "block_h": 8}),  # 4 warps x 8 heads = 32
-    ("warps_per_block", lambda a: {"warps_per_block": 2}),
-    ("heads_per_warp", lambda a: {"heads_per_warp": 2}),
+    ("warps_per_block", lambda a: {"variant": 0, "warps_per_block": 2}),
+    ("heads_per_warp", lambda a: {"variant": 0, "heads_per_warp": 2}),
+    ("warps_per_block", lambda a: {"warps_per_block": 3}),  # the default variant 4's
+    ("heads_per_warp", lambda a: {"heads_per_warp": 2}),  # D = 64: 4, 8, 16
     ("warps_per_block", lambda a: {"variant": 1, "warps_per_block": 3}),
     ("heads_per_warp", lambda a: {"variant": 1, "heads_per_warp": 2}),  # D = 64: 4, 8, 16
     ("heads_per_warp", lambda a: {"variant": 2, "heads_per_warp": 32}),
@@ -929,15 +925,11 @@ def _good_args(**kw):
     ("heads_fast", lambda a: {"heads_fast": 2}),
     ("heads_fast", lambda a: {"variant": 4, "heads_fast": True}),
     ("num_stages", lambda a: {"variant": 4, "num_stages": 2}),
-    ("rest_warps", lambda a: {"rest_warps": 2}),  # variant 4's knob
-    ("rest_warps", lambda a: {"variant": 4, "rest_warps": 0}),
-    ("rest_warps", lambda a: {"variant": 4, "rest_warps": 8}),
-    ("rest_warps", lambda a: {"variant": 4, "rest_warps": 2.0}),
 ])
 def test_bad_host_input_raises_value_error_naming_it(name, change):
     """The shared host checks: bad dtypes, shapes, formats, contents (validate=True), block
     sizes and launch knobs (variant, warps_per_block, heads_per_warp, heads_fast,
-    num_stages, rest_warps) raise ValueError naming the argument, before any launch."""
+    num_stages) raise ValueError naming the argument, before any launch."""
     a = _good_args()
     a.update(change(a))
     kv0 = a["kv_cache"].clone()
