@@ -149,8 +149,27 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, int fmt) {
   return (uint32_t)cvt::half_from_f32(lo, fmt) | ((uint32_t)cvt::half_from_f32(hi, fmt) << 16);
 }
 
-// fp32 -> 16-bit codes of format FMT (bf16 / fp16, RNE: cvt::half_from_f32), packed.
+// fp32 -> 16-bit codes of format FMT (bf16 / fp16, RNE: cvt::half_from_f32), packed. On the
+// device one unordered-compare chain over the 8 values and, without a NaN, four paired cvts
+// (one branch per 8 values instead of one per pair).
 __device__ __forceinline__ void pack8(const float (&y)[8], int fmt, uint32_t (&w)[4]) {
+#ifdef __CUDA_ARCH__
+  uint32_t nan;
+  asm("{ .reg .pred q; setp.nan.f32 q, %1, %2; setp.nan.or.f32 q, %3, %4, q;"
+      " setp.nan.or.f32 q, %5, %6, q; setp.nan.or.f32 q, %7, %8, q; selp.u32 %0, 1, 0, q; }"
+      : "=r"(nan)
+      : "f"(y[0]), "f"(y[1]), "f"(y[2]), "f"(y[3]), "f"(y[4]), "f"(y[5]), "f"(y[6]), "f"(y[7]));
+  if (!nan) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (fmt == cvt::FMT_BF16)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(y[2 * k + 1]), "f"(y[2 * k]));
+      else
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(y[2 * k + 1]), "f"(y[2 * k]));
+    }
+    return;
+  }
+#endif
 #pragma unroll
   for (int k = 0; k < 4; ++k) w[k] = pack2(y[2 * k], y[2 * k + 1], fmt);
 }
@@ -207,6 +226,74 @@ __device__ __forceinline__ void encode8(const float (&y)[8], int fmt, uint32_t (
   }
 }
 
+// ------------------------------------------------ cp.async (variants 3 and 4)
+// On the host (csrc/cuda_sim.h) the copies complete at once.
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, uint32_t src_bytes) {
+#ifdef __CUDA_ARCH__
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+#else
+  memset(dst, 0, 16);
+  memcpy(dst, src, src_bytes);
+#endif
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, uint32_t src_bytes) {
+#ifdef __CUDA_ARCH__
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+#else
+  memset(dst, 0, 4);
+  memcpy(dst, src, src_bytes);
+#endif
+}
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+#ifdef __CUDA_ARCH__
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src) : "memory");
+#else
+  memcpy(dst, src, 8);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// cp.async.wait_group n (an immediate; uniform over the launch).
+__device__ __forceinline__ void cp_async_wait(int n) {
+#ifdef __CUDA_ARCH__
+  switch (n) {
+#define NRI_WAIT_CASE(k) \
+  case k: asm volatile("cp.async.wait_group " #k ";\n" ::: "memory"); break;
+    NRI_WAIT_CASE(0)
+    NRI_WAIT_CASE(1)
+    NRI_WAIT_CASE(2)
+    NRI_WAIT_CASE(3)
+    NRI_WAIT_CASE(4)
+    NRI_WAIT_CASE(5)
+    default: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
+#undef NRI_WAIT_CASE
+  }
+#else
+  (void)n;
+#endif
+}
+
+#ifdef __CUDACC__
+#define NRI_DYNAMIC_SMEM(name) extern __shared__ uint4 name[]
+#else
+#define NRI_DYNAMIC_SMEM(name) uint4* const name = reinterpret_cast<uint4*>(cuda_sim::dynamic_smem())
+#endif
+
 }  // namespace nri_dev
 
 // Variants 1 (XCHG_SHFL) and 2 (XCHG_GLOBAL) of csrc/nri_vec.cuh, one translation unit per
@@ -241,6 +328,11 @@ constexpr int kPersistDefaultWarps = 8;   // warps per block
 constexpr int kPersistDefaultRounds = 2;  // 16-byte passes per item
 }  // namespace nri_dev
 #define NRI_PERSIST_ENTRY(name) cudaError_t name(const NriParams& p, int rounds, cudaStream_t s)
+// The alignment variant 4's cp.async copies need (else nri_launch runs variant 1, the same
+// bits): rows 16-byte aligned, base and row stride.
+inline bool persist_eligible(const NriParams& p) {
+  return reinterpret_cast<uintptr_t>(p.rows) % 16 == 0 && p.row_stride % 8 == 0;
+}
 NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d64);
 NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d128);
 NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d256);

@@ -486,15 +486,14 @@ SIM_GRID = 2
 @pytest.fixture(scope="module")
 def sim(vec_sim, stream_sim, persist_sim):
     """``sim(p, grid=SIM_GRID)``: runs NriParams (variant 1, 2, 3 or 4) on the CPU; returns
-    the simulation's code (0: ran). Variant 3 on tensors misaligned for cp.async runs
+    the simulation's code (0: ran). Variants 3 and 4 on tensors misaligned for cp.async run
     variant 1 with its default shape, as nri_launch does."""
 
     def launch(p, grid=SIM_GRID):
-        if p.variant == 4:
-            return persist_sim.nri_persist_sim_launch(ctypes.byref(p), grid)
-        if p.variant != 3:
+        if p.variant not in (3, 4):
             return vec_sim.nri_vec_sim_launch(ctypes.byref(p))
-        code = stream_sim.nri_stream_sim_launch(ctypes.byref(p), grid)
+        code = (stream_sim.nri_stream_sim_launch if p.variant == 3
+                else persist_sim.nri_persist_sim_launch)(ctypes.byref(p), grid)
         if code != -2:
             return code
         g = 256 // p.head_dim
