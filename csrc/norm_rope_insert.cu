@@ -14,9 +14,7 @@
 //      wide for two stages with the default stage count, run variant 1 instead;
 //   4  csrc/nri_persist.cuh: persistent warps walking contiguous ranges of (token, head
 //      chunk) items, the q heads apart from the others (1 + w_q and the token's cos / sin
-//      in shared memory, the q rows' x prefetched by cp.async into a lane-private ring), the
-//      lanes and shuffles of 1 (the same bits as 1-3); rows misaligned for cp.async run
-//      variant 1 instead.
+//      kept in registers), the lanes and shuffles of 1 (the same bits as 1-3).
 // Variants 1-4 give identical bits; variant 0 sums the squares in another order (D / 32
 // dims per lane, a 32-lane butterfly), so it may differ from them by an fp32 rounding.
 // heads_fast (variants 0-2) launches a 1-D grid with a token's head blocks adjacent instead
@@ -276,7 +274,8 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
       q.heads_per_warp = (q.variant == 4 ? kPersistDefaultRounds : 2) * g;
     const int64_t w = q.warps_per_block, r = q.heads_per_warp / g;
     if ((w != 1 && w != 2 && w != 4 && w != kVecMaxWarps) || q.heads_per_warp % g != 0 ||
-        (r != 1 && r != 2 && r != 4) || q.heads_per_block != w * q.heads_per_warp ||
+        (r != 1 && r != 2 && r != 4) || (q.variant == 4 && r == 1) ||
+        q.heads_per_block != w * q.heads_per_warp ||
         (q.variant >= 3 && q.heads_fast != 0))
       return (int)cudaErrorInvalidValue;
     rounds = (int)r;
@@ -284,11 +283,6 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
   if (q.n == 0) return (int)cudaSuccess;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool bf16 = q.act_fmt == cvt::FMT_BF16;
-  if (q.variant == 4 && !persist_eligible(q)) {
-    // Variant 1 with its default shape: the same bits.
-    q.variant = 1, q.warps_per_block = 2, q.heads_per_warp = 2 * g;
-    q.heads_per_block = 4 * g, rounds = 2;
-  }
   if (q.variant == 4) {
     using Entry = cudaError_t (*)(const NriParams&, int, cudaStream_t);
     const int di = q.head_dim == 64 ? 0 : q.head_dim == 128 ? 1 : 2;

@@ -328,11 +328,6 @@ constexpr int kPersistDefaultWarps = 8;   // warps per block
 constexpr int kPersistDefaultRounds = 2;  // 16-byte passes per item
 }  // namespace nri_dev
 #define NRI_PERSIST_ENTRY(name) cudaError_t name(const NriParams& p, int rounds, cudaStream_t s)
-// The alignment variant 4's cp.async copies need (else nri_launch runs variant 1, the same
-// bits): rows 16-byte aligned, base and row stride.
-inline bool persist_eligible(const NriParams& p) {
-  return reinterpret_cast<uintptr_t>(p.rows) % 16 == 0 && p.row_stride % 8 == 0;
-}
 NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d64);
 NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d128);
 NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d256);

@@ -41,8 +41,8 @@
 
 namespace nri_dev {
 
-// Blocks of kVecMaxWarps warps per SM asked of the register allocator: 64 registers for
-// 1 and 2 passes, 80 for 4 (the queue of 4 x 16 bytes, 1 + w_q, cos and sin in fp32).
+// Blocks of kVecMaxWarps warps per SM asked of the register allocator: 80 registers for 2
+// passes (3 blocks, 24 warps per SM), 128 for 4 (the longer queue spilled at 80).
 constexpr int persist_min_blocks(int rounds) { return rounds == 4 ? 2 : 3; }
 
 // Normalise and rotate one pass: the lane's 8 codes xb (dims c .. c + 7 of a head of D
@@ -145,47 +145,21 @@ struct PersistLane {
   float eps;
 };
 
-// A q warp's lane-private constants in shared memory: 1 + w_q, cos and signed sin of the
-// current token at the lane's 8 dims, as 6 float4 per lane, float4 k of lane l at
-// kc[k * 32] (kc = base + l: consecutive lanes, consecutive 16 bytes, no bank conflicts).
-constexpr int kPersistConsts = 6;
-
-__device__ __forceinline__ void write8(float4* kc, int k, const float (&v)[8]) {
-  kc[k * 32] = make_float4(v[0], v[1], v[2], v[3]);
-  kc[(k + 1) * 32] = make_float4(v[4], v[5], v[6], v[7]);
-}
-
-__device__ __forceinline__ void read8(const float4* kc, int k, float (&v)[8]) {
-  const float4 a = kc[k * 32], b = kc[(k + 1) * 32];
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z,
-  v[7] = b.w;
-}
-
-__device__ __forceinline__ void read_consts(const float4* kc, float (&w1)[8], float (&cs)[8],
-                                            float (&sn)[8]) {
-  read8(kc, 0, w1);
-  read8(kc, 2, cs);
-  read8(kc, 4, sn);
-}
-
-// A q item: the x codes of its passes (heads h0 + r G + grp, those below Hq stored) ->
-// normalised, rotated, rounded, stored to q_out; 1 + w_q, cos and signed sin read from the
-// lane's slots in shared memory (`kc`, PersistConsts) for each pass, so that they take no
-// registers across the loop. Passes one after another (not unrolled: unrolled, the compiler
-// interleaves the passes' shuffles and spills); the queue moves down.
+// A q item: the queued x codes of its passes (heads h0 + r G + grp, those below Hq stored)
+// -> normalised, rotated, rounded, stored to q_out. Passes one after another (not unrolled:
+// unrolled, the compiler interleaves the passes' shuffles and spills); the queue moves down.
 template <int ACT, int D, int ROUNDS, bool ALIGNED>
 __device__ __forceinline__ void q_item(const NriParams& p, const PersistLane& ln, int64_t tok,
                                        int h0, uint32_t (&xb)[ROUNDS][4],
-                                       const float4* kc) {
+                                       const float (&w1)[8], const float (&cs)[8],
+                                       const float (&sn)[8]) {
   constexpr int G = nri::Geo<D>::kHeadsPerPass;
   const int hq = (int)p.hq;
-  int t = h0 + ln.grp;
-  uint16_t* dst = static_cast<uint16_t*>(p.q_out) + tok * p.q_s0 + t * p.q_s1 + ln.c;
-  const int64_t step = G * p.q_s1;
+  uint16_t* qo = static_cast<uint16_t*>(p.q_out) + tok * p.q_s0 + ln.c;
 #pragma unroll 1
-  for (int r = 0; r < ROUNDS; ++r, t += G, dst += step) {
-    float w1[8], cs[8], sn[8], y[nri::kChunk];
-    read_consts(kc, w1, cs, sn);
+  for (int r = 0; r < ROUNDS; ++r) {
+    const int t = h0 + r * G + ln.grp;
+    float y[nri::kChunk];
     norm_rope_pass<ACT, D, ALIGNED>(xb[0], w1, cs, sn, ln.l, ln.c, ln.hr, ln.src, ln.rot_lane,
                                     ln.eps, y);
 #pragma unroll
@@ -196,113 +170,51 @@ __device__ __forceinline__ void q_item(const NriParams& p, const PersistLane& ln
     if (t < hq) {
       uint32_t ob[4];
       pack8(y, ACT, ob);
-      store8(dst, ob);
+      store8(qo + t * p.q_s1, ob);
     }
   }
 }
 
-// Stages of a q warp's lane-private prefetch ring (kPersistStages - 1 items in flight).
-constexpr int kPersistStages = 4;
-
-// Dynamic shared memory of a block of wpb warps: each warp's ring of kPersistStages x ROUNDS
-// 16-byte chunks per lane, then its constants (kPersistConsts float4 per lane).
-NRI_HD int64_t persist_warp_chunks(int rounds) {
-  return (kPersistStages * rounds + kPersistConsts) * 32;
-}
-
-NRI_HD int64_t persist_smem_bytes(int64_t wpb, int rounds) {
-  return wpb * persist_warp_chunks(rounds) * 16;
-}
-
-// Copies q item (tok, h0)'s x codes (pass r: head h0 + r G + grp, dims c .. c + 7; zeros
-// past Hq) into this lane's ring slots slot[r * 32] by cp.async and commits them as one
-// group (rows 16-byte aligned: persist_eligible). Only this lane reads the slots back.
-template <int D, int ROUNDS>
-__device__ __forceinline__ void fetch_q_item(const NriParams& p, const PersistLane& ln,
-                                             int64_t tok, int h0, uint4* slot) {
-  constexpr int G = nri::Geo<D>::kHeadsPerPass;
-  const int hq = (int)p.hq;
-  const uint16_t* row = static_cast<const uint16_t*>(p.rows) + tok * p.row_stride;
-#pragma unroll
-  for (int r = 0; r < ROUNDS; ++r) {
-    const int t = h0 + r * G + ln.grp;
-    const bool in = t < hq;
-    cp_async16(slot + r * 32, in ? row + t * D + ln.c : row, in ? 16u : 0u);
-  }
-  cp_async_commit();
-}
-
 // A q warp's share (warp gw of nw) of the q items (nq = ceil(Hq / HPW) per token, an even
-// split, contiguous and token-major), software-pipelined through a lane-private ring in
-// shared memory (`ring`: the warp's kPersistStages x ROUNDS x 32 chunks): the x codes of the
-// next kPersistStages - 1 items are in flight as cp.async copies while one is computed, at
-// no register cost (the H200 profile of the loop without it had a quarter of all stall
-// samples on the first use of x; a second register queue spilled). The token's cos / sin
-// are read when the token changes.
+// split, contiguous and token-major), each: the x loads of its passes,
+// the token's cos / sin when the token changes, then q_item.
 template <int ACT, int D, int ROUNDS, bool ALIGNED>
 __device__ __forceinline__ void q_items(const NriParams& p, const PersistLane& ln, int64_t nw,
-                                        int64_t gw, uint4* ring) {
+                                        int64_t gw) {
   constexpr int C = nri::kChunk;
   constexpr int G = nri::Geo<D>::kHeadsPerPass;
   constexpr int HPW = G * ROUNDS;
-  constexpr int S = kPersistStages;
   const int hq = (int)p.hq;
   const int nq = (hq + HPW - 1) / HPW;
   int64_t it, end;
   nri::persist_range(p.n * nq, nw, gw, it, end);
-  if (it >= end) return;  // the whole warp (uniform)
-  uint4* const mine = ring + (threadIdx.x & 31);
-  float4* const kc = reinterpret_cast<float4*>(ring + kPersistStages * ROUNDS * 32) +
-                     (threadIdx.x & 31);
-  {
-    float wq1[C];
-    one_plus_w<ACT>(static_cast<const uint16_t*>(p.w_q), ln.c, wq1);
-    write8(kc, 0, wq1);
-  }
-  int64_t tok = it / nq;
+  float wq1[C], cs[C], sn[C];  // 1 + w_q; cos / signed sin of token `cur`
+  one_plus_w<ACT>(static_cast<const uint16_t*>(p.w_q), ln.c, wq1);
+  int64_t tok = it / nq, cur = -1;
   int ch = (int)(it - tok * nq);
-  bool new_tok = true;
-  // The fetch cursor runs S - 1 items ahead (an empty group past the end keeps the count).
-  int64_t ftok = tok;
-  int fch = ch;
-  int64_t fleft = end - it, left = end - it;
-  for (int s = 0; s < S - 1; ++s) {
-    if (fleft > 0) {
-      fetch_q_item<D, ROUNDS>(p, ln, ftok, fch * HPW, mine + s * ROUNDS * 32);
-      if (++fch == nq) fch = 0, ++ftok;
-      --fleft;
-    } else {
-      cp_async_commit();
-    }
-  }
-  for (int k = 0; left > 0; --left, k = k + 1 == S ? 0 : k + 1) {
-    const int fs = k == 0 ? S - 1 : k - 1;  // (k + S - 1) % S
-    if (fleft > 0) {
-      fetch_q_item<D, ROUNDS>(p, ln, ftok, fch * HPW, mine + fs * ROUNDS * 32);
-      if (++fch == nq) fch = 0, ++ftok;
-      --fleft;
-    } else {
-      cp_async_commit();
-    }
-    cp_async_wait(S - 1);  // this lane's copies of the current item have landed
-    const uint4* st = mine + k * ROUNDS * 32;
+  for (; it < end; ++it) {
+    const int h0 = ch * HPW;
+    const uint16_t* x = static_cast<const uint16_t*>(p.rows) + tok * p.row_stride + ln.c;
     uint32_t xb[ROUNDS][4];
 #pragma unroll
     for (int r = 0; r < ROUNDS; ++r) {
-      const uint4 v = st[r * 32];
-      xb[r][0] = v.x, xb[r][1] = v.y, xb[r][2] = v.z, xb[r][3] = v.w;
+      const int t = h0 + r * G + ln.grp;
+      if (t < hq) {
+        load8(x + t * D, xb[r]);
+      } else {
+        xb[r][0] = xb[r][1] = xb[r][2] = xb[r][3] = 0;
+      }
     }
-    if (new_tok) {
-      float cs[C], sn[C];
+    if (tok != cur) {
+      cur = tok;
       rope_coeffs<ACT>(p, tok, ln.c, 2 * ln.hr, cs, sn);
-      write8(kc, 2, cs);
-      write8(kc, 4, sn);
     }
-    q_item<ACT, D, ROUNDS, ALIGNED>(p, ln, tok, ch * HPW, xb, kc);
-    new_tok = ++ch == nq;
-    if (new_tok) ch = 0, ++tok;
+    q_item<ACT, D, ROUNDS, ALIGNED>(p, ln, tok, h0, xb, wq1, cs, sn);
+    if (++ch == nq) {
+      ch = 0;
+      ++tok;
+    }
   }
-  cp_async_wait(0);
 }
 
 // The warp's share (warp gw of nw, taken in reverse order: the warps given one q item more
@@ -389,7 +301,10 @@ __device__ __forceinline__ void rest_items(const NriParams& p, const PersistLane
 // Every warp takes its q items, then its items of the other heads: two loops one after the
 // other, each with its own registers (one loop running both kinds spilled; giving some
 // warps only the other heads, which are latency-bound, made them the last to finish: on
-// the H200 bf16 251 us against 230 for this order, e4m3 330-344 against 320).
+// the H200 bf16 251 us against 230 for this order, e4m3 330-344 against 320). Prefetching
+// the q items' x through a lane-private cp.async ring in shared memory (3 items in flight
+// per warp, 1 + w_q and cos / sin in shared slots) did not pay: bf16 238.0 us against
+// 230.6, e4m3 291.3 against 293.6 (reports/gpu-out: session 12's A/B runs).
 template <int ACT, int D, int ROUNDS>
 __global__ void __launch_bounds__(kVecMaxWarps * 32, persist_min_blocks(ROUNDS))
 nri_persist_kernel(const NriParams p) {
@@ -407,12 +322,10 @@ nri_persist_kernel(const NriParams p) {
   const int64_t wpb = blockDim.x >> 5;
   const int64_t nw = (int64_t)gridDim.x * wpb;
   const int64_t gw = (int64_t)blockIdx.x * wpb + (threadIdx.x >> 5);
-  NRI_DYNAMIC_SMEM(smem);
-  uint4* const ring = smem + (threadIdx.x >> 5) * persist_warp_chunks(ROUNDS);
   if ((ln.hr & 7) == 0) {  // uniform over the launch
-    q_items<ACT, D, ROUNDS, true>(p, ln, nw, gw, ring);
+    q_items<ACT, D, ROUNDS, true>(p, ln, nw, gw);
   } else {
-    q_items<ACT, D, ROUNDS, false>(p, ln, nw, gw, ring);
+    q_items<ACT, D, ROUNDS, false>(p, ln, nw, gw);
   }
   rest_items<ACT, D, ROUNDS>(p, ln, nw, gw);
 }
@@ -436,14 +349,8 @@ cudaError_t persist_grid_cap(int threads, int64_t* cap) {
   }
   e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (e != cudaSuccess) return e;
-  const int64_t smem = persist_smem_bytes(threads / 32, ROUNDS);
-  if (smem > 48 * 1024) {
-    e = cudaFuncSetAttribute(nri_persist_kernel<ACT, D, ROUNDS>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
-  }
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, nri_persist_kernel<ACT, D, ROUNDS>,
-                                                    threads, (size_t)smem);
+                                                    threads, 0);
   if (e != cudaSuccess) return e;
   if (per_sm < 1) return cudaErrorInvalidConfiguration;
   c_dev = dev, c_threads = threads, c_cap = (int64_t)sms * per_sm;
@@ -461,18 +368,15 @@ cudaError_t launch_persist_k(const NriParams& p, cudaStream_t s) {
   const int64_t items = p.n * nri::persist_items_per_token(p.hq, p.hkv + p.hi + p.write_ik,
                                                            nri::Geo<D>::kHeadsPerPass * ROUNDS);
   const unsigned grid = (unsigned)nri::persist_grid(cap, items, p.warps_per_block);
-  nri_persist_kernel<ACT, D, ROUNDS>
-      <<<grid, threads, (size_t)persist_smem_bytes(threads / 32, ROUNDS), s>>>(p);
+  nri_persist_kernel<ACT, D, ROUNDS><<<grid, threads, 0, s>>>(p);
   return cudaGetLastError();
 }
 
+// 2 or 4 passes per item (nri_launch rejects 1: the slowest shape, and a third of the
+// translation units' compile time).
 template <int ACT, int D>
 cudaError_t launch_persist(const NriParams& p, int rounds, cudaStream_t s) {
-  switch (rounds) {
-    case 1: return launch_persist_k<ACT, D, 1>(p, s);
-    case 2: return launch_persist_k<ACT, D, 2>(p, s);
-    default: return launch_persist_k<ACT, D, 4>(p, s);
-  }
+  return rounds == 2 ? launch_persist_k<ACT, D, 2>(p, s) : launch_persist_k<ACT, D, 4>(p, s);
 }
 #endif  // __CUDACC__ (csrc/nri_persist_host.cpp runs the kernel on the CPU instead)
 

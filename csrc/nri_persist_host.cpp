@@ -17,16 +17,11 @@ int run_grid(const NriParams& p, unsigned grid) {
   const dim3 bdim((unsigned)(p.warps_per_block * 32));
   auto kernel = [&p] { nri_dev::nri_persist_kernel<ACT, D, ROUNDS>(p); };
   std::vector<char> stacks;
-  // The block's dynamic shared memory (the warps' prefetch rings), a NaN pattern at first.
-  std::vector<uint4> smem((size_t)nri_dev::persist_smem_bytes(p.warps_per_block, ROUNDS) / 16);
-  for (unsigned b = 0; b < grid; ++b) {
-    memset(smem.data(), 0xFF, smem.size() * 16);
+  for (unsigned b = 0; b < grid; ++b)
     for (int warp = 0; warp < (int)p.warps_per_block; ++warp)
       if (!cuda_sim::run_threads(kernel, make_uint3(b, 0, 0), bdim, dim3(grid),
-                                 (unsigned)(warp * 32), 32, reinterpret_cast<char*>(smem.data()),
-                                 stacks))
+                                 (unsigned)(warp * 32), 32, nullptr, stacks))
         return -3;
-  }
   return 0;
 }
 
@@ -34,7 +29,6 @@ template <int ACT>
 int run_act(const NriParams& p, int rounds, unsigned grid) {
 #define NRI_SIM_CASE(D)                                                                     \
   switch (rounds) {                                                                         \
-    case 1: return run_grid<ACT, D, 1>(p, grid);                                            \
     case 2: return run_grid<ACT, D, 2>(p, grid);                                            \
     case 4: return run_grid<ACT, D, 4>(p, grid);                                            \
     default: return -1;                                                                     \
@@ -53,10 +47,9 @@ int run_act(const NriParams& p, int rounds, unsigned grid) {
 extern "C" {
 
 // Runs variant 4 on the CPU over `grid` blocks. The launch-shape fields must be explicit as
-// the binding fills them (warps_per_block 1, 2, 4 or 8; heads_per_warp (256 / D) x {1, 2,
-// 4}; heads_per_block their product; heads_fast 0). Returns 0, -1 for an unsupported shape,
-// -2 when nri_launch would run variant 1 instead (rows misaligned for cp.async:
-// nri_dev::persist_eligible), -3 if the lanes' barriers deadlocked.
+// the binding fills them (warps_per_block 1, 2, 4 or 8; heads_per_warp (256 / D) x {2, 4};
+// heads_per_block their product; heads_fast 0). Returns 0, -1 for an unsupported shape,
+// -3 if the lanes' barriers deadlocked (lanes of a warp reaching different shuffles).
 int nri_persist_sim_launch(const NriParams* p, int64_t grid) {
   if (p == nullptr || p->variant != 4 || p->n < 0 || grid < 1) return -1;
   const int64_t g = 256 / (p->head_dim ? p->head_dim : 1);
@@ -65,9 +58,8 @@ int nri_persist_sim_launch(const NriParams* p, int64_t grid) {
       p->heads_per_block != w * hpw || p->heads_fast != 0 || p->stages != 0)
     return -1;
   const int rounds = (int)(hpw / g);
-  if (rounds != 1 && rounds != 2 && rounds != 4) return -1;
+  if (rounds != 2 && rounds != 4) return -1;
   if (p->n == 0) return 0;
-  if (!persist_eligible(*p)) return -2;
   return p->act_fmt == cvt::FMT_BF16 ? run_act<cvt::FMT_BF16>(*p, rounds, (unsigned)grid)
                                      : run_act<cvt::FMT_F16>(*p, rounds, (unsigned)grid);
 }

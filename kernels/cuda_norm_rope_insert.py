@@ -175,6 +175,9 @@ STREAM_STAGE_CHOICES = tuple(range(2, 9))
 #: Variant 4 by default (csrc/nri_device.cuh's kPersistDefault*): 8 warps per block, 2
 #: passes of 256 / D heads per warp and item.
 PERSIST_WARPS, PERSIST_ROUNDS = 8, 2
+#: Variant 4's passes per item: 2 or 4 (1 pass was the slowest shape on the H200, 247-300 us
+#: bf16 against 230-235, and its instantiations cost cold-build time).
+PERSIST_ROUND_CHOICES = (2, 4)
 
 
 def _is_int(v) -> bool:
@@ -222,11 +225,12 @@ def launch_shape(head_dim, variant=DEFAULT_VARIANT, block_h=None, warps_per_bloc
                                 f"{variant}, got {warps_per_block!r}")
     default_rounds = {3: STREAM_ROUNDS, 4: PERSIST_ROUNDS}.get(variant, VEC_ROUNDS)
     hpw = g * default_rounds if heads_per_warp is None else heads_per_warp
-    choices = [g * r for r in VEC_ROUND_CHOICES]
+    rounds = PERSIST_ROUND_CHOICES if variant == 4 else VEC_ROUND_CHOICES
+    choices = [g * r for r in rounds]
     if not _is_int(hpw) or hpw not in choices:
         fail("heads_per_warp", f"must be one of {choices} (256 / head_dim = {g} heads per "
-                               f"16-byte pass, 1, 2 or 4 passes) for variant {variant}, got "
-                               f"{heads_per_warp!r}")
+                               f"16-byte pass, {', '.join(map(str, rounds))} passes) for "
+                               f"variant {variant}, got {heads_per_warp!r}")
     if block_h is not None and block_h != wpb * hpw:
         fail("block_h", f"must be warps_per_block * heads_per_warp = {wpb * hpw} (or None) "
                         f"for variant {variant}, got {block_h!r}")
@@ -282,7 +286,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
       N * head blocks < 2^31).
     - ``warps_per_block``: variant 0: 4 only; variants 1, 2: 1, 2, 4 or 8 (default 2);
       variant 3: 1, 2, 4 or 8 (default 4); variant 4: 1, 2, 4 or 8 (default 8).
-    - ``heads_per_warp``: variant 0: 1 only; variants 1-4: (256 / D) x {1, 2, 4} passes
+    - ``heads_per_warp``: variant 0: 1 only; variants 1-3: (256 / D) x {1, 2, 4} passes,
+      variant 4 (256 / D) x {2, 4}
       (default 2 passes: 4 heads at D = 128, 8 at 64, 2 at 256; variant 3 processes them
       together in each pass over a token; variant 4: the heads of one item, whose loads
       are issued together).

@@ -233,6 +233,7 @@ def test_launch_rejects_bad_parameters(lib):
     ({"variant": 4}, 1),  # defaults 8 warps x 4 heads at D = 128: 32 heads per block, not 4
     ({"variant": 4, "heads_per_block": 32}, 0),
     ({"variant": 4, "warps_per_block": 1, "heads_per_warp": 8, "heads_per_block": 8}, 0),
+    ({"variant": 4, "warps_per_block": 1, "heads_per_warp": 2, "heads_per_block": 2}, 1),
     ({"variant": 4, "warps_per_block": 2, "heads_per_warp": 6, "heads_per_block": 12}, 1),
     ({"variant": 4, "heads_per_block": 32, "heads_fast": 1}, 1),  # a persistent grid
     ({"variant": 4, "heads_per_block": 32, "stages": 2}, 1),  # variant 3's knob only
@@ -486,14 +487,15 @@ SIM_GRID = 2
 @pytest.fixture(scope="module")
 def sim(vec_sim, stream_sim, persist_sim):
     """``sim(p, grid=SIM_GRID)``: runs NriParams (variant 1, 2, 3 or 4) on the CPU; returns
-    the simulation's code (0: ran). Variants 3 and 4 on tensors misaligned for cp.async run
+    the simulation's code (0: ran). Variant 3 on tensors misaligned for cp.async runs
     variant 1 with its default shape, as nri_launch does."""
 
     def launch(p, grid=SIM_GRID):
-        if p.variant not in (3, 4):
+        if p.variant == 4:
+            return persist_sim.nri_persist_sim_launch(ctypes.byref(p), grid)
+        if p.variant != 3:
             return vec_sim.nri_vec_sim_launch(ctypes.byref(p))
-        code = (stream_sim.nri_stream_sim_launch if p.variant == 3
-                else persist_sim.nri_persist_sim_launch)(ctypes.byref(p), grid)
+        code = stream_sim.nri_stream_sim_launch(ctypes.byref(p), grid)
         if code != -2:
             return code
         g = 256 // p.head_dim
@@ -758,7 +760,7 @@ def _model_shapes(variant):
         return ({}, dict(warps_per_block=1, heads_per_warp=2, num_stages=2),
                 dict(warps_per_block=8, heads_per_warp=8, num_stages=4))
     if variant == 4:
-        return ({}, dict(warps_per_block=1, heads_per_warp=2),
+        return ({}, dict(warps_per_block=1, heads_per_warp=4),
                 dict(warps_per_block=8, heads_per_warp=8))
     return ({}, dict(warps_per_block=1, heads_per_warp=4, heads_fast=True),
             dict(warps_per_block=8, heads_per_warp=8))
@@ -768,7 +770,7 @@ def _persist_knobs(d):
     """Launch shapes of variant 4 at head dim d: every warps per block x passes per item."""
     g = 256 // d
     return [dict(warps_per_block=w, heads_per_warp=g * rounds)
-            for w in cnri.VEC_WARP_CHOICES for rounds in cnri.VEC_ROUND_CHOICES]
+            for w in cnri.VEC_WARP_CHOICES for rounds in cnri.PERSIST_ROUND_CHOICES]
 
 
 #: Variants 3 and 4 against variant 1 on the same inputs (CPU simulation and GPU): (model dtype,
@@ -924,6 +926,7 @@ def _good_args(**kw):
     ("heads_fast", lambda a: {"heads_fast": 2}),
     ("heads_fast", lambda a: {"variant": 4, "heads_fast": True}),
     ("num_stages", lambda a: {"variant": 4, "num_stages": 2}),
+    ("heads_per_warp", lambda a: {"variant": 4, "heads_per_warp": 4}),  # D = 64: 8, 16
 ])
 def test_bad_host_input_raises_value_error_naming_it(name, change):
     """The shared host checks: bad dtypes, shapes, formats, contents (validate=True), block
@@ -1290,14 +1293,14 @@ def test_cuda_stream_variant_gives_variant_1s_bits(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_cuda_persist_variant_gives_variant_1s_bits(case):
-    """Variant 4 (default shape, 1 warp x 1 pass, 8 warps x 4 passes) gives exactly variant
+    """Variant 4 (default shape, 1 warp x 2 passes, 8 warps x 4 passes) gives exactly variant
     1's outputs and cache bytes on the same inputs for every row of STREAM_CASES (formats,
     D, R, N up to 1000 tokens: more items than one wave of warps for the 1-warp blocks, out
     of range slots and positions, padded and misaligned rows)."""
     md, kv_fmt, d, r, n, row_pad, row_shift, cache_pad, dense, bad = case
     x = _stream_case_inputs(md, kv_fmt, d, r, n, cache_pad, dense, bad)
     g = 256 // d
-    for knobs in ({}, dict(warps_per_block=1, heads_per_warp=g),
+    for knobs in ({}, dict(warps_per_block=1, heads_per_warp=2 * g),
                   dict(warps_per_block=8, heads_per_warp=4 * g)):
         impl4 = _variant_impl(4, row_pad=row_pad, row_shift=row_shift, **knobs)
         _check_stream_bits(impl4, _variant_impl(1), x, f"{case} {knobs}")
