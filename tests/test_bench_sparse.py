@@ -290,14 +290,14 @@ def test_indexer_parser_quick_flags(tmp_path):
 
 def test_attention_parser_quick_flags(tmp_path):
     """bench_attention_decode's parser takes the quick-check flags and defaults to the
-    issue's batches and caches at 32k contexts."""
+    issue's batches and every cache (both fnuz formats included) at 32k contexts."""
     a = bad.parse_args(["--batches", "1", "2", "--seq-len", "4096", "--caches", "bf16",
                         "e4m3fnuz", "--out", str(tmp_path / "y.json"), "--rep-ms", "5"])
     assert (a.batches, a.seq_len, a.caches, a.rep_ms) == ([1, 2], 4096, ["bf16", "e4m3fnuz"],
                                                           5.0)
     d = bad.parse_args([])
     assert d.batches == [1, 8, 64, 256] and d.seq_len == 32_768
-    assert d.caches == ["bf16", "e4m3fn", "e4m3fnuz", "e5m2"]
+    assert d.caches == ["bf16", "e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz"]
     assert d.out.endswith("bench_attention_decode.json")
 
 
@@ -400,11 +400,14 @@ def test_bench_attention_decode_small_run(tmp_path):
     assert bad.main(["--batches", "1", "2", "--seq-len", "4096", "--out", str(out),
                      "--copy-mib", "256", "--warmup-ms", "5", "--rep-ms", "30"]) == 0
     doc = json.loads(out.read_text())
-    assert doc["schema"] == "bench/1" and len(doc["results"]) == 2 * len(bad.CACHES)
+    caches = bad.DEFAULT_CACHES
+    assert doc["schema"] == "bench/1" and len(doc["results"]) == 2 * len(caches)
+    assert {r["cache"] for r in doc["results"]} == set(caches)
     for r in doc["results"]:
         assert r["median_us"] and r["median_us"] > 0, (r["cache"], r["note"])
         assert r["finite_output"], r["cache"]
-    assert len([c for c in doc["checks"] if c["check"] == "fp8 faster than bf16"]) == 6
+    fp8 = [c for c in caches if c != "bf16"]
+    assert len([c for c in doc["checks"] if c["check"] == "fp8 faster than bf16"]) == 2 * len(fp8)
     assert (tmp_path / "bench_attention_decode.md").exists()
 
 
