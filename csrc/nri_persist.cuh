@@ -95,37 +95,14 @@ __device__ __forceinline__ void one_plus_w(const uint16_t* w, int c, float (&w1)
   for (int j = 0; j < nri::kChunk; ++j) w1[j] = __fadd_rn(1.f, widen<ACT>(wb, j));
 }
 
-// The cos / signed sin of position `pos` at the lane's dims c .. c + 7 in fp32 (as variant 1:
-// the sine's sign flipped in the first half; 0 in pass-through dims and for positions
-// outside the table, where no row is read).
+// rope_codes (token tok's cos / signed sin at the lane's dims) widened to fp32.
 template <int ACT>
 __device__ __forceinline__ void rope_coeffs(const NriParams& p, int64_t tok, int c, int rot,
                                             float (&cs)[8], float (&sn)[8]) {
-  constexpr int C = nri::kChunk;
-  const int hr = rot >> 1;
-  uint32_t cw[4] = {0, 0, 0, 0}, sw[4] = {0, 0, 0, 0};
-  const int64_t pos = load_index(p.positions, p.pos_is64, tok * p.pos_stride);
-  if (pos >= 0 && pos < p.max_pos && c < rot) {
-    const uint16_t* trow = static_cast<const uint16_t*>(p.table) + pos * p.table_stride;
-    if ((hr & 7) == 0) {
-      const int ci = nri::cos_chunk(c, hr);
-      load8(trow + ci, cw);
-      load8(trow + hr + ci, sw);
-    } else {
+  uint32_t cw[4], sw[4];
+  rope_codes(p, tok, c, rot, cw, sw);
 #pragma unroll
-      for (int j = 0; j < C; ++j) {
-        const int ci = nri::cos_index(c + j, hr);
-        const bool in = c + j < rot;
-        cw[j >> 1] |= (in ? (uint32_t)trow[ci] : 0u) << (16 * (j & 1));
-        sw[j >> 1] |= (in ? (uint32_t)trow[hr + ci] : 0u) << (16 * (j & 1));
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < C; ++j)
-      if (nri::rope_role(c + j, hr) == 0) sw[j >> 1] ^= 0x8000u << (16 * (j & 1));
-  }
-#pragma unroll
-  for (int j = 0; j < C; ++j) {
+  for (int j = 0; j < nri::kChunk; ++j) {
     cs[j] = widen<ACT>(cw, j);
     sn[j] = widen<ACT>(sw, j);
   }

@@ -211,6 +211,38 @@ __device__ __forceinline__ void store_head(const NriParams& p, const HeadRef& hd
   }
 }
 
+// The cos and signed sin of token tok's position at the lane's dims c .. c + 7 as packed
+// 16-bit codes (the sine's sign bit flipped in the first half, so that y = fma(n', s, n c)
+// in both halves; 0 for pass-through dims and for positions outside the table, where no
+// row is read). 16-byte loads when R/2 % 8 == 0 (the lane's 8 dims lie in one half).
+// Shared by variants 1, 2 and 4.
+__device__ __forceinline__ void rope_codes(const NriParams& p, int64_t tok, int c, int rot,
+                                           uint32_t (&cw)[4], uint32_t (&sw)[4]) {
+  constexpr int C = nri::kChunk;
+  const int hr = rot >> 1;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) cw[k] = sw[k] = 0;
+  const int64_t pos = load_index(p.positions, p.pos_is64, tok * p.pos_stride);
+  if (pos < 0 || pos >= p.max_pos || c >= rot) return;
+  const uint16_t* trow = static_cast<const uint16_t*>(p.table) + pos * p.table_stride;
+  if ((hr & 7) == 0) {
+    const int ci = nri::cos_chunk(c, hr);
+    load8(trow + ci, cw);
+    load8(trow + hr + ci, sw);
+  } else {
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+      const int ci = nri::cos_index(c + j, hr);
+      const bool in = c + j < rot;
+      cw[j >> 1] |= (in ? (uint32_t)trow[ci] : 0u) << (16 * (j & 1));
+      sw[j >> 1] |= (in ? (uint32_t)trow[hr + ci] : 0u) << (16 * (j & 1));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < C; ++j)
+    if (nri::rope_role(c + j, hr) == 0) sw[j >> 1] ^= 0x8000u << (16 * (j & 1));
+}
+
 // Registers per pass limit the loads in flight, so a lane keeps per pass only the 16 raw
 // bytes of x (and of the partner x for XCHG_GLOBAL), packed in 4 words; head indices are
 // recomputed, the weight (an L1 hit) and V (k heads only) are loaded when the pass is
@@ -254,27 +286,8 @@ nri_vec_kernel(const NriParams p) {
   // Per token: cos and signed sin of the lane's dims as 16-bit codes (sign bit flipped for
   // the first half; 0 for pass-through dims and for positions outside the table, where no
   // row is read), and the slots when the block has a k / index_k head.
-  uint32_t cw[4] = {0, 0, 0, 0}, sw[4] = {0, 0, 0, 0};
-  const int64_t pos = load_index(p.positions, p.pos_is64, tok * p.pos_stride);
-  if (pos >= 0 && pos < p.max_pos && c < rot) {
-    const uint16_t* trow = static_cast<const uint16_t*>(p.table) + pos * p.table_stride;
-    if ((hr & 7) == 0) {  // the lane's 8 dims lie in one half
-      const int ci = nri::cos_chunk(c, hr);
-      load8(trow + ci, cw);
-      load8(trow + hr + ci, sw);
-    } else {
-#pragma unroll
-      for (int j = 0; j < C; ++j) {
-        const int ci = nri::cos_index(c + j, hr);
-        const bool in = c + j < rot;
-        cw[j >> 1] |= (in ? (uint32_t)trow[ci] : 0u) << (16 * (j & 1));
-        sw[j >> 1] |= (in ? (uint32_t)trow[hr + ci] : 0u) << (16 * (j & 1));
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < C; ++j)
-      if (nri::rope_role(c + j, hr) == 0) sw[j >> 1] ^= 0x8000u << (16 * (j & 1));
-  }
+  uint32_t cw[4], sw[4];
+  rope_codes(p, tok, c, rot, cw, sw);
   // Cache offsets of the token's slots (-1: not written): page * s0 + offset * s2.
   int64_t slot = -1, kv_base = -1, ic_base = -1;
   if (hb * hpb < p.hq + p.hkv && h_end > p.hq) {
