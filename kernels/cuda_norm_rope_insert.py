@@ -286,11 +286,10 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
       N * head blocks < 2^31).
     - ``warps_per_block``: variant 0: 4 only; variants 1, 2: 1, 2, 4 or 8 (default 2);
       variant 3: 1, 2, 4 or 8 (default 4); variant 4: 1, 2, 4 or 8 (default 8).
-    - ``heads_per_warp``: variant 0: 1 only; variants 1-3: (256 / D) x {1, 2, 4} passes,
-      variant 4 (256 / D) x {2, 4}
-      (default 2 passes: 4 heads at D = 128, 8 at 64, 2 at 256; variant 3 processes them
-      together in each pass over a token; variant 4: the heads of one item, whose loads
-      are issued together).
+    - ``heads_per_warp``: variant 0: 1 only; variants 1-3: (256 / D) x {1, 2, 4} passes;
+      variant 4: (256 / D) x {2, 4} passes. Default 2 passes (4 heads at D = 128, 8 at 64,
+      2 at 256); variant 3 processes them together in each pass over a token; variant 4:
+      the heads of one item, whose loads are issued together.
 
     Raises ValueError (naming the argument) for bad arguments, including tensors that are
     not on a CUDA device, and RuntimeError with the CUDA error text if the launch fails."""
