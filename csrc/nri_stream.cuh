@@ -127,7 +127,73 @@ inline bool stream_eligible(const NriParams& p) {
          p.table_stride % 2 == 0 && al(p.slots, sb) && (!p.write_ik || al(p.islots, ib));
 }
 
+// ------------------------------------------------------------------- cp.async helpers
+// On the host (csrc/cuda_sim.h) the copies complete at once.
 
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, uint32_t src_bytes) {
+#ifdef __CUDA_ARCH__
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+#else
+  memset(dst, 0, 16);
+  memcpy(dst, src, src_bytes);
+#endif
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, uint32_t src_bytes) {
+#ifdef __CUDA_ARCH__
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+#else
+  memset(dst, 0, 4);
+  memcpy(dst, src, src_bytes);
+#endif
+}
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+#ifdef __CUDA_ARCH__
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src) : "memory");
+#else
+  memcpy(dst, src, 8);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// cp.async.wait_group n (an immediate): n = S - 2, uniform over the launch.
+__device__ __forceinline__ void cp_async_wait(int n) {
+#ifdef __CUDA_ARCH__
+  switch (n) {
+#define NRI_WAIT_CASE(k) \
+  case k: asm volatile("cp.async.wait_group " #k ";\n" ::: "memory"); break;
+    NRI_WAIT_CASE(0)
+    NRI_WAIT_CASE(1)
+    NRI_WAIT_CASE(2)
+    NRI_WAIT_CASE(3)
+    NRI_WAIT_CASE(4)
+    NRI_WAIT_CASE(5)
+    default: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
+#undef NRI_WAIT_CASE
+  }
+#else
+  (void)n;
+#endif
+}
+
+#ifdef __CUDACC__
+#define NRI_DYNAMIC_SMEM(name) extern __shared__ uint4 name[]
+#else
+#define NRI_DYNAMIC_SMEM(name) uint4* const name = reinterpret_cast<uint4*>(cuda_sim::dynamic_smem())
+#endif
 
 // ---------------------------------------------------------------------------- kernel
 
