@@ -186,6 +186,21 @@ CVT_HD uint8_t fp8_encode(float x, int fmt, bool satfinite) {
   return satfinite ? fp8_encode_satfinite(x, fmt) : fp8_encode_sw(x, fmt, false);
 }
 
+// The division by a KV scale as two multiplications: x * a * b is x / s within one fp32
+// ulp (the oracle allows Fp32Arith.div_ulp = 2.5) for every fp32 s, where a correctly
+// rounded division costs ~10 instructions per value. b is a power of two (1 unless s lies
+// outside [2^-100, 2^100]) keeping a = RN(1 / (s b)) normal, so (x a) b rounds once more
+// only far outside every fp8 range; s = +-0, +-Inf, NaN give what x / s gives. The same
+// rule as kernels/fp8.py's scale_reciprocal.
+struct ScaleReciprocal {
+  float a, b;
+};
+
+CVT_HD ScaleReciprocal scale_reciprocal(float s) {
+  const float b = s < 0x1p-100f ? 0x1p64f : (s > 0x1p100f ? 0x1p-64f : 1.0f);
+  return ScaleReciprocal{1.0f / (s * b), b};
+}
+
 CVT_HD float fp8_decode(uint8_t c, int fmt) {
   switch (fmt) {
     case FMT_E4M3FN: return decode_bits<3, 7, 8, SP_FN>(c, 0.001953125f);            // 2^-9

@@ -165,11 +165,13 @@ __device__ __forceinline__ void store_head(const NriParams& p, const HeadRef& hd
       const int64_t base = kv_base + h * p.kv_s1 + c;
       const int fmt = (int)p.kv_fmt;
       if (cvt::is_fp8(fmt)) {
+        const cvt::ScaleReciprocal kr = cvt::scale_reciprocal(sc.k);
+        const cvt::ScaleReciprocal vr = cvt::scale_reciprocal(sc.v);
         float kq[C], vq[C];
 #pragma unroll
         for (int j = 0; j < C; ++j) {
-          kq[j] = y[j] / sc.k;
-          vq[j] = widen<ACT>(vb, j) / sc.v;
+          kq[j] = y[j] * kr.a * kr.b;
+          vq[j] = widen<ACT>(vb, j) * vr.a * vr.b;
         }
         uint32_t kc[2], vc[2];
         encode8(kq, fmt, kc);

@@ -132,17 +132,74 @@ def _decode_e4m3fnuz_f16(c):
 
 
 @triton.jit
-def encode_fp8(x, FMT: tl.constexpr, HW: tl.constexpr):
-    """fp32 values -> uint8 codes of format FMT (satfinite, RNE); HW picks the branch."""
+def scale_reciprocal(s):
+    """(a, b) such that ``x * a * b`` is ``x / s`` within one fp32 ulp (2^-23 relative; the
+    oracle allows the division by a KV scale Fp32Arith.div_ulp = 2.5) for every fp32 s,
+    as two multiplications per value instead of a correctly rounded division (~10 SASS
+    per value on sm_90: it was a third of the fp8 insert's KV loop).
+
+    b is a power of two (1 unless s lies outside [2^-100, 2^100]) that keeps a = RN(1 / (s
+    b)) a normal number, so (x a) b rounds once more only where x / s is far outside
+    every fp8 range. s = +-0, +-Inf or NaN give what x / s gives (+-Inf, NaN or +-0)."""
+    s = s.to(tl.float32)
+    b = tl.where(s < 7.888609052210118e-31, 1.8446744073709552e+19,  # 2^-100, 2^64
+                 tl.where(s > 1.2676506002282294e+30, 5.421010862427522e-20, 1.0))  # 2^100, 2^-64
+    return 1.0 / (s * b), b
+
+
+#: Four fp32 values ($1..$4) -> their four e4m3fn codes in one 32-bit register ($0, value
+#: k in byte k): the ``cvt.rn.satfinite.e4m3x2.f32`` Triton's own cast emits (two values
+#: per instruction), then every NaN code made the canonical 0x7F without a compare per
+#: value: per byte (no carries across bytes), low 7 bits 0x7F (the only NaN codes) + 1
+#: sets bit 7 in s; m = s - (s >> 7) is 0x7F there; the byte becomes (c & ~(s | m)) | m.
+_F32X4_E4M3FN: tl.constexpr = tl.constexpr(
+    "{ .reg .b16 lo, hi; .reg .b32 c, s, m; "
+    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+    "mov.b32 c, {lo, hi}; and.b32 s, c, 0x7F7F7F7F; add.u32 s, s, 0x01010101; "
+    "and.b32 s, s, 0x80808080; shr.b32 m, s, 7; sub.u32 m, s, m; or.b32 s, s, m; "
+    "not.b32 s, s; and.b32 c, c, s; or.b32 $0, c, m; }")
+
+#: As _F32X4_E4M3FN for e5m2, whose NaN codes are 0x7D-0x7F (and signed): low 7 bits + 3
+#: set bit 7 exactly for them (0x7C, Inf, is not produced by the satfinite cast).
+_F32X4_E5M2: tl.constexpr = tl.constexpr(
+    "{ .reg .b16 lo, hi; .reg .b32 c, s, m; "
+    "cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; "
+    "mov.b32 c, {lo, hi}; and.b32 s, c, 0x7F7F7F7F; add.u32 s, s, 0x03030303; "
+    "and.b32 s, s, 0x80808080; shr.b32 m, s, 7; sub.u32 m, s, m; or.b32 s, s, m; "
+    "not.b32 s, s; and.b32 c, c, s; or.b32 $0, c, m; }")
+
+
+@triton.jit
+def _encode_hw(x, FMT: tl.constexpr):
+    """fp32 -> e4m3fn / e5m2 codes by the hardware cast, NaN as the canonical 0x7F."""
+    if FMT == FMT_E4M3FN:
+        code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        code = x.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    return tl.where(x != x, 0x7F, code)  # the canonical NaN code, whatever the hardware's
+
+
+@triton.jit
+def encode_fp8(x, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr = False):
+    """fp32 values -> uint8 codes of format FMT (satfinite, RNE); HW picks the branch. ASM
+    (compiled only, with HW): the hardware cast in inline assembly, four values per call,
+    with the canonical NaN made by byte-parallel integer ops (``_F32X4_E4M3FN``): the same
+    bytes as the HW branch in fewer instructions (a tensor of fewer than four, or not a
+    multiple of four, values takes the HW branch: the assembly's pack is four)."""
     tl.static_assert(FMT >= 0 and FMT <= 3, "FMT must be one of the FMT_* constants")
     tl.static_assert(not HW or FMT <= 1, "HW=True exists only for e4m3fn and e5m2")
+    tl.static_assert(not ASM or HW, "ASM=True is a form of the hardware branch (HW=True)")
     x = x.to(tl.float32)
     if HW:
-        if FMT == FMT_E4M3FN:
-            code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        if ASM and x.numel % 4 == 0:
+            if FMT == FMT_E4M3FN:
+                asm: tl.constexpr = _F32X4_E4M3FN
+            else:
+                asm: tl.constexpr = _F32X4_E5M2
+            code = tl.inline_asm_elementwise(asm, "=r,f,f,f,f", [x], dtype=tl.uint8,
+                                             is_pure=True, pack=4)
         else:
-            code = x.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        code = tl.where(x != x, 0x7F, code)  # the canonical NaN code, whatever the hardware's
+            code = _encode_hw(x, FMT)
     else:
         if FMT == FMT_E4M3FN:
             code = _encode_sw(x, 3, 7, 0x7E, _FN)
@@ -299,13 +356,19 @@ def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr,
     return v
 
 
+def encode_asm(fmt: str, hw: bool, interpreted: bool) -> bool:
+    """Whether kernels encode ``fmt`` with ``encode_fp8``'s inline assembly (ASM): the
+    hardware branch of a hardware format, compiled (the interpreter runs no assembly)."""
+    return bool(hw) and fmt in HW_FORMATS and not interpreted
+
+
 @triton.jit
 def _encode_kernel(x_ptr, out_ptr, n, FMT: tl.constexpr, HW: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, ASM: tl.constexpr = False):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, encode_fp8(x, FMT, HW), mask=mask)
+    tl.store(out_ptr + offs, encode_fp8(x, FMT, HW, ASM), mask=mask)
 
 
 @triton.jit
@@ -354,14 +417,18 @@ def _block(n: int, block: int | None) -> int:
 
 
 def encode_tensor(x: torch.Tensor, fmt: str, hw: bool = False,
-                  block: int | None = None) -> torch.Tensor:
+                  block: int | None = None, asm: bool = False) -> torch.Tensor:
     """uint8 codes of ``x`` (float32, bfloat16 or float16; any shape) in format ``fmt``,
-    satfinite, on x's device."""
+    satfinite, on x's device; ``asm``: the hardware branch in inline assembly (needs
+    ``hw`` and a compiled kernel: ``encode_asm``)."""
     code = fmt_code(fmt, hw)
     if not isinstance(x, torch.Tensor) or x.dtype not in _SOURCE_DTYPES:
         raise ValueError(f"x must be a torch tensor of dtype {_SOURCE_DTYPES}, got "
                          f"{getattr(x, 'dtype', type(x))}")
-    return _elementwise(_encode_kernel, x, torch.uint8, code, hw, block)
+    if asm and not encode_asm(fmt, hw, INTERPRETED):
+        raise ValueError(f"asm=True needs hw=True, a hardware format {list(HW_FORMATS)} and "
+                         f"compiled kernels (not the interpreter), got fmt={fmt!r}, hw={hw}")
+    return _elementwise(_encode_kernel, x, torch.uint8, code, hw, block, ASM=asm)
 
 
 def decode_tensor(codes: torch.Tensor, fmt: str, hw: bool = False,

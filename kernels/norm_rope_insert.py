@@ -2,16 +2,19 @@
 kernel (SPEC.md sections 3, 4; issue 5).
 
 One launch per batch, a persistent grid: every program strides over the work items
-(token, block of BLOCK_H heads) of q, then of k (a k item also inserts its K and V heads
-into the paged cache), then of index_q, then (when present) of the single index_k head
-(which also goes into the index cache); each loop's loads are software-pipelined through
-shared memory (``num_stages``). Per head: ``n = x * rsqrt(mean(x^2) + eps) * (1 + w)`` in
-fp32, then rotate-half RoPE with the table row of the token's position, as given. Any even
-R <= D: a head is loaded as three contiguous segments, the rotated halves [0, R/2) and
+(token, block of BLOCK_H heads) of q, then those of k (a k item also inserts its K and V
+heads into the paged cache), of index_q, and (when present) of the single index_k head
+(which also goes into the index cache); the kinds with fewer than BLOCK_H heads take
+several tokens per item (TB tokens x HB heads, BLOCK_H rows, ``_rows``), so that no loop
+pays a q item's per-item work for a fraction of its bytes. Each loop's loads are
+software-pipelined through shared memory (``num_stages``). Per head:
+``n = x * rsqrt(mean(x^2) + eps) * (1 + w)``
+in fp32, then rotate-half RoPE with the table row of the token's position, as given. Any
+even R <= D: a head is loaded as three contiguous segments, the rotated halves [0, R/2) and
 [R/2, R) (each other's RoPE partners, element by element) and the pass-through dims [R, D),
 each padded to a power of two and masked, so R/2 need not be a power of two and every load
-is a vector load (a gathered partner load cost instructions on the H200). ``half`` = R/2 is a
-runtime argument, not a constexpr: one compile serves every R with the same padded
+is a vector load (a gathered partner load cost instructions on the H200). ``half`` = R/2 is
+a runtime argument, not a constexpr: one compile serves every R with the same padded
 segment widths (a constexpr R/2 compiled the kernel anew for each of the D/2 values, which
 kept a random-shape fuzz run compiling). Triton specialises it by divisibility as any
 integer argument, so at R/2 = 32 (the model) the segments' loads are the same 8-byte
@@ -22,8 +25,10 @@ vectors as with the constexpr (same global/shared load instructions in the sm_90
 Outputs: q, k, index_k rounded once (RNE) to the model dtype; index_q in the index cache's
 format (e4m3 codes of the fp32 value when the index cache is fp8). K goes into the cache
 from its fp32 value (``quantize_from="value"``: one rounding), divided by its scale; V from
-its model-dtype value divided by its scale (fp8 caches: ``encode_fp8`` satfinite, hardware
-casts for e4m3fn/e5m2, the software codec for the fnuz formats). Caches are addressed
+its model-dtype value divided by its scale (as two multiplications, ``scale_reciprocal``:
+within one fp32 ulp of the division), fp8 caches through ``encode_fp8`` satfinite
+(compiled: the hardware cast in inline assembly, four values per call, for e4m3fn/e5m2;
+the software codec for the fnuz formats). Caches are addressed
 through their strides (HND, NHD, padded) with 64-bit offsets; negative (and, defensively,
 out-of-range) slots are skipped; out-of-range positions read no table row.
 
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 from kernels._host import check_int, fail, insert_adapter, plan_norm_rope_insert
 from kernels._triton import ensure_ready, is_interpreted, resident_programs, tl, triton
-from kernels.fp8 import HW_FORMATS, encode_fp8, fmt_code
+from kernels.fp8 import HW_FORMATS, encode_asm, encode_fp8, fmt_code, scale_reciprocal
 
 
 @triton.jit
@@ -53,29 +58,26 @@ def _weights(w_ptr, D: tl.constexpr, half, BLOCK_HALF: tl.constexpr,
 
 @triton.jit
 def _first_item(pid, nprog, nblocks):
-    """A program's first work item (token, head block) and its stride (tokens, blocks):
-    items ``pid, pid + nprog, ...`` of the token-major order, stepped by ``_item``
-    without a division per item (two integer divisions were ~13% of the q loop's SASS)."""
+    """A program's first work item (token block, head block) and its stride (token blocks,
+    head blocks): items ``pid, pid + nprog, ...`` of the token-major order, stepped by
+    ``_next_item`` without a division per item (two integer divisions were ~13% of the q
+    loop's SASS)."""
     return pid // nblocks, pid % nblocks, nprog // nblocks, nprog % nblocks
 
 
 @triton.jit
-def _item(tok, b, step_t, step_b, nblocks, rows_ptr, row_stride, pos_ptr, table_ptr,
-          table_stride, max_pos):
-    """Work item (tok, b): ``_token``'s values, the block b, and the program's next item."""
-    t64, row, cs, pos_ok = _token(tok, rows_ptr, row_stride, pos_ptr, table_ptr,
-                                  table_stride, max_pos)
+def _next_item(tb, b, step_t, step_b, nblocks):
+    """The item after (tb, b) in a program's stride."""
     nb = b + step_b
     carry = nb >= nblocks
-    return (t64, b, row, cs, pos_ok, tok + step_t + carry.to(tok.dtype),
-            tl.where(carry, nb - nblocks, nb))
+    return tb + step_t + carry.to(tb.dtype), tl.where(carry, nb - nblocks, nb)
 
 
 @triton.jit
 def _token(tok, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos):
-    """A work item's token: its row and its RoPE table row (row 0, masked off by pos_ok,
-    for a position outside the table)."""
-    t64 = tl.cast(tok, tl.int64)  # index_k passes its loop counter: an int when interpreted
+    """A q item's token (a scalar): its row and its RoPE table row (row 0, masked off by
+    pos_ok, for a position outside the table)."""
+    t64 = tl.cast(tok, tl.int64)
     pos = tl.load(pos_ptr + t64).to(tl.int64)
     pos_ok = (pos >= 0) & (pos < max_pos)
     cs = table_ptr + tl.where(pos_ok, pos, 0) * table_stride
@@ -83,33 +85,48 @@ def _token(tok, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos)
 
 
 @triton.jit
-def _norm_rope_head(row_ptr, col0, head0, n_heads, w1, w2, w3, cs_ptr, pos_ok, eps,
-                    D: tl.constexpr, half, BLOCK_H: tl.constexpr,
+def _rows(tb, b, n, n_heads, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
+          max_pos, TB: tl.constexpr, HB: tl.constexpr):
+    """The TB x HB rows (token, head) of item (token block tb, head block b) of a kind with
+    few heads per token (k, index_q, index_k): the tokens' int64 indices, the heads, the
+    row mask (token < n, head < n_heads), the tokens' rows, and their RoPE table rows
+    ``[TB x HB, 1]`` with the positions' validity (``_token`` per row)."""
+    r = tl.arange(0, TB * HB)
+    t = tb * TB + r // HB
+    h = b * HB + r % HB
+    ok = (t < n) & (h < n_heads)
+    t64 = t.to(tl.int64)
+    pos = tl.load(pos_ptr + t64, mask=ok, other=-1).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < max_pos)
+    cs = table_ptr + tl.where(pos_ok, pos, 0) * table_stride
+    return t64, h, ok, rows_ptr + t64 * row_stride, cs[:, None], pos_ok[:, None]
+
+
+@triton.jit
+def _norm_rope_head(base, rmask, w1, w2, w3, cs_ptr, pos_ok, eps, D: tl.constexpr, half,
                     BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
                     HAS_REST: tl.constexpr):
-    """fp32 norm + RoPE of heads head0.. of one kind (starting at column col0 of the row),
-    in three segments of a head: the rotated halves [0, half) and [half, 2 half), and the
-    pass-through dims [2 half, D). Each segment is a contiguous load (vectorised, and
-    pipelined through shared memory by the caller's loop): no gathered partner lanes, and
-    any even R works (a segment's tail is masked). Returns the three fp32 segments, the
-    heads and their mask."""
-    heads = head0 + tl.arange(0, BLOCK_H)
-    hmask = heads < n_heads
+    """fp32 norm + RoPE of the heads at ``base`` (``[rows, 1]`` pointers to their dim 0;
+    rows masked by ``rmask``), in three segments of a head: the rotated halves [0, half)
+    and [half, 2 half), and the pass-through dims [2 half, D). Each segment is a
+    contiguous load (vectorised, and pipelined through shared memory by the caller's
+    loop): no gathered partner lanes, and any even R works (a segment's tail is masked).
+    ``cs_ptr`` / ``pos_ok``: the table row of all rows (scalars, a q item's one token) or
+    of each (``[rows, 1]``). Returns the three fp32 segments."""
     a = tl.arange(0, BLOCK_HALF)
-    amask = hmask[:, None] & (a < half)[None, :]
-    base = row_ptr + col0 + heads[:, None].to(tl.int64) * D
+    amask = rmask[:, None] & (a < half)[None, :]
     x1 = tl.load(base + a[None, :], mask=amask, other=0.0).to(tl.float32)
     x2 = tl.load(base + half + a[None, :], mask=amask, other=0.0).to(tl.float32)
     ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     if HAS_REST:
         p = 2 * half + tl.arange(0, BLOCK_REST)
-        x3 = tl.load(base + p[None, :], mask=hmask[:, None] & (p < D)[None, :],
+        x3 = tl.load(base + p[None, :], mask=rmask[:, None] & (p < D)[None, :],
                      other=0.0).to(tl.float32)
         ss += tl.sum(x3 * x3, axis=1)
     r = tl.math.rsqrt(ss / D + eps)[:, None]
-    cmask = (a < half) & pos_ok
-    c = tl.load(cs_ptr + a, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(cs_ptr + half + a, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    cmask = (a < half)[None, :] & pos_ok
+    c = tl.load(cs_ptr + a[None, :], mask=cmask, other=0.0).to(tl.float32)
+    s = tl.load(cs_ptr + half + a[None, :], mask=cmask, other=0.0).to(tl.float32)
     n1 = x1 * r * w1[None, :]
     n2 = x2 * r * w2[None, :]
     y1 = n1 * c - n2 * s
@@ -117,21 +134,21 @@ def _norm_rope_head(row_ptr, col0, head0, n_heads, w1, w2, w3, cs_ptr, pos_ok, e
     if HAS_REST:
         y3 = x3 * r * w3[None, :]
     else:
-        y3 = tl.zeros((BLOCK_H, BLOCK_REST), tl.float32)
-    return y1, y2, y3, heads, hmask
+        y3 = tl.zeros((1, BLOCK_REST), tl.float32)
+    return y1, y2, y3
 
 
 @triton.jit
-def _store_head(dst, y1, y2, y3, hmask, D: tl.constexpr, half,
+def _store_head(dst, y1, y2, y3, rmask, D: tl.constexpr, half,
                 BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, HAS_REST: tl.constexpr):
-    """Store the three segments of heads (dst: [BLOCK_H, 1] pointers to their dim 0)."""
+    """Store the three segments of heads (dst: ``[rows, 1]`` pointers to their dim 0)."""
     a = tl.arange(0, BLOCK_HALF)
-    amask = hmask[:, None] & (a < half)[None, :]
+    amask = rmask[:, None] & (a < half)[None, :]
     tl.store(dst + a[None, :], y1, mask=amask)
     tl.store(dst + half + a[None, :], y2, mask=amask)
     if HAS_REST:
         p = 2 * half + tl.arange(0, BLOCK_REST)
-        tl.store(dst + p[None, :], y3, mask=hmask[:, None] & (p < D)[None, :])
+        tl.store(dst + p[None, :], y3, mask=rmask[:, None] & (p < D)[None, :])
 
 
 # Counts and sizes vary from call to call: not specialised (one compile for every shape).
@@ -139,26 +156,31 @@ def _store_head(dst, y1, y2, y3, hmask, D: tl.constexpr, half,
 def _norm_rope_insert_kernel(
         rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos, n,
         wq_ptr, wk_ptr, wiq_ptr, wik_ptr,
-        q_out, q_s0, q_s1, k_out, iq_out, iq_s0, iq_s1, ik_out,
+        q_out, q_s0, q_s1, iq_out, iq_s0, iq_s1,
         kv_ptr, kv_s0, kv_s1, kv_s2, page_size, num_slots, slot_ptr,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
         ic_ptr, ic_s0, ic_s1, ic_page, ic_num_slots, islot_ptr,
         hq, hkv, hi, eps, half,
-        D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
-        BLOCK_IQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        D: tl.constexpr, BLOCK_H: tl.constexpr, KV_TB: tl.constexpr, KV_HB: tl.constexpr,
+        IQ_TB: tl.constexpr, IQ_HB: tl.constexpr, IK_TB: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
         BLOCK_REST: tl.constexpr, HAS_REST: tl.constexpr, NUM_STAGES: tl.constexpr,
         KV_FP8: tl.constexpr, KV_FMT: tl.constexpr, KV_HW: tl.constexpr,
         IDX_FP8: tl.constexpr, IDX_FMT: tl.constexpr, IDX_HW: tl.constexpr,
-        HAS_IK: tl.constexpr, SCALAR_SCALES: tl.constexpr = False):
+        HAS_IK: tl.constexpr, SCALAR_SCALES: tl.constexpr = False,
+        KV_ASM: tl.constexpr = False):
     # A persistent grid: each program strides over the work items of four loops, one per
-    # head kind (q, k + V + KV insert, index_q, index_k + index insert); item = (token,
-    # block of BLOCK_H q heads, BLOCK_KV k heads, BLOCK_IQ index_q heads, the index_k head):
-    # blocks no wider than the kind's head count, so no lanes compute masked-off heads. A
-    # loop body has no branches, so Triton pipelines its loads through shared memory
-    # NUM_STAGES deep: loads in flight no longer cost registers (the first,
-    # one-program-per-item kernel was register-bound at ~30 KB in flight per SM, ~60% of
-    # the copy bandwidth). k and index_k are written back into the row (k_out / ik_out: the
-    # row's k and index_k columns, row stride row_stride); q and index_q go to (s0,
+    # head kind (q, k + V + KV insert, index_q, index_k + index insert). A q item is one
+    # token's block of BLOCK_H q heads; the kinds with few heads per token take TB tokens x
+    # HB heads per item (HB = their head count, at most BLOCK_H; TB x HB = BLOCK_H rows):
+    # one token's 4 k heads (or its one index_k head) per item left those loops
+    # issue-bound on per-item work (address, mask and pipeline instructions for a quarter
+    # or an eighth of a q item's bytes). Blocks are no wider than the kind's head count,
+    # so no lanes compute masked-off heads. A loop body has no branches, so Triton
+    # pipelines its loads through shared memory NUM_STAGES deep: loads in flight no
+    # longer cost registers (the first, one-program-per-item kernel was register-bound at
+    # ~30 KB in flight per SM, ~60% of the copy bandwidth). k and index_k are written
+    # back in place into the row (row stride row_stride); q and index_q go to (s0,
     # s1)-strided outputs, which may be the row itself. An item's heads are read only by
     # that item, so prefetching later items cannot see a half-written head.
     pid = tl.program_id(0)
@@ -167,20 +189,22 @@ def _norm_rope_insert_kernel(
     w1, w2, w3 = _weights(wq_ptr, D, half, BLOCK_HALF, BLOCK_REST)
     q_tok, q_b, st, sb = _first_item(pid, nprog, nqb)
     for _ in tl.range(pid, n * nqb, nprog, num_stages=NUM_STAGES):
-        tok, b, row, cs, pos_ok, q_tok, q_b = _item(
-            q_tok, q_b, st, sb, nqb, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
-            max_pos)
-        y1, y2, y3, heads, hmask = _norm_rope_head(
-            row, 0, b * BLOCK_H, hq, w1, w2, w3, cs, pos_ok, eps, D, half, BLOCK_H,
-            BLOCK_HALF, BLOCK_REST, HAS_REST)
+        tok, row, cs, pos_ok = _token(q_tok, rows_ptr, row_stride, pos_ptr, table_ptr,
+                                      table_stride, max_pos)
+        heads = q_b * BLOCK_H + tl.arange(0, BLOCK_H)
+        q_tok, q_b = _next_item(q_tok, q_b, st, sb, nqb)
+        hmask = heads < hq
+        h64 = heads[:, None].to(tl.int64)
+        y1, y2, y3 = _norm_rope_head(row + h64 * D, hmask, w1, w2, w3, cs, pos_ok, eps, D,
+                                     half, BLOCK_HALF, BLOCK_REST, HAS_REST)
         qt = q_out.dtype.element_ty
-        _store_head(q_out + tok * q_s0 + heads[:, None].to(tl.int64) * q_s1, y1.to(qt),
-                    y2.to(qt), y3.to(qt), hmask, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
+        _store_head(q_out + tok * q_s0 + h64 * q_s1, y1.to(qt), y2.to(qt), y3.to(qt),
+                    hmask, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
 
-    nkb = tl.cdiv(hkv, BLOCK_KV)
+    nkb = tl.cdiv(hkv, KV_HB)
     dims = tl.arange(0, BLOCK_D)
     kw1, kw2, kw3 = _weights(wk_ptr, D, half, BLOCK_HALF, BLOCK_REST)
-    k_tok, k_b, st, sb = _first_item(pid, nprog, nkb)
+    k_tb, k_b, st, sb = _first_item(pid, nprog, nkb)
     if SCALAR_SCALES:
         # Loaded once: per item, the two scale loads were pipelined through shared memory
         # like the rows, ~600 SASS of (mostly uniform-datapath) address and pipeline work
@@ -188,88 +212,92 @@ def _norm_rope_insert_kernel(
         # 2,240; loaded once 2,584, at 128 registers instead of 96).
         ks_all = tl.load(ks_ptr)
         vs_all = tl.load(vs_ptr)
-    for _ in tl.range(pid, n * nkb, nprog, num_stages=NUM_STAGES):
-        tok, b, row, cs, pos_ok, k_tok, k_b = _item(
-            k_tok, k_b, st, sb, nkb, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
-            max_pos)
-        ky1, ky2, ky3, kheads, khmask = _norm_rope_head(
-            row, hq * D, b * BLOCK_KV, hkv, kw1, kw2, kw3, cs, pos_ok, eps, D, half, BLOCK_KV,
-            BLOCK_HALF, BLOCK_REST, HAS_REST)
+    for _ in tl.range(pid, tl.cdiv(n, KV_TB) * nkb, nprog, num_stages=NUM_STAGES):
+        tok, kheads, kok, row, cs, pos_ok = _rows(
+            k_tb, k_b, n, hkv, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
+            max_pos, KV_TB, KV_HB)
+        k_tb, k_b = _next_item(k_tb, k_b, st, sb, nkb)
         h64 = kheads.to(tl.int64)
-        vmask = khmask[:, None] & (dims < D)[None, :]
-        v = tl.load(row + (hq + hkv) * D + h64[:, None] * D + dims[None, :], mask=vmask,
-                    other=0.0)
-        kt = k_out.dtype.element_ty
-        _store_head(k_out + tok * row_stride + h64[:, None] * D, ky1.to(kt), ky2.to(kt),
-                    ky3.to(kt), khmask, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        kbase = row[:, None] + hq * D + h64[:, None] * D
+        ky1, ky2, ky3 = _norm_rope_head(kbase, kok, kw1, kw2, kw3, cs, pos_ok, eps, D, half,
+                                        BLOCK_HALF, BLOCK_REST, HAS_REST)
+        vmask = kok[:, None] & (dims < D)[None, :]
+        v = tl.load(kbase + hkv * D + dims[None, :], mask=vmask, other=0.0)
+        kt = rows_ptr.dtype.element_ty
+        _store_head(kbase, ky1.to(kt), ky2.to(kt), ky3.to(kt), kok, D, half, BLOCK_HALF,
+                    BLOCK_REST, HAS_REST)
+        slot = tl.load(slot_ptr + tok, mask=kok, other=-1).to(tl.int64)
         ok = (slot >= 0) & (slot < num_slots)
         sl = tl.where(ok, slot, 0)
-        kv = (kv_ptr + (sl // page_size) * kv_s0 + h64[:, None] * kv_s1
-              + (sl % page_size) * kv_s2)
+        kv = (kv_ptr + (sl // page_size) * kv_s0 + h64 * kv_s1
+              + (sl % page_size) * kv_s2)[:, None]
         if KV_FP8:
             if SCALAR_SCALES:
                 ks = ks_all
                 vs = vs_all
             else:
-                ks = tl.load(ks_ptr + h64 * ks_s0 + sl * ks_s1, mask=khmask, other=1.0)[:, None]
-                vs = tl.load(vs_ptr + h64 * vs_s0 + sl * vs_s1, mask=khmask, other=1.0)[:, None]
-            _store_head(kv, encode_fp8(ky1 / ks, KV_FMT, KV_HW),
-                        encode_fp8(ky2 / ks, KV_FMT, KV_HW),
-                        encode_fp8(ky3 / ks, KV_FMT, KV_HW),
-                        khmask & ok, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
-            tl.store(kv + D + dims[None, :], encode_fp8(v.to(tl.float32) / vs, KV_FMT, KV_HW),
-                     mask=vmask & ok)
+                ks = tl.load(ks_ptr + h64 * ks_s0 + sl * ks_s1, mask=ok, other=1.0)[:, None]
+                vs = tl.load(vs_ptr + h64 * vs_s0 + sl * vs_s1, mask=ok, other=1.0)[:, None]
+            ka, kb = scale_reciprocal(ks)
+            va, vb = scale_reciprocal(vs)
+            _store_head(kv, encode_fp8(ky1 * ka * kb, KV_FMT, KV_HW, KV_ASM),
+                        encode_fp8(ky2 * ka * kb, KV_FMT, KV_HW, KV_ASM),
+                        encode_fp8(ky3 * ka * kb, KV_FMT, KV_HW, KV_ASM),
+                        ok, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
+            tl.store(kv + D + dims[None, :],
+                     encode_fp8(v.to(tl.float32) * va * vb, KV_FMT, KV_HW, KV_ASM),
+                     mask=vmask & ok[:, None])
         else:
             ct = kv_ptr.dtype.element_ty
-            _store_head(kv, ky1.to(ct), ky2.to(ct), ky3.to(ct), khmask & ok, D, half,
+            _store_head(kv, ky1.to(ct), ky2.to(ct), ky3.to(ct), ok, D, half,
                         BLOCK_HALF, BLOCK_REST, HAS_REST)
-            tl.store(kv + D + dims[None, :], v.to(ct), mask=vmask & ok)
+            tl.store(kv + D + dims[None, :], v.to(ct), mask=vmask & ok[:, None])
 
-    nib = tl.cdiv(hi, BLOCK_IQ)
+    nib = tl.cdiv(hi, IQ_HB)
     iw1, iw2, iw3 = _weights(wiq_ptr, D, half, BLOCK_HALF, BLOCK_REST)
-    i_tok, i_b, st, sb = _first_item(pid, nprog, nib)
-    for _ in tl.range(pid, n * nib, nprog, num_stages=NUM_STAGES):
-        tok, b, row, cs, pos_ok, i_tok, i_b = _item(
-            i_tok, i_b, st, sb, nib, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
-            max_pos)
-        iy1, iy2, iy3, iheads, ihmask = _norm_rope_head(
-            row, (hq + 2 * hkv) * D, b * BLOCK_IQ, hi, iw1, iw2, iw3, cs, pos_ok, eps, D,
-            half, BLOCK_IQ, BLOCK_HALF, BLOCK_REST, HAS_REST)
-        iq_dst = iq_out + tok * iq_s0 + iheads[:, None].to(tl.int64) * iq_s1
+    i_tb, i_b, st, sb = _first_item(pid, nprog, nib)
+    for _ in tl.range(pid, tl.cdiv(n, IQ_TB) * nib, nprog, num_stages=NUM_STAGES):
+        tok, iheads, iok, row, cs, pos_ok = _rows(
+            i_tb, i_b, n, hi, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
+            max_pos, IQ_TB, IQ_HB)
+        i_tb, i_b = _next_item(i_tb, i_b, st, sb, nib)
+        ih64 = iheads[:, None].to(tl.int64)
+        iy1, iy2, iy3 = _norm_rope_head(row[:, None] + (hq + 2 * hkv) * D + ih64 * D, iok,
+                                        iw1, iw2, iw3, cs, pos_ok, eps, D, half, BLOCK_HALF,
+                                        BLOCK_REST, HAS_REST)
+        iq_dst = iq_out + tok[:, None] * iq_s0 + ih64 * iq_s1
         if IDX_FP8:
             _store_head(iq_dst, encode_fp8(iy1, IDX_FMT, IDX_HW),
                         encode_fp8(iy2, IDX_FMT, IDX_HW), encode_fp8(iy3, IDX_FMT, IDX_HW),
-                        ihmask, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
+                        iok, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
         else:
             it = iq_out.dtype.element_ty
-            _store_head(iq_dst, iy1.to(it), iy2.to(it), iy3.to(it), ihmask, D, half,
+            _store_head(iq_dst, iy1.to(it), iy2.to(it), iy3.to(it), iok, D, half,
                         BLOCK_HALF, BLOCK_REST, HAS_REST)
 
     if HAS_IK:
         jw1, jw2, jw3 = _weights(wik_ptr, D, half, BLOCK_HALF, BLOCK_REST)
-        for i in tl.range(pid, n, nprog, num_stages=NUM_STAGES):
-            tok, row, cs, pos_ok = _token(i, rows_ptr, row_stride, pos_ptr, table_ptr,
-                                          table_stride, max_pos)
-            jy1, jy2, jy3, jheads, jhmask = _norm_rope_head(
-                row, (hq + 2 * hkv + hi) * D, 0, 1, jw1, jw2, jw3, cs, pos_ok, eps, D, half,
-                1, BLOCK_HALF, BLOCK_REST, HAS_REST)
-            ikt = ik_out.dtype.element_ty
-            _store_head(ik_out + tok * row_stride + jheads[:, None].to(tl.int64) * D,
-                        jy1.to(ikt), jy2.to(ikt), jy3.to(ikt), jhmask, D, half, BLOCK_HALF,
-                        BLOCK_REST, HAS_REST)
-            islot = tl.load(islot_ptr + tok).to(tl.int64)
+        for j in tl.range(pid, tl.cdiv(n, IK_TB), nprog, num_stages=NUM_STAGES):
+            tok, _h, jok, row, cs, pos_ok = _rows(
+                j, 0, n, 1, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride,
+                max_pos, IK_TB, 1)
+            jbase = row[:, None] + (hq + 2 * hkv + hi) * D
+            jy1, jy2, jy3 = _norm_rope_head(jbase, jok, jw1, jw2, jw3, cs, pos_ok, eps, D,
+                                            half, BLOCK_HALF, BLOCK_REST, HAS_REST)
+            ikt = rows_ptr.dtype.element_ty
+            _store_head(jbase, jy1.to(ikt), jy2.to(ikt), jy3.to(ikt), jok, D, half,
+                        BLOCK_HALF, BLOCK_REST, HAS_REST)
+            islot = tl.load(islot_ptr + tok, mask=jok, other=-1).to(tl.int64)
             iok = (islot >= 0) & (islot < ic_num_slots)
             isl = tl.where(iok, islot, 0)
-            ic = (ic_ptr + (isl // ic_page) * ic_s0 + (isl % ic_page) * ic_s1
-                  + jheads[:, None].to(tl.int64) * 0)
+            ic = (ic_ptr + (isl // ic_page) * ic_s0 + (isl % ic_page) * ic_s1)[:, None]
             if IDX_FP8:
                 _store_head(ic, encode_fp8(jy1, IDX_FMT, IDX_HW),
                             encode_fp8(jy2, IDX_FMT, IDX_HW), encode_fp8(jy3, IDX_FMT, IDX_HW),
-                            jhmask & iok, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
+                            iok, D, half, BLOCK_HALF, BLOCK_REST, HAS_REST)
             else:
                 ict = ic_ptr.dtype.element_ty
-                _store_head(ic, jy1.to(ict), jy2.to(ict), jy3.to(ict), jhmask & iok, D, half,
+                _store_head(ic, jy1.to(ict), jy2.to(ict), jy3.to(ict), iok, D, half,
                             BLOCK_HALF, BLOCK_REST, HAS_REST)
 
 
@@ -281,11 +309,20 @@ INTERPRETED = is_interpreted(_norm_rope_insert_kernel)
 
 #: Launch defaults, tuned on the H200 (benchmarks/tune_insert.py; reports/tune-insert-h200.json).
 BLOCK_H, NUM_WARPS, NUM_STAGES = 8, 2, 3
-#: Registers per thread (ptxas maxnreg; 0: the compiler's choice). The e4m3 path takes 114
-#: (8 programs of 2 warps per SM) where bf16 takes 96 (10); capped at 96 it compiles with no
-#: spill, but the H200 timed it the same (201.7 vs 201.6 us, reports/tune-insert-maxnreg-
-#: h200.json): occupancy is not what holds e4m3 back, so the compiler keeps its choice.
-MAX_REGISTERS = 0
+#: Registers per thread (ptxas maxnreg; 0: the compiler's choice). With the token-blocked
+#: k / index loops the compiler takes 162 for a bf16 cache (6 programs of 2 warps per SM)
+#: and 128 for e4m3 (8); capped at 128, bf16 compiles to 122 with no spill and 8 programs:
+#: H200 bf16 194.2 -> 181.0 us, e4m3 178.5 / 178.7 (reports/tune-insert-token-blocks-
+#: h200.json; 112 spills: 240 us). (Session 8, before the token blocks, a cap of 96 had
+#: timed the same as the compiler's 114 for e4m3.)
+MAX_REGISTERS = 128
+
+
+def _token_blocks(kind: str, block_h: int, heads: int) -> dict:
+    """A few-heads kind's item: HB heads (all of them, at most block_h) of TB tokens, TB x
+    HB = block_h rows (as a q item)."""
+    hb = min(block_h, triton.next_power_of_2(heads))
+    return {f"{kind}_TB": block_h // hb, f"{kind}_HB": hb}
 
 
 def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_kv_heads,
@@ -316,8 +353,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     the platform's e4m3 for a uint8 index cache, the model dtype otherwise.
     ``skip_index=True``: the index heads are neither transformed nor inserted (rows keep
     them as they are; no index cache is needed).
-    Tuning knobs (defaults from benchmarks/tune_insert.py on the H200): ``block_h`` heads
-    per work item, ``num_warps``, ``num_stages`` (depth of the loads' shared-memory
+    Tuning knobs (defaults from benchmarks/tune_insert.py on the H200): ``block_h`` rows
+    (heads x tokens) per work item, ``num_warps``, ``num_stages`` (depth of the loads' shared-memory
     pipeline), ``programs`` (the persistent grid; default: as many as the GPU holds at once,
     ``kernels._triton.resident_programs``; never more than the work items),
     ``max_registers`` (ptxas ``maxnreg``; default MAX_REGISTERS; 0: the compiler's choice).
@@ -354,16 +391,14 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     args = (
         rows, rows.stride(0), positions, rope_table, rope_table.stride(0), rope_table.shape[0], n,
         w_q, w_k, w_index_q if p.transform_iq else w_q, w_index_k if p.write_ik else w_q,
-        out["q"], out["q"].stride(0), out["q"].stride(1), rows[:, hq * d:],
-        iq, iq_s[0], iq_s[1], rows[:, p.width - d:],
+        out["q"], out["q"].stride(0), out["q"].stride(1), iq, iq_s[0], iq_s[1],
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.page,
         p.num_slots, slot_mapping, p.ks, *p.ks_strides, p.vs, *p.vs_strides,
         p.ic, *p.ic_strides, p.ic_page, p.ic_slots, p.islots,
         hq, hkv, hi if p.transform_iq else 0, float(eps), rotary_dim // 2)
     kwargs = dict(
-        D=d, BLOCK_H=block_h,
-        BLOCK_KV=min(block_h, triton.next_power_of_2(hkv)),
-        BLOCK_IQ=min(block_h, triton.next_power_of_2(max(hi, 1))),
+        D=d, BLOCK_H=block_h, **_token_blocks("KV", block_h, hkv),
+        **_token_blocks("IQ", block_h, max(hi, 1)), IK_TB=block_h,
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
         BLOCK_REST=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_REST=rotary_dim < d,
@@ -371,6 +406,7 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         KV_HW=p.kv_fp8 and p.kv_fmt in HW_FORMATS,
         IDX_FP8=p.idx_fp8, IDX_FMT=fmt_code(p.index_fmt) if p.idx_fp8 else 0,
         IDX_HW=p.idx_fp8 and p.index_fmt in HW_FORMATS, HAS_IK=p.write_ik,
+        KV_ASM=p.kv_fp8 and encode_asm(p.kv_fmt, True, INTERPRETED),
         SCALAR_SCALES=p.kv_fp8 and not any((*p.ks_strides, *p.vs_strides)),
         NUM_STAGES=num_stages or NUM_STAGES, num_warps=num_warps or NUM_WARPS)
     if max_registers is None:
@@ -399,18 +435,19 @@ def compile_signatures():
     for act, kv, kv_fmt, kv_hw, idx, idx_fmt, idx_hw, has_ik in combos:
         sig = {name: "i64" for name in _norm_rope_insert_kernel.arg_names}
         for name in ("rows_ptr", "table_ptr", "wq_ptr", "wk_ptr", "wiq_ptr", "wik_ptr",
-                     "q_out", "k_out", "ik_out"):
+                     "q_out"):
             sig[name] = f"*{act}"
         sig.update(n="i32", pos_ptr="*i64", slot_ptr="*i32", islot_ptr="*i64", ks_ptr="*fp32",
                    vs_ptr="*fp32", kv_ptr=f"*{kv}", ic_ptr=f"*{idx}", iq_out=f"*{idx}",
                    hq="i32", hkv="i32", hi="i32", eps="fp32", half="i32")
         half = 32 if kv_fmt != 3 else 24  # R 64, and R 48 (segments not powers of two)
-        const = dict(D=128, BLOCK_H=8, BLOCK_KV=4, BLOCK_IQ=2, BLOCK_D=128,
+        const = dict(D=128, BLOCK_H=8, KV_TB=2, KV_HB=4, IQ_TB=2, IQ_HB=4, IK_TB=8,
+                     BLOCK_D=128,
                      BLOCK_HALF=32, BLOCK_REST=triton.next_power_of_2(128 - 2 * half),
                      HAS_REST=True, KV_FP8=kv == "u8",
                      KV_FMT=kv_fmt, KV_HW=kv_hw, IDX_FP8=idx == "u8", IDX_FMT=idx_fmt,
                      IDX_HW=idx_hw, HAS_IK=has_ik, NUM_STAGES=3 if kv_fmt != 1 else 1,
-                     SCALAR_SCALES=kv == "u8" and kv_fmt == 0)
+                     SCALAR_SCALES=kv == "u8" and kv_fmt == 0, KV_ASM=kv == "u8" and kv_hw)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_norm_rope_insert_kernel, sig, const))
     return out

@@ -65,25 +65,37 @@ _m("reshape_e5m2_encoded_as_e4m3", "reshape_and_cache",
    "a copy-pasted format dispatch converted both OCP formats with the e4m3 cast, so "
    "fp8_e5m2 caches held e4m3 bytes (values read back wrong by up to 2^7 in scale)",
    patch(RESHAPE, deps={FP8: (
-       ("            code = x.to(tl.float8e5).to(tl.uint8, bitcast=True)\n",
-        "            code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)\n"),)}))
+       ("        code = x.to(tl.float8e5).to(tl.uint8, bitcast=True)\n",
+        "        code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)\n"),)}))
 
 # Satfinite missing: a non-saturating conversion (torch's .to(float8_e4m3fn), cvt without
 # .satfinite): finite overflow and +-Inf become NaN (e4m3fn: 0x7F | sign) or Inf (e5m2), and
 # the software codec (fnuz) loses its clamp, so an overflowing magnitude runs into the
 # sign bit (the fnuz NaN 0x80 first, then garbage).
 _NO_SATFINITE_HW = (
-    ("        if FMT == FMT_E4M3FN:\n"
-     "            code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)\n"
-     "        else:\n"
-     "            code = x.to(tl.float8e5).to(tl.uint8, bitcast=True)\n",
-     "        neg = (x < 0).to(tl.uint8) << 7\n"
-     "        if FMT == FMT_E4M3FN:\n"
-     "            code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)\n"
-     "            code = tl.where(tl.abs(x) >= 464.0, 0x7F | neg, code)\n"
-     "        else:\n"
-     "            code = x.to(tl.float8e5).to(tl.uint8, bitcast=True)\n"
-     "            code = tl.where(tl.abs(x) >= 61440.0, 0x7C | neg, code)\n"),)
+    ("    if FMT == FMT_E4M3FN:\n"
+     "        code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)\n"
+     "    else:\n"
+     "        code = x.to(tl.float8e5).to(tl.uint8, bitcast=True)\n",
+     "    neg = (x < 0).to(tl.uint8) << 7\n"
+     "    if FMT == FMT_E4M3FN:\n"
+     "        code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)\n"
+     "        code = tl.where(tl.abs(x) >= 464.0, 0x7F | neg, code)\n"
+     "    else:\n"
+     "        code = x.to(tl.float8e5).to(tl.uint8, bitcast=True)\n"
+     "        code = tl.where(tl.abs(x) >= 61440.0, 0x7C | neg, code)\n"),)
+# The same on the inline-assembly form of the hardware cast (the fused insert's KV writes
+# when compiled): the codes of overflowing values replaced as a plain cast would write them.
+_NO_SATFINITE_ASM = (
+    ("            code = tl.inline_asm_elementwise(asm, \"=r,f,f,f,f\", [x], dtype=tl.uint8,\n"
+     "                                             is_pure=True, pack=4)\n",
+     "            code = tl.inline_asm_elementwise(asm, \"=r,f,f,f,f\", [x], dtype=tl.uint8,\n"
+     "                                             is_pure=True, pack=4)\n"
+     "            neg = (x < 0).to(tl.uint8) << 7\n"
+     "            if FMT == FMT_E4M3FN:\n"
+     "                code = tl.where(tl.abs(x) >= 464.0, 0x7F | neg, code)\n"
+     "            else:\n"
+     "                code = tl.where(tl.abs(x) >= 61440.0, 0x7C | neg, code)\n"),)
 _NO_SATFINITE_SW = (
     ("    mag = tl.minimum(mag, MAX_CODE)  # satfinite: finite overflow and +-Inf -> max finite\n",
      ""),)
@@ -93,7 +105,7 @@ _m("insert_satfinite_missing", "norm_rope_insert",
    "an fp8 KV write used a plain (torch-style, non-satfinite) conversion, so K/V beyond "
    "the format's max, and Inf activations, were stored as NaN/Inf codes that poison "
    "every later attention over the page",
-   patch(FUSED, deps={FP8: _NO_SATFINITE_HW + _NO_SATFINITE_SW}))
+   patch(FUSED, deps={FP8: _NO_SATFINITE_HW + _NO_SATFINITE_ASM + _NO_SATFINITE_SW}))
 
 _m("reshape_satfinite_missing_fnuz", "reshape_and_cache",
    "fp8 saturation missing (software fnuz codec)",
@@ -108,9 +120,12 @@ _m("insert_clamp_240_on_e4m3fn", "norm_rope_insert",
    "an FP8_MAX constant taken from the ROCm path, so OCP caches lost every value in "
    "(240, 448]",
    patch(FUSED, deps={FP8: (
-       ("            code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)\n",
-        "            code = tl.minimum(tl.maximum(x, -240.0), 240.0).to(tl.float8e4nv).to("
-        "tl.uint8, bitcast=True)\n"),)}))
+       ("        code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)\n",
+        "        code = tl.minimum(tl.maximum(x, -240.0), 240.0).to(tl.float8e4nv).to("
+        "tl.uint8, bitcast=True)\n"),
+       ("                asm: tl.constexpr = _F32X4_E4M3FN\n",
+        "                asm: tl.constexpr = _F32X4_E4M3FN\n"
+        "                x = tl.minimum(tl.maximum(x, -240.0), 240.0)\n"))}))
 
 # ------------------------------------------------------------------------------- scales
 
@@ -143,18 +158,15 @@ _m("insert_scale_multiplied", "norm_rope_insert",
    "the writer multiplied by the scale (the dequantisation convention) instead of "
    "dividing by it, so codes were off by scale^2 and saturated for large scales",
    patch(FUSED,
-         ("encode_fp8(ky1 / ks, KV_FMT, KV_HW)", "encode_fp8(ky1 * ks, KV_FMT, KV_HW)"),
-         ("encode_fp8(ky2 / ks, KV_FMT, KV_HW)", "encode_fp8(ky2 * ks, KV_FMT, KV_HW)"),
-         ("encode_fp8(ky3 / ks, KV_FMT, KV_HW)", "encode_fp8(ky3 * ks, KV_FMT, KV_HW)"),
-         ("encode_fp8(v.to(tl.float32) / vs, KV_FMT, KV_HW)",
-          "encode_fp8(v.to(tl.float32) * vs, KV_FMT, KV_HW)")))
+         ("            ka, kb = scale_reciprocal(ks)\n", "            ka, kb = ks, 1.0\n"),
+         ("            va, vb = scale_reciprocal(vs)\n", "            va, vb = vs, 1.0\n")))
 
 _m("insert_v_quantised_with_k_scale", "norm_rope_insert",
    "k/v scales disagreeing between writer and reader (V written with k_scale)",
    "a copy-paste in the V store divided V by k_scale; with per-tensor scales that "
    "differ, the reader's v_scale no longer undoes it",
-   patch(FUSED, ("encode_fp8(v.to(tl.float32) / vs, KV_FMT, KV_HW)",
-                 "encode_fp8(v.to(tl.float32) / ks, KV_FMT, KV_HW)")))
+   patch(FUSED, ("            va, vb = scale_reciprocal(vs)\n",
+                 "            va, vb = scale_reciprocal(ks)\n")))
 
 _m("insert_k_quantised_from_bf16", "norm_rope_insert",
    "K quantised from bf16 where the contract says fp32",
@@ -162,12 +174,9 @@ _m("insert_k_quantised_from_bf16", "norm_rope_insert",
    "to q/k) instead of the fp32 value, a second rounding that the reader's contract "
    "(quantize_from='value') does not allow",
    patch(FUSED,
-         ("encode_fp8(ky1 / ks, KV_FMT, KV_HW)",
-          "encode_fp8(ky1.to(kt).to(tl.float32) / ks, KV_FMT, KV_HW)"),
-         ("encode_fp8(ky2 / ks, KV_FMT, KV_HW)",
-          "encode_fp8(ky2.to(kt).to(tl.float32) / ks, KV_FMT, KV_HW)"),
-         ("encode_fp8(ky3 / ks, KV_FMT, KV_HW)",
-          "encode_fp8(ky3.to(kt).to(tl.float32) / ks, KV_FMT, KV_HW)")))
+         ("encode_fp8(ky1 * ka * kb,", "encode_fp8(ky1.to(kt).to(tl.float32) * ka * kb,"),
+         ("encode_fp8(ky2 * ka * kb,", "encode_fp8(ky2.to(kt).to(tl.float32) * ka * kb,"),
+         ("encode_fp8(ky3 * ka * kb,", "encode_fp8(ky3.to(kt).to(tl.float32) * ka * kb,")))
 
 # ------------------------------------------------------------------------ norm and RoPE
 
@@ -233,16 +242,20 @@ _m("insert_rope_table_recomputed", "norm_rope_insert",
    "inv_freq, theta hard-coded) instead of reading the model-dtype cos/sin cache the "
    "rest of the model uses, so its keys differ from the reference in the last bits",
    patch(FUSED,
+         # pos_ok carries the position (-1 outside the table) to the head's computation
          ("    return t64, rows_ptr + t64 * row_stride, cs, pos_ok\n",
           "    return t64, rows_ptr + t64 * row_stride, cs, tl.where(pos_ok, pos, -1)\n"),
-         ("    cmask = (a < half) & pos_ok\n"
-          "    c = tl.load(cs_ptr + a, mask=cmask, other=0.0).to(tl.float32)[None, :]\n"
-          "    s = tl.load(cs_ptr + half + a, mask=cmask, other=0.0).to(tl.float32)[None, :]\n",
-          "    cmask = (a < half) & (pos_ok >= 0)\n"
+         ("    return t64, h, ok, rows_ptr + t64 * row_stride, cs[:, None], pos_ok[:, None]\n",
+          "    return (t64, h, ok, rows_ptr + t64 * row_stride, cs[:, None],\n"
+          "            tl.where(pos_ok, pos, -1)[:, None])\n"),
+         ("    cmask = (a < half)[None, :] & pos_ok\n"
+          "    c = tl.load(cs_ptr + a[None, :], mask=cmask, other=0.0).to(tl.float32)\n"
+          "    s = tl.load(cs_ptr + half + a[None, :], mask=cmask, other=0.0).to(tl.float32)\n",
+          "    cmask = (a < half)[None, :] & (pos_ok >= 0)\n"
           "    inv_freq = tl.exp2(-(a.to(tl.float32) / half) * " + repr(_LOG2_BASE) + ")\n"
-          "    ang = pos_ok.to(tl.float32) * inv_freq\n"
-          "    c = tl.where(cmask, tl.cos(ang), 0.0)[None, :]\n"
-          "    s = tl.where(cmask, tl.sin(ang), 0.0)[None, :]\n")))
+          "    ang = pos_ok.to(tl.float32) * inv_freq[None, :]\n"
+          "    c = tl.where(cmask, tl.cos(ang), 0.0)\n"
+          "    s = tl.where(cmask, tl.sin(ang), 0.0)\n")))
 
 _m("insert_index_k_with_k_weights", "norm_rope_insert",
    "index_k normed with the wrong head's weights",
@@ -275,8 +288,8 @@ _m("insert_skipped_token_writes_slot0", "norm_rope_insert",
    "kept only the head/dim mask, so padding tokens overwrote slot 0 of page 0 with "
    "their V",
    patch(FUSED,
-         ("                     mask=vmask & ok)\n", "                     mask=vmask)\n"),
-         ("tl.store(kv + D + dims[None, :], v.to(ct), mask=vmask & ok)",
+         ("                     mask=vmask & ok[:, None])\n", "                     mask=vmask)\n"),
+         ("tl.store(kv + D + dims[None, :], v.to(ct), mask=vmask & ok[:, None])",
           "tl.store(kv + D + dims[None, :], v.to(ct), mask=vmask)")))
 
 _m("reshape_strides_ignored", "reshape_and_cache",
@@ -304,7 +317,7 @@ _m("insert_int32_offsets", "norm_rope_insert",
    "the fused insert formed the cache address from an int32 slot and head index, so "
    "page * page_stride overflowed on caches over 2^31 elements",
    patch(FUSED,
-         ("        slot = tl.load(slot_ptr + tok).to(tl.int64)\n",
-          "        slot = tl.load(slot_ptr + tok).to(tl.int32)\n"),
+         ("        slot = tl.load(slot_ptr + tok, mask=kok, other=-1).to(tl.int64)\n",
+          "        slot = tl.load(slot_ptr + tok, mask=kok, other=-1).to(tl.int32)\n"),
          ("        h64 = kheads.to(tl.int64)\n", "        h64 = kheads.to(tl.int32)\n")),
    gpu_only=True)

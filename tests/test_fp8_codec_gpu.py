@@ -26,6 +26,8 @@ pytestmark = [
 ]
 
 BRANCHES = [(f, False) for f in FP8_FORMATS] + [(f, True) for f in fp8.HW_FORMATS]
+#: encode's branches: hw "asm" is the hardware cast in encode_fp8's inline assembly.
+ENCODE_BRANCHES = BRANCHES + [(f, "asm") for f in fp8.HW_FORMATS]
 
 
 def to_cuda(x: np.ndarray) -> torch.Tensor:
@@ -42,17 +44,18 @@ def sets() -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def codes(sets):
-    """encode_tensor's codes per (source, fmt, hw), computed once on the device."""
-    return {(s, f, hw): fp8.encode_tensor(to_cuda(x), f, hw).cpu().numpy()
-            for s, x in sets.items() for f, hw in BRANCHES}
+    """encode_tensor's codes per (source, fmt, branch), computed once on the device."""
+    return {(s, f, hw): fp8.encode_tensor(to_cuda(x), f, bool(hw), asm=hw == "asm")
+            .cpu().numpy() for s, x in sets.items() for f, hw in ENCODE_BRANCHES}
 
 
 @pytest.mark.parametrize("source", conformance.SOURCE_DTYPES)
-@pytest.mark.parametrize(("fmt", "hw"), BRANCHES)
+@pytest.mark.parametrize(("fmt", "hw"), ENCODE_BRANCHES)
 def test_encode_equals_reference(sets, codes, source, fmt, hw):
     """On the GPU, encode_fp8 (satfinite, RNE, subnormals, canonical NaN and signed-zero
     codes) equals reference.codec.encode(x, fmt, 'satfinite') byte for byte on the whole
-    source set (NaN codes included)."""
+    source set (NaN codes included), in each branch (software, hardware cast, and the
+    hardware cast in inline assembly)."""
     want = encode(sets[source], fmt, "satfinite")
     got = codes[source, fmt, hw]
     bad = np.flatnonzero(got != want)
@@ -62,8 +65,10 @@ def test_encode_equals_reference(sets, codes, source, fmt, hw):
 @pytest.mark.parametrize("source", conformance.SOURCE_DTYPES)
 @pytest.mark.parametrize("fmt", fp8.HW_FORMATS)
 def test_branches_agree_bit_for_bit(codes, source, fmt):
-    """On the GPU the software codec and the hardware cvt give identical bytes (OCP)."""
+    """On the GPU the software codec, the hardware cvt and its inline-assembly form give
+    identical bytes (OCP)."""
     assert np.array_equal(codes[source, fmt, False], codes[source, fmt, True])
+    assert np.array_equal(codes[source, fmt, False], codes[source, fmt, "asm"])
 
 
 @pytest.mark.parametrize(("fmt", "hw"), BRANCHES)
