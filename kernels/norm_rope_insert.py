@@ -357,7 +357,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     (heads x tokens) per work item, ``num_warps``, ``num_stages`` (depth of the loads' shared-memory
     pipeline), ``programs`` (the persistent grid; default: as many as the GPU holds at once,
     ``kernels._triton.resident_programs``; never more than the work items),
-    ``max_registers`` (ptxas ``maxnreg``; default MAX_REGISTERS; 0: the compiler's choice).
+    ``max_registers`` (ptxas ``maxnreg``; default MAX_REGISTERS for D <= 128, else 0: the
+    compiler's choice).
     ``validate=True``: also check tensor contents on the host (slot ranges, duplicate
     slots, positions within the table, positive finite scales) -- a device sync. Without
     it, bad contents are guarded in the kernel: out-of-range or negative slots write
@@ -409,8 +410,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         KV_ASM=p.kv_fp8 and encode_asm(p.kv_fmt, True, INTERPRETED),
         SCALAR_SCALES=p.kv_fp8 and not any((*p.ks_strides, *p.vs_strides)),
         NUM_STAGES=num_stages or NUM_STAGES, num_warps=num_warps or NUM_WARPS)
-    if max_registers is None:
-        max_registers = MAX_REGISTERS
+    if max_registers is None:  # the cap is measured at D <= 128; at D 256 it spills 192 B
+        max_registers = MAX_REGISTERS if d <= 128 else 0
     if check_int(max_registers, "max_registers", 0, 255) and not INTERPRETED:
         kwargs["maxnreg"] = max_registers
     if programs is None:
