@@ -55,7 +55,7 @@ PERSIST_DEFAULT = "8:4,8:2,8:8,4:4,2:4,1:4"
 
 
 def persist_configs(text: str) -> list[dict]:
-    """``"8:4,4:2"`` -> warps_per_block:heads_per_warp dicts (variant 4)."""
+    """``"8:4,4:2"`` -> warps_per_block:heads_per_warp dicts (variants 4 and 5)."""
     return [dict(zip(PERSIST_KNOBS, map(int, c.split(":")), strict=True))
             for c in text.split(",") if c]
 
@@ -63,8 +63,9 @@ def persist_configs(text: str) -> list[dict]:
 def configs(args):
     for knobs in args.triton:
         yield "triton", knobs
-    for knobs in args.persist if not args.no_cuda else ():
-        yield "cuda", {"variant": 4, **knobs}
+    for v in args.persist_variants if not args.no_cuda else ():
+        for knobs in args.persist:
+            yield "cuda", {"variant": v, **knobs}
     for knobs in args.stream if not args.no_cuda else ():
         yield "cuda", {"variant": 3, **knobs}
     for hf in args.heads_fast if not args.no_cuda else ():
@@ -111,6 +112,9 @@ def main(argv=None) -> int:
                     default=persist_configs(PERSIST_DEFAULT),
                     help="variant 4 configurations warps_per_block:heads_per_warp,... "
                          "(heads_per_warp a multiple of 256 / D; empty: none)")
+    ap.add_argument("--persist-variants", type=lambda s: [int(v) for v in s.split(",") if v],
+                    default=[4], help="the variants --persist's shapes run as: 4 and / or 5 "
+                                      "(variant 4 with split q lanes at R = D / 2)")
     ap.add_argument("--no-cuda", action="store_true", help="Triton configurations only")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "reports"),
                                                   "tune.json"))

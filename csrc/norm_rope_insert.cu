@@ -2,7 +2,7 @@
 // 3 and 4): the CUDA twin of kernels/norm_rope_insert.py, same contract.
 //
 // nri_launch picks one of five kernels by NriParams::variant (all compute the same
-// function; the knobs only change speed):
+// function; the knobs only change speed; variant 5 is variant 4's kernel):
 //   0  this file's kernel, described below: a warp per head (the verified fallback);
 //   1  csrc/nri_vec.cuh with XCHG_SHFL: 16-byte lanes (8 dims per lane, 256 / D heads per
 //      warp instruction), 1, 2 or 4 such passes per warp with every x load issued first,
@@ -14,9 +14,13 @@
 //      wide for two stages with the default stage count, run variant 1 instead;
 //   4  csrc/nri_persist.cuh: persistent warps walking contiguous ranges of (token, head
 //      chunk) items, the q heads apart from the others (1 + w_q and the token's cos / sin
-//      kept in registers), the lanes and shuffles of 1 (the same bits as 1-3).
+//      kept in registers), the lanes and shuffles of 1 (the same bits as 1-3);
+//   5  variant 4 with the q items in split lanes when R = D / 2 (csrc/nri_persist.cuh:
+//      a lane holds both halves of its RoPE pairs and 8 pass-through dims, no partner
+//      shuffles); other R: variant 4.
 // Variants 1-4 give identical bits; variant 0 sums the squares in another order (D / 32
-// dims per lane, a 32-lane butterfly), so it may differ from them by an fp32 rounding.
+// dims per lane, a 32-lane butterfly), and variant 5 the q heads' when R = D / 2 (16 dims
+// per lane, a D / 16-lane butterfly), so they may differ from them by an fp32 rounding.
 // heads_fast (variants 0-2) launches a 1-D grid with a token's head blocks adjacent instead
 // of the (N, head blocks) grid.
 //
@@ -242,7 +246,7 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
       q.hi >= 0 && (q.write_ik == 0 || q.write_ik == 1) && q.heads_per_block >= 1 &&
       q.page_size >= 1 && q.ic_page >= 1 && valid_fmt(q.kv_fmt, true, q.act_fmt) &&
       valid_fmt(q.iq_fmt, true, q.act_fmt) && valid_fmt(q.ic_fmt, true, q.act_fmt) &&
-      q.variant >= 0 && q.variant <= 4 && (q.heads_fast == 0 || q.heads_fast == 1) &&
+      q.variant >= 0 && q.variant <= 5 && (q.heads_fast == 0 || q.heads_fast == 1) &&
       (q.stages == 0 || (q.variant == 3 && q.stages >= 2 && q.stages <= kStreamMaxStages));
   if (!ok) return (int)cudaErrorInvalidValue;
   // The kernels count heads, head blocks and row columns in 32 bits.
@@ -256,7 +260,7 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
   // pass; default 2 G), heads_per_block = warps * heads per warp (no loop). Variant 3: the
   // same choices with 4 warps by default (a block's pass over a token's heads), the (N,
   // head blocks) grid order only (its grid is persistent), 2 .. 8 stages (default: 3, fewer
-  // when the rows are too wide for the shared memory). Variant 4: the choices of 1 and 2
+  // when the rows are too wide for the shared memory). Variants 4, 5: the choices of 1 and 2
   // (defaults kPersistDefaultWarps warps, kPersistDefaultRounds passes per item), the
   // default grid order only (persistent).
   const int64_t g = 256 / q.head_dim;
@@ -268,13 +272,13 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
   } else {
     if (q.warps_per_block == 0)
       q.warps_per_block = q.variant == 3   ? kStreamDefaultWarps
-                          : q.variant == 4 ? kPersistDefaultWarps
+                          : q.variant >= 4 ? kPersistDefaultWarps
                                            : 2;
     if (q.heads_per_warp == 0)
-      q.heads_per_warp = (q.variant == 4 ? kPersistDefaultRounds : 2) * g;
+      q.heads_per_warp = (q.variant >= 4 ? kPersistDefaultRounds : 2) * g;
     const int64_t w = q.warps_per_block, r = q.heads_per_warp / g;
     if ((w != 1 && w != 2 && w != 4 && w != kVecMaxWarps) || q.heads_per_warp % g != 0 ||
-        (r != 1 && r != 2 && r != 4) || (q.variant == 4 && r == 1) ||
+        (r != 1 && r != 2 && r != 4) || (q.variant >= 4 && r == 1) ||
         q.heads_per_block != w * q.heads_per_warp ||
         (q.variant >= 3 && q.heads_fast != 0))
       return (int)cudaErrorInvalidValue;
@@ -283,7 +287,7 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
   if (q.n == 0) return (int)cudaSuccess;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool bf16 = q.act_fmt == cvt::FMT_BF16;
-  if (q.variant == 4) {
+  if (q.variant >= 4) {
     using Entry = cudaError_t (*)(const NriParams&, int, cudaStream_t);
     const int di = q.head_dim == 64 ? 0 : q.head_dim == 128 ? 1 : 2;
     static const Entry kEntries[2][3] = {

@@ -1,4 +1,4 @@
-// Variant 4 (csrc/nri_persist.cuh) run on the CPU for the tests (tests/test_csrc.py builds it:
+// Variants 4 and 5 (csrc/nri_persist.cuh) run on the CPU for the tests (tests/test_csrc.py builds it:
 // g++ -O0 -std=c++17 -shared -fPIC -Icsrc -I<cuda>/include): the kernel source unchanged,
 // compiled against csrc/cuda_sim.h (a warp's lanes as coroutines meeting at every shuffle;
 // warps one after another: the kernel has no block barrier and its warps own disjoint
@@ -46,12 +46,12 @@ int run_act(const NriParams& p, int rounds, unsigned grid) {
 
 extern "C" {
 
-// Runs variant 4 on the CPU over `grid` blocks. The launch-shape fields must be explicit as
+// Runs variant 4 or 5 on the CPU over `grid` blocks. The launch-shape fields must be explicit as
 // the binding fills them (warps_per_block 1, 2, 4 or 8; heads_per_warp (256 / D) x {2, 4};
 // heads_per_block their product; heads_fast 0). Returns 0, -1 for an unsupported shape,
 // -3 if the lanes' barriers deadlocked (lanes of a warp reaching different shuffles).
 int nri_persist_sim_launch(const NriParams* p, int64_t grid) {
-  if (p == nullptr || p->variant != 4 || p->n < 0 || grid < 1) return -1;
+  if (p == nullptr || (p->variant != 4 && p->variant != 5) || p->n < 0 || grid < 1) return -1;
   const int64_t g = 256 / (p->head_dim ? p->head_dim : 1);
   const int64_t w = p->warps_per_block, hpw = p->heads_per_warp;
   if (g < 1 || (w != 1 && w != 2 && w != 4 && w != 8) || hpw < g || hpw % g ||

@@ -4,8 +4,8 @@
 ``norm_rope_insert(...)`` has the signature and contract of the Triton launcher
 ``kernels.norm_rope_insert.norm_rope_insert`` (plus its own launch knobs ``variant``,
 ``warps_per_block``, ``heads_per_warp``, ``heads_fast``, and ``num_stages`` like Triton's:
-four kernels computing the same function, for tuning sweeps; the default is the original
-kernel); its host checks are the shared
+kernels computing the same function, for tuning sweeps; ``DEFAULT_VARIANT`` by default);
+its host checks are the shared
 ``kernels._host.plan_norm_rope_insert`` (ValueError naming the argument), then the launch
 knobs (``launch_shape``), then the tensors must be on a CUDA device. The kernel runs on
 ``torch.cuda.current_stream()``; a nonzero cudaError_t from the launch raises RuntimeError
@@ -18,10 +18,11 @@ parameter), registered as implementation ``"cuda"`` of op ``"norm_rope_insert"``
 CUDA device and nvcc are present.
 
 Numerics (declared to the oracle with the default ``Fp32Arith``; every variant): fp32 sums
-of squares in warp-shuffle order, correctly rounded ``/`` (no fast math), ``rsqrtf`` (2
-ulp), FMA contraction; variants 1-4 give identical bits (variant 0 sums the squares
-in another order); outputs rounded once (RNE); K quantised from its fp32 value
-(``quantize_from="value"``), fp8 satfinite via cvt.rn.satfinite (e4m3fn, e5m2) or the
+of squares in warp-shuffle order, ``rsqrtf`` (2 ulp), the division by a K/V scale as two
+multiplications by its reciprocal parts (``cvt::scale_reciprocal``: within one ulp), FMA
+contraction; variants 1-4 give identical bits (variant 0 sums the squares in another order,
+variant 5 the q heads' at R = D / 2); outputs rounded once (RNE); K quantised from its fp32
+value (``quantize_from="value"``), fp8 satfinite via cvt.rn.satfinite (e4m3fn, e5m2) or the
 software codec (fnuz), csrc/fp8_convert.h.
 """
 
@@ -154,12 +155,15 @@ def _stream(dev: torch.device) -> int:
 #: 0 the original warp per head (the verified fallback), 1 16-byte lanes with shuffled RoPE
 #: partners, 2 16-byte lanes with partners re-read from global memory, 3 persistent blocks
 #: with the rows pipelined through shared memory by cp.async (the lanes of 1 and 2), 4
-#: persistent warps over (token, head chunk) items, q heads apart (csrc/nri_persist.cuh).
-VARIANTS = (0, 1, 2, 3, 4)
-#: The default: variant 4, the fastest on the H200 (model shape, 16,384 tokens: bf16 234.6
-#: us against 392.9 for variant 0 and 293 for the best variant 3; e4m3 308.6 against 432.5,
-#: reports/tune-insert-cuda-v4-h200.json).
-DEFAULT_VARIANT = 4
+#: persistent warps over (token, head chunk) items, q heads apart (csrc/nri_persist.cuh), 5
+#: variant 4 with the q heads in split lanes when R = D / 2 (a lane holds both halves of
+#: its RoPE pairs: no partner shuffles; other R run variant 4).
+VARIANTS = (0, 1, 2, 3, 4, 5)
+#: The default: variant 5, the fastest on the H200 (model shape, 16,384 tokens, session 13:
+#: bf16 215.9 us against 226.5 for variant 4 and 395.4 for variant 0; e4m3 223.9 against
+#: 234.7 and 435.0, reports/tune-insert-cuda-v5-h200.json; variant 4 had been 234.6 / 308.6
+#: against the best variant 3's 293 bf16, reports/tune-insert-cuda-v4-h200.json).
+DEFAULT_VARIANT = 5
 #: Variant 0's launch shape: 4 warps per block, one head per warp at a time, 32 heads per
 #: block (tuned on the H200: benchmarks/tune_insert.py).
 V0_WARPS, V0_BLOCK_H = 4, 32
@@ -218,14 +222,15 @@ def launch_shape(head_dim, variant=DEFAULT_VARIANT, block_h=None, warps_per_bloc
             fail("block_h", f"must be a power of two, got {block_h!r}")
         return 0, V0_WARPS, 1, int(block_h), 0
     g = 256 // head_dim  # heads per 16-byte pass of a warp
-    default_wpb = {3: STREAM_WARPS, 4: PERSIST_WARPS}.get(variant, VEC_WARPS)
+    default_wpb = {3: STREAM_WARPS, 4: PERSIST_WARPS, 5: PERSIST_WARPS}.get(variant, VEC_WARPS)
     wpb = default_wpb if warps_per_block is None else warps_per_block
     if not _is_int(wpb) or wpb not in VEC_WARP_CHOICES:
         fail("warps_per_block", f"must be one of {list(VEC_WARP_CHOICES)} for variant "
                                 f"{variant}, got {warps_per_block!r}")
-    default_rounds = {3: STREAM_ROUNDS, 4: PERSIST_ROUNDS}.get(variant, VEC_ROUNDS)
+    default_rounds = {3: STREAM_ROUNDS, 4: PERSIST_ROUNDS, 5: PERSIST_ROUNDS}.get(variant,
+                                                                               VEC_ROUNDS)
     hpw = g * default_rounds if heads_per_warp is None else heads_per_warp
-    rounds = PERSIST_ROUND_CHOICES if variant == 4 else VEC_ROUND_CHOICES
+    rounds = PERSIST_ROUND_CHOICES if variant >= 4 else VEC_ROUND_CHOICES
     choices = [g * r for r in rounds]
     if not _is_int(hpw) or hpw not in choices:
         fail("heads_per_warp", f"must be one of {choices} (256 / head_dim = {g} heads per "
@@ -251,7 +256,7 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
 
     Launch knobs (every combination computes the same function; for tuning sweeps):
 
-    - ``variant``: 4 (default, ``DEFAULT_VARIANT``) or 0-3. 0: the original kernel, a warp
+    - ``variant``: 5 (default, ``DEFAULT_VARIANT``) or 0-4. 0: the original kernel, a warp
       per head: lane l holds D/32 dims, RoPE partners through shared memory, 4 warps per
       block;
       1: 16-byte lanes (a lane holds 8 contiguous dims, a head D/8 lanes, a warp 256/D heads
@@ -272,8 +277,13 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
       from the others' (1 + w_q in registers for the whole launch, a token's cos / sin
       widened once for its q items, no kind dispatch on the q path), the lanes and shuffles
       of 1: csrc/nri_persist.cuh.
+      5: variant 4 with its q items in split lanes when R = D / 2 (D / 16 lanes per head,
+      a lane holding the dims 4j .. 4j + 3 of both rotated halves and 8 pass-through
+      dims, the Triton kernel's segment layout: no partner shuffles, one butterfly per 16
+      values); other R run variant 4 exactly.
       Variants 1-4 give bit-identical results; variant 0 may differ from them by fp32
-      roundings (another summation order).
+      roundings (another summation order), and variant 5's q heads at R = D / 2 likewise
+      (its other outputs are variant 4's bits).
     - ``block_h``: heads per CUDA block. Variant 0: a power of two (default 32, tuned; the
       4 warps loop over them). Variants 1-4: must be ``warps_per_block * heads_per_warp``
       (the default; variant 3: heads per block and pass over a token).
@@ -285,9 +295,9 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
       grid with a token's head blocks adjacent (the rows walked in memory order; needs
       N * head blocks < 2^31).
     - ``warps_per_block``: variant 0: 4 only; variants 1, 2: 1, 2, 4 or 8 (default 2);
-      variant 3: 1, 2, 4 or 8 (default 4); variant 4: 1, 2, 4 or 8 (default 8).
+      variant 3: 1, 2, 4 or 8 (default 4); variants 4, 5: 1, 2, 4 or 8 (default 8).
     - ``heads_per_warp``: variant 0: 1 only; variants 1-3: (256 / D) x {1, 2, 4} passes;
-      variant 4: (256 / D) x {2, 4} passes. Default 2 passes (4 heads at D = 128, 8 at 64,
+      variants 4, 5: (256 / D) x {2, 4} passes. Default 2 passes (4 heads at D = 128, 8 at 64,
       2 at 256); variant 3 processes them together in each pass over a token; variant 4:
       the heads of one item, whose loads are issued together.
 

@@ -194,7 +194,7 @@ def test_launch_rejects_bad_parameters(lib):
 
 @pytest.mark.parametrize("change, code", [
     ({}, 0),
-    ({"variant": 5}, 1),
+    ({"variant": 6}, 1),
     ({"variant": -1}, 1),
     ({"stages": 3}, 1),  # variant 3's knob only
     ({"heads_fast": 2}, 1),
@@ -237,6 +237,9 @@ def test_launch_rejects_bad_parameters(lib):
     ({"variant": 4, "warps_per_block": 2, "heads_per_warp": 6, "heads_per_block": 12}, 1),
     ({"variant": 4, "heads_per_block": 32, "heads_fast": 1}, 1),  # a persistent grid
     ({"variant": 4, "heads_per_block": 32, "stages": 2}, 1),  # variant 3's knob only
+    ({"variant": 5}, 1),  # variant 4's defaults: 32 heads per block at D = 128, not 4
+    ({"variant": 5, "heads_per_block": 32}, 0),
+    ({"variant": 5, "warps_per_block": 1, "heads_per_warp": 2, "heads_per_block": 2}, 1),
 ])
 def test_launch_checks_the_variant_parameters(lib, change, code):
     """The launch-shape fields (variant, warps per block, heads per warp, heads per block,
@@ -486,12 +489,12 @@ SIM_GRID = 2
 
 @pytest.fixture(scope="module")
 def sim(vec_sim, stream_sim, persist_sim):
-    """``sim(p, grid=SIM_GRID)``: runs NriParams (variant 1, 2, 3 or 4) on the CPU; returns
+    """``sim(p, grid=SIM_GRID)``: runs NriParams (variant 1, 2, 3, 4 or 5) on the CPU; returns
     the simulation's code (0: ran). Variant 3 on tensors misaligned for cp.async runs
     variant 1 with its default shape, as nri_launch does."""
 
     def launch(p, grid=SIM_GRID):
-        if p.variant == 4:
+        if p.variant in (4, 5):
             return persist_sim.nri_persist_sim_launch(ctypes.byref(p), grid)
         if p.variant != 3:
             return vec_sim.nri_vec_sim_launch(ctypes.byref(p))
@@ -563,9 +566,9 @@ SIM_FORMATS = [("bfloat16", "e4m3fn"), ("float16", "e5m2fnuz"), ("bfloat16", "bf
 @needs_cpu_tensors
 @pytest.mark.slow
 @pytest.mark.parametrize("d, r", VARIANT_DR)
-@pytest.mark.parametrize("variant", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5])
 def test_vec_kernels_on_the_cpu_match_reference(sim, variant, d, r):
-    """Variants 1-4 (default launch shape), the kernel source run on the CPU: D 64 /
+    """Variants 1-5 (default launch shape), the kernel source run on the CPU: D 64 /
     128 / 256 x every R/2 % 8 (odd R/2, R = D), bf16 / fp16 rows, bf16 / fp16 / e4m3fn /
     e5m2fnuz caches, HND / NHD / padded layouts, indexed and dense rows, q in place and to
     a strided q_out, none / tensor / per-slot scales: admitted by the oracle."""
@@ -625,9 +628,9 @@ def test_vec_kernel_launch_shapes_on_the_cpu_give_identical_bits(sim, d, r):
 
 
 @needs_cpu_tensors
-@pytest.mark.parametrize("variant", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5])
 def test_vec_kernels_on_the_cpu_guard_slots_and_positions(sim, variant):
-    """CPU simulation of variants 1-4: slots past the cache or negative write nothing
+    """CPU simulation of variants 1-5: slots past the cache or negative write nothing
     (either cache), positions outside the table read no row, the valid tokens are admitted
     by the oracle."""
     from oracle.checks import run_check
@@ -655,7 +658,7 @@ def test_vec_kernels_on_the_cpu_guard_slots_and_positions(sim, variant):
 
 
 @needs_cpu_tensors
-@pytest.mark.parametrize("variant", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5])
 def test_vec_kernels_on_the_cpu_in_place_and_skip_index(sim, variant):
     """CPU simulation: q in place equals q to a strided q_out bit for bit, v is untouched,
     skip_index leaves the index columns and the index cache alone, N = 0 is a no-op."""
@@ -719,7 +722,7 @@ def _same_bits(x, y):
 
 @needs_cpu_tensors
 @pytest.mark.parametrize("kv_fmt, r", [("e4m3fn", 16), ("bfloat16", 32), ("e5m2fnuz", 6)])
-@pytest.mark.parametrize("variant", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5])
 def test_vec_kernels_on_the_cpu_misaligned_tensors_give_the_same_bits(sim, variant,
                                                                        kv_fmt, r):
     """CPU simulation: rows, table, caches and q_out starting off 16-byte boundaries take
@@ -738,7 +741,7 @@ def test_vec_kernels_on_the_cpu_misaligned_tensors_give_the_same_bits(sim, varia
 
 
 @needs_cpu_tensors
-@pytest.mark.parametrize("variant", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5])
 def test_vec_kernels_on_the_cpu_at_the_model_head_layout(sim, variant):
     """CPU simulation at the model's head layout (Hq 64, Hkv 4, Hi 4 + index_k, D 128,
     R 64, P 128), 16 tokens, e4m3fn cache with per-slot scales, three launch shapes:
@@ -754,12 +757,12 @@ def test_vec_kernels_on_the_cpu_at_the_model_head_layout(sim, variant):
 
 
 def _model_shapes(variant):
-    """Launch knobs the model-layout tests run for a variant (1-4): the default, the
+    """Launch knobs the model-layout tests run for a variant (1-5): the default, the
     smallest and the largest shapes."""
     if variant == 3:
         return ({}, dict(warps_per_block=1, heads_per_warp=2, num_stages=2),
                 dict(warps_per_block=8, heads_per_warp=8, num_stages=4))
-    if variant == 4:
+    if variant >= 4:
         return ({}, dict(warps_per_block=1, heads_per_warp=4),
                 dict(warps_per_block=8, heads_per_warp=8))
     return ({}, dict(warps_per_block=1, heads_per_warp=4, heads_fast=True),
@@ -830,6 +833,37 @@ def test_stream_kernel_on_the_cpu_gives_variant_1s_bits(sim, case, variant):
     x = _stream_case_inputs(md, kv_fmt, d, r, n, cache_pad, dense, bad)
     impl = _sim_impl(sim, variant, grid=3, row_pad=row_pad, row_shift=row_shift)
     _check_stream_bits(impl, _sim_impl(sim, 1), x, str(case))
+
+
+def _check_split_bits(impl5, impl4, x, label):
+    """Variant 5 against variant 4 on the same inputs: every output and cache byte equal,
+    but q where R = D / 2 (variant 5's split lanes: another order of the squares' sum)."""
+    out5, out4 = impl5.run(x, validate=False), impl4.run(x, validate=False)
+    assert out5.keys() == out4.keys()
+    split = 2 * x["rotary_dim"] == x["head_dim"]
+    for key in out4:
+        if not (split and key == "q"):
+            assert np.array_equal(out5[key], out4[key]), f"{label}: {key} differs"
+    return split
+
+
+@needs_cpu_tensors
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_split_variant_on_the_cpu_keeps_variant_4s_other_bits(sim, case):
+    """CPU simulation: variant 5 (over 3 blocks) gives variant 4's bits everywhere but the q
+    heads at R = D / 2 (where it runs its split lanes) for every row of STREAM_CASES, and
+    there its outputs are admitted by the oracle (the cases with valid slots and
+    positions)."""
+    from oracle.checks import run_check
+    from tests.test_kernel_norm_rope_insert import _case
+
+    md, kv_fmt, d, r, n, row_pad, row_shift, cache_pad, dense, bad = case
+    x = _stream_case_inputs(md, kv_fmt, d, r, n, cache_pad, dense, bad)
+    impl5 = _sim_impl(sim, 5, grid=3, row_pad=row_pad, row_shift=row_shift)
+    split = _check_split_bits(impl5, _sim_impl(sim, 4, grid=3), x, str(case))
+    if split and not bad and n:
+        res = run_check(_case(x), impl5, inputs=x)
+        assert res.passed, res.summary()
 
 
 @needs_cpu_tensors
@@ -1197,9 +1231,10 @@ def test_cuda_launch_knobs_give_identical_bits(d, r):
     """The launch shape never changes a bit: variants 1-4 under every warps per block,
     heads per warp, grid order (1, 2) and stage count (3) give identical outputs and caches
     (the per-head fp32 arithmetic does not depend on the shape, and shuffled, re-read and
-    shared-memory partners are the same fp32 values), as does variant 0 under every block_h
-    and grid order; 22 heads per token (Hq 15, Hkv 3, Hi 3, index_k) leave partial blocks.
-    One run of each variant is judged by the oracle."""
+    shared-memory partners are the same fp32 values), as do variant 0 under every block_h
+    and grid order and variant 5 under every shape of variant 4; 22 heads per token (Hq 15,
+    Hkv 3, Hi 3, index_k) leave partial blocks. One run of each variant is judged by the
+    oracle."""
     from oracle.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case, make_case_inputs
 
@@ -1208,6 +1243,7 @@ def test_cuda_launch_knobs_give_identical_bits(d, r):
     runs = [(v, k) for v in (1, 2) for k in _vec_knobs(d)]
     runs += [(3, k) for k in _stream_knobs(d)]
     runs += [(4, k) for k in _persist_knobs(d)]
+    runs += [(5, k) for k in _persist_knobs(d)]
     runs += [(0, dict(block_h=bh, heads_fast=hf)) for bh in (1, 4, 32) for hf in (False, True)]
     judged, first = set(), {}
     for variant, knobs in runs:
@@ -1217,7 +1253,7 @@ def test_cuda_launch_knobs_give_identical_bits(d, r):
             res = run_check(_case(x), impl, inputs=x)
             assert res.passed, f"variant {variant} {knobs}: {res.summary()}"
         out = impl.run(x)
-        group = "original" if variant == 0 else "16-byte lanes"
+        group = {0: "original", 5: "split lanes"}.get(variant, "16-byte lanes")
         if group not in first:
             first[group] = (variant, knobs, out)
             continue
@@ -1228,9 +1264,9 @@ def test_cuda_launch_knobs_give_identical_bits(d, r):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5])
 def test_cuda_variants_guard_out_of_range_slots_and_positions(variant):
-    """Variants 1-4: a slot past the cache or negative is skipped and a position past the
+    """Variants 1-5: a slot past the cache or negative is skipped and a position past the
     table reads no row: nothing outside the valid slots changes, nothing crashes."""
     from tests.test_kernel_norm_rope_insert import MAX_POS, make_case_inputs
 
@@ -1254,7 +1290,7 @@ def test_cuda_variants_guard_out_of_range_slots_and_positions(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5])
 def test_cuda_variants_at_the_model_shape(variant):
     """The model's head layout (Hq 64, Hkv 4, Hi 4 + index_k, D 128, R 64, P 128 pages),
     1,024 tokens, e4m3fn cache with per-slot scales, the default, smallest and largest
@@ -1287,6 +1323,29 @@ def test_cuda_stream_variant_gives_variant_1s_bits(case):
                   dict(warps_per_block=8, heads_per_warp=4 * g, num_stages=5)):
         impl3 = _variant_impl(3, row_pad=row_pad, row_shift=row_shift, **knobs)
         _check_stream_bits(impl3, ref, x, f"{case} {knobs}")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_split_variant_keeps_variant_4s_other_bits(case):
+    """Variant 5 (default shape, 1 warp x 2 passes, 8 warps x 4 passes) gives variant 4's
+    outputs and cache bytes everywhere but the q heads at R = D / 2 for every row of
+    STREAM_CASES; there its outputs are admitted by the oracle (valid slots and
+    positions)."""
+    from oracle.checks import run_check
+    from tests.test_kernel_norm_rope_insert import _case
+
+    md, kv_fmt, d, r, n, row_pad, row_shift, cache_pad, dense, bad = case
+    x = _stream_case_inputs(md, kv_fmt, d, r, n, cache_pad, dense, bad)
+    g = 256 // d
+    for knobs in ({}, dict(warps_per_block=1, heads_per_warp=2 * g),
+                  dict(warps_per_block=8, heads_per_warp=4 * g)):
+        impl5 = _variant_impl(5, row_pad=row_pad, row_shift=row_shift, **knobs)
+        split = _check_split_bits(impl5, _variant_impl(4, **knobs), x, f"{case} {knobs}")
+        if split and not bad and n:
+            res = run_check(_case(x), impl5, inputs=x)
+            assert res.passed, f"{knobs}: {res.summary()}"
     torch.cuda.synchronize()
 
 
