@@ -1326,6 +1326,14 @@ def test_cuda_stream_variant_gives_variant_1s_bits(case):
     torch.cuda.synchronize()
 
 
+def _persist_case_knobs(d):
+    """The launch shapes the GPU bit tests run variants 4 and 5 in: the default, 1 warp x 2
+    passes, 8 warps x 4 passes."""
+    g = 256 // d
+    return ({}, dict(warps_per_block=1, heads_per_warp=2 * g),
+            dict(warps_per_block=8, heads_per_warp=4 * g))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_cuda_split_variant_keeps_variant_4s_other_bits(case):
@@ -1338,9 +1346,7 @@ def test_cuda_split_variant_keeps_variant_4s_other_bits(case):
 
     md, kv_fmt, d, r, n, row_pad, row_shift, cache_pad, dense, bad = case
     x = _stream_case_inputs(md, kv_fmt, d, r, n, cache_pad, dense, bad)
-    g = 256 // d
-    for knobs in ({}, dict(warps_per_block=1, heads_per_warp=2 * g),
-                  dict(warps_per_block=8, heads_per_warp=4 * g)):
+    for knobs in _persist_case_knobs(d):
         impl5 = _variant_impl(5, row_pad=row_pad, row_shift=row_shift, **knobs)
         split = _check_split_bits(impl5, _variant_impl(4, **knobs), x, f"{case} {knobs}")
         if split and not bad and n:
@@ -1358,9 +1364,7 @@ def test_cuda_persist_variant_gives_variant_1s_bits(case):
     of range slots and positions, padded and misaligned rows)."""
     md, kv_fmt, d, r, n, row_pad, row_shift, cache_pad, dense, bad = case
     x = _stream_case_inputs(md, kv_fmt, d, r, n, cache_pad, dense, bad)
-    g = 256 // d
-    for knobs in ({}, dict(warps_per_block=1, heads_per_warp=2 * g),
-                  dict(warps_per_block=8, heads_per_warp=4 * g)):
+    for knobs in _persist_case_knobs(d):
         impl4 = _variant_impl(4, row_pad=row_pad, row_shift=row_shift, **knobs)
         _check_stream_bits(impl4, _variant_impl(1), x, f"{case} {knobs}")
     torch.cuda.synchronize()
