@@ -938,8 +938,10 @@ def _good_args(**kw):
     ("slot_mapping", lambda a: {"slot_mapping": a["slot_mapping"].new_tensor([4, 4, -1])}),
     ("positions", lambda a: {"positions": a["positions"].new_tensor([0, 16, 1])}),
     ("block_h", lambda a: {"block_h": 3}),
-    ("variant", lambda a: {"variant": 5}),
+    ("variant", lambda a: {"variant": 6}),
     ("variant", lambda a: {"variant": True}),
+    ("heads_fast", lambda a: {"variant": 5, "heads_fast": True}),  # a persistent grid
+    ("heads_per_warp", lambda a: {"variant": 5, "heads_per_warp": 4}),  # D = 64: 8, 16
     ("num_stages", lambda a: {"num_stages": 3}),  # variant 3's knob
     ("num_stages", lambda a: {"variant": 1, "num_stages": 2}),
     ("num_stages", lambda a: {"variant": 3, "num_stages": 1}),
