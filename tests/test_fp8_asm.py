@@ -52,30 +52,21 @@ def _e4m3x2_to_f16x2(a: int) -> int:
     return int(bits[0]) | int(bits[1]) << 16
 
 
-#: The fp8 code the simulated hardware cast writes for a NaN input (parametrised by the
-#: encode tests: the assembly must make every one of them the canonical 0x7F).
-HW_NAN = {"code": 0x7F}
-
-
-def _f32x2_to_fp8x2(fmt: str):
+def _f32x2_to_fp8x2(fmt: str, nan_code: int):
     """``cvt.rn.satfinite.{fmt}x2.f32 d, a, b``: b (fp32 bits) to the low byte and a to the
     high byte by the reference codec's satfinite encode (the hardware cast equals it on
-    every non-NaN input: issue 5's exhaustive H200 run), NaN as ``HW_NAN['code']``."""
+    every non-NaN input: issue 5's exhaustive H200 run), NaN as ``nan_code`` (the encode
+    test tries each code the hardware might write)."""
     def cvt(a: int, b: int) -> int:
         x = np.array([b, a], np.uint32).view(np.float32)
-        c = encode(x, fmt, "satfinite")
-        c = np.where(np.isnan(x), HW_NAN["code"], c)
+        c = np.where(np.isnan(x), nan_code, encode(x, fmt, "satfinite"))
         return int(c[0]) | int(c[1]) << 8
     return cvt
 
 
-CVT_F32X2 = {"cvt.rn.satfinite.e4m3x2.f32": _f32x2_to_fp8x2("e4m3fn"),
-             "cvt.rn.satfinite.e5m2x2.f32": _f32x2_to_fp8x2("e5m2")}
-
-
-def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
+def run_ptx(text: str, inputs: dict[str, int], ops: dict = OPS) -> dict[str, int]:
     """Registers after running ``text`` (``{ .reg ...; op d, a, b; ... }``) from
-    ``inputs``; an instruction outside ``OPS`` is an error, so the test cannot pass on a
+    ``inputs``; an instruction outside ``ops`` is an error, so the test cannot pass on a
     program it does not understand."""
     regs = dict(inputs)
     body = text.strip().removeprefix("{").removesuffix("}")
@@ -94,13 +85,9 @@ def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
             lo, hi = (h.strip(" {}") for h in halves.split(","))
             regs[dst.strip()] = (regs[lo] & 0xFFFF) | (regs[hi] & 0xFFFF) << 16
             continue
-        if op in CVT_F32X2:  # cvt.rn.satfinite.<fmt>x2.f32 d, a, b: a -> high byte
-            dst, a, b = (x.strip() for x in args.split(","))
-            regs[dst] = CVT_F32X2[op](regs[a], regs[b])
-            continue
         dst, *src = (a.strip() for a in args.split(","))
         vals = [regs[a] if a in regs else int(a, 0) for a in src]
-        regs[dst] = OPS[op](*vals) & M32
+        regs[dst] = ops[op](*vals) & M32
     return regs
 
 
@@ -144,16 +131,14 @@ def test_encode_assembly_equals_reference_whatever_nan_the_cast_writes(fmt, asm,
     x = _encode_inputs(rng)
     want = encode(x, fmt, "satfinite")
     assert (want[np.isnan(x)] == 0x7F).all()
+    cvt = f"cvt.rn.satfinite.{fmt}x2.f32".replace("e4m3fn", "e4m3")
     for nan_code in nan_codes:
-        HW_NAN["code"] = nan_code
-        try:
-            for shift in range(4):  # every value in every byte position
-                xs = np.roll(x, shift)[: len(x) // 4 * 4].reshape(-1, 4)
-                ws = np.roll(want, shift)[: len(x) // 4 * 4].reshape(-1, 4)
-                for quad, w in zip(xs, ws):
-                    bits = quad.view(np.uint32)
-                    out = run_ptx(asm.value, {f"${k + 1}": int(bits[k]) for k in range(4)})
-                    got = np.array([out["$0"]], np.uint32).view(np.uint8)
-                    assert np.array_equal(got, w), (nan_code, quad, got, w)
-        finally:
-            HW_NAN["code"] = 0x7F
+        ops = {**OPS, cvt: _f32x2_to_fp8x2(fmt, nan_code)}
+        for shift in range(4):  # every value in every byte position
+            xs = np.roll(x, shift)[: len(x) // 4 * 4].reshape(-1, 4)
+            ws = np.roll(want, shift)[: len(x) // 4 * 4].reshape(-1, 4)
+            for quad, w in zip(xs, ws):
+                bits = quad.view(np.uint32)
+                out = run_ptx(asm.value, {f"${k + 1}": int(bits[k]) for k in range(4)}, ops)
+                got = np.array([out["$0"]], np.uint32).view(np.uint8)
+                assert np.array_equal(got, w), (nan_code, quad, got, w)
