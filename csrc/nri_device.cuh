@@ -105,6 +105,27 @@ __device__ __forceinline__ void store8(uint16_t* p, const uint32_t (&w)[4]) {
   }
 }
 
+// 4 16-bit codes at p into w[k0], w[k0 + 1] (an 8-byte access when aligned).
+__device__ __forceinline__ void load4(const uint16_t* p, uint32_t (&w)[4], int k0) {
+  if (reinterpret_cast<uintptr_t>(p) % 8 == 0) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[k0] = v.x, w[k0 + 1] = v.y;
+  } else {
+    w[k0] = (uint32_t)p[0] | ((uint32_t)p[1] << 16);
+    w[k0 + 1] = (uint32_t)p[2] | ((uint32_t)p[3] << 16);
+  }
+}
+
+// w[k0], w[k0 + 1] (4 16-bit codes) to p.
+__device__ __forceinline__ void store4(uint16_t* p, const uint32_t (&w)[4], int k0) {
+  if (reinterpret_cast<uintptr_t>(p) % 8 == 0) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(w[k0], w[k0 + 1]);
+  } else {
+    p[0] = (uint16_t)(w[k0] & 0xFFFFu), p[1] = (uint16_t)(w[k0] >> 16);
+    p[2] = (uint16_t)(w[k0 + 1] & 0xFFFFu), p[3] = (uint16_t)(w[k0 + 1] >> 16);
+  }
+}
+
 // 8 bytes packed in 2 words (byte j in bits 8 (j & 3) of w[j >> 2]).
 __device__ __forceinline__ void store8b(uint8_t* p, const uint32_t (&w)[2]) {
   if (reinterpret_cast<uintptr_t>(p) % 8 == 0) {

@@ -37,7 +37,7 @@
 #include <mutex>
 #endif
 
-#include "nri_vec.cuh"
+#include "nri_split.cuh"
 
 namespace nri_dev {
 
@@ -195,99 +195,23 @@ __device__ __forceinline__ void q_items(const NriParams& p, const PersistLane& l
 }
 
 // ------------------------------------------- variant 5: q heads in split lanes (R = D / 2)
-// Variant 5 is variant 4 with another lane layout for the q items when R = D / 2 (the
-// model's): D / 16 lanes per head, lane j holding the rotated pairs' dims 4j .. 4j + 3 and
-// R/2 + 4j .. R/2 + 4j + 3 (two 8-byte accesses, group A of its 16 values) and the
-// pass-through dims R + 8j .. R + 8j + 7 (one 16-byte access, group B), as the Triton
-// kernel's segments lay them out. A lane then holds both halves of its RoPE pairs: no
-// partner shuffle (variant 4 spent 8 shuffles per 8 values on them), one butterfly of
-// log2(D / 16) steps per 16 values, and every per-item cost over twice the values. The
-// arithmetic per value is variant 4's (explicit roundings, y = fma(n', +-s, n c), n = (x
-// rs) (1 + w)); only the sum of squares runs in another order (the lane's 16 values, then
-// the butterfly), so rs, and so q, may differ from variants 1-4 by an fp32 rounding. The
-// other heads take variant 4's items unchanged (the same bits as 1-4).
-
-// 4 16-bit codes at p into w[k0], w[k0 + 1] (an 8-byte access when aligned).
-__device__ __forceinline__ void load4(const uint16_t* p, uint32_t (&w)[4], int k0) {
-  if (reinterpret_cast<uintptr_t>(p) % 8 == 0) {
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
-    w[k0] = v.x, w[k0 + 1] = v.y;
-  } else {
-    w[k0] = (uint32_t)p[0] | ((uint32_t)p[1] << 16);
-    w[k0 + 1] = (uint32_t)p[2] | ((uint32_t)p[3] << 16);
-  }
-}
-
-// w[k0], w[k0 + 1] (4 16-bit codes) to p.
-__device__ __forceinline__ void store4(uint16_t* p, const uint32_t (&w)[4], int k0) {
-  if (reinterpret_cast<uintptr_t>(p) % 8 == 0) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(w[k0], w[k0 + 1]);
-  } else {
-    p[0] = (uint16_t)(w[k0] & 0xFFFFu), p[1] = (uint16_t)(w[k0] >> 16);
-    p[2] = (uint16_t)(w[k0 + 1] & 0xFFFFu), p[3] = (uint16_t)(w[k0 + 1] >> 16);
-  }
-}
-
-// A head's 16 values of the lane (group A: pairs, group B: pass-through), as loaded.
-struct SplitX {
-  uint32_t a[4], b[4];
-};
-
-__device__ __forceinline__ void load_split(const uint16_t* head, int ca, int half, int cb,
-                                           SplitX& x) {
-  load4(head + ca, x.a, 0);
-  load4(head + half + ca, x.a, 2);
-  load8(head + cb, x.b);
-}
-
-// One pass of variant 5: x -> y (group A: the rotated pairs, y1 then y2; group B: n), for
-// 1 + w wa / wb, cos c and sin s at the lane's pair dims (both 0 outside the table, s +0
-// then, as rope_codes). Every lane of the warp must call it (the butterfly).
-template <int ACT, int D>
-__device__ __forceinline__ void split_pass(const SplitX& x, const float (&wa)[8],
-                                           const float (&wb)[8], const float (&c)[4],
-                                           const float (&s)[4], const float (&sneg)[4],
-                                           float eps, float (&ya)[8], float (&yb)[8]) {
-  constexpr int LH = D / 16;
-  float xa[8], xb[8];
-  float ss = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    xa[j] = widen<ACT>(x.a, j);
-    ss = __fmaf_rn(xa[j], xa[j], ss);
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    xb[j] = widen<ACT>(x.b, j);
-    ss = __fmaf_rn(xb[j], xb[j], ss);
-  }
-#pragma unroll
-  for (int o = LH / 2; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xFFFFFFFFu, ss, o));
-  const float rs = rsqrtf(__fadd_rn(__fmul_rn(ss, 1.f / D), eps));  // / D: exact, D = 2^k
-  float n[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) n[j] = __fmul_rn(__fmul_rn(xa[j], rs), wa[j]);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    ya[k] = __fmaf_rn(n[4 + k], sneg[k], __fmul_rn(n[k], c[k]));
-    ya[4 + k] = __fmaf_rn(n[k], s[k], __fmul_rn(n[4 + k], c[k]));
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) yb[j] = __fmul_rn(__fmul_rn(xb[j], rs), wb[j]);
-}
+// Variant 5 is variant 4 with the q items in the split lanes of csrc/nri_split.cuh when
+// R = D / 2 (the model's): no partner shuffles (variant 4 spent 8 shuffles per 8 values on
+// them), one butterfly per 16 values, every per-item cost over twice the values; q may
+// differ from variants 1-4 by an fp32 rounding (the sum of squares' order). The other heads
+// take variant 4's items unchanged (the same bits as 1-4).
 
 // The x loads of an item's passes (its first head of the lane's group t0; heads past Hq
 // zeros).
 template <int D, int ROUNDS>
 __device__ __forceinline__ void split_item_loads(const NriParams& p, int64_t tok, int t0,
-                                                 int ca, int cb, SplitX (&xs)[ROUNDS]) {
-  constexpr int HP = 32 / (D / 16);
+                                                 const SplitLane<D>& sl, SplitX (&xs)[ROUNDS]) {
   const uint16_t* x = static_cast<const uint16_t*>(p.rows) + tok * p.row_stride;
 #pragma unroll
   for (int r = 0; r < ROUNDS; ++r) {
-    const int t = t0 + r * HP;
+    const int t = t0 + r * SplitLane<D>::kHeads;
     if (t < (int)p.hq) {
-      load_split(x + (int64_t)t * D, ca, D / 4, cb, xs[r]);
+      load_split(x + (int64_t)t * D, sl.ca, SplitLane<D>::kHalf, sl.cb, xs[r]);
     } else {
 #pragma unroll
       for (int k = 0; k < 4; ++k) xs[r].a[k] = xs[r].b[k] = 0;
@@ -303,62 +227,38 @@ __device__ __forceinline__ void split_item_loads(const NriParams& p, int64_t tok
 template <int ACT, int D, int ROUNDS>
 __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, float eps,
                                               int64_t nw, int64_t gw) {
-  constexpr int LH = D / 16, HP = 32 / LH, HPI = HP * ROUNDS, HALF = D / 4;
-  const int grp = lane / LH, ca = 4 * (lane % LH), cb = 2 * HALF + 8 * (lane % LH);
+  using SL = SplitLane<D>;
+  constexpr int HPI = SL::kHeads * ROUNDS;
+  const SL sl(lane);
   const int hq = (int)p.hq;
   const int nq = (hq + HPI - 1) / HPI;
   int64_t it, end;
   nri::persist_range(p.n * nq, nw, gw, it, end);
   float wa[8], wb[8], c[4], s[4], sneg[4];
-  {
-    SplitX w;
-    load_split(static_cast<const uint16_t*>(p.w_q), ca, HALF, cb, w);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      wa[j] = __fadd_rn(1.f, widen<ACT>(w.a, j));
-      wb[j] = __fadd_rn(1.f, widen<ACT>(w.b, j));
-    }
-  }
-  int64_t tok = it / (nq > 0 ? nq : 1), cur = -1;
+  split_weights<ACT, D>(static_cast<const uint16_t*>(p.w_q), sl, wa, wb);
+  int64_t tok = it / nq, cur = -1;
   int ch = (int)(it - tok * nq);
   for (; it < end; ++it) {
     const int h0 = ch * HPI;
     SplitX xs[ROUNDS];
-    split_item_loads<D, ROUNDS>(p, tok, h0 + grp, ca, cb, xs);
+    split_item_loads<D, ROUNDS>(p, tok, h0 + sl.grp, sl, xs);
     if (tok != cur) {
       cur = tok;
       const int64_t pos = load_index(p.positions, p.pos_is64, tok * p.pos_stride);
-      uint32_t cw[4] = {0, 0, 0, 0};
-      if (pos >= 0 && pos < p.max_pos) {
-        const uint16_t* trow = static_cast<const uint16_t*>(p.table) + pos * p.table_stride;
-        load4(trow + ca, cw, 0);
-        load4(trow + HALF + ca, cw, 2);
-      }
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        c[k] = widen<ACT>(cw, k);
-        s[k] = widen<ACT>(cw, 4 + k);
-        // rope_codes' signed sin: negated for the first half, +0 outside the table
-        sneg[k] = (pos >= 0 && pos < p.max_pos) ? -s[k] : 0.f;
-      }
+      split_rope<ACT, D>(pos >= 0 && pos < p.max_pos
+                             ? static_cast<const uint16_t*>(p.table) + pos * p.table_stride
+                             : nullptr,
+                         sl, c, s, sneg);
     }
     uint16_t* qo = static_cast<uint16_t*>(p.q_out) + tok * p.q_s0;
 #pragma unroll 1
     for (int r = 0; r < ROUNDS; ++r) {
-      const int t = h0 + r * HP + grp;
+      const int t = h0 + r * SL::kHeads + sl.grp;
       float ya[8], yb[8];
       split_pass<ACT, D>(xs[0], wa, wb, c, s, sneg, eps, ya, yb);
 #pragma unroll
       for (int q = 0; q + 1 < ROUNDS; ++q) xs[q] = xs[q + 1];
-      if (t < hq) {
-        uint32_t oa[4], ob[4];
-        pack8(ya, ACT, oa);
-        pack8(yb, ACT, ob);
-        uint16_t* o = qo + t * p.q_s1;
-        store4(o + ca, oa, 0);
-        store4(o + HALF + ca, oa, 2);
-        store8(o + cb, ob);
-      }
+      if (t < hq) split_store<ACT, D>(qo + t * p.q_s1, sl, ya, yb);
     }
     if (++ch == nq) {
       ch = 0;

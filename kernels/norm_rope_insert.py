@@ -74,13 +74,20 @@ def _next_item(tb, b, step_t, step_b, nblocks):
 
 
 @triton.jit
-def _token(tok, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos):
-    """A q item's token (a scalar): its row and its RoPE table row (row 0, masked off by
-    pos_ok, for a position outside the table)."""
-    t64 = tl.cast(tok, tl.int64)
-    pos = tl.load(pos_ptr + t64).to(tl.int64)
+def _table_row(pos, table_ptr, table_stride, max_pos):
+    """The RoPE table row of position(s) pos and whether pos lies in the table (outside:
+    row 0, masked off by that flag)."""
     pos_ok = (pos >= 0) & (pos < max_pos)
-    cs = table_ptr + tl.where(pos_ok, pos, 0) * table_stride
+    return table_ptr + tl.where(pos_ok, pos, 0) * table_stride, pos_ok
+
+
+@triton.jit
+def _token(tok, rows_ptr, row_stride, pos_ptr, table_ptr, table_stride, max_pos):
+    """A q item's token (a scalar): its row, its RoPE table row and the position's validity
+    (``_table_row``)."""
+    t64 = tl.cast(tok, tl.int64)
+    cs, pos_ok = _table_row(tl.load(pos_ptr + t64).to(tl.int64), table_ptr, table_stride,
+                            max_pos)
     return t64, rows_ptr + t64 * row_stride, cs, pos_ok
 
 
@@ -90,15 +97,14 @@ def _rows(tb, b, n, n_heads, rows_ptr, row_stride, pos_ptr, table_ptr, table_str
     """The TB x HB rows (token, head) of item (token block tb, head block b) of a kind with
     few heads per token (k, index_q, index_k): the tokens' int64 indices, the heads, the
     row mask (token < n, head < n_heads), the tokens' rows, and their RoPE table rows
-    ``[TB x HB, 1]`` with the positions' validity (``_token`` per row)."""
+    ``[TB x HB, 1]`` with the positions' validity (``_table_row``)."""
     r = tl.arange(0, TB * HB)
     t = tb * TB + r // HB
     h = b * HB + r % HB
     ok = (t < n) & (h < n_heads)
     t64 = t.to(tl.int64)
-    pos = tl.load(pos_ptr + t64, mask=ok, other=-1).to(tl.int64)
-    pos_ok = (pos >= 0) & (pos < max_pos)
-    cs = table_ptr + tl.where(pos_ok, pos, 0) * table_stride
+    cs, pos_ok = _table_row(tl.load(pos_ptr + t64, mask=ok, other=-1).to(tl.int64), table_ptr,
+                            table_stride, max_pos)
     return t64, h, ok, rows_ptr + t64 * row_stride, cs[:, None], pos_ok[:, None]
 
 

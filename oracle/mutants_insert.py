@@ -243,11 +243,9 @@ _m("insert_rope_table_recomputed", "norm_rope_insert",
    "rest of the model uses, so its keys differ from the reference in the last bits",
    patch(FUSED,
          # pos_ok carries the position (-1 outside the table) to the head's computation
-         ("    return t64, rows_ptr + t64 * row_stride, cs, pos_ok\n",
-          "    return t64, rows_ptr + t64 * row_stride, cs, tl.where(pos_ok, pos, -1)\n"),
-         ("    return t64, h, ok, rows_ptr + t64 * row_stride, cs[:, None], pos_ok[:, None]\n",
-          "    return (t64, h, ok, rows_ptr + t64 * row_stride, cs[:, None],\n"
-          "            tl.where(pos_ok, pos, -1)[:, None])\n"),
+         ("    return table_ptr + tl.where(pos_ok, pos, 0) * table_stride, pos_ok\n",
+          "    return table_ptr + tl.where(pos_ok, pos, 0) * table_stride, "
+          "tl.where(pos_ok, pos, -1)\n"),
          ("    cmask = (a < half)[None, :] & pos_ok\n"
           "    c = tl.load(cs_ptr + a[None, :], mask=cmask, other=0.0).to(tl.float32)\n"
           "    s = tl.load(cs_ptr + half + a[None, :], mask=cmask, other=0.0).to(tl.float32)\n",
