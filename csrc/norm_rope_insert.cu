@@ -15,11 +15,12 @@
 //   4  csrc/nri_persist.cuh: persistent warps walking contiguous ranges of (token, head
 //      chunk) items, the q heads apart from the others (1 + w_q and the token's cos / sin
 //      kept in registers), the lanes and shuffles of 1 (the same bits as 1-3);
-//   5  variant 4 with the q items in split lanes when R = D / 2 (csrc/nri_persist.cuh:
-//      a lane holds both halves of its RoPE pairs and 8 pass-through dims, no partner
-//      shuffles); other R: variant 4.
+//   5  variant 4 with every head in split lanes when R = D / 2 (csrc/nri_persist.cuh,
+//      csrc/nri_split.cuh: a lane holds both halves of its RoPE pairs and 8 pass-through
+//      dims, no partner shuffles; the other heads in one loop per kind); other R:
+//      variant 4.
 // Variants 1-4 give identical bits; variant 0 sums the squares in another order (D / 32
-// dims per lane, a 32-lane butterfly), and variant 5 the q heads' when R = D / 2 (16 dims
+// dims per lane, a 32-lane butterfly), and variant 5 every head's when R = D / 2 (16 dims
 // per lane, a D / 16-lane butterfly), so they may differ from them by an fp32 rounding.
 // heads_fast (variants 0-2) launches a 1-D grid with a token's head blocks adjacent instead
 // of the (N, head blocks) grid.

@@ -126,6 +126,16 @@ __device__ __forceinline__ void store4(uint16_t* p, const uint32_t (&w)[4], int 
   }
 }
 
+// 4 bytes (one word, byte j in bits 8 j) to p.
+__device__ __forceinline__ void store4b(uint8_t* p, uint32_t w) {
+  if (reinterpret_cast<uintptr_t>(p) % 4 == 0) {
+    *reinterpret_cast<uint32_t*>(p) = w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = (uint8_t)(w >> (8 * j));
+  }
+}
+
 // 8 bytes packed in 2 words (byte j in bits 8 (j & 3) of w[j >> 2]).
 __device__ __forceinline__ void store8b(uint8_t* p, const uint32_t (&w)[2]) {
   if (reinterpret_cast<uintptr_t>(p) % 8 == 0) {

@@ -165,4 +165,14 @@ NRI_HD void persist_range(int64_t n_items, int64_t nw, int64_t gw, int64_t& begi
   end = begin + q + (gw < r ? 1 : 0);
 }
 
+// page * s0 + offset * s_in of a slot (>= 0) in pages of `page` slots: 32-bit division when
+// both fit (a 64-bit division is a long software routine on the GPU).
+NRI_HD int64_t page_offset(int64_t slot, int64_t page, int64_t s0, int64_t s_in) {
+  if (slot < 0x80000000ll && page < 0x80000000ll) {
+    const uint32_t pg = (uint32_t)slot / (uint32_t)page;
+    return (int64_t)pg * s0 + (int64_t)((uint32_t)slot - pg * (uint32_t)page) * s_in;
+  }
+  return (slot / page) * s0 + (slot % page) * s_in;
+}
+
 }  // namespace nri

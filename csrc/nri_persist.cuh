@@ -95,6 +95,11 @@ __device__ __forceinline__ void one_plus_w(const uint16_t* w, int c, float (&w1)
   for (int j = 0; j < nri::kChunk; ++j) w1[j] = __fadd_rn(1.f, widen<ACT>(wb, j));
 }
 
+// The position of token tok.
+__device__ __forceinline__ int64_t position_of(const NriParams& p, int64_t tok) {
+  return load_index(p.positions, p.pos_is64, tok * p.pos_stride);
+}
+
 // rope_codes (token tok's cos / signed sin at the lane's dims) widened to fp32.
 template <int ACT>
 __device__ __forceinline__ void rope_coeffs(const NriParams& p, int64_t tok, int c, int rot,
@@ -194,12 +199,12 @@ __device__ __forceinline__ void q_items(const NriParams& p, const PersistLane& l
   }
 }
 
-// ------------------------------------------- variant 5: q heads in split lanes (R = D / 2)
-// Variant 5 is variant 4 with the q items in the split lanes of csrc/nri_split.cuh when
+// --------------------------------------- variant 5: every head in split lanes (R = D / 2)
+// Variant 5 is variant 4 with every head in the split lanes of csrc/nri_split.cuh when
 // R = D / 2 (the model's): no partner shuffles (variant 4 spent 8 shuffles per 8 values on
-// them), one butterfly per 16 values, every per-item cost over twice the values; q may
-// differ from variants 1-4 by an fp32 rounding (the sum of squares' order). The other heads
-// take variant 4's items unchanged (the same bits as 1-4).
+// them), one butterfly per 16 values, every per-item cost over twice the values; its
+// outputs may differ from variants 1-4 by an fp32 rounding (the sum of squares' order).
+// Other R run variant 4's code (the same bits as 1-4).
 
 // The x loads of an item's passes (its first head of the lane's group t0; heads past Hq
 // zeros).
@@ -265,6 +270,123 @@ __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, floa
       ++tok;
     }
   }
+}
+
+// Variant 5's other heads at R = D / 2, in the split lanes too: one loop per kind (KIND 1:
+// k with V; 2: index_q; 3: index_k), so that its 1 + w stays in registers and its stores
+// are fixed at compile time. Items: the kind's (token, head) pairs in token-major order,
+// kHeads per item (one pass; at the model shape a token's 4 k or 4 index_q heads, or 4
+// tokens' index_k), lane group g taking pair g. Per item: x (and V) in the split layout,
+// the slot, the position, then the table row, one pass, the stores. (Variant 4's loop over
+// all the other heads dispatched the kind per pass: 2,100-2,460 warp instructions per
+// token, a third of the kernel's, issue-bound after the q stream.)
+template <int ACT, int D, int KIND>
+__device__ __forceinline__ void split_kind_items(const NriParams& p, const SplitLane<D>& sl,
+                                                 float eps, int64_t nw, int64_t gw) {
+  using SL = SplitLane<D>;
+  constexpr int HP = SL::kHeads;
+  const int H = KIND == 1 ? (int)p.hkv : KIND == 2 ? (int)p.hi : 1;
+  // the row column of the kind's head 0: q | k | v | index_q, index_k at ik_col
+  const int64_t col0 = KIND == 1 ? p.hq * D : KIND == 2 ? (p.hq + 2 * p.hkv) * D : p.ik_col;
+  const int64_t pairs = p.n * H;
+  int64_t it, end;
+  nri::persist_range((pairs + HP - 1) / HP, nw, gw, it, end);
+  float wa[8], wb[8], c[4], s[4], sneg[4];
+  split_weights<ACT, D>(weight_of(p, KIND), sl, wa, wb);
+  int64_t tok0 = it * HP / H;  // the item's first pair: (tok0, h0)
+  int h0 = (int)(it * HP - tok0 * H);
+  for (; it < end; ++it) {
+    const int o = h0 + sl.grp;
+    const int64_t t = KIND == 3 ? tok0 + o : tok0 + o / H;
+    const int h = KIND == 3 ? 0 : o % H;
+    const bool ok = t < p.n;
+    uint16_t* row = static_cast<uint16_t*>(p.rows) + (ok ? t : 0) * p.row_stride;
+    SplitX x, v;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x.a[k] = x.b[k] = v.a[k] = v.b[k] = 0;
+    int64_t slot = -1, pos = -1;
+    if (ok) {
+      load_split(row + col0 + h * D, sl.ca, SL::kHalf, sl.cb, x);
+      if (KIND == 1) {
+        load_split(row + (p.hq + p.hkv + h) * D, sl.ca, SL::kHalf, sl.cb, v);
+        slot = load_index(p.slots, p.slots_is64, t * p.slot_stride);
+      } else if (KIND == 3) {
+        slot = load_index(p.islots, p.islots_is64, t * p.islot_stride);
+      }
+      pos = position_of(p, t);
+    }
+    split_rope<ACT, D>(pos >= 0 && pos < p.max_pos
+                           ? static_cast<const uint16_t*>(p.table) + pos * p.table_stride
+                           : nullptr,
+                       sl, c, s, sneg);
+    float ya[8], yb[8];
+    split_pass<ACT, D>(x, wa, wb, c, s, sneg, eps, ya, yb);
+    if (ok) {
+      if (KIND == 2) {
+        const int64_t off = t * p.iq_s0 + h * p.iq_s1;
+        if (cvt::is_fp8((int)p.iq_fmt))
+          split_store_fp8<D>(static_cast<uint8_t*>(p.iq_out) + off, sl, ya, yb, (int)p.iq_fmt);
+        else
+          split_store16<D>(static_cast<uint16_t*>(p.iq_out) + off, sl, ya, yb, ACT);
+      } else {
+        split_store<ACT, D>(row + col0 + h * D, sl, ya, yb);  // k, index_k in place
+      }
+      if (KIND == 1 && slot >= 0 && slot < p.num_slots) {
+        const int64_t base = nri::page_offset(slot, p.page_size, p.kv_s0, p.kv_s2) + h * p.kv_s1;
+        const int fmt = (int)p.kv_fmt;
+        if (cvt::is_fp8(fmt)) {
+          const KvScales sc = kv_scales(p, HeadRef{1, h, 0}, slot, base);
+          const cvt::ScaleReciprocal kr = cvt::scale_reciprocal(sc.k);
+          const cvt::ScaleReciprocal vr = cvt::scale_reciprocal(sc.v);
+          float ka[8], kb[8], va[8], vb[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            ka[j] = ya[j] * kr.a * kr.b, kb[j] = yb[j] * kr.a * kr.b;
+            va[j] = widen<ACT>(v.a, j) * vr.a * vr.b, vb[j] = widen<ACT>(v.b, j) * vr.a * vr.b;
+          }
+          uint8_t* dst = static_cast<uint8_t*>(p.kv) + base;
+          split_store_fp8<D>(dst, sl, ka, kb, fmt);
+          split_store_fp8<D>(dst + D, sl, va, vb, fmt);
+        } else {
+          uint16_t* dst = static_cast<uint16_t*>(p.kv) + base;
+          split_store16<D>(dst, sl, ya, yb, fmt);
+          if (fmt == ACT) {
+            split_copy16<D>(dst + D, sl, v);  // a bit copy
+          } else {
+            float va[8], vb[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) va[j] = widen<ACT>(v.a, j), vb[j] = widen<ACT>(v.b, j);
+            split_store16<D>(dst + D, sl, va, vb, fmt);
+          }
+        }
+      }
+      if (KIND == 3 && slot >= 0 && slot < p.ic_num_slots) {
+        const int64_t base = nri::page_offset(slot, p.ic_page, p.ic_s0, p.ic_s1);
+        if (cvt::is_fp8((int)p.ic_fmt))
+          split_store_fp8<D>(static_cast<uint8_t*>(p.ic) + base, sl, ya, yb, (int)p.ic_fmt);
+        else
+          split_store16<D>(static_cast<uint16_t*>(p.ic) + base, sl, ya, yb, ACT);
+      }
+    }
+    if (KIND == 3) {
+      tok0 += HP;
+    } else {
+      h0 += HP;
+      tok0 += h0 / H;
+      h0 %= H;
+    }
+  }
+}
+
+// The kinds one after another; their extra items (the first items % nw warps take one
+// more) on alternating ends of the warps.
+template <int ACT, int D>
+__device__ __forceinline__ void split_other_items(const NriParams& p, int lane, float eps,
+                                                  int64_t nw, int64_t gw) {
+  const SplitLane<D> sl(lane);
+  split_kind_items<ACT, D, 1>(p, sl, eps, nw, nw - 1 - gw);
+  if (p.hi > 0) split_kind_items<ACT, D, 2>(p, sl, eps, nw, gw);
+  if (p.write_ik) split_kind_items<ACT, D, 3>(p, sl, eps, nw, nw - 1 - gw);
 }
 
 // The warp's share (warp gw of nw, taken in reverse order: the warps given one q item more
@@ -374,7 +496,10 @@ nri_persist_kernel(const NriParams p) {
   const int64_t gw = (int64_t)blockIdx.x * wpb + (threadIdx.x >> 5);
   if (p.variant == 5 && 4 * ln.hr == D) {  // uniform over the launch
     q_items_split<ACT, D, ROUNDS>(p, lane, ln.eps, nw, gw);
-  } else if ((ln.hr & 7) == 0) {
+    split_other_items<ACT, D>(p, lane, ln.eps, nw, gw);
+    return;
+  }
+  if ((ln.hr & 7) == 0) {
     q_items<ACT, D, ROUNDS, true>(p, ln, nw, gw);
   } else {
     q_items<ACT, D, ROUNDS, false>(p, ln, nw, gw);

@@ -1,4 +1,4 @@
-// The split q lanes of variant 5 (R = D / 2): D / 16 lanes per head, lane j of a
+// The split lanes of variant 5 (R = D / 2): D / 16 lanes per head, lane j of a
 // head holding the rotated pairs' dims 4j .. 4j + 3 and R/2 + 4j .. R/2 + 4j + 3 (two
 // 8-byte accesses, group A of its 16 values) and the pass-through dims R + 8j .. R + 8j + 7
 // (one 16-byte access, group B), as the Triton kernel's segments lay them out. A lane then
@@ -102,6 +102,42 @@ __device__ __forceinline__ void split_rope(const uint16_t* trow, const SplitLane
     s[k] = widen<ACT>(cw, 4 + k);
     sneg[k] = trow != nullptr ? -s[k] : 0.f;
   }
+}
+
+// Rounds and stores a head's y (group A, group B) to o (the head's D codes of 16-bit
+// format fmt).
+template <int D>
+__device__ __forceinline__ void split_store16(uint16_t* o, const SplitLane<D>& sl,
+                                              const float (&ya)[8], const float (&yb)[8],
+                                              int fmt) {
+  uint32_t oa[4], ob[4];
+  pack8(ya, fmt, oa);
+  pack8(yb, fmt, ob);
+  store4(o + sl.ca, oa, 0);
+  store4(o + SplitLane<D>::kHalf + sl.ca, oa, 2);
+  store8(o + sl.cb, ob);
+}
+
+// A head's y as fp8 codes of format fmt (satfinite) to o (the head's D bytes).
+template <int D>
+__device__ __forceinline__ void split_store_fp8(uint8_t* o, const SplitLane<D>& sl,
+                                                const float (&ya)[8], const float (&yb)[8],
+                                                int fmt) {
+  uint32_t a[2], b[2];
+  encode8(ya, fmt, a);
+  encode8(yb, fmt, b);
+  store4b(o + sl.ca, a[0]);
+  store4b(o + SplitLane<D>::kHalf + sl.ca, a[1]);
+  store8b(o + sl.cb, b);
+}
+
+// A head's codes as loaded (SplitX) to o (a bit copy).
+template <int D>
+__device__ __forceinline__ void split_copy16(uint16_t* o, const SplitLane<D>& sl,
+                                             const SplitX& x) {
+  store4(o + sl.ca, x.a, 0);
+  store4(o + SplitLane<D>::kHalf + sl.ca, x.a, 2);
+  store8(o + sl.cb, x.b);
 }
 
 // Rounds and stores a head's y (group A, group B) to o (the head's D codes).

@@ -21,7 +21,7 @@ Numerics (declared to the oracle with the default ``Fp32Arith``; every variant):
 of squares in warp-shuffle order, ``rsqrtf`` (2 ulp), the division by a K/V scale as two
 multiplications by its reciprocal parts (``cvt::scale_reciprocal``: within one ulp), FMA
 contraction; variants 1-4 give identical bits (variant 0 sums the squares in another order,
-variant 5 the q heads' at R = D / 2); outputs rounded once (RNE); K quantised from its fp32
+variant 5 every head's at R = D / 2); outputs rounded once (RNE); K quantised from its fp32
 value (``quantize_from="value"``), fp8 satfinite via cvt.rn.satfinite (e4m3fn, e5m2) or the
 software codec (fnuz), csrc/fp8_convert.h.
 """
@@ -156,10 +156,12 @@ def _stream(dev: torch.device) -> int:
 #: partners, 2 16-byte lanes with partners re-read from global memory, 3 persistent blocks
 #: with the rows pipelined through shared memory by cp.async (the lanes of 1 and 2), 4
 #: persistent warps over (token, head chunk) items, q heads apart (csrc/nri_persist.cuh), 5
-#: variant 4 with the q heads in split lanes when R = D / 2 (a lane holds both halves of
+#: variant 4 with every head in split lanes when R = D / 2 (a lane holds both halves of
 #: its RoPE pairs: no partner shuffles; other R run variant 4).
 VARIANTS = (0, 1, 2, 3, 4, 5)
-#: The default: variant 5, the fastest on the H200 (model shape, 16,384 tokens, session 13:
+#: The default: variant 5, the fastest on the H200 (model shape, 16,384 tokens; session 14,
+#: the other heads in split lanes too: bf16 199.2 us against 215.7 with q alone in them,
+#: e4m3 203.2 against 223.6, reports/ab-insert-cuda-v5-split-rest-h200.md; session 13:
 #: bf16 215.9 us against 226.5 for variant 4 and 395.4 for variant 0; e4m3 223.9 against
 #: 234.7 and 435.0, reports/tune-insert-cuda-v5-h200.json; variant 4 had been 234.6 / 308.6
 #: against the best variant 3's 293 bf16, reports/tune-insert-cuda-v4-h200.json).
@@ -277,13 +279,13 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
       from the others' (1 + w_q in registers for the whole launch, a token's cos / sin
       widened once for its q items, no kind dispatch on the q path), the lanes and shuffles
       of 1: csrc/nri_persist.cuh.
-      5: variant 4 with its q items in split lanes when R = D / 2 (D / 16 lanes per head,
+      5: variant 4 with every head in split lanes when R = D / 2 (D / 16 lanes per head,
       a lane holding the dims 4j .. 4j + 3 of both rotated halves and 8 pass-through
       dims, the Triton kernel's segment layout: no partner shuffles, one butterfly per 16
-      values); other R run variant 4 exactly.
+      values; the q items, then one loop per kind of the other heads); other R run
+      variant 4 exactly.
       Variants 1-4 give bit-identical results; variant 0 may differ from them by fp32
-      roundings (another summation order), and variant 5's q heads at R = D / 2 likewise
-      (its other outputs are variant 4's bits).
+      roundings (another summation order), and variant 5 at R = D / 2 likewise.
     - ``block_h``: heads per CUDA block. Variant 0: a power of two (default 32, tuned; the
       4 warps loop over them). Variants 1-4: must be ``warps_per_block * heads_per_warp``
       (the default; variant 3: heads per block and pass over a token).
