@@ -263,7 +263,7 @@ __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, floa
       split_pass<ACT, D>(xs[0], wa, wb, c, s, sneg, eps, ya, yb);
 #pragma unroll
       for (int q = 0; q + 1 < ROUNDS; ++q) xs[q] = xs[q + 1];
-      if (t < hq) split_store<ACT, D>(qo + t * p.q_s1, sl, ya, yb);
+      if (t < hq) split_store16<D>(qo + t * p.q_s1, sl, ya, yb, ACT);
     }
     if (++ch == nq) {
       ch = 0;
@@ -329,7 +329,7 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
         else
           split_store16<D>(static_cast<uint16_t*>(p.iq_out) + off, sl, ya, yb, ACT);
       } else {
-        split_store<ACT, D>(row + col0 + h * D, sl, ya, yb);  // k, index_k in place
+        split_store16<D>(row + col0 + h * D, sl, ya, yb, ACT);  // k, index_k in place
       }
       if (KIND == 1 && slot >= 0 && slot < p.num_slots) {
         const int64_t base = nri::page_offset(slot, p.page_size, p.kv_s0, p.kv_s2) + h * p.kv_s1;

@@ -104,18 +104,24 @@ __device__ __forceinline__ void split_rope(const uint16_t* trow, const SplitLane
   }
 }
 
-// Rounds and stores a head's y (group A, group B) to o (the head's D codes of 16-bit
-// format fmt).
+// A head's codes (SplitX's layout) to o (the head's D codes).
+template <int D>
+__device__ __forceinline__ void split_copy16(uint16_t* o, const SplitLane<D>& sl,
+                                             const SplitX& x) {
+  store4(o + sl.ca, x.a, 0);
+  store4(o + SplitLane<D>::kHalf + sl.ca, x.a, 2);
+  store8(o + sl.cb, x.b);
+}
+
+// Rounds a head's y (group A, group B) to 16-bit format fmt and stores it to o.
 template <int D>
 __device__ __forceinline__ void split_store16(uint16_t* o, const SplitLane<D>& sl,
                                               const float (&ya)[8], const float (&yb)[8],
                                               int fmt) {
-  uint32_t oa[4], ob[4];
-  pack8(ya, fmt, oa);
-  pack8(yb, fmt, ob);
-  store4(o + sl.ca, oa, 0);
-  store4(o + SplitLane<D>::kHalf + sl.ca, oa, 2);
-  store8(o + sl.cb, ob);
+  SplitX x;
+  pack8(ya, fmt, x.a);
+  pack8(yb, fmt, x.b);
+  split_copy16<D>(o, sl, x);
 }
 
 // A head's y as fp8 codes of format fmt (satfinite) to o (the head's D bytes).
@@ -129,27 +135,6 @@ __device__ __forceinline__ void split_store_fp8(uint8_t* o, const SplitLane<D>& 
   store4b(o + sl.ca, a[0]);
   store4b(o + SplitLane<D>::kHalf + sl.ca, a[1]);
   store8b(o + sl.cb, b);
-}
-
-// A head's codes as loaded (SplitX) to o (a bit copy).
-template <int D>
-__device__ __forceinline__ void split_copy16(uint16_t* o, const SplitLane<D>& sl,
-                                             const SplitX& x) {
-  store4(o + sl.ca, x.a, 0);
-  store4(o + SplitLane<D>::kHalf + sl.ca, x.a, 2);
-  store8(o + sl.cb, x.b);
-}
-
-// Rounds and stores a head's y (group A, group B) to o (the head's D codes).
-template <int ACT, int D>
-__device__ __forceinline__ void split_store(uint16_t* o, const SplitLane<D>& sl,
-                                            const float (&ya)[8], const float (&yb)[8]) {
-  uint32_t oa[4], ob[4];
-  pack8(ya, ACT, oa);
-  pack8(yb, ACT, ob);
-  store4(o + sl.ca, oa, 0);
-  store4(o + SplitLane<D>::kHalf + sl.ca, oa, 2);
-  store8(o + sl.cb, ob);
 }
 
 }  // namespace nri_dev
