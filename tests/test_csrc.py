@@ -778,10 +778,10 @@ def _persist_knobs(d):
 
 #: Variants 3 and 4 against variant 1 on the same inputs (CPU simulation and GPU): (model dtype,
 #: cache format, D, R, N, row padding, row shift, cache padding, dense rows, bad slots and
-#: positions). Every activation and cache format, R 64 / 128 / 48 / 2 (R/2 % 8 == 0 and
-#: not; R = D), D 64 / 128 / 256, padded row strides and caches, N 0 / 1 / 3 / 1000, and rows
-#: misaligned for cp.async (a row stride of an odd element count; a base 2 bytes off): the
-#: fallback to variant 1.
+#: positions). Every activation and cache format, R 64 / 128 / 48 / 32 / 2 (R/2 % 8 == 0
+#: and not; R = D; R = D / 2 at every D), D 64 / 128 / 256, padded row strides and caches,
+#: N 0 / 1 / 3 / 1000, and rows misaligned for cp.async (a row stride of an odd element
+#: count; a base 2 bytes off): the fallback to variant 1.
 STREAM_CASES = [
     ("bfloat16", "bfloat16", 128, 64, 3, 0, 0, 0, False, False),
     ("float16", "e4m3fn", 128, 128, 7, 8, 0, 8, False, True),
@@ -796,6 +796,8 @@ STREAM_CASES = [
     ("float16", "float16", 256, 256, 3, 0, 0, 8, False, False),
     ("bfloat16", "bfloat16", 64, 64, 4, 3, 0, 0, False, False),
     ("float16", "e4m3fn", 128, 64, 4, 0, 1, 0, False, True),
+    ("float16", "e4m3fnuz", 64, 32, 11, 0, 0, 0, False, False),
+    ("bfloat16", "e5m2", 64, 32, 6, 8, 0, 8, False, True),
 ]
 
 
@@ -1319,7 +1321,7 @@ def test_cuda_stream_variant_gives_variant_1s_bits(case):
     """Variant 3 (default shape, and 1 warp x 1 round x 2 stages, and 8 warps x 4 rounds x
     5 stages) gives exactly variant 1's outputs and cache bytes on the same inputs for every
     row of STREAM_CASES: bf16 / fp16 rows, bf16 / fp16 / e4m3fn / e5m2 / e4m3fnuz caches,
-    R 64 / 128 / 48 / 2, D 64 / 128 / 256, padded row strides and caches, N 0 / 1 / 3 / 1000
+    R 64 / 128 / 48 / 32 / 2, D 64 / 128 / 256, padded row strides and caches, N 0 / 1 / 3 / 1000
     (more tokens than the persistent grid's blocks), slots past the cache or negative and
     positions outside the table, rows misaligned for cp.async (the fallback to variant
     1). (Variant 0 sums the squares in another order: it is judged by the oracle only.)"""
