@@ -117,4 +117,10 @@ void nri_sim_heads(int n, int total, int wpb, int hpw, int g, int heads_fast,
     }
   }
 }
+
+// nri::page_offset for n (slot, page) pairs: out[i] = page * s0 + offset * s_in.
+void nri_sim_page_offset(int64_t n, const int64_t* slot, const int64_t* page, int64_t s0,
+                         int64_t s_in, int64_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = nri::page_offset(slot[i], page[i], s0, s_in);
+}
 }

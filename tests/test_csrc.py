@@ -357,6 +357,26 @@ def lanes():
     return ctypes.CDLL(str(out))
 
 
+def test_page_offset_is_the_slots_page_and_offset(lanes):
+    """nri::page_offset (the split kind loops' cache offset of a slot): page * s0 + offset *
+    s_in for slots and page sizes on both sides of its 32-bit fast path (2^31), against
+    Python's divmod."""
+    rng = np.random.default_rng(7)
+    slots = np.concatenate([rng.integers(0, 2**31, 20), rng.integers(2**31, 2**40, 20),
+                            [0, 2**31 - 1, 2**31, 2**32 + 5]])
+    pages = np.concatenate([rng.integers(1, 2**10, 10), rng.integers(2**10, 2**33, 10),
+                            [1, 16, 2**31 - 1, 2**31]])
+    slot, page = (a.ravel().astype(np.int64) for a in np.meshgrid(slots, pages))
+    s0, s_in = 1 << 20, 3
+    out = np.zeros_like(slot)
+    ptr = ctypes.POINTER(ctypes.c_int64)
+    lanes.nri_sim_page_offset(ctypes.c_int64(len(slot)), slot.ctypes.data_as(ptr),
+                              page.ctypes.data_as(ptr), ctypes.c_int64(s0),
+                              ctypes.c_int64(s_in), out.ctypes.data_as(ptr))
+    want = [divmod(int(a), int(b)) for a, b in zip(slot, page)]  # q * s0 < 2^61: no wrap
+    assert out.tolist() == [q * s0 + r * s_in for q, r in want]
+
+
 def _partner(d, rot):
     """SPEC.md s.3's rotate-half partner of every dim (-1 beyond R)."""
     dims, hr = np.arange(d), rot // 2
