@@ -100,6 +100,12 @@ __device__ __forceinline__ int64_t position_of(const NriParams& p, int64_t tok) 
   return load_index(p.positions, p.pos_is64, tok * p.pos_stride);
 }
 
+// Position pos's cos | sin row of the table; null outside the table (no row is read).
+__device__ __forceinline__ const uint16_t* table_row(const NriParams& p, int64_t pos) {
+  return pos >= 0 && pos < p.max_pos ? static_cast<const uint16_t*>(p.table) + pos * p.table_stride
+                                     : nullptr;
+}
+
 // rope_codes (token tok's cos / signed sin at the lane's dims) widened to fp32.
 template <int ACT>
 __device__ __forceinline__ void rope_coeffs(const NriParams& p, int64_t tok, int c, int rot,
@@ -249,11 +255,7 @@ __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, floa
     split_item_loads<D, ROUNDS>(p, tok, h0 + sl.grp, sl, xs);
     if (tok != cur) {
       cur = tok;
-      const int64_t pos = load_index(p.positions, p.pos_is64, tok * p.pos_stride);
-      split_rope<ACT, D>(pos >= 0 && pos < p.max_pos
-                             ? static_cast<const uint16_t*>(p.table) + pos * p.table_stride
-                             : nullptr,
-                         sl, c, s, sneg);
+      split_rope<ACT, D>(table_row(p, position_of(p, tok)), sl, c, s, sneg);
     }
     uint16_t* qo = static_cast<uint16_t*>(p.q_out) + tok * p.q_s0;
 #pragma unroll 1
@@ -315,10 +317,7 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
       }
       pos = position_of(p, t);
     }
-    split_rope<ACT, D>(pos >= 0 && pos < p.max_pos
-                           ? static_cast<const uint16_t*>(p.table) + pos * p.table_stride
-                           : nullptr,
-                       sl, c, s, sneg);
+    split_rope<ACT, D>(table_row(p, pos), sl, c, s, sneg);
     float ya[8], yb[8];
     split_pass<ACT, D>(x, wa, wb, c, s, sneg, eps, ya, yb);
     if (ok) {
