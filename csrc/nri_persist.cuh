@@ -95,11 +95,6 @@ __device__ __forceinline__ void one_plus_w(const uint16_t* w, int c, float (&w1)
   for (int j = 0; j < nri::kChunk; ++j) w1[j] = __fadd_rn(1.f, widen<ACT>(wb, j));
 }
 
-// The position of token tok.
-__device__ __forceinline__ int64_t position_of(const NriParams& p, int64_t tok) {
-  return load_index(p.positions, p.pos_is64, tok * p.pos_stride);
-}
-
 // Position pos's cos | sin row of the table; null outside the table (no row is read).
 __device__ __forceinline__ const uint16_t* table_row(const NriParams& p, int64_t pos) {
   return pos >= 0 && pos < p.max_pos ? static_cast<const uint16_t*>(p.table) + pos * p.table_stride
@@ -407,7 +402,7 @@ __device__ __forceinline__ void rest_items(const NriParams& p, const PersistLane
   int64_t it, end;
   nri::persist_range(p.n * nr, nw, nw - 1 - gw, it, end);
   float cs[C], sn[C];
-  int64_t tok = it / (nr > 0 ? nr : 1), cur = -1;
+  int64_t tok = it / nr, cur = -1;  // nr >= 1: Hkv >= 1
   int ch = (int)(it - tok * nr);
   for (; it < end; ++it) {
     const int h0 = hq + ch * HPW;

@@ -419,14 +419,14 @@ __global__ void __launch_bounds__(kStreamMaxWarps * 32, 2) nri_stream_kernel(con
   for (int s = 0; s < S - 1; ++s) {
     if (s < count) {
       const int64_t tok = tok0 + s * step;
-      const int64_t pos = tab_thread ? load_index(p.positions, p.pos_is64, tok * p.pos_stride) : 0;
+      const int64_t pos = tab_thread ? position_of(p, tok) : 0;
       stream_issue(p, g, tab16, stage0 + s * g.stage_bytes, tok, pos);
     }
     cp_async_commit();
   }
   int64_t pos_next = 0;
   if (tab_thread && S - 1 < count)
-    pos_next = load_index(p.positions, p.pos_is64, (tok0 + (S - 1) * step) * p.pos_stride);
+    pos_next = position_of(p, tok0 + (S - 1) * step);
 
   int s_cur = 0, s_next = S - 1;
   for (int64_t t = 0; t < count; ++t) {
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kStreamMaxWarps * 32, 2) nri_stream_kernel(con
     if (u < count) stream_issue(p, g, tab16, stage0 + s_next * g.stage_bytes, tok0 + u * step, pos_next);
     cp_async_commit();
     if (tab_thread && u + 1 < count)
-      pos_next = load_index(p.positions, p.pos_is64, (tok0 + (u + 1) * step) * p.pos_stride);
+      pos_next = position_of(p, tok0 + (u + 1) * step);
     stream_compute<ACT, D, U>(p, g, stage0 + s_cur * g.stage_bytes, tok0 + t * step, w1, scr);
     s_cur = s_cur + 1 == S ? 0 : s_cur + 1;
     s_next = s_next + 1 == S ? 0 : s_next + 1;

@@ -213,6 +213,11 @@ __device__ __forceinline__ void store_head(const NriParams& p, const HeadRef& hd
   }
 }
 
+// The position of token tok.
+__device__ __forceinline__ int64_t position_of(const NriParams& p, int64_t tok) {
+  return load_index(p.positions, p.pos_is64, tok * p.pos_stride);
+}
+
 // The cos and signed sin of token tok's position at the lane's dims c .. c + 7 as packed
 // 16-bit codes (the sine's sign bit flipped in the first half, so that y = fma(n', s, n c)
 // in both halves; 0 for pass-through dims and for positions outside the table, where no
@@ -224,7 +229,7 @@ __device__ __forceinline__ void rope_codes(const NriParams& p, int64_t tok, int 
   const int hr = rot >> 1;
 #pragma unroll
   for (int k = 0; k < 4; ++k) cw[k] = sw[k] = 0;
-  const int64_t pos = load_index(p.positions, p.pos_is64, tok * p.pos_stride);
+  const int64_t pos = position_of(p, tok);
   if (pos < 0 || pos >= p.max_pos || c >= rot) return;
   const uint16_t* trow = static_cast<const uint16_t*>(p.table) + pos * p.table_stride;
   if ((hr & 7) == 0) {
