@@ -16,6 +16,11 @@ against 96.0 with K staged, reports/bench_attention_decode_fnuz_staged_k.md).
 3. CPU: ``python -m benchmarks.ab render ab.json`` -> Markdown: per row the base and work
    medians (the median over rounds), work / base and the per-round ratios.
 
+More candidates in one call (a device call's start costs minutes): ``prepare REV --dest
+.ab-NAME`` writes another tree, and ``run ... --also NAME=.ab-NAME`` (``AB_ALSO`` in
+``.ci/gpu ab``; carry the tree too) times it after the work tree in every round: its
+medians and NAME / base join the table.
+
 Rows are matched by (implementation, cache, batch, selection distribution, knobs); a row
 only one side has shows '-' on the other.
 """
@@ -86,17 +91,24 @@ def _bench(tree: Path, bench: str, args: list[str], out: Path) -> dict:
 
 
 def run(bench: str, args: list[str], rounds: int, base: Path = ROOT / BASE_DIR,
-        work: Path = ROOT) -> dict:
-    """``rounds`` x (base, work) runs of ``bench`` with ``args``; the ab/1 document."""
-    if not (base / "AB_REV").exists():
-        raise SystemExit(f"no base tree at {base}: run 'python -m benchmarks.ab prepare REV' "
-                         f"first and carry {BASE_DIR} to the device")
+        work: Path = ROOT, also: dict[str, Path] | None = None) -> dict:
+    """``rounds`` x (base, work, then each ``also`` tree) runs of ``bench`` with ``args``;
+    the ab/1 document (``also``: name -> revision, each round a run per name)."""
+    also = also or {}
+    for tree in (base, *also.values()):
+        if not (tree / "AB_REV").exists():
+            raise SystemExit(f"no tree at {tree}: run 'python -m benchmarks.ab prepare REV' "
+                             f"first and carry {tree.name} to the device")
+    clash = set(also) & {"base", "work"}
+    if clash:
+        raise SystemExit(f"--also: names must not be base or work, got {sorted(clash)}")
     doc = {"schema": "ab/1", "bench": bench, "args": args,
-           "base_rev": (base / "AB_REV").read_text().strip(), "rounds": []}
+           "base_rev": (base / "AB_REV").read_text().strip(), "rounds": [],
+           "also": {n: (t / "AB_REV").read_text().strip() for n, t in also.items()}}
     tmp = Path(tempfile.mkdtemp(prefix="ab-"))
     for i in range(rounds):
         one = {}
-        for side, tree in (("base", base), ("work", work)):
+        for side, tree in (("base", base), ("work", work), *also.items()):
             rep = _bench(tree, bench, args, tmp / f"{side}-{i}.json")
             one[side] = {"copy_bps": rep.get("copy", {}).get("bytes_per_s"),
                          "source": rep.get("source"), "medians": medians(rep)}
@@ -113,19 +125,26 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def _ratio(x, y):
+    return None if x is None or y is None else y / x
+
+
 def table(doc: dict) -> list[dict]:
-    """Per row: base and work medians over the rounds, work / base, per-round ratios."""
-    keys = list(dict.fromkeys(k for r in doc["rounds"] for side in ("base", "work")
+    """Per row: base and work medians over the rounds, work / base, per-round ratios, and
+    per ``also`` tree NAME its median (``NAME_us``) and NAME / base (``NAME_ratio``)."""
+    sides = ["base", "work", *doc.get("also", {})]
+    keys = list(dict.fromkeys(k for r in doc["rounds"] for side in sides
                               for k in r[side]["medians"]))
     rows = []
     for k in keys:
-        b = [r["base"]["medians"].get(k) for r in doc["rounds"]]
-        w = [r["work"]["medians"].get(k) for r in doc["rounds"]]
-        bm, wm = _median(b), _median(w)
-        rows.append({"row": k, "base_us": bm, "work_us": wm,
-                     "ratio": None if bm is None or wm is None else wm / bm,
-                     "round_ratios": [None if x is None or y is None else y / x
-                                      for x, y in zip(b, w)]})
+        per = {s: [r[s]["medians"].get(k) for r in doc["rounds"]] for s in sides}
+        bm, wm = _median(per["base"]), _median(per["work"])
+        row = {"row": k, "base_us": bm, "work_us": wm, "ratio": _ratio(bm, wm),
+               "round_ratios": [_ratio(x, y) for x, y in zip(per["base"], per["work"])]}
+        for s in sides[2:]:
+            row[f"{s}_us"] = _median(per[s])
+            row[f"{s}_ratio"] = _ratio(bm, row[f"{s}_us"])
+        rows.append(row)
     return rows
 
 
@@ -136,18 +155,24 @@ def _tbps(run: dict) -> str:
 
 def markdown(doc: dict) -> str:
     f = _f
+    also = list(doc.get("also", {}))
+    sides = ["base", "work", *also]
+    trees = "".join(f", {n} {rev[:12]}" for n, rev in doc.get("also", {}).items())
     lines = [f"# A/B: bench_{doc['bench']} {' '.join(doc['args'])}", "",
              f"Device {doc.get('device', '?')}; base {doc['base_rev'][:12]}, work = the "
-             f"working tree; {len(doc['rounds'])} round(s), each base then work. Copy "
-             "bandwidth per run, base / work (TB/s): " + ", ".join(
-                 f"{_tbps(r['base'])} / {_tbps(r['work'])}" for r in doc["rounds"]) + ".",
-             "",
-             "| row | base us | work us | work / base | per round |",
-             "|---|---:|---:|---:|---|"]
+             f"working tree{trees}; {len(doc['rounds'])} round(s), each "
+             f"{' then '.join(sides)}. Copy bandwidth per run, {' / '.join(sides)} (TB/s): "
+             + ", ".join(" / ".join(_tbps(r[s]) for s in sides) for r in doc["rounds"])
+             + ".", "",
+             "| row | base us | work us | work / base | per round |"
+             + "".join(f" {n} us | {n} / base |" for n in also),
+             "|---|---:|---:|---:|---|" + "---:|---:|" * len(also)]
     for t in table(doc):
         lines.append(f"| {t['row']} | {f(t['base_us'], '.1f')} | {f(t['work_us'], '.1f')} | "
                      f"{f(t['ratio'], '.3f')} | "
-                     f"{', '.join(f(x, '.3f') for x in t['round_ratios'])} |")
+                     f"{', '.join(f(x, '.3f') for x in t['round_ratios'])} |"
+                     + "".join(f" {f(t[f'{n}_us'], '.1f')} | {f(t[f'{n}_ratio'], '.3f')} |"
+                               for n in also))
     return "\n".join(lines) + "\n"
 
 
@@ -161,16 +186,20 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="a revision's tree to .ab-base/")
     p.add_argument("rev")
+    p.add_argument("--dest", default=BASE_DIR, help="the tree's directory (default "
+                                                    f"{BASE_DIR}; another: .ab-NAME)")
     p = sub.add_parser("run", help="base and work runs of a benchmark (GPU)")
     p.add_argument("--bench", required=True, help="attention_decode, indexer, insert, ...")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--also", action="append", default=[], metavar="NAME=DIR",
+                   help="another prepared tree, timed after the work tree in each round")
     p.add_argument("--out", default=os.environ.get("OUT", "reports/gpu-out"))
     p = sub.add_parser("render", help="Markdown of an ab/1 JSON")
     p.add_argument("report")
     p.add_argument("--out", help="Markdown path (default: beside the JSON)")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
-        print(f"{BASE_DIR}/ <- {prepare(args.rev)}")
+        print(f"{args.dest}/ <- {prepare(args.rev, ROOT / args.dest)}")
     elif args.cmd == "run":
         if args.rounds < 1:
             ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -178,7 +207,13 @@ def main(argv=None) -> int:
             ap.error(f"--bench: no benchmarks/bench_{args.bench}.py")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        doc = run(args.bench, extra, args.rounds)
+        also = {}
+        for a in args.also:
+            name, sep, path = a.partition("=")
+            if not sep or not name or not path:
+                ap.error(f"--also must be NAME=DIR, got {a!r}")
+            also[name] = ROOT / path
+        doc = run(args.bench, extra, args.rounds, also=also)
         (out / "ab.json").write_text(json.dumps(doc, indent=1) + "\n")
         print(markdown(doc))
     else:

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         help="block_h:num_warps:num_stages:programs_per_sm[:max_registers],... "
              "(programs_per_sm 0: as many as fit, the launcher's default; max_registers 0: "
              "the compiler's choice)")
-    ap.add_argument("--heads-fast", type=lambda s: [bool(int(v)) for v in s.split(",")],
+    ap.add_argument("--heads-fast", type=lambda s: [bool(int(v)) for v in s.split(",") if v],
                     default=[False, True])
     ap.add_argument("--cuda-variants", type=lambda s: [int(v) for v in s.split(",") if v],
                     default=[1, 2], help="variants swept over warps x heads x grid order "

@@ -114,3 +114,24 @@ def test_render_command_writes_markdown_beside_the_json(tmp_path):
     subprocess.run([sys.executable, "-m", "benchmarks.ab", "render", str(p)], cwd=ROOT,
                    check=True, capture_output=True)
     assert "| x | 100.0 | 90.0 | 0.900 | 0.900 |" in (tmp_path / "ab.md").read_text()
+
+
+def test_also_trees_run_in_every_round_and_join_the_table(tmp_path):
+    """A tree given as --also runs after the work tree in each round with the same
+    arguments; its median and its ratio to the base join each row and the Markdown."""
+    base = _fake_tree(tmp_path / "base", 100.0)
+    (base / "AB_REV").write_text("abc\n")
+    work = _fake_tree(tmp_path / "work", 80.0)
+    cand = _fake_tree(tmp_path / "cand", 90.0)
+    (cand / "AB_REV").write_text("def\n")
+    doc = ab.run("fake", ["--x"], 2, base=base, work=work, also={"cand": cand})
+    assert doc["also"] == {"cand": "def"}
+    assert all(r["cand"]["medians"] == {"name=k cache=--x": 90.0} for r in doc["rounds"])
+    row = ab.table(doc)[0]
+    assert row["cand_us"] == 90.0 and row["cand_ratio"] == pytest.approx(0.9)
+    md = ab.markdown(doc)
+    assert "| name=k cache=--x | 100.0 | 80.0 | 0.800 | 0.800, 0.800 | 90.0 | 0.900 |" in md
+    with pytest.raises(SystemExit, match="prepare REV"):
+        ab.run("fake", [], 1, base=base, work=work, also={"x": tmp_path / "missing"})
+    with pytest.raises(SystemExit, match="must not be base or work"):
+        ab.run("fake", [], 1, base=base, work=work, also={"work": cand})
