@@ -74,8 +74,11 @@ __device__ __forceinline__ void round_n(const float (&y)[N], uint16_t (&b)[N]) {
 // Element j lives in bits 16 (j & 1) .. 16 (j & 1) + 15 of w[j >> 1] (the little-endian
 // memory order, so a 16-byte access moves the 4 words as they are).
 
+// AL: the caller knows p is aligned (the unaligned path compiles away; otherwise both
+// paths' instructions are issued, predicated).
+template <bool AL = false>
 __device__ __forceinline__ void load8(const uint16_t* p, uint32_t (&w)[4]) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 == 0) {
+  if (AL || reinterpret_cast<uintptr_t>(p) % 16 == 0) {
     const uint4 v = *reinterpret_cast<const uint4*>(p);
     w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
   } else {
@@ -87,8 +90,9 @@ __device__ __forceinline__ void load8(const uint16_t* p, uint32_t (&w)[4]) {
 // The aligned case is one 128-bit store: written as a uint4 assignment, ptxas (CUDA 13.0,
 // sm_90) split it into four 32-bit STG when the packed words did not sit in 4 consecutive
 // registers (a quarter of the stores' issue slots and L2 requests otherwise).
+template <bool AL = false>
 __device__ __forceinline__ void store8(uint16_t* p, const uint32_t (&w)[4]) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 == 0) {
+  if (AL || reinterpret_cast<uintptr_t>(p) % 16 == 0) {
 #ifdef __CUDA_ARCH__
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]),
                  "r"(w[2]), "r"(w[3])
@@ -106,8 +110,9 @@ __device__ __forceinline__ void store8(uint16_t* p, const uint32_t (&w)[4]) {
 }
 
 // 4 16-bit codes at p into w[k0], w[k0 + 1] (an 8-byte access when aligned).
+template <bool AL = false>
 __device__ __forceinline__ void load4(const uint16_t* p, uint32_t (&w)[4], int k0) {
-  if (reinterpret_cast<uintptr_t>(p) % 8 == 0) {
+  if (AL || reinterpret_cast<uintptr_t>(p) % 8 == 0) {
     const uint2 v = *reinterpret_cast<const uint2*>(p);
     w[k0] = v.x, w[k0 + 1] = v.y;
   } else {
@@ -117,8 +122,9 @@ __device__ __forceinline__ void load4(const uint16_t* p, uint32_t (&w)[4], int k
 }
 
 // w[k0], w[k0 + 1] (4 16-bit codes) to p.
+template <bool AL = false>
 __device__ __forceinline__ void store4(uint16_t* p, const uint32_t (&w)[4], int k0) {
-  if (reinterpret_cast<uintptr_t>(p) % 8 == 0) {
+  if (AL || reinterpret_cast<uintptr_t>(p) % 8 == 0) {
     *reinterpret_cast<uint2*>(p) = make_uint2(w[k0], w[k0 + 1]);
   } else {
     p[0] = (uint16_t)(w[k0] & 0xFFFFu), p[1] = (uint16_t)(w[k0] >> 16);

@@ -209,7 +209,7 @@ __device__ __forceinline__ void q_items(const NriParams& p, const PersistLane& l
 
 // The x loads of an item's passes (its first head of the lane's group t0; heads past Hq
 // zeros).
-template <int D, int ROUNDS>
+template <int D, int ROUNDS, bool AL>
 __device__ __forceinline__ void split_item_loads(const NriParams& p, int64_t tok, int t0,
                                                  const SplitLane<D>& sl, SplitX (&xs)[ROUNDS]) {
   const uint16_t* x = static_cast<const uint16_t*>(p.rows) + tok * p.row_stride;
@@ -217,7 +217,7 @@ __device__ __forceinline__ void split_item_loads(const NriParams& p, int64_t tok
   for (int r = 0; r < ROUNDS; ++r) {
     const int t = t0 + r * SplitLane<D>::kHeads;
     if (t < (int)p.hq) {
-      load_split(x + (int64_t)t * D, sl.ca, SplitLane<D>::kHalf, sl.cb, xs[r]);
+      load_split<AL>(x + (int64_t)t * D, sl.ca, SplitLane<D>::kHalf, sl.cb, xs[r]);
     } else {
 #pragma unroll
       for (int k = 0; k < 4; ++k) xs[r].a[k] = xs[r].b[k] = 0;
@@ -230,7 +230,7 @@ __device__ __forceinline__ void split_item_loads(const NriParams& p, int64_t tok
 // every pass's x loads first, the token's cos / sin when the token changes, then the
 // passes one after another. (Issuing the next item's loads before this item's arithmetic
 // spilled at 80 registers: H200 bf16 265 us against 216.)
-template <int ACT, int D, int ROUNDS>
+template <int ACT, int D, int ROUNDS, bool AL>
 __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, float eps,
                                               int64_t nw, int64_t gw) {
   using SL = SplitLane<D>;
@@ -247,10 +247,10 @@ __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, floa
   for (; it < end; ++it) {
     const int h0 = ch * HPI;
     SplitX xs[ROUNDS];
-    split_item_loads<D, ROUNDS>(p, tok, h0 + sl.grp, sl, xs);
+    split_item_loads<D, ROUNDS, AL>(p, tok, h0 + sl.grp, sl, xs);
     if (tok != cur) {
       cur = tok;
-      split_rope<ACT, D>(table_row(p, position_of(p, tok)), sl, c, s, sneg);
+      split_rope<ACT, D, AL>(table_row(p, position_of(p, tok)), sl, c, s, sneg);
     }
     uint16_t* qo = static_cast<uint16_t*>(p.q_out) + tok * p.q_s0;
 #pragma unroll 1
@@ -260,7 +260,7 @@ __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, floa
       split_pass<ACT, D>(xs[0], wa, wb, c, s, sneg, eps, ya, yb);
 #pragma unroll
       for (int q = 0; q + 1 < ROUNDS; ++q) xs[q] = xs[q + 1];
-      if (t < hq) split_store16<D>(qo + t * p.q_s1, sl, ya, yb, ACT);
+      if (t < hq) split_store16<D, AL>(qo + t * p.q_s1, sl, ya, yb, ACT);
     }
     if (++ch == nq) {
       ch = 0;
@@ -277,7 +277,7 @@ __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, floa
 // the slot, the position, then the table row, one pass, the stores. (Variant 4's loop over
 // all the other heads dispatched the kind per pass: 2,100-2,460 warp instructions per
 // token, a third of the kernel's, issue-bound after the q stream.)
-template <int ACT, int D, int KIND>
+template <int ACT, int D, int KIND, bool AL>
 __device__ __forceinline__ void split_kind_items(const NriParams& p, const SplitLane<D>& sl,
                                                  float eps, int64_t nw, int64_t gw) {
   using SL = SplitLane<D>;
@@ -303,16 +303,16 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
     for (int k = 0; k < 4; ++k) x.a[k] = x.b[k] = v.a[k] = v.b[k] = 0;
     int64_t slot = -1, pos = -1;
     if (ok) {
-      load_split(row + col0 + h * D, sl.ca, SL::kHalf, sl.cb, x);
+      load_split<AL>(row + col0 + h * D, sl.ca, SL::kHalf, sl.cb, x);
       if (KIND == 1) {
-        load_split(row + (p.hq + p.hkv + h) * D, sl.ca, SL::kHalf, sl.cb, v);
+        load_split<AL>(row + (p.hq + p.hkv + h) * D, sl.ca, SL::kHalf, sl.cb, v);
         slot = load_index(p.slots, p.slots_is64, t * p.slot_stride);
       } else if (KIND == 3) {
         slot = load_index(p.islots, p.islots_is64, t * p.islot_stride);
       }
       pos = position_of(p, t);
     }
-    split_rope<ACT, D>(table_row(p, pos), sl, c, s, sneg);
+    split_rope<ACT, D, AL>(table_row(p, pos), sl, c, s, sneg);
     float ya[8], yb[8];
     split_pass<ACT, D>(x, wa, wb, c, s, sneg, eps, ya, yb);
     if (ok) {
@@ -321,9 +321,9 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
         if (cvt::is_fp8((int)p.iq_fmt))
           split_store_fp8<D>(static_cast<uint8_t*>(p.iq_out) + off, sl, ya, yb, (int)p.iq_fmt);
         else
-          split_store16<D>(static_cast<uint16_t*>(p.iq_out) + off, sl, ya, yb, ACT);
+          split_store16<D, AL>(static_cast<uint16_t*>(p.iq_out) + off, sl, ya, yb, ACT);
       } else {
-        split_store16<D>(row + col0 + h * D, sl, ya, yb, ACT);  // k, index_k in place
+        split_store16<D, AL>(row + col0 + h * D, sl, ya, yb, ACT);  // k, index_k in place
       }
       if (KIND == 1 && slot >= 0 && slot < p.num_slots) {
         const int64_t base = nri::page_offset(slot, p.page_size, p.kv_s0, p.kv_s2) + h * p.kv_s1;
@@ -343,14 +343,14 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
           split_store_fp8<D>(dst + D, sl, va, vb, fmt);
         } else {
           uint16_t* dst = static_cast<uint16_t*>(p.kv) + base;
-          split_store16<D>(dst, sl, ya, yb, fmt);
+          split_store16<D, AL>(dst, sl, ya, yb, fmt);
           if (fmt == ACT) {
-            split_copy16<D>(dst + D, sl, v);  // a bit copy
+            split_copy16<D, AL>(dst + D, sl, v);  // a bit copy
           } else {
             float va[8], vb[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) va[j] = widen<ACT>(v.a, j), vb[j] = widen<ACT>(v.b, j);
-            split_store16<D>(dst + D, sl, va, vb, fmt);
+            split_store16<D, AL>(dst + D, sl, va, vb, fmt);
           }
         }
       }
@@ -359,7 +359,7 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
         if (cvt::is_fp8((int)p.ic_fmt))
           split_store_fp8<D>(static_cast<uint8_t*>(p.ic) + base, sl, ya, yb, (int)p.ic_fmt);
         else
-          split_store16<D>(static_cast<uint16_t*>(p.ic) + base, sl, ya, yb, ACT);
+          split_store16<D, AL>(static_cast<uint16_t*>(p.ic) + base, sl, ya, yb, ACT);
       }
     }
     if (KIND == 3) {
@@ -374,13 +374,31 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
 
 // The kinds one after another; their extra items (the first items % nw warps take one
 // more) on alternating ends of the warps.
-template <int ACT, int D>
+template <int ACT, int D, bool AL>
 __device__ __forceinline__ void split_other_items(const NriParams& p, int lane, float eps,
                                                   int64_t nw, int64_t gw) {
   const SplitLane<D> sl(lane);
-  split_kind_items<ACT, D, 1>(p, sl, eps, nw, nw - 1 - gw);
-  if (p.hi > 0) split_kind_items<ACT, D, 2>(p, sl, eps, nw, gw);
-  if (p.write_ik) split_kind_items<ACT, D, 3>(p, sl, eps, nw, nw - 1 - gw);
+  split_kind_items<ACT, D, 1, AL>(p, sl, eps, nw, nw - 1 - gw);
+  if (p.hi > 0) split_kind_items<ACT, D, 2, AL>(p, sl, eps, nw, gw);
+  if (p.write_ik) split_kind_items<ACT, D, 3, AL>(p, sl, eps, nw, nw - 1 - gw);
+}
+
+// Whether every 16-bit access of the split loops is aligned (8 bytes for 4 codes, 16 for 8):
+// the rows and their columns, q_out, the table, and the 16-bit outputs among index_q and
+// the caches, bases and strides. Then the loops compile without the element-wise
+// fallbacks, whose predicated instructions were issued on every access (H200 source view:
+// about 50 of a q item's 127 instructions).
+__device__ __forceinline__ bool split_aligned(const NriParams& p) {
+  const auto a16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  bool ok = a16(p.rows) && p.row_stride % 8 == 0 && p.ik_col % 8 == 0 && a16(p.q_out) &&
+            p.q_s0 % 8 == 0 && p.q_s1 % 8 == 0 && a16(p.table) && p.table_stride % 8 == 0;
+  if (p.hi > 0 && !cvt::is_fp8((int)p.iq_fmt))
+    ok = ok && a16(p.iq_out) && p.iq_s0 % 8 == 0 && p.iq_s1 % 8 == 0;
+  if (!cvt::is_fp8((int)p.kv_fmt))
+    ok = ok && a16(p.kv) && p.kv_s0 % 8 == 0 && p.kv_s1 % 8 == 0 && p.kv_s2 % 8 == 0;
+  if (p.write_ik && !cvt::is_fp8((int)p.ic_fmt))
+    ok = ok && a16(p.ic) && p.ic_s0 % 8 == 0 && p.ic_s1 % 8 == 0;
+  return ok;
 }
 
 // The warp's share (warp gw of nw, taken in reverse order: the warps given one q item more
@@ -489,8 +507,13 @@ nri_persist_kernel(const NriParams p) {
   const int64_t nw = (int64_t)gridDim.x * wpb;
   const int64_t gw = (int64_t)blockIdx.x * wpb + (threadIdx.x >> 5);
   if (p.variant == 5 && 4 * ln.hr == D) {  // uniform over the launch
-    q_items_split<ACT, D, ROUNDS>(p, lane, ln.eps, nw, gw);
-    split_other_items<ACT, D>(p, lane, ln.eps, nw, gw);
+    if (split_aligned(p)) {
+      q_items_split<ACT, D, ROUNDS, true>(p, lane, ln.eps, nw, gw);
+      split_other_items<ACT, D, true>(p, lane, ln.eps, nw, gw);
+    } else {
+      q_items_split<ACT, D, ROUNDS, false>(p, lane, ln.eps, nw, gw);
+      split_other_items<ACT, D, false>(p, lane, ln.eps, nw, gw);
+    }
     return;
   }
   if ((ln.hr & 7) == 0) {

@@ -63,4 +63,9 @@ int nri_persist_sim_launch(const NriParams* p, int64_t grid) {
   return p->act_fmt == cvt::FMT_BF16 ? run_act<cvt::FMT_BF16>(*p, rounds, (unsigned)grid)
                                      : run_act<cvt::FMT_F16>(*p, rounds, (unsigned)grid);
 }
+
+// nri_dev::split_aligned (variant 5's choice of its aligned split loops): 1 or 0.
+int nri_persist_split_aligned(const NriParams* p) {
+  return p != nullptr && nri_dev::split_aligned(*p) ? 1 : 0;
+}
 }

@@ -29,11 +29,12 @@ struct SplitX {
   uint32_t a[4], b[4];
 };
 
+template <bool AL = false>
 __device__ __forceinline__ void load_split(const uint16_t* head, int ca, int half, int cb,
                                            SplitX& x) {
-  load4(head + ca, x.a, 0);
-  load4(head + half + ca, x.a, 2);
-  load8(head + cb, x.b);
+  load4<AL>(head + ca, x.a, 0);
+  load4<AL>(head + half + ca, x.a, 2);
+  load8<AL>(head + cb, x.b);
 }
 
 // One pass of variant 5: x -> y (group A: the rotated pairs, y1 then y2; group B: n), for
@@ -88,13 +89,13 @@ __device__ __forceinline__ void split_weights(const uint16_t* w, const SplitLane
 
 // cos c, sin s and signed sin sneg at the lane's pair dims from a table row (cos | sin, R
 // codes; null: a position outside the table, all 0, sneg +0, as rope_codes).
-template <int ACT, int D>
+template <int ACT, int D, bool AL = false>
 __device__ __forceinline__ void split_rope(const uint16_t* trow, const SplitLane<D>& sl,
                                            float (&c)[4], float (&s)[4], float (&sneg)[4]) {
   uint32_t cw[4] = {0, 0, 0, 0};
   if (trow != nullptr) {
-    load4(trow + sl.ca, cw, 0);
-    load4(trow + SplitLane<D>::kHalf + sl.ca, cw, 2);
+    load4<AL>(trow + sl.ca, cw, 0);
+    load4<AL>(trow + SplitLane<D>::kHalf + sl.ca, cw, 2);
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -105,23 +106,23 @@ __device__ __forceinline__ void split_rope(const uint16_t* trow, const SplitLane
 }
 
 // A head's codes (SplitX's layout) to o (the head's D codes).
-template <int D>
+template <int D, bool AL = false>
 __device__ __forceinline__ void split_copy16(uint16_t* o, const SplitLane<D>& sl,
                                              const SplitX& x) {
-  store4(o + sl.ca, x.a, 0);
-  store4(o + SplitLane<D>::kHalf + sl.ca, x.a, 2);
-  store8(o + sl.cb, x.b);
+  store4<AL>(o + sl.ca, x.a, 0);
+  store4<AL>(o + SplitLane<D>::kHalf + sl.ca, x.a, 2);
+  store8<AL>(o + sl.cb, x.b);
 }
 
 // Rounds a head's y (group A, group B) to 16-bit format fmt and stores it to o.
-template <int D>
+template <int D, bool AL = false>
 __device__ __forceinline__ void split_store16(uint16_t* o, const SplitLane<D>& sl,
                                               const float (&ya)[8], const float (&yb)[8],
                                               int fmt) {
   SplitX x;
   pack8(ya, fmt, x.a);
   pack8(yb, fmt, x.b);
-  split_copy16<D>(o, sl, x);
+  split_copy16<D, AL>(o, sl, x);
 }
 
 // A head's y as fp8 codes of format fmt (satfinite) to o (the head's D bytes).

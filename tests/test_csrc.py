@@ -735,6 +735,29 @@ def _misaligned_pair(kv_fmt, r):
     return a, b
 
 
+@needs_cpu_tensors
+@pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fn"])
+def test_split_loops_take_their_aligned_code_only_for_aligned_tensors(persist_sim, kv_fmt):
+    """Variant 5's split loops drop the element-wise fallbacks (nri_dev::split_aligned) only
+    when every 16-bit tensor they access is aligned (8 bytes for 4 codes, 16 for 8): the
+    rows, the table, q_out and 16-bit caches (an fp8 cache is written bytewise and may
+    start anywhere); one misaligned tensor turns it off. (On x86 a misaligned vector access
+    in the simulation still reads right, so the predicate is checked directly.)"""
+    pair = _misaligned_pair(kv_fmt, 32)
+    persist_sim.nri_persist_split_aligned.argtypes = [ctypes.POINTER(cnri.NriParams)]
+
+    def aligned(**change):
+        args = {**pair[0], **change}
+        _, p = cnri.launch_params(device_type="cpu", variant=5, **args)
+        return persist_sim.nri_persist_split_aligned(ctypes.byref(p))
+
+    assert aligned() == 1
+    for key in ("rows", "rope_table", "q_out"):
+        assert aligned(**{key: pair[1][key]}) == 0, key
+    for key in ("kv_cache", "index_cache"):
+        assert aligned(**{key: pair[1][key]}) == (0 if kv_fmt == "bfloat16" else 1), key
+
+
 def _same_bits(x, y):
     u = torch.uint8 if x.dtype == torch.uint8 else torch.int16
     return torch.equal(x.contiguous().view(u), y.contiguous().view(u))
