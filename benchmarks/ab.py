@@ -91,9 +91,12 @@ def _bench(tree: Path, bench: str, args: list[str], out: Path) -> dict:
 
 
 def run(bench: str, args: list[str], rounds: int, base: Path = ROOT / BASE_DIR,
-        work: Path = ROOT, also: dict[str, Path] | None = None) -> dict:
+        work: Path = ROOT, also: dict[str, Path] | None = None,
+        work_rev: str | None = None) -> dict:
     """``rounds`` x (base, work, then each ``also`` tree) runs of ``bench`` with ``args``;
-    the ab/1 document (``also``: name -> revision, each round a run per name)."""
+    the ab/1 document (``also``: name -> revision, each round a run per name; ``work_rev``:
+    what the working tree is, as the caller names it: a device copy's git state is not
+    reliable, and the prepared trees have none of their own)."""
     also = also or {}
     for tree in (base, *also.values()):
         if not (tree / "AB_REV").exists():
@@ -104,7 +107,8 @@ def run(bench: str, args: list[str], rounds: int, base: Path = ROOT / BASE_DIR,
         raise SystemExit(f"--also: names must not be base or work, got {sorted(clash)}")
     doc = {"schema": "ab/1", "bench": bench, "args": args,
            "base_rev": (base / "AB_REV").read_text().strip(), "rounds": [],
-           "also": {n: (t / "AB_REV").read_text().strip() for n, t in also.items()}}
+           "also": {n: (t / "AB_REV").read_text().strip() for n, t in also.items()},
+           "work_rev": work_rev}
     tmp = Path(tempfile.mkdtemp(prefix="ab-"))
     for i in range(rounds):
         one = {}
@@ -158,9 +162,10 @@ def markdown(doc: dict) -> str:
     also = list(doc.get("also", {}))
     sides = ["base", "work", *also]
     trees = "".join(f", {n} {rev[:12]}" for n, rev in doc.get("also", {}).items())
+    work = f" ({doc['work_rev']})" if doc.get("work_rev") else ""
     lines = [f"# A/B: bench_{doc['bench']} {' '.join(doc['args'])}", "",
              f"Device {doc.get('device', '?')}; base {doc['base_rev'][:12]}, work = the "
-             f"working tree{trees}; {len(doc['rounds'])} round(s), each "
+             f"working tree{work}{trees}; {len(doc['rounds'])} round(s), each "
              f"{' then '.join(sides)}. Copy bandwidth per run, {' / '.join(sides)} (TB/s): "
              + ", ".join(" / ".join(_tbps(r[s]) for s in sides) for r in doc["rounds"])
              + ".", "",
@@ -193,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--also", action="append", default=[], metavar="NAME=DIR",
                    help="another prepared tree, timed after the work tree in each round")
+    p.add_argument("--work-rev", default=os.environ.get("AB_WORK_REV"),
+                   help="what the working tree is (a revision, a branch; default $AB_WORK_REV)")
     p.add_argument("--out", default=os.environ.get("OUT", "reports/gpu-out"))
     p = sub.add_parser("render", help="Markdown of an ab/1 JSON")
     p.add_argument("report")
@@ -213,7 +220,7 @@ def main(argv=None) -> int:
             if not sep or not name or not path:
                 ap.error(f"--also must be NAME=DIR, got {a!r}")
             also[name] = ROOT / path
-        doc = run(args.bench, extra, args.rounds, also=also)
+        doc = run(args.bench, extra, args.rounds, also=also, work_rev=args.work_rev)
         (out / "ab.json").write_text(json.dumps(doc, indent=1) + "\n")
         print(markdown(doc))
     else:

@@ -135,3 +135,14 @@ def test_also_trees_run_in_every_round_and_join_the_table(tmp_path):
         ab.run("fake", [], 1, base=base, work=work, also={"x": tmp_path / "missing"})
     with pytest.raises(SystemExit, match="must not be base or work"):
         ab.run("fake", [], 1, base=base, work=work, also={"work": cand})
+
+
+def test_the_working_trees_name_reaches_the_report(tmp_path):
+    """run(work_rev=...) records what the working tree is, and the Markdown names it (a
+    device copy's own git state does not say which branch was timed)."""
+    base = _fake_tree(tmp_path / "base", 100.0)
+    (base / "AB_REV").write_text("abc\n")
+    work = _fake_tree(tmp_path / "work", 80.0)
+    doc = ab.run("fake", [], 1, base=base, work=work, work_rev="exp/branch 1234567")
+    assert doc["work_rev"] == "exp/branch 1234567"
+    assert "work = the working tree (exp/branch 1234567)" in ab.markdown(doc)

@@ -189,3 +189,13 @@ def test_bench_insert_small_run(tmp_path):
             assert set(r["ratios"]) == set(bench_insert.BASELINES)
             assert r["target_met"] in (True, False)
     assert (tmp_path / "bench.md").exists()
+
+
+def test_a_failed_rows_note_keeps_the_errors_start_and_end():
+    """A long error (a build failure: nvcc's command line first, the cause last) keeps its
+    first and last characters in the row's note; a short one is kept whole."""
+    long = RuntimeError("nvcc failed: $ nvcc " + "x.o " * 500 + "multiple definition of f")
+    note = bench_insert._error_text(long)
+    assert note.startswith("RuntimeError: nvcc failed") and note.endswith("definition of f")
+    assert len(note) < 900
+    assert bench_insert._error_text(ValueError("bad")) == "ValueError: bad"
