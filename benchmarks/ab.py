@@ -16,6 +16,8 @@ against 96.0 with K staged, reports/bench_attention_decode_fnuz_staged_k.md).
 3. CPU: ``python -m benchmarks.ab render ab.json`` -> Markdown: per row the base and work
    medians (the median over rounds), work / base and the per-round ratios.
 
+``prepare REV --build`` also builds the tree's csrc/ on the CPU (``python -m
+kernels.cuda_build`` for the working tree): a tree that fails to build wastes a device call.
 More candidates in one call (a device call's start costs minutes): ``prepare REV --dest
 .ab-NAME`` writes another tree, and ``run ... --also NAME=.ab-NAME`` (``AB_ALSO`` in
 ``.ci/gpu ab``; carry the tree too) times it after the work tree in every round: its
@@ -59,6 +61,17 @@ def medians(doc: dict) -> dict[str, float | None]:
 
 
 # ---------------------------------------------------------------------------- prepare
+
+
+def check_build(tree: Path) -> None:
+    """Build ``tree``'s csrc/ library with its own kernels/cuda_build.py (on the CPU: nvcc
+    compiles sm_90 here), so that a tree that does not build is found before a device call
+    spends minutes on it (session 15 lost one to a duplicate symbol at link time)."""
+    res = subprocess.run([sys.executable, "-m", "kernels.cuda_build"], cwd=tree,
+                         env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True,
+                         text=True)
+    if res.returncode:
+        raise SystemExit(f"{tree}: csrc/ does not build:\n{(res.stdout + res.stderr)[-3000:]}")
 
 
 def prepare(rev: str, dest: Path = ROOT / BASE_DIR) -> str:
@@ -193,6 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("rev")
     p.add_argument("--dest", default=BASE_DIR, help="the tree's directory (default "
                                                     f"{BASE_DIR}; another: .ab-NAME)")
+    p.add_argument("--build", action="store_true",
+                   help="then build its csrc/ here (nvcc), failing on an error")
     p = sub.add_parser("run", help="base and work runs of a benchmark (GPU)")
     p.add_argument("--bench", required=True, help="attention_decode, indexer, insert, ...")
     p.add_argument("--rounds", type=int, default=1)
@@ -207,6 +222,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         print(f"{args.dest}/ <- {prepare(args.rev, ROOT / args.dest)}")
+        if args.build:
+            check_build(ROOT / args.dest)
+            print(f"{args.dest}/: csrc/ builds")
     elif args.cmd == "run":
         if args.rounds < 1:
             ap.error(f"--rounds must be >= 1, got {args.rounds}")

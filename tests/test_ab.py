@@ -146,3 +146,16 @@ def test_the_working_trees_name_reaches_the_report(tmp_path):
     doc = ab.run("fake", [], 1, base=base, work=work, work_rev="exp/branch 1234567")
     assert doc["work_rev"] == "exp/branch 1234567"
     assert "work = the working tree (exp/branch 1234567)" in ab.markdown(doc)
+
+
+def test_check_build_stops_on_a_tree_that_does_not_build(tmp_path):
+    """check_build runs the tree's own kernels/cuda_build.py: a failing build stops with
+    its output's end (the cause), a passing one returns."""
+    for name, body in (("bad", "raise SystemExit('nvcc failed: multiple definition of f')"),
+                       ("good", "print('build: 1.00 s')")):
+        (tmp_path / name / "kernels").mkdir(parents=True)
+        (tmp_path / name / "kernels" / "__init__.py").write_text("")
+        (tmp_path / name / "kernels" / "cuda_build.py").write_text(body + "\n")
+    with pytest.raises(SystemExit, match="does not build:\n.*multiple definition of f"):
+        ab.check_build(tmp_path / "bad")
+    ab.check_build(tmp_path / "good")
