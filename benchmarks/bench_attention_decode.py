@@ -228,7 +228,7 @@ def bench_one(cache: str, batch: int, args, knobs: dict | None = None) -> dict:
         calls = [triton_decode(fmt, knobs)(st) for st in sets]
     except Exception as e:  # noqa: BLE001 - e.g. the kernel module fails to import
         return harness.record(IMPL, OP, cache, parts["total"],
-                              error=f"{type(e).__name__}: {e}"[:400], **extra)
+                              error=harness.error_text(e), **extra)
     r = harness.timed_record(IMPL, OP, cache, parts["total"], calls, args, **extra)
     if r["median_us"] is not None:
         r["finite_output"] = _finite(sets[0])

@@ -397,7 +397,7 @@ def bench_flex(sets, fmt: str, cache: str, min_bytes: int, args):
         compile_s = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - record the failure, bench the rest
         return harness.record("flex", OP, cache, min_bytes,
-                              error=f"{type(e).__name__}: {e}"[:400], **extra), None
+                              error=harness.error_text(e), **extra), None
     r = harness.timed_record("flex", OP, cache, min_bytes, calls, args, prepare_s=prep_s,
                              compile_s=compile_s, **extra)
     print(f"flex {cache}: {r['mode']} {r['median_us']} us (compile {compile_s:.1f} s)",
@@ -433,7 +433,7 @@ def bench_case(cache: str, dist: str, args, knob_sets) -> list[dict]:
             calls = [triton_prefill(fmt, knobs)(st) for st in sets]
         except Exception as e:  # noqa: BLE001 - e.g. the kernel module fails to import
             r = harness.record(IMPL, OP, cache, parts["total"],
-                               error=f"{type(e).__name__}: {e}"[:400], knobs=knobs, **extra)
+                               error=harness.error_text(e), knobs=knobs, **extra)
         else:
             r = harness.timed_record(IMPL, OP, cache, parts["total"], calls, args,
                                      knobs=knobs, **extra)

@@ -253,14 +253,14 @@ def bench_cache(cache: str, args) -> tuple[list[dict], dict, list[dict]]:
         agree = agreement(fmt, min(args.batch, CHECK_BATCH), args.seq_len, args.rows,
                           knobs=knob_sets[0])
     except Exception as e:  # noqa: BLE001 - the timings are still worth having
-        agree = {"error": f"{type(e).__name__}: {e}"[:400]}
+        agree = {"error": harness.error_text(e)}
 
     def one(name, bind, extra):
         try:
             calls = [bind(st) for st in sets]
         except Exception as e:  # noqa: BLE001 - e.g. the kernel module fails to import
             return harness.record(name, OP, cache, parts["total"],
-                                  error=f"{type(e).__name__}: {e}"[:400], **extra)
+                                  error=harness.error_text(e), **extra)
         r = harness.timed_record(name, OP, cache, parts["total"], calls, args, **extra)
         print(f"{cache} {name} {extra.get('knobs', '')}: {r['mode']} {r['median_us']} us",
               flush=True)

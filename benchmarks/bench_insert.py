@@ -337,7 +337,7 @@ def bench_cache(cache: str, n: int, args) -> tuple[list[dict], dict]:
     try:
         agree = agreement(kv_fmt, index_fmt, min(n, CHECK_TOKENS))
     except Exception as e:  # noqa: BLE001 - the timings are still worth having
-        agree = {"error": _error_text(e)}
+        agree = {"error": harness.error_text(e)}
     results = []
     for name, bind in _binders(cache, args.impls).items():
         if bind is None:
@@ -352,20 +352,13 @@ def bench_cache(cache: str, n: int, args) -> tuple[list[dict], dict]:
                                    graph=not args.eager)
             results.append(_record(name, op, cache, mb, t, **extra))
         except Exception as e:  # noqa: BLE001 - record the failure, bench the rest
-            results.append(_record(name, op, cache, mb, error=_error_text(e), **extra))
+            results.append(_record(name, op, cache, mb, error=harness.error_text(e), **extra))
         r = results[-1]
         print(f"{cache} {name}: {r['mode']} {r['median_us']} us"
               + (f" ({r['note']})" if r["mode"] == "error" else ""), flush=True)
     del sets
     torch.cuda.empty_cache()
     return results, agree
-
-
-def _error_text(e: Exception, head: int = 150, tail: int = 650) -> str:
-    """An exception as one note: its start and its end (a build error's cause, the
-    compiler's last lines, comes after its long command line)."""
-    text = f"{type(e).__name__}: {e}"
-    return text if len(text) <= head + tail else f"{text[:head]} ... {text[-tail:]}"
 
 
 def default_out() -> str:

@@ -44,6 +44,13 @@ class Timing:
         return asdict(self)
 
 
+def error_text(e: Exception, head: int = 150, tail: int = 650) -> str:
+    """An exception as one note: its start and its end (a build error's cause, the
+    compiler's last lines, comes after its long command line)."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= head + tail else f"{text[:head]} ... {text[-tail:]}"
+
+
 def l2_bytes() -> int:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return int(getattr(props, "L2_cache_size", 0) or L2_FALLBACK_BYTES)
@@ -98,7 +105,7 @@ def time_calls(calls, warmup_ms: float = 25, rep_ms: float = 200,
             # A failure inside capture_end skips torch.cuda.graph's stream restore.
             torch.cuda.set_stream(stream)
             torch.cuda.synchronize()
-            note = f"graph capture failed: {type(e).__name__}: {e}"[:400]
+            note = f"graph capture failed: {error_text(e)}"
         else:
             us = _bench_us(g.replay, warmup_ms, rep_ms)
             del g
@@ -202,7 +209,7 @@ def timed_record(name: str, op: str, cache: str, min_bytes: int, calls, args,
     try:
         t = time_calls(calls, args.warmup_ms, args.rep_ms, graph=not args.eager)
     except Exception as e:  # noqa: BLE001 - record the failure, bench the rest
-        return record(name, op, cache, min_bytes, error=f"{type(e).__name__}: {e}"[:400],
+        return record(name, op, cache, min_bytes, error=error_text(e),
                       **extra)
     return record(name, op, cache, min_bytes, t, **extra)
 

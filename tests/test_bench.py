@@ -195,7 +195,7 @@ def test_a_failed_rows_note_keeps_the_errors_start_and_end():
     """A long error (a build failure: nvcc's command line first, the cause last) keeps its
     first and last characters in the row's note; a short one is kept whole."""
     long = RuntimeError("nvcc failed: $ nvcc " + "x.o " * 500 + "multiple definition of f")
-    note = bench_insert._error_text(long)
+    note = harness.error_text(long)
     assert note.startswith("RuntimeError: nvcc failed") and note.endswith("definition of f")
     assert len(note) < 900
-    assert bench_insert._error_text(ValueError("bad")) == "ValueError: bad"
+    assert harness.error_text(ValueError("bad")) == "ValueError: bad"
