@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ("-O3", "-arch=sm_90", "-std=c++17", "-lineinfo")
+from kernels import cuda_build
+
+FLAGS = (*cuda_build.NVCC_FLAGS, "-lineinfo")  # the library's build, plus line info
 _FRAME = re.compile(r'(?:File|inlined at) "([^"]+)", line (\d+)')
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 _SECTION = re.compile(r"^//-+ \.text\.(\S+) -+")
@@ -38,10 +38,10 @@ def nvdisasm() -> str:
 
 def compile_unit(source: Path, out: Path) -> str:
     """nvcc -cubin of ``source`` into ``out``; ptxas' -v report (registers, spills)."""
-    nvcc = shutil.which("nvcc")
+    nvcc = cuda_build.find_nvcc()
     if nvcc is None:
-        raise SystemExit("nvcc not found on PATH")
-    res = subprocess.run([nvcc, *FLAGS, "-cubin", "-Xptxas", "-v", f"-I{ROOT / 'csrc'}",
+        raise SystemExit("nvcc not found (PATH, $CUDA_HOME, $CUDA_PATH, /usr/local/cuda/bin)")
+    res = subprocess.run([nvcc, *FLAGS, "-cubin", "-Xptxas", "-v", f"-I{cuda_build.CSRC}",
                           str(source), "-o", str(out)], capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"nvcc failed:\n{res.stderr[-3000:]}")
