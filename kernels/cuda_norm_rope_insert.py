@@ -283,7 +283,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
       a lane holding the dims 4j .. 4j + 3 of both rotated halves and 8 pass-through
       dims, the Triton kernel's segment layout: no partner shuffles, one butterfly per 16
       values; the q items, then one loop per kind of the other heads); other R run
-      variant 4 exactly.
+      variant 4 exactly. Its warps take their items strided (gw, gw + nw, ...: the
+      warps in flight work on neighbouring items, sharing DRAM pages), cos / sin per item.
       Variants 1-4 give bit-identical results; variant 0 may differ from them by fp32
       roundings (another summation order), and variant 5 at R = D / 2 likewise.
     - ``block_h``: heads per CUDA block. Variant 0: a power of two (default 32, tuned; the
