@@ -165,6 +165,25 @@ NRI_HD void persist_range(int64_t n_items, int64_t nw, int64_t gw, int64_t& begi
   end = begin + q + (gw < r ? 1 : 0);
 }
 
+// A warp's strided walk over (token, sub) positions, `per` positions per token: it starts at
+// position `first` and advances `step` positions at a time (the divisions once, then a
+// carry per step).
+struct StridedWalk {
+  int64_t tok, dt;
+  int sub, ds, per;
+  NRI_HD StridedWalk(int64_t first, int64_t step, int per_token)
+      : tok(first / per_token), dt(step / per_token), sub((int)(first - tok * per_token)),
+        ds((int)(step - dt * per_token)), per(per_token) {}
+  NRI_HD void next() {
+    tok += dt;
+    sub += ds;
+    if (sub >= per) {
+      sub -= per;
+      ++tok;
+    }
+  }
+};
+
 // page * s0 + offset * s_in of a slot (>= 0) in pages of `page` slots: 32-bit division when
 // both fit (a 64-bit division is a long software routine on the GPU).
 NRI_HD int64_t page_offset(int64_t slot, int64_t page, int64_t s0, int64_t s_in) {

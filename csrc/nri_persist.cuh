@@ -247,12 +247,10 @@ __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, floa
   split_weights<ACT, D>(static_cast<const uint16_t*>(p.w_q), sl, wa, wb);
   // Strided: warp gw takes items gw, gw + nw, ...: the warps in flight read one window of
   // consecutive items (DRAM row locality), not nw distant ranges.
-  int64_t tok = gw / nq, cur = -1;
-  int ch = (int)(gw - tok * nq);
-  const int64_t dq = nw / nq;
-  const int rq = (int)(nw - dq * nq);
-  for (; tok < p.n;) {
-    const int h0 = ch * HPI;
+  int64_t cur = -1;
+  for (nri::StridedWalk w(gw, nw, nq); w.tok < p.n; w.next()) {
+    const int64_t tok = w.tok;
+    const int h0 = w.sub * HPI;
     SplitX xs[ROUNDS];
     split_item_loads<D, ROUNDS, AL>(p, tok, h0 + sl.grp, sl, xs);
     if (tok != cur) {
@@ -268,12 +266,6 @@ __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, floa
 #pragma unroll
       for (int q = 0; q + 1 < ROUNDS; ++q) xs[q] = xs[q + 1];
       if (t < hq) split_store16<D, AL>(qo + t * p.q_s1, sl, ya, yb, ACT);
-    }
-    tok += dq;
-    ch += rq;
-    if (ch >= nq) {
-      ch -= nq;
-      ++tok;
     }
   }
 }
@@ -296,13 +288,10 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
   const int64_t col0 = KIND == 1 ? p.hq * D : KIND == 2 ? (p.hq + 2 * p.hkv) * D : p.ik_col;
   float wa[8], wb[8], c[4], s[4], sneg[4];
   split_weights<ACT, D>(weight_of(p, KIND), sl, wa, wb);
-  // Strided as the q items: item gw, gw + nw, ... (pairs advance by nw x HP).
-  int64_t tok0 = gw * HP / H;  // the item's first pair: (tok0, h0)
-  int h0 = (int)(gw * HP - tok0 * H);
-  const int64_t dt = nw * HP / H;
-  const int dh = (int)(nw * HP - dt * H);
-  for (; tok0 < p.n;) {
-    const int o = h0 + sl.grp;
+  // Strided as the q items: item gw, gw + nw, ..., its first pair (w.tok, w.sub).
+  for (nri::StridedWalk w(gw * HP, nw * HP, H); w.tok < p.n; w.next()) {
+    const int64_t tok0 = w.tok;
+    const int o = w.sub + sl.grp;
     const int64_t t = KIND == 3 ? tok0 + o : tok0 + o / H;
     const int h = KIND == 3 ? 0 : o % H;
     const bool ok = t < p.n;
@@ -369,16 +358,6 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
           split_store_fp8<D>(static_cast<uint8_t*>(p.ic) + base, sl, ya, yb, (int)p.ic_fmt);
         else
           split_store16<D, AL>(static_cast<uint16_t*>(p.ic) + base, sl, ya, yb, ACT);
-      }
-    }
-    if (KIND == 3) {
-      tok0 += nw * HP;
-    } else {
-      tok0 += dt;
-      h0 += dh;
-      if (h0 >= H) {
-        h0 -= H;
-        ++tok0;
       }
     }
   }
