@@ -50,6 +50,9 @@ namespace nri_dev {
 // passes (3 blocks, 24 warps per SM), 128 for 4 (the longer queue spilled at 80).
 constexpr int persist_min_blocks(int rounds) { return rounds == 4 ? 2 : 3; }
 
+// Variant 5's consecutive q items per strided step (q_items_split).
+constexpr int kQGroup = 2;
+
 // Normalise and rotate one pass: the lane's 8 codes xb (dims c .. c + 7 of a head of D
 // dims, LPH lanes), 1 + w of its dims w1, cos / signed sin cs / sn (0 in pass-through dims)
 // -> y. Every lane of the warp must call it (shuffles). ALIGNED (R/2 % 8 == 0, the model's
@@ -248,9 +251,14 @@ __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, floa
   // Strided: warp gw takes items gw, gw + nw, ...: the warps in flight read one window of
   // consecutive items (DRAM row locality), not nw distant ranges.
   int64_t cur = -1;
-  for (nri::StridedWalk w(gw, nw, nq); w.tok < p.n; w.next()) {
-    const int64_t tok = w.tok;
-    const int h0 = w.sub * HPI;
+  // kQGroup consecutive items per step (one cos / sin load for those of one token), then
+  // a stride of nw groups.
+  for (nri::StridedWalk w(gw * kQGroup, nw * kQGroup, nq); w.tok < p.n; w.next()) {
+  int64_t tok = w.tok;
+  int ch = w.sub;
+#pragma unroll 1
+  for (int g = 0; g < kQGroup && tok < p.n; ++g) {
+    const int h0 = ch * HPI;
     SplitX xs[ROUNDS];
     split_item_loads<D, ROUNDS, AL>(p, tok, h0 + sl.grp, sl, xs);
     if (tok != cur) {
@@ -267,6 +275,11 @@ __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, floa
       for (int q = 0; q + 1 < ROUNDS; ++q) xs[q] = xs[q + 1];
       if (t < hq) split_store16<D, AL>(qo + t * p.q_s1, sl, ya, yb, ACT);
     }
+    if (++ch == nq) {
+      ch = 0;
+      ++tok;
+    }
+  }
   }
 }
 
