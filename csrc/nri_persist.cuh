@@ -301,6 +301,15 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
   const int64_t col0 = KIND == 1 ? p.hq * D : KIND == 2 ? (p.hq + 2 * p.hkv) * D : p.ik_col;
   float wa[8], wb[8], c[4], s[4], sneg[4];
   split_weights<ACT, D>(weight_of(p, KIND), sl, wa, wb);
+  // Scalar K / V scales (every stride 0): their reciprocals once, not a dependent load and
+  // two divisions per item.
+  const bool scalar_sc = KIND == 1 && cvt::is_fp8((int)p.kv_fmt) && p.ks_s0 == 0 &&
+                         p.ks_s1 == 0 && p.vs_s0 == 0 && p.vs_s1 == 0;
+  cvt::ScaleReciprocal kr0{1.f, 1.f}, vr0{1.f, 1.f};
+  if (scalar_sc) {
+    kr0 = cvt::scale_reciprocal(p.k_scale[0]);
+    vr0 = cvt::scale_reciprocal(p.v_scale[0]);
+  }
   // Strided as the q items: item gw, gw + nw, ..., its first pair (w.tok, w.sub).
   for (nri::StridedWalk w(gw * HP, nw * HP, H); w.tok < p.n; w.next()) {
     const int64_t tok0 = w.tok;
@@ -340,9 +349,12 @@ __device__ __forceinline__ void split_kind_items(const NriParams& p, const Split
         const int64_t base = nri::page_offset(slot, p.page_size, p.kv_s0, p.kv_s2) + h * p.kv_s1;
         const int fmt = (int)p.kv_fmt;
         if (cvt::is_fp8(fmt)) {
-          const KvScales sc = kv_scales(p, HeadRef{1, h, 0}, slot, base);
-          const cvt::ScaleReciprocal kr = cvt::scale_reciprocal(sc.k);
-          const cvt::ScaleReciprocal vr = cvt::scale_reciprocal(sc.v);
+          cvt::ScaleReciprocal kr = kr0, vr = vr0;
+          if (!scalar_sc) {
+            const KvScales sc = kv_scales(p, HeadRef{1, h, 0}, slot, base);
+            kr = cvt::scale_reciprocal(sc.k);
+            vr = cvt::scale_reciprocal(sc.v);
+          }
           float ka[8], kb[8], va[8], vb[8];
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
