@@ -227,22 +227,12 @@ __device__ __forceinline__ void encode8_t(const float (&y)[8], uint32_t (&w)[2])
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const float lo = y[2 * k], hi = y[2 * k + 1];
-      uint32_t nan, pair;
-      asm("{ .reg .pred q; setp.nan.f32 q, %1, %2; selp.u32 %0, 1, 0, q; }"
-          : "=r"(nan)
-          : "f"(lo), "f"(hi));
-      if (!nan) {
-        uint16_t h;
-        if (FMT == cvt::FMT_E4M3FN)
-          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(hi), "f"(lo));
-        else
-          asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(hi), "f"(lo));
-        pair = h;
-      } else {
-        pair = (uint32_t)cvt::fp8_encode_satfinite<FMT>(lo) |
-               ((uint32_t)cvt::fp8_encode_satfinite<FMT>(hi) << 8);
-      }
-      w[k >> 1] |= pair << (16 * (k & 1));
+      uint16_t h;
+      if (FMT == cvt::FMT_E4M3FN)
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(hi), "f"(lo));
+      else
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(hi), "f"(lo));
+      w[k >> 1] |= (uint32_t)h << (16 * (k & 1));
     }
   } else {
 #pragma unroll
