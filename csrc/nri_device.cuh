@@ -212,9 +212,9 @@ __device__ __forceinline__ void pack8(const float (&y)[8], int fmt, uint32_t (&w
 }
 
 // fp32 -> fp8 codes of format FMT (satfinite: cvt::fp8_encode_satfinite<FMT>), packed. On
-// sm_89+ the OCP formats convert two values per cvt.rn.satfinite.{e4m3,e5m2}x2.f32, with
-// one unordered compare per pair and the per-value conversion (its canonical NaN code) only
-// for a pair holding a NaN.
+// sm_89+ the OCP formats convert two values per cvt.rn.satfinite.{e4m3,e5m2}x2.f32, which
+// writes the canonical NaN code 0x7F for every NaN (as cvt::fp8_encode_satfinite relies on;
+// a check per pair and the software path for NaN pairs cost the H200 insert 2% with e4m3).
 template <int FMT>
 __device__ __forceinline__ void encode8_t(const float (&y)[8], uint32_t (&w)[2]) {
   w[0] = w[1] = 0;
