@@ -291,8 +291,8 @@ _E4M3FNUZ_F16X4: tl.constexpr = tl.constexpr(
 #: codes go 8 below (exponent 29) before the placement; every lane is halved (exact); then
 #: the exponent-31 lanes get bit 11 or'ed in (exponent 28 -> 30: the value) and the 0x80
 #: lanes 0x7F00 (-0 -> NaN), both from one prmt of (s >> 4) | (z - (z >> 7)).
-#: Not yet used by the kernels (``asm_f16``): simulator-tested on the CPU
-#: (tests/test_fp8_asm.py); enabled once a GPU run has checked it on every code.
+#: Used by the attention kernels (``asm_f16``); simulator-tested on the CPU
+#: (tests/test_fp8_asm.py) and on the GPU on every code (tests/test_fp8_codec_gpu.py).
 _E5M2FNUZ_F16X4: tl.constexpr = tl.constexpr(
     "{ .reg .b32 s, t, z, p, q, w, k; "
     "and.b32 s, $2, 0x7C7C7C7C; add.u32 s, s, 0x04040404; and.b32 s, s, 0x80808080; "
