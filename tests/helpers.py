@@ -107,6 +107,17 @@ def shuffled_selections(topk, seed, dup=False):
     return tk
 
 
+def smallest_codes(x, seed):
+    """A copy of e4m3fnuz attention inputs ``x`` whose key and value codes (every code but
+    the NaN poison 0x80) are drawn from the subnormal and smallest normal codes of both
+    signs (0x01-0x0F, 0x81-0x8F): where an operand decode that flushed or rounded
+    subnormals (in the conversion or in the tensor cores) would show."""
+    assert x["kv_fmt"] == "e4m3fnuz", x["kv_fmt"]
+    small = np.concatenate([np.arange(0x01, 0x10), np.arange(0x81, 0x90)]).astype(np.uint8)
+    cache = np.asarray(x["kv_cache"])
+    pick = np.random.default_rng(seed).choice(small, cache.shape)
+    return dict(x, kv_cache=np.where(cache == 0x80, cache, pick).astype(np.uint8))
+
 def poison_unselected(x, spans):
     """A copy of attention inputs ``x`` in which every block that no row of a request
     selected (through that KV head) holds NaN codes; ``spans[r]`` = (first, end) of request

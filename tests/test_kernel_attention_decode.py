@@ -30,6 +30,7 @@ from tests.helpers import (
     poison_unselected,
     set_entry,
     shuffled_selections,
+    smallest_codes,
 )
 
 pytestmark = pytest.mark.interp
@@ -106,6 +107,16 @@ def test_every_format_layout_and_scale_matches_reference(kv_fmt, md, layout, pad
                     seed=len(kv_fmt) + pad + len(md))
     _passes(x, bps=2)
     _zero_rows_of_padding(x, _out(x, bps=2))
+
+
+@pytest.mark.parametrize("md", ["bfloat16", "float16"])
+def test_fnuz_subnormal_codes_match_reference(md):
+    """An e4m3fnuz cache of subnormal and smallest normal codes only, scalar scales (the
+    fp16 operand path): the output is what the oracle admits, i.e. the smallest operands
+    are neither flushed nor rounded on their way into the products."""
+    x = make_inputs("e4m3fnuz", md, "HND", 0, "tensor", hkv=2, rows=2, seq_lens=(37, 50),
+                    k=3, seed=11)
+    _passes(smallest_codes(x, 11), bps=2)
 
 
 @pytest.mark.parametrize("group, rows, hkv, bps, kv_fmt", [
