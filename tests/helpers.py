@@ -118,6 +118,7 @@ def smallest_codes(x, seed):
     pick = np.random.default_rng(seed).choice(small, cache.shape)
     return dict(x, kv_cache=np.where(cache == 0x80, cache, pick).astype(np.uint8))
 
+
 def poison_unselected(x, spans):
     """A copy of attention inputs ``x`` in which every block that no row of a request
     selected (through that KV head) holds NaN codes; ``spans[r]`` = (first, end) of request
