@@ -31,7 +31,7 @@ from kernels._host import (
     strided_codes_in,
 )
 from kernels._triton import tl, triton
-from kernels.fp8 import decode_fp8, decode_fp8_f16
+from kernels.fp8 import decode_fp8, decode_fp8_f16, times_f16_unit
 from reference.platforms import is_fp8
 
 #: Domain limits (SPEC.md s.7).
@@ -48,6 +48,17 @@ def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
     sc = tl.load(scale_ptr + g64 * s0 + slot * s1, mask=kmask, other=1.0)
     return decode_fp8(raw, FMT, HW) * sc[:, None]
 
+
+@triton.jit
+def unit_back(x, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr,
+              ASM: tl.constexpr):
+    """Logits (q . K) or an output (P @ V / l) of ``kv_tiles``' operands times the factor
+    its fp8 decode with scalar scales left out (``kernels.fp8.times_f16_unit``: 128 for
+    e4m3fnuz in assembly, a power of two, so the product is the value the exact operands
+    give, bit for bit); x itself otherwise."""
+    if FP8 and SCALAR:
+        x = times_f16_unit(x, FMT, ASM)
+    return x
 
 @triton.jit
 def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
@@ -67,8 +78,10 @@ def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
         # decode at the model shape, 2 stages: e4m3fnuz 3,216 SASS, 230 registers, no
         # spills (its K staged as fp16: 3,160 and 100 KB of shared memory; its earlier
         # field-built decode 3,688; e4m3fn 2,184). H200 batch 64: 78.0 / 96.0 / 108.4 us.
-        k = decode_fp8_f16(k_raw, FMT, HW, ASM and not HW, True)
-        v = decode_fp8_f16(v_raw, FMT, HW, ASM)
+        # e4m3fnuz in assembly: the values / F16_UNIT (bit placement, no conversion); the
+        # kernels multiply the logits and the output back (``unit_back``).
+        k = decode_fp8_f16(k_raw, FMT, HW, ASM and not HW, True, True)
+        v = decode_fp8_f16(v_raw, FMT, HW, ASM, False, True)
     elif FP8:
         k = dequantize(k_raw, ks_ptr, ks_s0, ks_s1, g64, slot, kmask, FMT, HW).to(ACT)
         v = dequantize(v_raw, vs_ptr, vs_s0, vs_s1, g64, slot, kmask, FMT, HW).to(ACT)

@@ -124,6 +124,7 @@ from kernels._attention import (
     q_operand,
     repair_pv,
     topk_width,
+    unit_back,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -272,7 +273,8 @@ def _decode_split_kernel(
         src = kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2 + dd[None, :]
         k, v = kv_tiles(src, pg * P + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
                         g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, P], fp32 accumulation
+        # [BLOCK_M, P], fp32 accumulation
+        s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
         vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
         s2 = tl.where(vis, s * row_scale[:, None], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, axis=1))
@@ -296,7 +298,7 @@ def _decode_split_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
     if FP8 and SCALAR:
-        o = o * tl.load(vs_ptr)
+        o = unit_back(o, FP8, FMT, SCALAR, ASM) * tl.load(vs_ptr)
     m_out = m_ok & go
     if DIRECT:
         dst = out_ptr + m_t[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]

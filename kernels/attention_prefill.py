@@ -110,6 +110,7 @@ from kernels._attention import (
     q_operand,
     repair_pv,
     topk_width,
+    unit_back,
     validate_block_table,
     validate_scales,
     validate_selections,
@@ -238,7 +239,8 @@ def _prefill_kernel(
                    + dd[None, :])
             k, v = kv_tiles(src, pg * P + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0,
                             vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
-            s = tl.dot(q, tl.trans(k))  # [ROWS, P], fp32 accumulation
+            # [ROWS, P], fp32 accumulation
+            s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
             vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
             s2 = tl.where(vis, s * row_scale[:, None], float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s2, axis=1))
@@ -260,7 +262,7 @@ def _prefill_kernel(
         empty = l_i == 0.0  # no key (NaN sums are not empty: they propagate)
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
         if FP8 and SCALAR:
-            o = o * tl.load(vs_ptr)
+            o = unit_back(o, FP8, FMT, SCALAR, ASM) * tl.load(vs_ptr)
         dst = out_ptr + m_glob[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
         if BLOCK_T > 1:  # one token's rows all see the same keys: nothing to repair

@@ -282,6 +282,28 @@ _E4M3FNUZ_F16X4: tl.constexpr = tl.constexpr(
     "mov.b32 k, 0x38003800; mul.rn.f16x2 $0, $0, k; mul.rn.f16x2 $1, $1, k; }")
 
 
+
+#: Four e4m3fnuz codes ($2) -> two f16x2 registers holding each code's value / 128
+#: (``F16_UNIT``), by bit placement alone: an e4m3fnuz code s|eeee|mmm placed as the fp16
+#: s|0eeee|mmm0000000 has the value / 2^7 (the biases 15 and 8 differ by 7; the code's
+#: subnormals land on fp16 subnormals with the same scaling), so every code but 0x80
+#: needs no arithmetic. Per 32-bit word: m the magnitudes, z 0x80 in the 0x80 bytes (bit 7
+#: set, low 7 bits 0: + 0x7F leaves bit 7 clear), v the sign bytes with the 0x80 bytes
+#: turned to 0xFF (z - (z >> 7) = 0x7F there); per half, the magnitude byte (prmt) times
+#: 128 plus the sign byte one byte up (prmt): s|0eeee|mmm0000000, and 0xFF00 (a NaN) for
+#: 0x80. 12 instructions for four codes, no conversion (``_E4M3FNUZ_F16X4``: 19).
+_E4M3FNUZ_F16X4_UNIT: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 m, t, z, v, a, b; "
+    "and.b32 m, $2, 0x7F7F7F7F; add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; "
+    "and.b32 z, $2, t; and.b32 z, z, 0x80808080; "
+    "shr.b32 t, z, 7; sub.u32 z, z, t; and.b32 v, $2, 0x80808080; or.b32 v, v, z; "
+    "prmt.b32 a, m, 0, 0x4140; prmt.b32 b, v, 0, 0x1404; mad.lo.u32 $0, a, 128, b; "
+    "prmt.b32 a, m, 0, 0x4342; prmt.b32 b, v, 0, 0x3424; mad.lo.u32 $1, a, 128, b; }")
+
+#: What ``decode_fp8_f16(..., UNIT=True)`` returns: the code's value / F16_UNIT (e4m3fnuz in
+#: assembly; 1 for every other format and branch: ``times_f16_unit``).
+F16_UNIT: tl.constexpr = tl.constexpr(128.0)
+
 #: Four e5m2fnuz codes ($2) -> two f16x2 registers, as _E4M3FNUZ_F16X4 but with no
 #: conversion instruction at all: an e5m2 code is the high byte of its fp16 value (prmt
 #: places it), and an e5m2fnuz code's value is half that (bias 16, not 15; subnormals too)
@@ -318,7 +340,7 @@ def asm_f16(fmt: str, interpreted: bool) -> bool:
 
 @triton.jit
 def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr,
-                   PURE: tl.constexpr = False):
+                   PURE: tl.constexpr = False, UNIT: tl.constexpr = False):
     """uint8 codes of format FMT -> their exact values in fp16 (every value of the four
     formats, subnormals, Inf and NaN included, is an fp16 value). ASM (compiled, hardware
     formats): ``cvt.rn.f16x2.{e4m3,e5m2}x2`` in inline assembly marked impure, four codes
@@ -335,11 +357,16 @@ def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr,
     pure, for e4m3fnuz's K (kernels._attention.kv_tiles: converted in registers like the
     hardware formats' K; staged through shared memory it made decode at batch 64 96.0 us
     instead of 78.0 on the H200).
-    Otherwise (interpreter, other software formats): ``decode_fp8_to(c, FMT, HW, fp16)``."""
+    Otherwise (interpreter, other software formats): ``decode_fp8_to(c, FMT, HW, fp16)``.
+    UNIT: the value / ``times_f16_unit``'s factor instead (e4m3fnuz in assembly: by bit placement,
+    ``_E4M3FNUZ_F16X4_UNIT``; its subnormals become fp16 subnormals); the caller multiplies
+    the factor back in fp32 (``times_f16_unit``), where it is exact."""
     if ASM:
         tl.static_assert((HW and FMT <= 1) or FMT >= FMT_E4M3FNUZ,
                          "ASM: a hardware format (HW) or a fnuz format")
-        if FMT == FMT_E4M3FNUZ:
+        if FMT == FMT_E4M3FNUZ and UNIT:
+            asm: tl.constexpr = _E4M3FNUZ_F16X4_UNIT
+        elif FMT == FMT_E4M3FNUZ:
             asm: tl.constexpr = _E4M3FNUZ_F16X4
         elif FMT == FMT_E5M2FNUZ:
             asm: tl.constexpr = _E5M2FNUZ_F16X4
@@ -355,6 +382,15 @@ def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr,
         v = decode_fp8_to(c, FMT, HW, tl.float16)
     return v
 
+
+
+@triton.jit
+def times_f16_unit(x, FMT: tl.constexpr, ASM: tl.constexpr):
+    """x times the factor ``decode_fp8_f16(..., UNIT=True)`` left out of its values
+    (F16_UNIT for e4m3fnuz in assembly: exact in fp32, a power of two), x itself otherwise."""
+    if ASM and FMT == FMT_E4M3FNUZ:
+        x = x * F16_UNIT
+    return x
 
 def encode_asm(fmt: str, hw: bool, interpreted: bool) -> bool:
     """Whether kernels encode ``fmt`` with ``encode_fp8``'s inline assembly (ASM): the
@@ -382,11 +418,11 @@ def _decode_kernel(c_ptr, out_ptr, n, FMT: tl.constexpr, HW: tl.constexpr,
 
 @triton.jit
 def _decode_f16_kernel(c_ptr, out_ptr, n, FMT: tl.constexpr, HW: tl.constexpr,
-                       ASM: tl.constexpr, BLOCK: tl.constexpr):
+                       ASM: tl.constexpr, BLOCK: tl.constexpr, UNIT: tl.constexpr = False):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     c = tl.load(c_ptr + offs, mask=mask, other=0)
-    tl.store(out_ptr + offs, decode_fp8_f16(c, FMT, HW, ASM), mask=mask)
+    tl.store(out_ptr + offs, decode_fp8_f16(c, FMT, HW, ASM, False, UNIT), mask=mask)
 
 
 #: True when this module's kernels run in the (patched) CPU interpreter.
@@ -442,15 +478,18 @@ def decode_tensor(codes: torch.Tensor, fmt: str, hw: bool = False,
 
 
 def decode_tensor_f16(codes: torch.Tensor, fmt: str, hw: bool = False,
-                      block: int | None = None) -> torch.Tensor:
+                      block: int | None = None, unit: bool = False) -> torch.Tensor:
     """float16 values of uint8 ``codes`` through ``decode_fp8_f16``, the attention kernels'
-    V operand path (its inline assembly where ``asm_f16`` says the kernels use it)."""
+    V operand path (its inline assembly where ``asm_f16`` says the kernels use it); ``unit``:
+    its ``UNIT=True`` form, the kernels' operands with scalar scales (e4m3fnuz in assembly:
+    the values / F16_UNIT)."""
     code = fmt_code(fmt, hw)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise ValueError(f"codes must be a torch uint8 tensor, got "
                          f"{getattr(codes, 'dtype', type(codes))}")
     asm = asm_f16(fmt, INTERPRETED) and (hw or fmt not in HW_FORMATS)
-    return _elementwise(_decode_f16_kernel, codes, torch.float16, code, hw, block, ASM=asm)
+    return _elementwise(_decode_f16_kernel, codes, torch.float16, code, hw, block, ASM=asm,
+                        UNIT=unit)
 
 
 def _elementwise(kernel, x, out_dtype, code, hw, block, **consts):

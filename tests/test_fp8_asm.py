@@ -36,6 +36,7 @@ OPS = {
     "xor.b32": lambda a, b: a ^ b,
     "add.u32": lambda a, b: (a + b) & M32,
     "mul.lo.u32": lambda a, b: (a * b) & M32,
+    "mad.lo.u32": lambda a, b, c: (a * b + c) & M32,
     "mul.rn.f16x2": _f16x2_mul,
     "not.b32": lambda a: ~a,
     "sub.u32": lambda a, b: (a - b) & M32,
@@ -107,6 +108,21 @@ def test_fnuz_assembly_decodes_every_code_in_every_byte(fmt, asm, position):
         lanes = np.array([out["$0"], out["$1"]], np.uint32).view(np.uint16).view(np.float16)
         assert same_float(lanes, decode(word, fmt)).all(), (code, word, lanes)
 
+
+@pytest.mark.parametrize("position", range(4))
+def test_fnuz_unit_assembly_decodes_every_code_to_its_value_over_the_unit(position):
+    """The attention kernels' e4m3fnuz operand assembly (``decode_fp8_f16(..., UNIT=True)``)
+    gives each code's reference value divided by F16_UNIT exactly (subnormal codes as fp16
+    subnormals, 0x80 a NaN, +-240 / 128), code k into half (k % 2) of output register k // 2,
+    for every code in every byte position (no carry crosses bytes)."""
+    rng = np.random.default_rng(10 + position)
+    for code in range(256):
+        word = rng.integers(0, 256, 4, dtype=np.uint8)
+        word[position] = code
+        out = run_ptx(fp8._E4M3FNUZ_F16X4_UNIT.value, {"$2": int(word.view(np.uint32)[0])})
+        lanes = np.array([out["$0"], out["$1"]], np.uint32).view(np.uint16).view(np.float16)
+        want = decode(word, "e4m3fnuz") / float(fp8.F16_UNIT.value)
+        assert same_float(lanes.astype(np.float64), want).all(), (code, word, lanes)
 
 def _encode_inputs(rng) -> np.ndarray:
     """fp32 values for the encode assembly: both NaN signs and payloads, +-Inf, +-0, the
