@@ -7,8 +7,8 @@ the contiguous code regions they occupy, since each template instantiation of th
 lines (variant 5's aligned and general loops) is a region of its own. Timing needs the GPU
 (benchmarks/); this is what the static counts in csrc/README and the A/B notes come from.
 
-    python -m benchmarks.static_csrc csrc/nri_persist_bf16_d128.cu \\
-        --kernel 'ILi2EE' --range nri_persist.cuh:240-275 [--lines 15]
+    python -m benchmarks.static_csrc csrc/nri_split_bf16_d128.cu \\
+        --kernel 'Lb1EE' --range nri_persist.cuh:240-275 [--lines 15]
 """
 
 from __future__ import annotations

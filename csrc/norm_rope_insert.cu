@@ -259,11 +259,12 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
   // warp at a time, any heads_per_block (the warps loop). Variants 1, 2: 1, 2, 4 or 8 warps
   // per block (default 2), G * {1, 2, 4} heads per warp (G = 256 / D heads per 16-byte
   // pass; default 2 G), heads_per_block = warps * heads per warp (no loop). Variant 3: the
-  // same choices with 4 warps by default (a block's pass over a token's heads), the (N,
-  // head blocks) grid order only (its grid is persistent), 2 .. 8 stages (default: 3, fewer
-  // when the rows are too wide for the shared memory). Variants 4, 5: the choices of 1 and 2
-  // (defaults kPersistDefaultWarps warps, kPersistDefaultRounds passes per item), the
-  // default grid order only (persistent).
+  // warp choices with 4 by default (a block's pass over a token's heads), 2 G heads per warp
+  // only (kStreamRounds), the (N, head blocks) grid order only (its grid is persistent),
+  // 2 .. 8 stages (default: 3, fewer when the rows are too wide for the shared memory).
+  // Variants 4, 5: the warp choices of 1 and 2 (default kPersistDefaultWarps), 2 G heads
+  // per warp only (kPersistRounds), the default grid order only (persistent). (Variants
+  // 3-5 compile one pass count each: csrc/nri_device.cuh, the cold build's time.)
   const int64_t g = 256 / q.head_dim;
   int rounds = 0;
   if (q.variant == 0) {
@@ -276,10 +277,11 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
                           : q.variant >= 4 ? kPersistDefaultWarps
                                            : 2;
     if (q.heads_per_warp == 0)
-      q.heads_per_warp = (q.variant >= 4 ? kPersistDefaultRounds : 2) * g;
+      q.heads_per_warp = (q.variant >= 4 ? kPersistRounds : 2) * g;
     const int64_t w = q.warps_per_block, r = q.heads_per_warp / g;
     if ((w != 1 && w != 2 && w != 4 && w != kVecMaxWarps) || q.heads_per_warp % g != 0 ||
-        (r != 1 && r != 2 && r != 4) || (q.variant >= 4 && r == 1) ||
+        (r != 1 && r != 2 && r != 4) || (q.variant >= 4 && r != kPersistRounds) ||
+        (q.variant == 3 && r != kStreamRounds) ||
         q.heads_per_block != w * q.heads_per_warp ||
         (q.variant >= 3 && q.heads_fast != 0))
       return (int)cudaErrorInvalidValue;
@@ -291,10 +293,12 @@ extern "C" int nri_launch(const NriParams* p, void* stream) {
   if (q.variant >= 4) {
     using Entry = cudaError_t (*)(const NriParams&, int, cudaStream_t);
     const int di = q.head_dim == 64 ? 0 : q.head_dim == 128 ? 1 : 2;
-    static const Entry kEntries[2][3] = {
-        {nri_launch_persist_bf16_d64, nri_launch_persist_bf16_d128, nri_launch_persist_bf16_d256},
-        {nri_launch_persist_f16_d64, nri_launch_persist_f16_d128, nri_launch_persist_f16_d256}};
-    return (int)kEntries[bf16 ? 0 : 1][di](q, rounds, s);
+    static const Entry kEntries[2][2][3] = {
+        {{nri_launch_persist_bf16_d64, nri_launch_persist_bf16_d128, nri_launch_persist_bf16_d256},
+         {nri_launch_persist_f16_d64, nri_launch_persist_f16_d128, nri_launch_persist_f16_d256}},
+        {{nri_launch_split_bf16_d64, nri_launch_split_bf16_d128, nri_launch_split_bf16_d256},
+         {nri_launch_split_f16_d64, nri_launch_split_f16_d128, nri_launch_split_f16_d256}}};
+    return (int)kEntries[persist_split(q) ? 1 : 0][bf16 ? 0 : 1][di](q, rounds, s);
   }
   if (q.variant == 3) {
     int sms = 0, optin = 0;

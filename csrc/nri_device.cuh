@@ -268,8 +268,9 @@ NRI_VEC_ENTRY(nri_launch_vec_global_f16);
 
 // Variant 3 (csrc/nri_stream.cuh), one translation unit per activation format
 // (csrc/nri_stream_{bf16,f16}.cu): the persistent grid with `rounds` head rounds per warp
-// and pass (1, 2 or 4) and p.stages stages (2 .. 8, explicit); return the first failing
-// CUDA call's error (cudaErrorInvalidValue when the shared memory exceeds the device's).
+// and pass (kStreamRounds = 2 only) and p.stages stages (2 .. 8, explicit); return the first
+// failing CUDA call's error (cudaErrorInvalidValue when the shared memory exceeds the
+// device's, or for another `rounds`).
 #define NRI_STREAM_ENTRY(name) cudaError_t name(const NriParams& p, int rounds, cudaStream_t s)
 NRI_STREAM_ENTRY(nri_launch_stream_bf16_d64);
 NRI_STREAM_ENTRY(nri_launch_stream_bf16_d128);
@@ -278,14 +279,26 @@ NRI_STREAM_ENTRY(nri_launch_stream_f16_d64);
 NRI_STREAM_ENTRY(nri_launch_stream_f16_d128);
 NRI_STREAM_ENTRY(nri_launch_stream_f16_d256);
 
-// Variant 4 (csrc/nri_persist.cuh), one translation unit per activation format and head dim
-// (csrc/nri_persist_{bf16,f16}_d{64,128,256}.cu): persistent warps with `rounds` passes per
-// item (1, 2 or 4) and p.warps_per_block warps per block; return the first failing CUDA
-// call's error.
+// Variants 4 and 5 (csrc/nri_persist.cuh): persistent warps with kPersistRounds passes per
+// item and p.warps_per_block warps per block; return the first failing CUDA call's error
+// (cudaErrorInvalidValue for another `rounds`). Two kernels, one translation unit each per
+// activation format and head dim, so that they compile in parallel: variant 4's loops
+// (csrc/nri_persist_{bf16,f16}_d{64,128,256}.cu, also variant 5's fallback) and variant 5's
+// split loops (csrc/nri_split_{bf16,f16}_d{64,128,256}.cu, when persist_split). One kernel
+// holding both, at 2 and 4 passes, was the cold build's slowest unit: 46 s on a 2-core CI
+// machine, 31 s for the whole build on the H200's 16 CPUs against the issue's 15 s.
 namespace nri_dev {
-constexpr int kPersistDefaultWarps = 8;   // warps per block
-constexpr int kPersistDefaultRounds = 2;  // 16-byte passes per item
+constexpr int kPersistDefaultWarps = 8;  // warps per block
+// 16-byte passes per item: 2 only (the H200 sweep, reports/tune-insert-v5-h200-s17.json:
+// 2 passes 183.5-184.4 us at every block width, 4 passes 188.5-192.1; 1 pass 247-300 us
+// against 230-235 in session 12).
+constexpr int kPersistRounds = 2;
 }  // namespace nri_dev
+// Whether a variant-4/5 launch runs variant 5's split loops (its lane split needs R = D / 2;
+// other rotary dims take variant 4's loops, bit-identical).
+inline __host__ __device__ bool persist_split(const NriParams& p) {
+  return p.variant == 5 && 4 * (p.rotary_dim >> 1) == p.head_dim;
+}
 #define NRI_PERSIST_ENTRY(name) cudaError_t name(const NriParams& p, int rounds, cudaStream_t s)
 NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d64);
 NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d128);
@@ -293,3 +306,9 @@ NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d256);
 NRI_PERSIST_ENTRY(nri_launch_persist_f16_d64);
 NRI_PERSIST_ENTRY(nri_launch_persist_f16_d128);
 NRI_PERSIST_ENTRY(nri_launch_persist_f16_d256);
+NRI_PERSIST_ENTRY(nri_launch_split_bf16_d64);
+NRI_PERSIST_ENTRY(nri_launch_split_bf16_d128);
+NRI_PERSIST_ENTRY(nri_launch_split_bf16_d256);
+NRI_PERSIST_ENTRY(nri_launch_split_f16_d64);
+NRI_PERSIST_ENTRY(nri_launch_split_f16_d128);
+NRI_PERSIST_ENTRY(nri_launch_split_f16_d256);

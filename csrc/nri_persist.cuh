@@ -1,8 +1,9 @@
 // Variant 4 of the fused insert (SPEC.md sections 3 and 4, the contract of
 // csrc/norm_rope_insert.cu): persistent WARPS over (token, head chunk) items, the 16-byte
 // lanes of variants 1 and 2 with their RoPE partners by warp shuffles, no shared memory and
-// no block barrier. Instantiated by csrc/nri_persist_{bf16,f16}_d{64,128,256}.cu (one translation unit
-// per activation format and head dim); simulated on the CPU by csrc/nri_persist_host.cpp.
+// no block barrier. Instantiated by csrc/nri_persist_{bf16,f16}_d{64,128,256}.cu (variant 4)
+// and csrc/nri_split_{bf16,f16}_d{64,128,256}.cu (variant 5), one translation unit per
+// kernel, activation format and head dim; simulated on the CPU by csrc/nri_persist_host.cpp.
 //
 // Why: variant 1 (one short-lived block per (token, head block)) was issue-bound on the
 // H200 (306 us at the model shape, 0.8 instructions per cycle per scheduler) because every
@@ -47,7 +48,8 @@
 namespace nri_dev {
 
 // Blocks of kVecMaxWarps warps per SM asked of the register allocator: 80 registers for 2
-// passes (3 blocks, 24 warps per SM), 128 for 4 (the longer queue spilled at 80).
+// passes (3 blocks, 24 warps per SM); 4 passes, while they were instantiated, took 128 (the
+// longer queue spilled at 80).
 constexpr int persist_min_blocks(int rounds) { return rounds == 4 ? 2 : 3; }
 
 // Variant 5's consecutive q items per strided step (q_items_split): 2 (H200 A/B against 1:
@@ -505,46 +507,49 @@ __device__ __forceinline__ void rest_items(const NriParams& p, const PersistLane
 // the q items' x through a lane-private cp.async ring in shared memory (3 items in flight
 // per warp, 1 + w_q and cos / sin in shared slots) did not pay: bf16 238.0 us against
 // 230.6, e4m3 291.3 against 293.6 (reports/gpu-out: session 12's A/B runs).
-template <int ACT, int D, int ROUNDS>
+// SPLIT: variant 5's split loops (the host launches it only when persist_split); else
+// variant 4's loops. Two kernels, so that each compiles in its own translation unit.
+template <int ACT, int D, int ROUNDS, bool SPLIT>
 __global__ void __launch_bounds__(kVecMaxWarps * 32, persist_min_blocks(ROUNDS))
 nri_persist_kernel(const NriParams p) {
-  constexpr int C = nri::kChunk;
-  constexpr int LPH = nri::Geo<D>::kLanesPerHead;
   const int lane = threadIdx.x & 31;
-  PersistLane ln;
-  ln.grp = lane / LPH;
-  ln.l = lane % LPH;
-  ln.c = ln.l * C;
-  ln.hr = (int)(p.rotary_dim >> 1);
-  ln.src = aligned_partner<LPH>(ln.l, ln.c, ln.hr);
-  ln.rot_lane = ln.c < p.rotary_dim;
-  ln.eps = (float)p.eps;
   const int64_t wpb = blockDim.x >> 5;
   const int64_t nw = (int64_t)gridDim.x * wpb;
   const int64_t gw = (int64_t)blockIdx.x * wpb + (threadIdx.x >> 5);
-  if (p.variant == 5 && 4 * ln.hr == D) {  // uniform over the launch
+  if constexpr (SPLIT) {
+    const float eps = (float)p.eps;
     if (split_aligned(p)) {
-      q_items_split<ACT, D, ROUNDS, true>(p, lane, ln.eps, nw, gw);
-      split_other_items<ACT, D, true>(p, lane, ln.eps, nw, gw);
+      q_items_split<ACT, D, ROUNDS, true>(p, lane, eps, nw, gw);
+      split_other_items<ACT, D, true>(p, lane, eps, nw, gw);
     } else {
-      q_items_split<ACT, D, ROUNDS, false>(p, lane, ln.eps, nw, gw);
-      split_other_items<ACT, D, false>(p, lane, ln.eps, nw, gw);
+      q_items_split<ACT, D, ROUNDS, false>(p, lane, eps, nw, gw);
+      split_other_items<ACT, D, false>(p, lane, eps, nw, gw);
     }
-    return;
-  }
-  if ((ln.hr & 7) == 0) {
-    q_items<ACT, D, ROUNDS, true>(p, ln, nw, gw);
   } else {
-    q_items<ACT, D, ROUNDS, false>(p, ln, nw, gw);
+    constexpr int C = nri::kChunk;
+    constexpr int LPH = nri::Geo<D>::kLanesPerHead;
+    PersistLane ln;
+    ln.grp = lane / LPH;
+    ln.l = lane % LPH;
+    ln.c = ln.l * C;
+    ln.hr = (int)(p.rotary_dim >> 1);
+    ln.src = aligned_partner<LPH>(ln.l, ln.c, ln.hr);
+    ln.rot_lane = ln.c < p.rotary_dim;
+    ln.eps = (float)p.eps;
+    if ((ln.hr & 7) == 0) {
+      q_items<ACT, D, ROUNDS, true>(p, ln, nw, gw);
+    } else {
+      q_items<ACT, D, ROUNDS, false>(p, ln, nw, gw);
+    }
+    rest_items<ACT, D, ROUNDS>(p, ln, nw, gw);
   }
-  rest_items<ACT, D, ROUNDS>(p, ln, nw, gw);
 }
 
 #ifdef __CUDACC__
 // The persistent grid's size for an instantiation: SMs x resident blocks of `threads`
 // (cudaOccupancyMaxActiveBlocksPerMultiprocessor), cached per instantiation for the last
 // (device, threads), so that a launch inside a CUDA graph capture only reads the cache.
-template <int ACT, int D, int ROUNDS>
+template <int ACT, int D, int ROUNDS, bool SPLIT>
 cudaError_t persist_grid_cap(int threads, int64_t* cap) {
   static std::mutex mu;
   static int c_dev = -1, c_threads = 0;
@@ -559,8 +564,8 @@ cudaError_t persist_grid_cap(int threads, int64_t* cap) {
   }
   e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (e != cudaSuccess) return e;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, nri_persist_kernel<ACT, D, ROUNDS>,
-                                                    threads, 0);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, nri_persist_kernel<ACT, D, ROUNDS, SPLIT>, threads, 0);
   if (e != cudaSuccess) return e;
   if (per_sm < 1) return cudaErrorInvalidConfiguration;
   c_dev = dev, c_threads = threads, c_cap = (int64_t)sms * per_sm;
@@ -568,25 +573,21 @@ cudaError_t persist_grid_cap(int threads, int64_t* cap) {
   return cudaSuccess;
 }
 
-// Launches one instantiation: nri::persist_grid blocks of p.warps_per_block warps.
-template <int ACT, int D, int ROUNDS>
-cudaError_t launch_persist_k(const NriParams& p, cudaStream_t s) {
+// Launches the kernel of variant 4 (SPLIT false) or 5: nri::persist_grid blocks of
+// p.warps_per_block warps, kPersistRounds passes per item (the only instantiation).
+template <int ACT, int D, bool SPLIT>
+cudaError_t launch_persist(const NriParams& p, int rounds, cudaStream_t s) {
+  constexpr int R = kPersistRounds;
+  if (rounds != R) return cudaErrorInvalidValue;
   const int threads = (int)p.warps_per_block * 32;
   int64_t cap = 0;
-  const cudaError_t e = persist_grid_cap<ACT, D, ROUNDS>(threads, &cap);
+  const cudaError_t e = persist_grid_cap<ACT, D, R, SPLIT>(threads, &cap);
   if (e != cudaSuccess) return e;
   const int64_t items = p.n * nri::persist_items_per_token(p.hq, p.hkv + p.hi + p.write_ik,
-                                                           nri::Geo<D>::kHeadsPerPass * ROUNDS);
+                                                           nri::Geo<D>::kHeadsPerPass * R);
   const unsigned grid = (unsigned)nri::persist_grid(cap, items, p.warps_per_block);
-  nri_persist_kernel<ACT, D, ROUNDS><<<grid, threads, 0, s>>>(p);
+  nri_persist_kernel<ACT, D, R, SPLIT><<<grid, threads, 0, s>>>(p);
   return cudaGetLastError();
-}
-
-// 2 or 4 passes per item (nri_launch rejects 1: the slowest shape, and a third of the
-// translation units' compile time).
-template <int ACT, int D>
-cudaError_t launch_persist(const NriParams& p, int rounds, cudaStream_t s) {
-  return rounds == 2 ? launch_persist_k<ACT, D, 2>(p, s) : launch_persist_k<ACT, D, 4>(p, s);
 }
 #endif  // __CUDACC__ (csrc/nri_persist_host.cpp runs the kernel on the CPU instead)
 

@@ -1,7 +1,7 @@
 // Variant 4 of the fused insert for bf16 activations and D = 256: persistent warps over
-// (token, head chunk) items (csrc/nri_persist.cuh).
+// (token, head chunk) items (csrc/nri_persist.cuh); variant 5's fallback when R != D / 2.
 #include "nri_persist.cuh"
 
 NRI_PERSIST_ENTRY(nri_launch_persist_bf16_d256) {
-  return nri_dev::launch_persist<cvt::FMT_BF16, 256>(p, rounds, s);
+  return nri_dev::launch_persist<cvt::FMT_BF16, 256, false>(p, rounds, s);
 }

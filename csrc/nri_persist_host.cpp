@@ -12,10 +12,10 @@
 
 namespace {
 
-template <int ACT, int D, int ROUNDS>
+template <int ACT, int D, bool SPLIT>
 int run_grid(const NriParams& p, unsigned grid) {
   const dim3 bdim((unsigned)(p.warps_per_block * 32));
-  auto kernel = [&p] { nri_dev::nri_persist_kernel<ACT, D, ROUNDS>(p); };
+  auto kernel = [&p] { nri_dev::nri_persist_kernel<ACT, D, nri_dev::kPersistRounds, SPLIT>(p); };
   std::vector<char> stacks;
   for (unsigned b = 0; b < grid; ++b)
     for (int warp = 0; warp < (int)p.warps_per_block; ++warp)
@@ -26,13 +26,10 @@ int run_grid(const NriParams& p, unsigned grid) {
 }
 
 template <int ACT>
-int run_act(const NriParams& p, int rounds, unsigned grid) {
+int run_act(const NriParams& p, unsigned grid) {
 #define NRI_SIM_CASE(D)                                                                     \
-  switch (rounds) {                                                                         \
-    case 2: return run_grid<ACT, D, 2>(p, grid);                                            \
-    case 4: return run_grid<ACT, D, 4>(p, grid);                                            \
-    default: return -1;                                                                     \
-  }
+  return persist_split(p) ? run_grid<ACT, D, true>(p, grid)                                 \
+                          : run_grid<ACT, D, false>(p, grid);
   switch (p.head_dim) {
     case 64: NRI_SIM_CASE(64)
     case 128: NRI_SIM_CASE(128)
@@ -47,7 +44,7 @@ int run_act(const NriParams& p, int rounds, unsigned grid) {
 extern "C" {
 
 // Runs variant 4 or 5 on the CPU over `grid` blocks. The launch-shape fields must be explicit as
-// the binding fills them (warps_per_block 1, 2, 4 or 8; heads_per_warp (256 / D) x {2, 4};
+// the binding fills them (warps_per_block 1, 2, 4 or 8; heads_per_warp (256 / D) x 2;
 // heads_per_block their product; heads_fast 0). Returns 0, -1 for an unsupported shape,
 // -3 if the lanes' barriers deadlocked (lanes of a warp reaching different shuffles).
 int nri_persist_sim_launch(const NriParams* p, int64_t grid) {
@@ -58,10 +55,10 @@ int nri_persist_sim_launch(const NriParams* p, int64_t grid) {
       p->heads_per_block != w * hpw || p->heads_fast != 0 || p->stages != 0)
     return -1;
   const int rounds = (int)(hpw / g);
-  if (rounds != 2 && rounds != 4) return -1;
+  if (rounds != nri_dev::kPersistRounds) return -1;
   if (p->n == 0) return 0;
-  return p->act_fmt == cvt::FMT_BF16 ? run_act<cvt::FMT_BF16>(*p, rounds, (unsigned)grid)
-                                     : run_act<cvt::FMT_F16>(*p, rounds, (unsigned)grid);
+  return p->act_fmt == cvt::FMT_BF16 ? run_act<cvt::FMT_BF16>(*p, (unsigned)grid)
+                                     : run_act<cvt::FMT_F16>(*p, (unsigned)grid);
 }
 
 // nri_dev::split_aligned (variant 5's choice of its aligned split loops): 1 or 0.

@@ -75,6 +75,7 @@ constexpr int kStreamMaxWarps = 8;
 constexpr int kStreamMaxStages = 8;
 constexpr int kStreamDefaultWarps = 4;
 constexpr int kStreamDefaultStages = 3;
+constexpr int kStreamRounds = 2;  // head rounds per warp and pass: the only instantiation
 constexpr int kStreamScratch = 32 * nri::kChunk;  // fp32 per warp and head round: 1 KB
 constexpr int kStreamScalarBytes = 32;            // slot, index slot, position flag, pad
 
@@ -506,16 +507,13 @@ cudaError_t launch_stream_k(const NriParams& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-// Dispatch over the head rounds; one (activation format, D) pair per translation unit
-// (csrc/nri_stream_{bf16,f16}_d{64,128,256}.cu: three instantiations each, so that a cold
-// build's slowest unit stays short and the six compile in parallel).
+// One (activation format, D) pair per translation unit (csrc/nri_stream_{bf16,f16}_d{64,128,
+// 256}.cu, compiled in parallel), 2 head rounds only (the default; 1 and 4 were instantiated
+// too until session 18, a third of the cold build's work each for a knob no sweep picked).
 template <int ACT, int D>
 cudaError_t launch_stream(const NriParams& p, int rounds, cudaStream_t s) {
-  switch (rounds) {
-    case 1: return launch_stream_k<ACT, D, 1>(p, s);
-    case 2: return launch_stream_k<ACT, D, 2>(p, s);
-    default: return launch_stream_k<ACT, D, 4>(p, s);
-  }
+  return rounds == kStreamRounds ? launch_stream_k<ACT, D, kStreamRounds>(p, s)
+                                 : cudaErrorInvalidValue;
 }
 #endif  // __CUDACC__ (csrc/nri_stream_host.cpp runs the kernel on the CPU instead)
 

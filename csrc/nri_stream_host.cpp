@@ -37,12 +37,8 @@ int run_grid(const NriParams& p, unsigned grid) {
 template <int ACT>
 int run_act(const NriParams& p, int rounds, unsigned grid) {
 #define NRI_SIM_CASE(D)                                                                     \
-  switch (rounds) {                                                                         \
-    case 1: return run_grid<ACT, D, 1>(p, grid);                                            \
-    case 2: return run_grid<ACT, D, 2>(p, grid);                                            \
-    case 4: return run_grid<ACT, D, 4>(p, grid);                                            \
-    default: return -1;                                                                     \
-  }
+  return rounds == nri_dev::kStreamRounds ? run_grid<ACT, D, nri_dev::kStreamRounds>(p, grid) \
+                                          : -1;
   switch (p.head_dim) {
     case 64: NRI_SIM_CASE(64)
     case 128: NRI_SIM_CASE(128)
@@ -58,7 +54,7 @@ extern "C" {
 
 // Runs variant 3 on the CPU over a grid of `grid` blocks (min(N, grid); the device launch
 // takes SMs x resident blocks). The launch-shape fields must be explicit as the binding
-// fills them (warps_per_block 1, 2, 4 or 8; heads_per_warp (256 / D) x {1, 2, 4};
+// fills them (warps_per_block 1, 2, 4 or 8; heads_per_warp (256 / D) x 2;
 // heads_per_block their product); stages 0 means the default 3. Returns 0, -1 for an
 // unsupported shape, -2 when nri_launch would run variant 1 instead (tensors misaligned
 // for cp.async: nri_dev::stream_eligible), -3 if the lanes' barriers deadlocked.
@@ -71,7 +67,7 @@ int nri_stream_sim_launch(const NriParams* p, int64_t grid) {
       p->stages < 0 || p->stages > nri_dev::kStreamMaxStages)
     return -1;
   const int rounds = (int)(hpw / g);
-  if (rounds != 1 && rounds != 2 && rounds != 4) return -1;
+  if (rounds != nri_dev::kStreamRounds) return -1;
   if (p->n == 0) return 0;
   if (!nri_dev::stream_eligible(*p)) return -2;
   NriParams q = *p;

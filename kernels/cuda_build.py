@@ -26,15 +26,18 @@ import time
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-#: the sources of the kernels' library (the fused insert: variants 1 and 2, one translation
-#: unit per variant and activation dtype; variant 0 and the launcher; variants 3 and 4, one
-#: per activation dtype and head dim, so that they compile in parallel and the slowest unit
-#: stays short; the GPU test entry points), the slowest first: ``_run`` starts them in this
-#: order, as many at a time as there are CPUs.
-LIB_SOURCES = ("nri_vec_shfl_bf16.cu", "nri_vec_shfl_f16.cu",
-               "nri_vec_global_bf16.cu", "nri_vec_global_f16.cu", "norm_rope_insert.cu",
-               *(f"nri_stream_{a}_d{d}.cu" for a in ("bf16", "f16") for d in (64, 128, 256)),
-               *(f"nri_persist_{a}_d{d}.cu" for a in ("bf16", "f16") for d in (64, 128, 256)),
+#: the sources of the kernels' library, one translation unit per kernel family, activation
+#: dtype (and head dim where the kernel is large) so that they compile in parallel: variant
+#: 5's split loops, variants 1 and 2, variant 3, variant 0 and the launcher, variant 4, the
+#: GPU test entry points. Slowest first (compile seconds on a 2-core CI machine, session 18:
+#: 14.5, 15, 9, 9, 8, 2): ``_run`` starts them in this order, as many at a time as there are
+#: CPUs.
+LIB_SOURCES = (*(f"nri_split_{a}_d{d}.cu" for a in ("bf16", "f16") for d in (128, 256, 64)),
+               "nri_vec_shfl_bf16.cu", "nri_vec_shfl_f16.cu",
+               "nri_vec_global_bf16.cu", "nri_vec_global_f16.cu",
+               *(f"nri_stream_{a}_d{d}.cu" for a in ("bf16", "f16") for d in (128, 256, 64)),
+               "norm_rope_insert.cu",
+               *(f"nri_persist_{a}_d{d}.cu" for a in ("bf16", "f16") for d in (128, 256, 64)),
                "test_support.cu")
 #: headers hashed into the build key (every one in the include directory).
 HEADER_GLOBS = ("*.h", "*.cuh")

@@ -173,17 +173,21 @@ V0_WARPS, V0_BLOCK_H = 4, 32
 VEC_WARPS, VEC_ROUNDS = 2, 2
 VEC_WARP_CHOICES = (1, 2, 4, 8)
 VEC_ROUND_CHOICES = (1, 2, 4)
-#: Variant 3 by default: 4 warps per block, 2 rounds of 256 / D heads per warp and pass,
-#: 3 pipeline stages (fewer when the row is too wide for the shared memory: see
-#: ``norm_rope_insert``); 2 .. 8 stages may be asked for.
+#: Variant 3 by default: 4 warps per block, 2 rounds of 256 / D heads per warp and pass (the
+#: only choice: csrc compiles one), 3 pipeline stages (fewer when the row is too wide for the
+#: shared memory: see ``norm_rope_insert``); 2 .. 8 stages may be asked for.
 STREAM_WARPS, STREAM_ROUNDS, STREAM_STAGES = 4, 2, 3
+STREAM_ROUND_CHOICES = (2,)
 STREAM_STAGE_CHOICES = tuple(range(2, 9))
-#: Variant 4 by default (csrc/nri_device.cuh's kPersistDefault*): 8 warps per block, 2
-#: passes of 256 / D heads per warp and item.
+#: Variants 4 and 5 by default (csrc/nri_device.cuh's kPersistDefaultWarps, kPersistRounds):
+#: 8 warps per block, 2 passes of 256 / D heads per warp and item.
 PERSIST_WARPS, PERSIST_ROUNDS = 8, 2
-#: Variant 4's passes per item: 2 or 4 (1 pass was the slowest shape on the H200, 247-300 us
-#: bf16 against 230-235, and its instantiations cost cold-build time).
-PERSIST_ROUND_CHOICES = (2, 4)
+#: Their passes per item: 2 only. 1 pass was the slowest shape on the H200 (247-300 us bf16
+#: against 230-235), 4 passes slower than 2 at every block width (188.5-192.1 us against
+#: 183.5-184.4, reports/tune-insert-v5-h200-s17.json); variants 3-5 compile one pass count
+#: each so that the cold build of csrc/ stays within 15 s on the H200 (31 s with 1, 2 and 4
+#: for variant 3 and 2 and 4 for variants 4 and 5).
+PERSIST_ROUND_CHOICES = (2,)
 
 
 def _is_int(v) -> bool:
@@ -232,7 +236,8 @@ def launch_shape(head_dim, variant=DEFAULT_VARIANT, block_h=None, warps_per_bloc
     default_rounds = {3: STREAM_ROUNDS, 4: PERSIST_ROUNDS, 5: PERSIST_ROUNDS}.get(variant,
                                                                                VEC_ROUNDS)
     hpw = g * default_rounds if heads_per_warp is None else heads_per_warp
-    rounds = PERSIST_ROUND_CHOICES if variant >= 4 else VEC_ROUND_CHOICES
+    rounds = {3: STREAM_ROUND_CHOICES, 4: PERSIST_ROUND_CHOICES,
+              5: PERSIST_ROUND_CHOICES}.get(variant, VEC_ROUND_CHOICES)
     choices = [g * r for r in rounds]
     if not _is_int(hpw) or hpw not in choices:
         fail("heads_per_warp", f"must be one of {choices} (256 / head_dim = {g} heads per "
@@ -299,10 +304,11 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
       N * head blocks < 2^31).
     - ``warps_per_block``: variant 0: 4 only; variants 1, 2: 1, 2, 4 or 8 (default 2);
       variant 3: 1, 2, 4 or 8 (default 4); variants 4, 5: 1, 2, 4 or 8 (default 8).
-    - ``heads_per_warp``: variant 0: 1 only; variants 1-3: (256 / D) x {1, 2, 4} passes;
-      variants 4, 5: (256 / D) x {2, 4} passes. Default 2 passes (4 heads at D = 128, 8 at 64,
-      2 at 256); variant 3 processes them together in each pass over a token; variant 4:
-      the heads of one item, whose loads are issued together.
+    - ``heads_per_warp``: variant 0: 1 only; variants 1, 2: (256 / D) x {1, 2, 4} passes;
+      variants 3-5: (256 / D) x 2 passes only (csrc compiles one count for them). Default
+      2 passes (4 heads at D = 128, 8 at 64, 2 at 256); variant 3 processes them together
+      in each pass over a token; variant 4: the heads of one item, whose loads are issued
+      together.
 
     Raises ValueError (naming the argument) for bad arguments, including tensors that are
     not on a CUDA device, and RuntimeError with the CUDA error text if the launch fails."""

@@ -220,10 +220,13 @@ def test_launch_rejects_bad_parameters(lib):
     ({"heads_per_block": 1 << 24}, 1),
     ({"variant": 3}, 1),  # defaults 4 warps x 4 heads at D = 128: 16 heads per block, not 4
     ({"variant": 3, "heads_per_block": 16}, 0),
-    ({"variant": 3, "warps_per_block": 1, "heads_per_warp": 2, "heads_per_block": 2,
+    ({"variant": 3, "warps_per_block": 1, "heads_per_warp": 4, "heads_per_block": 4,
       "stages": 2}, 0),
-    ({"variant": 3, "warps_per_block": 8, "heads_per_warp": 8, "heads_per_block": 64,
+    ({"variant": 3, "warps_per_block": 8, "heads_per_warp": 4, "heads_per_block": 32,
       "stages": 8}, 0),
+    # Variants 3-5 compile 2 rounds only (G = 2 at D = 128: 4 heads per warp).
+    ({"variant": 3, "warps_per_block": 1, "heads_per_warp": 2, "heads_per_block": 2}, 1),
+    ({"variant": 3, "warps_per_block": 8, "heads_per_warp": 8, "heads_per_block": 64}, 1),
     ({"variant": 3, "heads_per_block": 16, "stages": 1}, 1),
     ({"variant": 3, "heads_per_block": 16, "stages": 9}, 1),
     ({"variant": 3, "heads_per_block": 16, "stages": -1}, 1),
@@ -232,7 +235,8 @@ def test_launch_rejects_bad_parameters(lib):
     ({"variant": 3, "warps_per_block": 2, "heads_per_warp": 6, "heads_per_block": 12}, 1),
     ({"variant": 4}, 1),  # defaults 8 warps x 4 heads at D = 128: 32 heads per block, not 4
     ({"variant": 4, "heads_per_block": 32}, 0),
-    ({"variant": 4, "warps_per_block": 1, "heads_per_warp": 8, "heads_per_block": 8}, 0),
+    ({"variant": 4, "warps_per_block": 1, "heads_per_warp": 4, "heads_per_block": 4}, 0),
+    ({"variant": 4, "warps_per_block": 1, "heads_per_warp": 8, "heads_per_block": 8}, 1),
     ({"variant": 4, "warps_per_block": 1, "heads_per_warp": 2, "heads_per_block": 2}, 1),
     ({"variant": 4, "warps_per_block": 2, "heads_per_warp": 6, "heads_per_block": 12}, 1),
     ({"variant": 4, "heads_per_block": 32, "heads_fast": 1}, 1),  # a persistent grid
@@ -240,13 +244,15 @@ def test_launch_rejects_bad_parameters(lib):
     ({"variant": 5}, 1),  # variant 4's defaults: 32 heads per block at D = 128, not 4
     ({"variant": 5, "heads_per_block": 32}, 0),
     ({"variant": 5, "warps_per_block": 1, "heads_per_warp": 2, "heads_per_block": 2}, 1),
+    ({"variant": 5, "warps_per_block": 2, "heads_per_warp": 8, "heads_per_block": 16}, 1),
 ])
 def test_launch_checks_the_variant_parameters(lib, change, code):
     """The launch-shape fields (variant, warps per block, heads per warp, heads per block,
     grid order, stages) are checked before anything runs (N = 0: no launch, so the verdict
     is the parameter check's): 0 means the variant's default; variant 0 takes 4 warps of one
-    head; variants 1-4 take 1, 2, 4 or 8 warps of (256 / D) x {1, 2, 4} heads, and exactly
-    warps x heads heads per block; variant 3 takes 2 .. 8 stages and the default grid order
+    head; variants 1-5 take 1, 2, 4 or 8 warps of (256 / D) x {1, 2, 4} heads (variants 3-5:
+    (256 / D) x 2 only, the one pass count they compile), and exactly warps x heads heads
+    per block; variant 3 takes 2 .. 8 stages and the default grid order
     only, variant 4 the default grid order only, the others no stages."""
     fields = dict(n=0, hq=8, hkv=2, hi=2, write_ik=1, head_dim=128, rotary_dim=64, act_fmt=4,
                   heads_per_block=4, page_size=16, ic_page=16, kv_fmt=0, iq_fmt=0, ic_fmt=0)
@@ -612,7 +618,7 @@ def _stream_knobs(d):
     default stages), and stages 2, 3, 4, 8 at the default shape."""
     g = 256 // d
     return ([dict(warps_per_block=w, heads_per_warp=g * rounds)
-             for w in cnri.VEC_WARP_CHOICES for rounds in cnri.VEC_ROUND_CHOICES]
+             for w in cnri.VEC_WARP_CHOICES for rounds in cnri.STREAM_ROUND_CHOICES]
             + [dict(num_stages=s) for s in (2, 3, 4, 8)])
 
 
@@ -803,11 +809,11 @@ def _model_shapes(variant):
     """Launch knobs the model-layout tests run for a variant (1-5): the default, the
     smallest and the largest shapes."""
     if variant == 3:
-        return ({}, dict(warps_per_block=1, heads_per_warp=2, num_stages=2),
-                dict(warps_per_block=8, heads_per_warp=8, num_stages=4))
+        return ({}, dict(warps_per_block=1, heads_per_warp=4, num_stages=2),
+                dict(warps_per_block=8, heads_per_warp=4, num_stages=4))
     if variant >= 4:
         return ({}, dict(warps_per_block=1, heads_per_warp=4),
-                dict(warps_per_block=8, heads_per_warp=8))
+                dict(warps_per_block=2, heads_per_warp=4))
     return ({}, dict(warps_per_block=1, heads_per_warp=4, heads_fast=True),
             dict(warps_per_block=8, heads_per_warp=8))
 
@@ -1014,6 +1020,8 @@ def _good_args(**kw):
     ("heads_fast", lambda a: {"variant": 4, "heads_fast": True}),
     ("num_stages", lambda a: {"variant": 4, "num_stages": 2}),
     ("heads_per_warp", lambda a: {"variant": 4, "heads_per_warp": 4}),  # D = 64: 8, 16
+    ("heads_per_warp", lambda a: {"variant": 4, "heads_per_warp": 16}),  # D = 64: 8 only
+    ("heads_per_warp", lambda a: {"variant": 3, "heads_per_warp": 4}),  # D = 64: 8 only
 ])
 def test_bad_host_input_raises_value_error_naming_it(name, change):
     """The shared host checks: bad dtypes, shapes, formats, contents (validate=True), block
@@ -1054,7 +1062,7 @@ def test_stream_launch_shape_and_shared_memory(lib):
     bytes (3 blocks per H200 SM); 8 stages of it still fit 227 KB."""
     assert cnri.launch_shape(128, 3) == (3, 4, 4, 16, 0)
     assert cnri.launch_shape(64, 3, num_stages=5) == (3, 4, 8, 32, 5)
-    assert cnri.launch_shape(256, 3, warps_per_block=8, heads_per_warp=4) == (3, 8, 4, 32, 0)
+    assert cnri.launch_shape(256, 3, warps_per_block=8, heads_per_warp=2) == (3, 8, 2, 16, 0)
 
     def smem(**kw):
         p = cnri.NriParams(**{**dict(hq=64, hkv=4, hi=4, write_ik=1, head_dim=128,
@@ -1372,19 +1380,19 @@ def test_cuda_stream_variant_gives_variant_1s_bits(case):
     x = _stream_case_inputs(md, kv_fmt, d, r, n, cache_pad, dense, bad)
     g = 256 // d
     ref = _variant_impl(1)
-    for knobs in ({}, dict(warps_per_block=1, heads_per_warp=g, num_stages=2),
-                  dict(warps_per_block=8, heads_per_warp=4 * g, num_stages=5)):
+    for knobs in ({}, dict(warps_per_block=1, heads_per_warp=2 * g, num_stages=2),
+                  dict(warps_per_block=8, heads_per_warp=2 * g, num_stages=5)):
         impl3 = _variant_impl(3, row_pad=row_pad, row_shift=row_shift, **knobs)
         _check_stream_bits(impl3, ref, x, f"{case} {knobs}")
     torch.cuda.synchronize()
 
 
 def _persist_case_knobs(d):
-    """The launch shapes the GPU bit tests run variants 4 and 5 in: the default, 1 warp x 2
-    passes, 8 warps x 4 passes."""
+    """The launch shapes the GPU bit tests run variants 4 and 5 in: the default (8 warps),
+    1 and 2 warps (2 passes: the only count they compile)."""
     g = 256 // d
     return ({}, dict(warps_per_block=1, heads_per_warp=2 * g),
-            dict(warps_per_block=8, heads_per_warp=4 * g))
+            dict(warps_per_block=2, heads_per_warp=2 * g))
 
 
 @pytest.mark.gpu
