@@ -286,7 +286,8 @@ NRI_STREAM_ENTRY(nri_launch_stream_f16_d256);
 // (csrc/nri_persist_{bf16,f16}_d{64,128,256}.cu, also variant 5's fallback) and variant 5's
 // split loops (csrc/nri_split_{bf16,f16}_d{64,128,256}.cu, when persist_split). One kernel
 // holding both, at 2 and 4 passes, was the cold build's slowest unit: 46 s on a 2-core CI
-// machine, 31 s for the whole build on the H200's 16 CPUs against the issue's 15 s.
+// machine, 31 s for the whole build on the H200's 16 CPUs against the issue's 15 s; split,
+// 13.2-14.7 s there (session 19).
 namespace nri_dev {
 constexpr int kPersistDefaultWarps = 8;  // warps per block
 // 16-byte passes per item: 2 only (the H200 sweep, reports/tune-insert-v5-h200-s17.json:

@@ -186,7 +186,7 @@ PERSIST_WARPS, PERSIST_ROUNDS = 8, 2
 #: against 230-235), 4 passes slower than 2 at every block width (188.5-192.1 us against
 #: 183.5-184.4, reports/tune-insert-v5-h200-s17.json); variants 3-5 compile one pass count
 #: each so that the cold build of csrc/ stays within 15 s on the H200 (31 s with 1, 2 and 4
-#: for variant 3 and 2 and 4 for variants 4 and 5).
+#: for variant 3 and 2 and 4 for variants 4 and 5; 13.2-14.7 s as now, session 19).
 PERSIST_ROUND_CHOICES = (2,)
 
 
