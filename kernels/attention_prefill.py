@@ -50,6 +50,23 @@ Tiling (the point of this kernel: tokens that share blocks share KV reads).
   tokens unions much more: the 13 TFLOP/s of NOTES.md); the per-token (M = G = 16) form
   wastes nothing but runs its MMAs at M = 16.
 
+Tiers (the launcher's default; ``delegate_ratio=0`` turns them off). Which tile size wins
+depends on the selections, which the host cannot see without a sync: on the H200 the
+128-row tiles take 2.27 ms on local selections and 9.31 on random ones, the per-token
+16-row tiles (4 warps) 5.4 ms on both. So the launcher runs two passes of this kernel,
+decided per tile on the device. The WIDE pass (``TIER=1``, ``BLOCK_T`` tokens) counts its
+tile's union ``U`` as always; when ``U * DELEGATE_RATIO`` exceeds the tile's valid entries
+(about the narrow tier's block iterations for those tokens, each ~3x cheaper) it hands the
+tile over: it writes 1 at its slot of an int32 array and masks all its rows (nothing
+loaded, nothing stored), else it writes 0 and computes the tile. The NARROW pass
+(``TIER=2``, ``NARROW_ROWS`` rows: one token at G = 16, nested in the wide tiles since both
+are aligned to the request's first token) then runs only the tokens of handed-over tiles,
+in the same stream order (no sync; graph-capturable). Both tiers follow the declared
+schedule (a row's own blocks in ascending order, one running max): a token's result is
+within the same bounds either way, but its bits may depend on which tier ran it, i.e. on
+the selections of the tokens sharing its wide tile (the tensor-core instruction differs:
+M = 128 vs M = 16). Tiles never straddle requests, so other requests never change it.
+
 Numerics: the rounding schedule declared in the registry (``SCHEDULE(model_dtype)``, act =
 the model dtype = q's dtype), exactly what the kernel does:
 - Operands as in the decode kernel (``kernels.attention_decode``, Numerics): fp8 with
@@ -129,6 +146,18 @@ from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 #: (bf16 locality 2.26 vs 4.20 ms, random 9.4 vs 11.2 ms); 16 rows (per token) was best on
 #: random selections (7.6 ms) but 3.5x slower on local ones.
 BLOCK_ROWS = 128
+#: The narrow tier (module docstring, Tiers): rows per program and warps. H200, model shape,
+#: random selections (session 19, reports/bench_attention_prefill_rows.md): 16 rows x 4
+#: warps 5.40 ms (98.6 TFLOP/s useful) against 6.69 with 2 warps, 7.76 with 8, 6.51 for 32
+#: rows x 4 warps and 9.31 for the 128-row tiles; and the same 5.38 ms on local selections,
+#: where the 128-row tiles take 2.27.
+NARROW_ROWS = 16
+NARROW_WARPS = 4
+#: A wide tile is handed to the narrow tier when ``U * DELEGATE_RATIO`` exceeds its valid
+#: entries: one block iteration of the 128-row, 8-warp program cost ~32 ns of the H200
+#: (9.31 ms / (4,096 programs x ~70 union blocks) on random selections; ~29 on local ones),
+#: one of the 16-row, 4-warp program ~10 ns (5.40 ms / 524,288).
+DELEGATE_RATIO = 3
 #: Default warps per program. sm_90, model shape (static, compiled on the CPU): the main
 #: pass needs 255 registers per thread either way; with 4 warps ptxas spills 344 bytes per
 #: thread (bf16), with 8 none, and shared memory (144 KiB) allows one program per SM
@@ -139,7 +168,8 @@ LOG2E = 1.4426950408889634
 
 # Counts and sizes vary from call to call: not specialised (one compile for every shape).
 @triton.jit(do_not_specialize=[
-    "num_tokens", "num_pages", "bt_cols", "num_reqs", "search_steps", "topk_k", "group"])
+    "num_tokens", "num_pages", "bt_cols", "num_reqs", "search_steps", "topk_k", "group",
+    "delegate_ratio"])
 def _prefill_kernel(
         q_ptr, q_s0, q_s1, num_tokens,
         kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
@@ -147,11 +177,16 @@ def _prefill_kernel(
         cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
         tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-        out_ptr, out_s0, out_s1, flag_ptr,
-        qk_scale, group,
+        out_ptr, out_s0, out_s1, flag_ptr, tier_ptr,
+        qk_scale, group, delegate_ratio,
         BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
         KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr):
+        SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
+        TIER: tl.constexpr = 0, WIDE_T: tl.constexpr = 1):
+    """TIER (module docstring, Tiers): 0 every tile here; 1 the wide pass, which hands a
+    tile whose union is too large to the narrow pass (one int32 per program at
+    ``tier_ptr``); 2 the narrow pass (``BLOCK_T`` tokens nested in the wide pass's
+    ``WIDE_T``), which takes only the tokens of handed-over wide tiles."""
     NONE: tl.constexpr = 2147483647
     ROWS: tl.constexpr = BLOCK_T * G_P
     tile = tl.program_id(0)
@@ -174,6 +209,11 @@ def _prefill_kernel(
     work = local < qlen
     if REPAIR:  # only the tiles the first pass flagged
         work = work & (tl.load(flag) != 0)
+    if TIER == 2:  # only tokens whose wide tile was handed over
+        wide = cu0 // WIDE_T + r64 + local // WIDE_T
+        handed_here = tl.load(tier_ptr + wide * tl.num_programs(1) + tl.program_id(1),
+                              mask=work, other=0)  # a surplus program's wide tile: none
+        work = work & (handed_here != 0)
     needs_repair = tile * 0
     if work:
         seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
@@ -200,6 +240,16 @@ def _prefill_kernel(
             n_union += 1
             cur = nxt
             nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
+        handed = n_union < 0  # False
+        if TIER == 1:
+            # U block iterations here against about one per valid entry at the narrow
+            # tiles' cost, DELEGATE_RATIO times cheaper per iteration (module docstring).
+            n_valid = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
+            handed = n_union * delegate_ratio > n_valid
+            if not REPAIR:
+                tl.store(tier_ptr + tile * tl.num_programs(1) + tl.program_id(1),
+                         handed.to(tl.int32))
+            n_union = tl.where(handed, 0, n_union)  # nothing loaded, nothing stored
 
         # ---- the (token, head) rows: m = token * G_P + head.
         mm = tl.arange(0, ROWS)
@@ -208,6 +258,7 @@ def _prefill_kernel(
         m_loc = local + m_tok
         m_glob = cu0 + m_loc
         m_ok = (m_loc < qlen) & (m_glob >= 0) & (m_glob < num_tokens) & (m_head < group)
+        m_ok = m_ok & (handed == 0)
         m_pos = prefix + m_loc
         m_hq = g64 * group + m_head
         dd = tl.arange(0, D)
@@ -387,7 +438,7 @@ def _num_stages(page: int, d: int, fp8: bool) -> int:
 def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                              k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                              validate=False, block_rows=None, num_warps=None,
-                             num_stages=None):
+                             num_stages=None, delegate_ratio=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -405,9 +456,12 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     (a sync): cu_seqlens_q against T and seq_lens, block-table entries of used blocks,
     selections in range without repeats, positive finite scales. Without it, bad contents
     are guarded in the kernel (never an illegal access; see the module docstring).
-    block_rows: query rows (tokens x padded heads) per program, a power of two (default
-    ``BLOCK_ROWS``); num_warps / num_stages: Triton launch options (default ``NUM_WARPS``, and
-    ``_num_stages``)."""
+    block_rows: query rows (tokens x padded heads) per program of the wide tier, a power of
+    two (default ``BLOCK_ROWS``); num_warps / num_stages: its Triton launch options (default
+    ``NUM_WARPS``, and ``_num_stages``); delegate_ratio: the tiers' switch (module
+    docstring, Tiers; default ``DELEGATE_RATIO``; 0: every tile in the wide tier; a huge
+    value: every tile with a selection in the narrow tier). The narrow tier runs
+    ``NARROW_ROWS`` rows x ``NARROW_WARPS`` warps when they are fewer than the wide tier's."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
@@ -415,11 +469,40 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     grp = p.hq // p.hkv
     g_p = triton.next_power_of_2(grp)
     block_t = _block_t(block_rows, g_p)
+    narrow_t = _block_t(NARROW_ROWS, g_p)
+    ratio = DELEGATE_RATIO if delegate_ratio is None else check_int(
+        delegate_ratio, "delegate_ratio", 0, 2**20)
     opts = {} if num_stages is None else {"num_stages": check_int(num_stages, "num_stages",
                                                                   1, 8)}
     opts["num_warps"] = NUM_WARPS if num_warps is None else check_int(num_warps, "num_warps",
                                                                       1, 16)
     ensure_ready(_prefill_kernel)
+    tiers = ratio > 0 and narrow_t < block_t
+    const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
+                 FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
+                 SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
+                 SAME=not p.fp8 and kv_cache.dtype == q.dtype,
+                 ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED))
+    tier = None
+    if tiers:
+        tier = torch.empty((p.t // block_t + p.batch) * p.hkv, dtype=torch.int32,
+                           device=q.device)
+    _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, ratio,
+                  tier, {**const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
+                  num_stages is None)
+    if tiers:
+        _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, ratio,
+                      tier, {**const, "BLOCK_T": narrow_t, "TIER": 2, "WIDE_T": block_t,
+                             "num_warps": NARROW_WARPS}, True)
+    return p.out
+
+
+def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, ratio,
+                  tier, const, fit_stages):
+    """One tier's launches: the main pass, then the repair pass over the tiles it flagged
+    (module docstring; tiles of one token never need it). fit_stages: pick num_stages by
+    ``_num_stages``, lowered until both passes fit shared memory."""
+    block_t = const["BLOCK_T"]
     grid = (p.t // block_t + p.batch, p.hkv)
     flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=q.device)
     args = (q, q.stride(0), q.stride(1), p.t,
@@ -430,22 +513,17 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
             topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
             p.ks, *p.ks_strides, p.vs, *p.vs_strides,
             p.out, p.out.stride(0), p.out.stride(1), flags,
-            float(np.float32(p.softmax_scale * LOG2E)), grp)
-    const = dict(BLOCK_T=block_t, G_P=g_p, D=p.d, P=p.page,
-                 KP=topk_width(p.topk_k), FP8=p.fp8,
-                 FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
-                 SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
-                 SAME=not p.fp8 and kv_cache.dtype == q.dtype,
-                 ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), **opts)
-    if num_stages is None:  # the guess, lowered until both passes fit shared memory
+            flags if tier is None else tier,
+            float(np.float32(p.softmax_scale * LOG2E)), grp, ratio)
+    passes = (False, True) if block_t > 1 else (False,)
+    if fit_stages:  # the guess, lowered until both passes fit shared memory
         const["num_stages"] = min(
             fitting_stages(_prefill_kernel, args, {**const, "REPAIR": r}, q.device,
-                           deepest=_num_stages(p.page, p.d, p.fp8)) for r in (False, True))
+                           deepest=_num_stages(p.page, p.d, p.fp8)) for r in passes)
     # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
     # their rows must not see are flagged by the first and recomputed by the second.
-    _prefill_kernel[grid](*args, REPAIR=False, **const)
-    _prefill_kernel[grid](*args, REPAIR=True, **const)
-    return p.out
+    for repair in passes:
+        _prefill_kernel[grid](*args, REPAIR=repair, **const)
 
 
 def compile_signatures():
@@ -465,14 +543,17 @@ def compile_signatures():
         sig = {name: "i64" for name in _prefill_kernel.arg_names}
         sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", cu_ptr="*i32",
                    seq_ptr="*i64", tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32",
-                   out_ptr=f"*{act}", flag_ptr="*i32", qk_scale="fp32", group="i32",
-                   topk_k="i32",
+                   out_ptr=f"*{act}", flag_ptr="*i32", tier_ptr="*i32", qk_scale="fp32",
+                   group="i32", delegate_ratio="i32", topk_k="i32",
                    bt_cols="i32", num_reqs="i32", search_steps="i32", num_tokens="i64",
                    num_pages="i64")
         g_p = triton.next_power_of_2(grp)
         const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
                      KP=topk_width(k), FP8=cache == "u8", FMT=fmt, HW=hw,
-                     SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, REPAIR=i % 3 == 1)
+                     SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, REPAIR=i % 3 == 1,
+                     TIER=i % 3, WIDE_T=_block_t(None, g_p))
+        if const["TIER"] == 2:
+            const["BLOCK_T"] = _block_t(NARROW_ROWS, g_p)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_prefill_kernel, sig, const))
     return out
@@ -481,7 +562,8 @@ def compile_signatures():
 # ----------------------------------------------------------------------------- adapter
 
 
-def run(inputs: dict, validate: bool = True, block_rows: int | None = None) -> dict:
+def run(inputs: dict, validate: bool = True, block_rows: int | None = None,
+        delegate_ratio: int | None = None) -> dict:
     """Oracle adapter (op ``attention_prefill``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
@@ -492,7 +574,8 @@ def run(inputs: dict, validate: bool = True, block_rows: int | None = None) -> d
     q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
     cu = torch.from_numpy(np.ascontiguousarray(inputs["cu_seqlens_q"], np.int32)).to(dev)
     sparse_attention_prefill(q, kv, inputs["kv_fmt"], bt, cu, _ints(inputs["seq_lens"], dev),
-                             topk, ks, vs, out=out, validate=validate, block_rows=block_rows)
+                             topk, ks, vs, out=out, validate=validate, block_rows=block_rows,
+                             delegate_ratio=delegate_ratio)
     return {"out": codes_of(out)}
 
 
@@ -511,9 +594,10 @@ def _register():
         score_rel=0.0 if INTERPRETED else TENSOR_CORE_DOT_REL,
         notes=f"Triton prefill: one program per (tile of {BLOCK_ROWS} tokens x heads rows, KV "
               f"head) walking the union of the tile's selected blocks in ascending order, "
-              f"each block read once per tile; fp8 K/V exact in act with scalar scales "
-              f"outside the products (per-slot: dequantised to act), bf16/fp16 P, no "
-              f"split-K"))
+              f"each block read once per tile; a tile whose union is {DELEGATE_RATIO}x its "
+              f"entries or more goes to a {NARROW_ROWS}-row pass instead; fp8 K/V exact in "
+              f"act with scalar scales outside the products (per-slot: dequantised to act), "
+              f"bf16/fp16 P, no split-K"))
 
 
 _register()

@@ -68,24 +68,27 @@ def _case(x):
                 _KV_DTYPE[fmt], x["model_dtype"], sc, 0)
 
 
-def _impl(block_rows=None):
-    """The registered implementation, run with ``block_rows`` rows per tile."""
+def _impl(**knobs):
+    """The registered implementation, run with the launcher's ``knobs`` (block_rows,
+    delegate_ratio)."""
     (impl,) = implementations("attention_prefill", ["triton"])
-    if block_rows is None:
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    if not knobs:
         return impl
-    return replace(impl, run=functools.partial(ap.run, block_rows=block_rows))
+    return replace(impl, run=functools.partial(ap.run, **knobs))
 
 
-def _passes(x, block_rows=None):
-    res = run_check(_case(x), _impl(block_rows), inputs=x)
+def _passes(x, block_rows=None, **knobs):
+    res = run_check(_case(x), _impl(block_rows=block_rows, **knobs), inputs=x)
     assert res.passed, res.summary()
     assert res.tally.elements == np.asarray(x["q"]).size
     return res
 
 
-def _out(x, block_rows=None, validate=True):
+def _out(x, block_rows=None, validate=True, **knobs):
     """The kernel's output values (float64) for an input set."""
-    return decode(ap.run(x, validate=validate, block_rows=block_rows)["out"], x["model_dtype"])
+    return decode(ap.run(x, validate=validate, block_rows=block_rows, **knobs)["out"],
+                  x["model_dtype"])
 
 
 # ----------------------------------------------------------------- formats and shapes
@@ -261,6 +264,74 @@ def test_nan_key_reaches_only_the_tokens_that_see_it():
     _passes(x)
     out = _out(x)
     assert np.isfinite(out[0]).all() and np.isnan(out[1:]).all()
+
+
+# -------------------------------------------------------------------------- tiers
+
+#: delegate_ratio handing every wide tile with a selection to the narrow tier.
+ALL_NARROW = 2**20
+
+
+@pytest.mark.parametrize("ratio", [0, ALL_NARROW])
+@pytest.mark.parametrize("kv_fmt, group", [("e4m3fn", 2), ("bfloat16", 16), ("e5m2fnuz", 3)])
+def test_either_tier_alone_matches_reference(kv_fmt, group, ratio):
+    """Every tile in the wide tier (delegate_ratio 0) or every tile handed to the narrow
+    tier (one token per program at G 16, 8 / 4 tokens at G 2 / 3, nested in 64- / 32-token
+    wide tiles): a ragged batch with tiles starting mid-request gives an output the oracle
+    admits, so the narrow pass computes every handed token and the wide pass stores none
+    of them."""
+    x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, "tensor" if kv_fmt[0] == "e" else "none",
+                    hkv=2, group=group, seq_lens=(61, 23, 90), qlens=(19, 3, 37), k=3,
+                    seed=group + ratio % 7)
+    _passes(x, delegate_ratio=ratio)
+
+
+def _mixed_tiles_case():
+    """32 new tokens (positions 288..319, blocks 18 and 19) in two wide tiles of 16 tokens
+    (block_rows 32 at G 2): the first tile's tokens all select blocks {0, 18} (U = 2, 32
+    entries), the second's {j, 19} with a different j each (U = 17)."""
+    x = make_inputs("e4m3fn", "bfloat16", scales="tensor", hkv=1, group=2, seq_lens=(320,),
+                    qlens=(32,), k=2, seed=21)
+    t = np.arange(32)
+    x["topk"] = np.stack([np.where(t < 16, 0, t - 15), np.where(t < 16, 18, 19)],
+                         -1)[None].astype(np.int32)
+    return x
+
+
+def test_each_wide_tile_picks_its_tier_by_its_union(monkeypatch):
+    """With the default ratio the tile with U = 2 against 32 entries stays in the wide
+    tier and the tile with U = 17 (3 x 17 > 32) is handed over (the int32 per wide
+    program the launcher passes both tiers); the output is admitted by the oracle."""
+    seen = []
+    orig = ap._prefill_pass
+
+    def spy(*args):
+        orig(*args)
+        seen.append((args[-2]["TIER"], args[9]))
+
+    monkeypatch.setattr(ap, "_prefill_pass", spy)
+    x = _mixed_tiles_case()
+    _passes(x, 32)
+    tiers = [tier for tier, _ in seen]
+    assert tiers == [1, 2]
+    assert seen[0][1][:2].tolist() == [0, 1]
+
+
+def test_tiers_agree_with_one_tier():
+    """The mixed case's output with the tiers is admitted, and so is each of its tiles
+    computed by one tier alone; the wide tile's tokens are bit-identical with and without
+    the tiers (the same wide program ran them)."""
+    x = _mixed_tiles_case()
+    both = _out(x, 32)
+    wide = _out(x, 32, delegate_ratio=0)
+    _passes(x, 32, delegate_ratio=ALL_NARROW)
+    assert np.array_equal(both[:16], wide[:16])
+
+
+def test_bad_delegate_ratio_raises_value_error_naming_it():
+    """A negative delegate_ratio is rejected on the host, naming the argument."""
+    with pytest.raises(ValueError, match="delegate_ratio"):
+        ap.sparse_attention_prefill(**_good_args("bfloat16"), delegate_ratio=-1)
 
 
 # ------------------------------------------------------------------ other properties
