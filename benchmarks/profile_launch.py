@@ -10,12 +10,17 @@ skip the first launches of the kernel it profiles (``--launch-skip 1 --launch-co
 attention_decode / attention_prefill (Triton; prefill on random selections). ``--cache``:
 the benchmark's cache names (bench_*.CACHES). ``--knobs``: the launcher's tuning keywords
 (``k=v,...``). The inputs are the benchmark's own (its ``make_set`` with seed 0).
+
+``--kernel-times N``: no ncu; the call's wall time (mean of N synchronized calls) and, from
+torch.profiler over N more, each GPU kernel's time per call, longest first: where a
+multi-kernel launcher (a host plan, passes, a merge) spends its time.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,6 +57,29 @@ def call(bench: str, cache: str, impl: str, knobs: dict):
     return bap.triton_prefill(fmt, knobs)(bap.make_set(fmt, "random", seed=0))
 
 
+def kernel_times(fn, reps: int) -> str:
+    """The call's wall time and its GPU kernels' times per call (module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / reps * 1e6
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(((e.self_device_time_total / reps, e.count / reps, e.key)
+                   for e in prof.key_averages() if e.self_device_time_total > 0), reverse=True)
+    lines = [f"wall {wall:.1f} us per call; GPU kernels {sum(r[0] for r in rows):.1f} us",
+             "| us per call | launches | kernel |", "|---:|---:|---|"]
+    lines += [f"| {us:.1f} | {n:g} | {key[:90]} |" for us, n, key in rows[:25]]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bench", choices=BENCHES, default="insert")
@@ -59,8 +87,13 @@ def main(argv=None) -> int:
                     help="insert only: the Triton or the CUDA kernel")
     ap.add_argument("--cache", default="bf16")
     ap.add_argument("--knobs", type=harness.parse_knobs, default={})
+    ap.add_argument("--kernel-times", type=int, default=0, metavar="N",
+                    help="print the wall and per-kernel GPU times over N calls (no ncu)")
     args = ap.parse_args(argv)
     fn = call(args.bench, args.cache, args.impl, args.knobs)
+    if args.kernel_times:
+        print(kernel_times(fn, args.kernel_times))
+        return 0
     for _ in range(2):
         fn()
         torch.cuda.synchronize()
