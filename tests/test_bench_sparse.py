@@ -713,3 +713,25 @@ def test_bench_attention_prefill_small_run(tmp_path):
         assert r["max_abs_diff_vs_flex"] < 5e-2 and r["vs_flex"] > 0
     assert len(doc["checks"]) == 6 and all(c["passed"] is not None for c in doc["checks"])
     assert doc["for_scale"] == bap.FOR_SCALE and (tmp_path / "bench_attention_prefill.md").exists()
+
+
+@pytest.mark.gpu
+def test_kernel_times_lists_each_kernel_per_call():
+    """profile_launch.kernel_times over 3 calls of a function launching two kinds of
+    kernel (a fill and a matmul): the wall line, the fill's row, and for each row a
+    positive time and a whole number of launches per call."""
+    from benchmarks.profile_launch import kernel_times
+
+    a = torch.empty(512, 512, device="cuda")
+
+    def fn():
+        a.fill_(1.0)
+        return a @ a
+
+    text = kernel_times(fn, 3)
+    lines = text.splitlines()
+    assert lines[0].startswith("wall ") and "GPU kernels" in lines[0]
+    rows = [ln.split("|") for ln in lines[3:]]
+    assert len(rows) >= 2 and any("Fill" in row[3] for row in rows), text
+    for row in rows:
+        assert float(row[1]) > 0 and float(row[2]) >= 1 and float(row[2]).is_integer(), text
