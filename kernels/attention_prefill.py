@@ -110,6 +110,7 @@ adapter registered as implementation ``"triton"`` of op ``"attention_prefill"``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,6 +159,9 @@ NARROW_WARPS = 4
 #: (9.31 ms / (4,096 programs x ~70 union blocks) on random selections; ~29 on local ones),
 #: one of the 16-row, 4-warp program ~10 ns (5.40 ms / 524,288).
 DELEGATE_RATIO = 3
+#: A delegate_ratio that hands every wide tile with a selection to the narrow tier (the
+#: registered implementation ``triton_narrow`` runs with it).
+ALL_NARROW = 2**20
 #: Default warps per program. sm_90, model shape (static, compiled on the CPU): the main
 #: pass needs 255 registers per thread either way; with 4 warps ptxas spills 344 bytes per
 #: thread (bf16), with 8 none, and shared memory (144 KiB) allows one program per SM
@@ -598,6 +602,14 @@ def _register():
               f"entries or more goes to a {NARROW_ROWS}-row pass instead; fp8 K/V exact in "
               f"act with scalar scales outside the products (per-slot: dequantised to act), "
               f"bf16/fp16 P, no split-K"))
+    # The narrow tier on every case: with the default ratio most small cases never reach it.
+    register(Implementation(
+        "triton_narrow", "attention_prefill", functools.partial(run, delegate_ratio=ALL_NARROW),
+        devices=("cpu", "cuda"), shape_classes=classes, schedule=SCHEDULE,
+        score_rel=0.0 if INTERPRETED else TENSOR_CORE_DOT_REL,
+        notes=f"the Triton prefill with every tile handed to its narrow tier "
+              f"(delegate_ratio {ALL_NARROW}: {NARROW_ROWS}-row programs; the union walk of "
+              f"a tile's tokens where G < 16)"))
 
 
 _register()

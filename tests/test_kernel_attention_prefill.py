@@ -268,8 +268,7 @@ def test_nan_key_reaches_only_the_tokens_that_see_it():
 
 # -------------------------------------------------------------------------- tiers
 
-#: delegate_ratio handing every wide tile with a selection to the narrow tier.
-ALL_NARROW = 2**20
+ALL_NARROW = ap.ALL_NARROW
 
 
 @pytest.mark.parametrize("ratio", [0, ALL_NARROW])
