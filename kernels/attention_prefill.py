@@ -489,8 +489,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                  ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED))
     tier = None
     if tiers:
-        tier = torch.empty((p.t // block_t + p.batch) * p.hkv, dtype=torch.int32,
-                           device=q.device)
+        tier = _program_slots(p, block_t, q.device)
     _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, ratio,
                   tier, {**const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
                   num_stages is None)
@@ -501,14 +500,26 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     return p.out
 
 
+def _grid(p: PrefillPlan, block_t: int) -> tuple[int, int]:
+    """Programs of a pass with ``block_t`` tokens per tile: (tiles, KV heads); tiles never
+    straddle requests, hence up to one surplus per request (module docstring)."""
+    return p.t // block_t + p.batch, p.hkv
+
+
+def _program_slots(p: PrefillPlan, block_t: int, device) -> torch.Tensor:
+    """One int32 per program of such a pass (the repair flags, the tiers' switch)."""
+    g = _grid(p, block_t)
+    return torch.empty(g[0] * g[1], dtype=torch.int32, device=device)
+
+
 def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, ratio,
                   tier, const, fit_stages):
     """One tier's launches: the main pass, then the repair pass over the tiles it flagged
     (module docstring; tiles of one token never need it). fit_stages: pick num_stages by
     ``_num_stages``, lowered until both passes fit shared memory."""
     block_t = const["BLOCK_T"]
-    grid = (p.t // block_t + p.batch, p.hkv)
-    flags = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=q.device)
+    grid = _grid(p, block_t)
+    flags = _program_slots(p, block_t, q.device)
     args = (q, q.stride(0), q.stride(1), p.t,
             kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
             block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
