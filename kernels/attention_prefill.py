@@ -238,18 +238,21 @@ def _prefill_kernel(
 
         # ---- the union's size: the chain "next = min entry > current" (no loads).
         n_union = tile * 0
+        cap = n_union + NONE
+        if TIER == 1:
+            # U block iterations here against about one per valid entry at the narrow
+            # tiles' cost, DELEGATE_RATIO times cheaper per iteration (module docstring):
+            # handed over once U > cap, where the count stops.
+            n_valid = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
+            cap = n_valid // delegate_ratio
         cur = n_union - 1
         nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
-        while nxt < NONE:
+        while (nxt < NONE) & (n_union <= cap):
             n_union += 1
             cur = nxt
             nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
-        handed = n_union < 0  # False
+        handed = n_union > cap
         if TIER == 1:
-            # U block iterations here against about one per valid entry at the narrow
-            # tiles' cost, DELEGATE_RATIO times cheaper per iteration (module docstring).
-            n_valid = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
-            handed = n_union * delegate_ratio > n_valid
             if not REPAIR:
                 tl.store(tier_ptr + tile * tl.num_programs(1) + tl.program_id(1),
                          handed.to(tl.int32))
@@ -442,7 +445,8 @@ def _num_stages(page: int, d: int, fp8: bool) -> int:
 def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                              k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                              validate=False, block_rows=None, num_warps=None,
-                             num_stages=None, delegate_ratio=None):
+                             num_stages=None, delegate_ratio=None, narrow_warps=None,
+                             narrow_stages=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -465,7 +469,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     ``NUM_WARPS``, and ``_num_stages``); delegate_ratio: the tiers' switch (module
     docstring, Tiers; default ``DELEGATE_RATIO``; 0: every tile in the wide tier; a huge
     value: every tile with a selection in the narrow tier). The narrow tier runs
-    ``NARROW_ROWS`` rows x ``NARROW_WARPS`` warps when they are fewer than the wide tier's."""
+    ``NARROW_ROWS`` rows per program when they are fewer than the wide tier's, with
+    narrow_warps / narrow_stages (default ``NARROW_WARPS`` and, as the wide tier,
+    ``_num_stages`` lowered until it fits)."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
@@ -480,6 +486,10 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                                                                   1, 8)}
     opts["num_warps"] = NUM_WARPS if num_warps is None else check_int(num_warps, "num_warps",
                                                                       1, 16)
+    narrow = {"num_warps": NARROW_WARPS if narrow_warps is None else check_int(
+        narrow_warps, "narrow_warps", 1, 16)}
+    if narrow_stages is not None:
+        narrow["num_stages"] = check_int(narrow_stages, "narrow_stages", 1, 8)
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
     const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
@@ -496,7 +506,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     if tiers:
         _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, ratio,
                       tier, {**const, "BLOCK_T": narrow_t, "TIER": 2, "WIDE_T": block_t,
-                             "num_warps": NARROW_WARPS}, True)
+                             **narrow}, narrow_stages is None)
     return p.out
 
 
@@ -577,20 +587,19 @@ def compile_signatures():
 # ----------------------------------------------------------------------------- adapter
 
 
-def run(inputs: dict, validate: bool = True, block_rows: int | None = None,
-        delegate_ratio: int | None = None) -> dict:
+def run(inputs: dict, validate: bool = True, **knobs) -> dict:
     """Oracle adapter (op ``attention_prefill``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
     keep it), the block table and cu_seqlens_q as int32, seq_lens as int64, and the output
-    through a head-major buffer seen token-major."""
+    through a head-major buffer seen token-major. knobs: the launcher's tuning keywords
+    (block_rows, delegate_ratio, ...)."""
     from oracle.impl_torch import _ints
 
     q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
     cu = torch.from_numpy(np.ascontiguousarray(inputs["cu_seqlens_q"], np.int32)).to(dev)
     sparse_attention_prefill(q, kv, inputs["kv_fmt"], bt, cu, _ints(inputs["seq_lens"], dev),
-                             topk, ks, vs, out=out, validate=validate, block_rows=block_rows,
-                             delegate_ratio=delegate_ratio)
+                             topk, ks, vs, out=out, validate=validate, **knobs)
     return {"out": codes_of(out)}
 
 

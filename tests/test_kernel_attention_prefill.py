@@ -327,10 +327,30 @@ def test_tiers_agree_with_one_tier():
     assert np.array_equal(both[:16], wide[:16])
 
 
-def test_bad_delegate_ratio_raises_value_error_naming_it():
-    """A negative delegate_ratio is rejected on the host, naming the argument."""
-    with pytest.raises(ValueError, match="delegate_ratio"):
-        ap.sparse_attention_prefill(**_good_args("bfloat16"), delegate_ratio=-1)
+@pytest.mark.parametrize("knob, value", [("delegate_ratio", -1), ("narrow_warps", 0),
+                                         ("narrow_stages", 9)])
+def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
+    """A tier knob out of its range is rejected on the host, naming the argument."""
+    with pytest.raises(ValueError, match=knob):
+        ap.sparse_attention_prefill(**_good_args("bfloat16"), **{knob: value})
+
+
+def test_narrow_launch_options_are_applied_and_admitted():
+    """The narrow tier's launch options (2 warps, 1 stage) reach its launch, and its
+    output on the mixed case, every tile with a selection handed over, is admitted."""
+    seen = []
+    orig = ap._prefill_pass
+
+    def spy(*args):
+        seen.append(dict(args[-2]))
+        orig(*args)
+
+    x = _mixed_tiles_case()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ap, "_prefill_pass", spy)
+        _passes(x, 32, delegate_ratio=ALL_NARROW, narrow_warps=2, narrow_stages=1)
+    narrow = [c for c in seen if c["TIER"] == 2]
+    assert narrow and all(c["num_warps"] == 2 and c["num_stages"] == 1 for c in narrow)
 
 
 # ------------------------------------------------------------------ other properties
