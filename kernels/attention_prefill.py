@@ -54,11 +54,13 @@ Tiers (the launcher's default; ``delegate_ratio=0`` turns them off). Which tile 
 depends on the selections, which the host cannot see without a sync: on the H200 the
 128-row tiles take 2.27 ms on local selections and 9.31 on random ones, the per-token
 16-row tiles (4 warps) 5.4 ms on both. So the launcher runs two passes of this kernel,
-decided per tile on the device. The WIDE pass (``TIER=1``, ``BLOCK_T`` tokens) counts its
-tile's union ``U`` as always; when ``U * DELEGATE_RATIO`` exceeds the tile's valid entries
-(about the narrow tier's block iterations for those tokens, each ~3x cheaper) it hands the
-tile over: it writes 1 at its slot of an int32 array and masks all its rows (nothing
-loaded, nothing stored), else it writes 0 and computes the tile. The NARROW pass
+decided per tile on the device. ``_tier_kernel`` (one 1-warp program per wide tile and KV
+head) counts the tile's union ``U``; when ``U * DELEGATE_RATIO`` exceeds the tile's valid
+entries (about the narrow tier's block iterations for those tokens, each ~3x cheaper) it
+writes 1 at the tile's slot of an int32 array (counting stops there), else 0. The WIDE
+pass (``TIER=1``, ``BLOCK_T`` tokens) computes the tiles marked 0 and returns at once
+from the others (session 19 did the count in the wide pass itself: ~0.37 ms of 5.77 at
+the issue's shape, one 8-warp program per SM counting). The NARROW pass
 (``TIER=2``, ``NARROW_ROWS`` rows: one token at G = 16, nested in the wide tiles since both
 are aligned to the request's first token) then runs only the tokens of handed-over tiles,
 in the same stream order (no sync; graph-capturable). Both tiers follow the declared
@@ -162,6 +164,9 @@ DELEGATE_RATIO = 3
 #: A delegate_ratio that hands every wide tile with a selection to the narrow tier (the
 #: registered implementation ``triton_narrow`` runs with it).
 ALL_NARROW = 2**20
+#: Warps of ``_tier_kernel``'s programs: a [BLOCK_T, K] tile of entries and a few
+#: reductions per union block, many programs per SM.
+TIER_WARPS = 1
 #: Default warps per program. sm_90, model shape (static, compiled on the CPU): the main
 #: pass needs 255 registers per thread either way; with 4 warps ptxas spills 344 bytes per
 #: thread (bf16), with 8 none, and shared memory (144 KiB) allows one program per SM
@@ -170,33 +175,14 @@ NUM_WARPS = 8
 LOG2E = 1.4426950408889634
 
 
-# Counts and sizes vary from call to call: not specialised (one compile for every shape).
-@triton.jit(do_not_specialize=[
-    "num_tokens", "num_pages", "bt_cols", "num_reqs", "search_steps", "topk_k", "group",
-    "delegate_ratio"])
-def _prefill_kernel(
-        q_ptr, q_s0, q_s1, num_tokens,
-        kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
-        bt_ptr, bt_s0, bt_s1, bt_cols,
-        cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
-        tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
-        ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-        out_ptr, out_s0, out_s1, flag_ptr, tier_ptr,
-        qk_scale, group, delegate_ratio,
-        BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-        KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
-        TIER: tl.constexpr = 0, WIDE_T: tl.constexpr = 1):
-    """TIER (module docstring, Tiers): 0 every tile here; 1 the wide pass, which hands a
-    tile whose union is too large to the narrow pass (one int32 per program at
-    ``tier_ptr``); 2 the narrow pass (``BLOCK_T`` tokens nested in the wide pass's
-    ``WIDE_T``), which takes only the tokens of handed-over wide tiles."""
-    NONE: tl.constexpr = 2147483647
-    ROWS: tl.constexpr = BLOCK_T * G_P
-    tile = tl.program_id(0)
-    g64 = tl.program_id(1).to(tl.int64)
+NONE_ENTRY: tl.constexpr = tl.constexpr(2147483647)
 
-    # ---- which request: the largest r with cu[r] // BLOCK_T + r <= tile.
+
+@triton.jit
+def _tile_request(tile, cu_ptr, cu_s0, num_reqs, search_steps, BLOCK_T: tl.constexpr):
+    """Program ``tile``'s request r (the largest with ``cu[r] // BLOCK_T + r <= tile``: tiles
+    never straddle requests), the request's first new token, its query length, and the
+    tile's first token within the request (>= the length: a surplus program)."""
     lo = tile * 0
     hi = lo + num_reqs
     for _ in range(search_steps):
@@ -208,11 +194,99 @@ def _prefill_kernel(
     r64 = lo.to(tl.int64)
     cu0 = tl.load(cu_ptr + r64 * cu_s0).to(tl.int64)
     qlen = tl.load(cu_ptr + (r64 + 1) * cu_s0).to(tl.int64) - cu0
-    local = (tile - (cu0 // BLOCK_T + r64)) * BLOCK_T  # first token of the tile, in request
+    local = (tile - (cu0 // BLOCK_T + r64)) * BLOCK_T
+    return r64, cu0, qlen, local
+
+
+@triton.jit
+def _tile_entries(local, cu0, qlen, prefix, g64, num_tokens, tk_ptr, tk_s0, tk_s1, tk_s2,
+                  topk_k, bt_cols, BLOCK_T: tl.constexpr, KP: tl.constexpr, P: tl.constexpr):
+    """The tile's tokens (in range, positions) and their entries ``[BLOCK_T, KP]``: valid
+    ones (non-negative, at most ``p // P``, inside the block table) and as int32 with the
+    invalid ones replaced by ``NONE_ENTRY``."""
+    ti = tl.arange(0, BLOCK_T)
+    t_loc = local + ti
+    t_glob = cu0 + t_loc
+    t_ok = (t_loc < qlen) & (t_glob >= 0) & (t_glob < num_tokens)
+    t_pos = prefix + t_loc  # < 0: no key (a bad seq_len)
+    kk = tl.arange(0, KP)
+    e = tl.load(tk_ptr + g64 * tk_s0 + t_glob[:, None] * tk_s1
+                + kk[None, :].to(tl.int64) * tk_s2,
+                mask=t_ok[:, None] & (kk < topk_k)[None, :], other=-1).to(tl.int64)
+    valid = t_ok[:, None] & (e >= 0) & (e * P <= t_pos[:, None]) & (e < bt_cols)
+    return t_ok, t_pos, valid, tl.where(valid, e, NONE_ENTRY).to(tl.int32)
+
+
+@triton.jit
+def _union_size(es, cap):
+    """The number of distinct entries of ``es`` below NONE_ENTRY, by the chain "next = min
+    entry > current" (no loads); the count stops at ``cap + 1``."""
+    n = cap * 0
+    cur = n - 1
+    nxt = tl.min(tl.min(tl.where(es > cur, es, NONE_ENTRY), axis=1), axis=0)
+    while (nxt < NONE_ENTRY) & (n <= cap):
+        n += 1
+        cur = nxt
+        nxt = tl.min(tl.min(tl.where(es > cur, es, NONE_ENTRY), axis=1), axis=0)
+    return n
+
+
+@triton.jit(do_not_specialize=[
+    "num_tokens", "bt_cols", "num_reqs", "search_steps", "topk_k", "delegate_ratio"])
+def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tokens,
+                 tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols, tier_ptr, delegate_ratio,
+                 BLOCK_T: tl.constexpr, KP: tl.constexpr, P: tl.constexpr):
+    """The tiers' switch (module docstring, Tiers), one small program per (wide tile, KV
+    head): 1 at the tile's slot of ``tier_ptr`` when its union U has ``U *
+    delegate_ratio`` > its valid entries (counting stops there), else 0 (surplus programs
+    too)."""
+    tile = tl.program_id(0)
+    g64 = tl.program_id(1).to(tl.int64)
+    r64, cu0, qlen, local = _tile_request(tile, cu_ptr, cu_s0, num_reqs, search_steps,
+                                          BLOCK_T)
+    handed = tile * 0
+    if local < qlen:
+        prefix = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64) - qlen
+        t_ok, t_pos, valid, es = _tile_entries(local, cu0, qlen, prefix, g64, num_tokens,
+                                               tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols,
+                                               BLOCK_T, KP, P)
+        cap = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0) // delegate_ratio
+        handed = (_union_size(es, cap) > cap).to(tl.int32)
+    tl.store(tier_ptr + tile * tl.num_programs(1) + tl.program_id(1), handed)
+
+
+# Counts and sizes vary from call to call: not specialised (one compile for every shape).
+@triton.jit(do_not_specialize=[
+    "num_tokens", "num_pages", "bt_cols", "num_reqs", "search_steps", "topk_k", "group"])
+def _prefill_kernel(
+        q_ptr, q_s0, q_s1, num_tokens,
+        kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
+        bt_ptr, bt_s0, bt_s1, bt_cols,
+        cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
+        tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
+        ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
+        out_ptr, out_s0, out_s1, flag_ptr, tier_ptr,
+        qk_scale, group,
+        BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+        KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
+        SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
+        TIER: tl.constexpr = 0, WIDE_T: tl.constexpr = 1):
+    """TIER (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the
+    tiles ``_tier_kernel`` marked at ``tier_ptr`` (one int32 per program) to 2, the narrow
+    pass (``BLOCK_T`` tokens nested in the wide pass's ``WIDE_T``), which takes only the
+    tokens of those tiles."""
+    NONE: tl.constexpr = NONE_ENTRY
+    ROWS: tl.constexpr = BLOCK_T * G_P
+    tile = tl.program_id(0)
+    g64 = tl.program_id(1).to(tl.int64)
+    r64, cu0, qlen, local = _tile_request(tile, cu_ptr, cu_s0, num_reqs, search_steps,
+                                          BLOCK_T)
     flag = flag_ptr + tile * tl.num_programs(1) + tl.program_id(1)
     work = local < qlen
     if REPAIR:  # only the tiles the first pass flagged
         work = work & (tl.load(flag) != 0)
+    if TIER == 1:  # not the tiles handed to the narrow pass
+        work = work & (tl.load(tier_ptr + tile * tl.num_programs(1) + tl.program_id(1)) == 0)
     if TIER == 2:  # only tokens whose wide tile was handed over
         wide = cu0 // WIDE_T + r64 + local // WIDE_T
         handed_here = tl.load(tier_ptr + wide * tl.num_programs(1) + tl.program_id(1),
@@ -223,40 +297,12 @@ def _prefill_kernel(
         seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
         prefix = seq - qlen
 
-        # ---- the tile's tokens and their entries (invalid ones: NONE).
-        ti = tl.arange(0, BLOCK_T)
-        t_loc = local + ti
-        t_glob = cu0 + t_loc
-        t_ok = (t_loc < qlen) & (t_glob >= 0) & (t_glob < num_tokens)
-        t_pos = prefix + t_loc  # < 0: no key (a bad seq_len)
-        kk = tl.arange(0, KP)
-        e = tl.load(tk_ptr + g64 * tk_s0 + t_glob[:, None] * tk_s1
-                    + kk[None, :].to(tl.int64) * tk_s2,
-                    mask=t_ok[:, None] & (kk < topk_k)[None, :], other=-1).to(tl.int64)
-        valid = t_ok[:, None] & (e >= 0) & (e * P <= t_pos[:, None]) & (e < bt_cols)
-        es = tl.where(valid, e, NONE).to(tl.int32)
-
-        # ---- the union's size: the chain "next = min entry > current" (no loads).
-        n_union = tile * 0
-        cap = n_union + NONE
-        if TIER == 1:
-            # U block iterations here against about one per valid entry at the narrow
-            # tiles' cost, DELEGATE_RATIO times cheaper per iteration (module docstring):
-            # handed over once U > cap, where the count stops.
-            n_valid = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
-            cap = n_valid // delegate_ratio
-        cur = n_union - 1
-        nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
-        while (nxt < NONE) & (n_union <= cap):
-            n_union += 1
-            cur = nxt
-            nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
-        handed = n_union > cap
-        if TIER == 1:
-            if not REPAIR:
-                tl.store(tier_ptr + tile * tl.num_programs(1) + tl.program_id(1),
-                         handed.to(tl.int32))
-            n_union = tl.where(handed, 0, n_union)  # nothing loaded, nothing stored
+        # ---- the tile's tokens and their entries (invalid ones: NONE), and the union's
+        # size (the main loop's trip count).
+        t_ok, t_pos, valid, es = _tile_entries(local, cu0, qlen, prefix, g64, num_tokens,
+                                               tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols,
+                                               BLOCK_T, KP, P)
+        n_union = _union_size(es, tile * 0 + NONE)
 
         # ---- the (token, head) rows: m = token * G_P + head.
         mm = tl.arange(0, ROWS)
@@ -265,7 +311,6 @@ def _prefill_kernel(
         m_loc = local + m_tok
         m_glob = cu0 + m_loc
         m_ok = (m_loc < qlen) & (m_glob >= 0) & (m_glob < num_tokens) & (m_head < group)
-        m_ok = m_ok & (handed == 0)
         m_pos = prefix + m_loc
         m_hq = g64 * group + m_head
         dd = tl.arange(0, D)
@@ -500,11 +545,17 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     tier = None
     if tiers:
         tier = _program_slots(p, block_t, q.device)
-    _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, ratio,
+        grid = _grid(p, block_t)
+        _tier_kernel[grid](cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0),
+                           p.batch, max(1, p.batch.bit_length()), p.t,
+                           topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
+                           block_table.shape[1], tier, ratio, BLOCK_T=block_t,
+                           KP=const["KP"], P=p.page, num_warps=TIER_WARPS)
+    _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
                   tier, {**const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
                   num_stages is None)
     if tiers:
-        _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, ratio,
+        _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
                       tier, {**const, "BLOCK_T": narrow_t, "TIER": 2, "WIDE_T": block_t,
                              **narrow}, narrow_stages is None)
     return p.out
@@ -522,8 +573,8 @@ def _program_slots(p: PrefillPlan, block_t: int, device) -> torch.Tensor:
     return torch.empty(g[0] * g[1], dtype=torch.int32, device=device)
 
 
-def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, ratio,
-                  tier, const, fit_stages):
+def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, tier,
+                  const, fit_stages):
     """One tier's launches: the main pass, then the repair pass over the tiles it flagged
     (module docstring; tiles of one token never need it). fit_stages: pick num_stages by
     ``_num_stages``, lowered until both passes fit shared memory."""
@@ -539,7 +590,7 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
             p.ks, *p.ks_strides, p.vs, *p.vs_strides,
             p.out, p.out.stride(0), p.out.stride(1), flags,
             flags if tier is None else tier,
-            float(np.float32(p.softmax_scale * LOG2E)), grp, ratio)
+            float(np.float32(p.softmax_scale * LOG2E)), grp)
     passes = (False, True) if block_t > 1 else (False,)
     if fit_stages:  # the guess, lowered until both passes fit shared memory
         const["num_stages"] = min(
@@ -569,7 +620,7 @@ def compile_signatures():
         sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", cu_ptr="*i32",
                    seq_ptr="*i64", tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32",
                    out_ptr=f"*{act}", flag_ptr="*i32", tier_ptr="*i32", qk_scale="fp32",
-                   group="i32", delegate_ratio="i32", topk_k="i32",
+                   group="i32", topk_k="i32",
                    bt_cols="i32", num_reqs="i32", search_steps="i32", num_tokens="i64",
                    num_pages="i64")
         g_p = triton.next_power_of_2(grp)
@@ -581,6 +632,12 @@ def compile_signatures():
             const["BLOCK_T"] = _block_t(NARROW_ROWS, g_p)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_prefill_kernel, sig, const))
+        if const["TIER"] == 1:
+            tsig = {name: sig.get(name, "i32") for name in _tier_kernel.arg_names}
+            tsig.update(tier_ptr="*i32", delegate_ratio="i32", BLOCK_T="constexpr",
+                        KP="constexpr", P="constexpr")
+            out.append((_tier_kernel, tsig, dict(BLOCK_T=const["WIDE_T"], KP=const["KP"],
+                                                 P=page)))
     return out
 
 

@@ -306,7 +306,7 @@ def test_each_wide_tile_picks_its_tier_by_its_union(monkeypatch):
 
     def spy(*args):
         orig(*args)
-        seen.append((args[-2]["TIER"], args[9]))
+        seen.append((args[-2]["TIER"], args[8]))
 
     monkeypatch.setattr(ap, "_prefill_pass", spy)
     x = _mixed_tiles_case()
