@@ -54,7 +54,7 @@ Tiers (the launcher's default; ``delegate_ratio=0`` turns them off). Which tile 
 depends on the selections, which the host cannot see without a sync: on the H200 the
 128-row tiles take 2.27 ms on local selections and 9.31 on random ones, the per-token
 16-row tiles (4 warps) 5.4 ms on both. So the launcher runs two passes of this kernel,
-decided per tile on the device. ``_tier_kernel`` (one 1-warp program per wide tile and KV
+decided per tile on the device. ``_tier_kernel`` (one small program per wide tile and KV
 head) counts the tile's union ``U``; when ``U * DELEGATE_RATIO`` exceeds the tile's valid
 entries (about the narrow tier's block iterations for those tokens, each ~3x cheaper) it
 writes 1 at the tile's slot of an int32 array (counting stops there), else 0. The WIDE
@@ -164,9 +164,10 @@ DELEGATE_RATIO = 3
 #: A delegate_ratio that hands every wide tile with a selection to the narrow tier (the
 #: registered implementation ``triton_narrow`` runs with it).
 ALL_NARROW = 2**20
-#: Warps of ``_tier_kernel``'s programs: a [BLOCK_T, K] tile of entries and a few
-#: reductions per union block, many programs per SM.
-TIER_WARPS = 1
+#: Entries per warp of ``_tier_kernel``'s programs (16 per thread; warps: 1 to 8): a
+#: [BLOCK_T, KP] tile of entries and two reductions per union block, many programs per
+#: SM (model shape: 8 x 16 entries, one warp).
+TIER_ENTRIES_PER_WARP = 512
 #: Default warps per program. sm_90, model shape (static, compiled on the CPU): the main
 #: pass needs 255 registers per thread either way; with 4 warps ptxas spills 344 bytes per
 #: thread (bf16), with 8 none, and shared memory (144 KiB) allows one program per SM
@@ -550,7 +551,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                            p.batch, max(1, p.batch.bit_length()), p.t,
                            topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
                            block_table.shape[1], tier, ratio, BLOCK_T=block_t,
-                           KP=const["KP"], P=p.page, num_warps=TIER_WARPS)
+                           KP=const["KP"], P=p.page,
+                           num_warps=max(1, min(8, block_t * const["KP"]
+                                                // TIER_ENTRIES_PER_WARP)))
     _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
                   tier, {**const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
                   num_stages is None)
