@@ -156,6 +156,12 @@ BLOCK_ROWS = 128
 #: where the 128-row tiles take 2.27.
 NARROW_ROWS = 16
 NARROW_WARPS = 4
+#: The narrow tier's launch options with an fp8 cache. H200, model shape, e4m3fn (session
+#: 20, ``reports/bench_attention_prefill_narrow.md``): 2 warps and 1 stage 5.25 ms on random
+#: selections and 2.72 on local ones, against 5.87 / 2.76 with the 16-bit choice (4 warps,
+#: 2 stages), 6.58 with 1 stage alone, 8.59 with 8 warps; a bf16 cache with them: 7.52 ms
+#: against 5.32.
+NARROW_FP8 = {"num_warps": 2, "num_stages": 1}
 #: A wide tile is handed to the narrow tier when ``U * DELEGATE_RATIO`` exceeds its valid
 #: entries: one block iteration of the 128-row, 8-warp program cost ~32 ns of the H200
 #: (9.31 ms / (4,096 programs x ~70 union blocks) on random selections; ~29 on local ones),
@@ -516,8 +522,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     docstring, Tiers; default ``DELEGATE_RATIO``; 0: every tile in the wide tier; a huge
     value: every tile with a selection in the narrow tier). The narrow tier runs
     ``NARROW_ROWS`` rows per program when they are fewer than the wide tier's, with
-    narrow_warps / narrow_stages (default ``NARROW_WARPS`` and, as the wide tier,
-    ``_num_stages`` lowered until it fits)."""
+    narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
+    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits)."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
@@ -532,8 +538,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                                                                   1, 8)}
     opts["num_warps"] = NUM_WARPS if num_warps is None else check_int(num_warps, "num_warps",
                                                                       1, 16)
-    narrow = {"num_warps": NARROW_WARPS if narrow_warps is None else check_int(
-        narrow_warps, "narrow_warps", 1, 16)}
+    narrow = dict(NARROW_FP8) if p.fp8 else {"num_warps": NARROW_WARPS}
+    if narrow_warps is not None:
+        narrow["num_warps"] = check_int(narrow_warps, "narrow_warps", 1, 16)
     if narrow_stages is not None:
         narrow["num_stages"] = check_int(narrow_stages, "narrow_stages", 1, 8)
     ensure_ready(_prefill_kernel)
@@ -560,7 +567,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     if tiers:
         _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
                       tier, {**const, "BLOCK_T": narrow_t, "TIER": 2, "WIDE_T": block_t,
-                             **narrow}, narrow_stages is None)
+                             **narrow}, "num_stages" not in narrow)
     return p.out
 
 

@@ -285,11 +285,12 @@ def test_either_tier_alone_matches_reference(kv_fmt, group, ratio):
     _passes(x, delegate_ratio=ratio)
 
 
-def _mixed_tiles_case():
+def _mixed_tiles_case(cache="e4m3fn"):
     """32 new tokens (positions 288..319, blocks 18 and 19) in two wide tiles of 16 tokens
     (block_rows 32 at G 2): the first tile's tokens all select blocks {0, 18} (U = 2, 32
     entries), the second's {j, 19} with a different j each (U = 17)."""
-    x = make_inputs("e4m3fn", "bfloat16", scales="tensor", hkv=1, group=2, seq_lens=(320,),
+    scales = "none" if cache == "bfloat16" else "tensor"
+    x = make_inputs(cache, "bfloat16", scales=scales, hkv=1, group=2, seq_lens=(320,),
                     qlens=(32,), k=2, seed=21)
     t = np.arange(32)
     x["topk"] = np.stack([np.where(t < 16, 0, t - 15), np.where(t < 16, 18, 19)],
@@ -335,9 +336,16 @@ def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
         ap.sparse_attention_prefill(**_good_args("bfloat16"), **{knob: value})
 
 
-def test_narrow_launch_options_are_applied_and_admitted():
-    """The narrow tier's launch options (2 warps, 1 stage) reach its launch, and its
-    output on the mixed case, every tile with a selection handed over, is admitted."""
+@pytest.mark.parametrize("cache, knobs, want", [
+    ("e4m3fn", {}, ap.NARROW_FP8),
+    ("e4m3fn", {"narrow_warps": 8, "narrow_stages": 2}, {"num_warps": 8, "num_stages": 2}),
+    ("bfloat16", {}, {"num_warps": ap.NARROW_WARPS}),
+    ("bfloat16", {"narrow_warps": 2, "narrow_stages": 1}, {"num_warps": 2, "num_stages": 1}),
+])
+def test_narrow_launch_options_are_applied_and_admitted(cache, knobs, want):
+    """The narrow tier's launch options (the per-cache defaults, or the knobs) reach its
+    launch, and its output on the mixed case, every tile with a selection handed over, is
+    admitted."""
     seen = []
     orig = ap._prefill_pass
 
@@ -345,12 +353,14 @@ def test_narrow_launch_options_are_applied_and_admitted():
         seen.append(dict(args[-2]))
         orig(*args)
 
-    x = _mixed_tiles_case()
+    x = _mixed_tiles_case(cache)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ap, "_prefill_pass", spy)
-        _passes(x, 32, delegate_ratio=ALL_NARROW, narrow_warps=2, narrow_stages=1)
+        _passes(x, 32, delegate_ratio=ALL_NARROW, **knobs)
     narrow = [c for c in seen if c["TIER"] == 2]
-    assert narrow and all(c["num_warps"] == 2 and c["num_stages"] == 1 for c in narrow)
+    assert narrow and all(c["num_warps"] == want["num_warps"] for c in narrow)
+    if "num_stages" in want:
+        assert all(c["num_stages"] == want["num_stages"] for c in narrow)
 
 
 # ------------------------------------------------------------------ other properties
