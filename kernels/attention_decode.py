@@ -139,12 +139,17 @@ from kernels._host import (
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 
-#: Blocks per split-K chunk for small grids (model: K 16 -> 4 splits), and the grid size
+#: Blocks per split-K chunk for small grids (model: K 16 -> 16 splits), and the grid size
 #: beyond which ``auto_blocks_per_split`` makes chunks longer. H200, model shape, batch 64
 #: x Hkv 4 (graph replay, 2026-11-30, before the fused merge): one split of 16 blocks
 #: 78.6 us bf16 / 76.6 us e4m3fn, two of 8 86.5 / 84.4, four of 4 94.3 / 94.0; batch 1:
-#: four of 4 16.6 us, one of 16 36.9 us.
-BLOCKS_PER_SPLIT = 4
+#: four of 4 16.6 us, one of 16 36.9 us. Small batches
+#: (reports/bench_attention_decode_small_batch.md): batch 1, 1-block splits 14.3 us bf16 /
+#: 13.9 e4m3fn against 16.8 / 17.1 with 4-block ones (fp8 faster than bf16 only there);
+#: batch 8, 2-block splits (what 1 gives there) 22.1 / 20.0 against 21.9 / 19.2. 1 (an
+#: experiment for the H200 A/B: batch invariance then holds up to 4 requests at the model
+#: shape, not 16).
+BLOCKS_PER_SPLIT = 1
 TARGET_PROGRAMS = 256
 #: Default K/V pipeline depth. sm_90, model shape, one row per request, 4 warps (static:
 #: compiled on the CPU, registers from cuobjdump): 3 stages take 136 KiB of shared memory

@@ -462,7 +462,9 @@ def test_fp16_p_bound_rejects_bf16_rounded_p():
 
     x = make_inputs("e4m3fn", scales="tensor", hkv=1, group=4, d=64, page=16,
                     seq_lens=(60,), k=4, seed=5)
-    sched = schedule_for(_impl(), "bfloat16", x)
+    # One split of all 4 blocks (P rounded against one running max across blocks): with
+    # one block per split each block's P is rounded against its own max.
+    sched = replace(schedule_for(_impl(), "bfloat16", x), blocks_per_split=4)
     args = (x["q"], x["kv_cache"], x["kv_fmt"], x["block_table"], x["seq_lens"], x["topk"], 1)
     kw = dict(k_scale=x["k_scale"], v_scale=x["v_scale"], return_details=True)
     exact = attention.sparse_attention_decode(*args, schedule=sched, **kw)
@@ -500,7 +502,8 @@ def test_default_split_size_grows_only_past_the_target_grid():
     of 16 blocks), never depends on anything but the shapes, and the registered schedule
     declares the same size for a case as the launcher uses."""
     auto = ad.auto_blocks_per_split
-    assert auto(1, 4, 16) == auto(8, 4, 16) == ad.BLOCKS_PER_SPLIT
+    assert auto(1, 4, 16) == auto(4, 4, 16) == ad.BLOCKS_PER_SPLIT
+    assert auto(8, 4, 16) == 2 * ad.BLOCKS_PER_SPLIT  # 32 requests x heads: 8 splits fit
     assert auto(64, 4, 16) == auto(256, 4, 16) == 16
     assert auto(32, 4, 16) == 8  # 128 requests x heads: two splits fit the target
     assert auto(1, 1, 3) == ad.BLOCKS_PER_SPLIT  # one chunk either way
