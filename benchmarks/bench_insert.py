@@ -391,9 +391,7 @@ def build_report(args) -> dict:
            **harness.device_info(), "tokens": args.tokens,
            "shape": {**asdict(SHAPE), "has_index_k": True, "model_dtype": "bfloat16"},
            "q_output": "in place (packed rows)",
-           "timing": {"method": "median of triton.testing.do_bench over CUDA-graph replays "
-                                "of one call per rotating input set (L2 flushed per replay)",
-                      "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms},
+           "timing": harness.timing_info(args),
            "source": harness.source_state(),
            "copy": harness.copy_bandwidth(args.copy_mib * 2**20, args.warmup_ms, args.rep_ms),
            "notes": ["triton/cuda: q/k/index_k in place in the rows; e4m3 index_q to a "

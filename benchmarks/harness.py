@@ -3,11 +3,17 @@ events, and the machine's copy bandwidth (the roofline kernels are measured agai
 
 Method (NOTES.md "Timing"; .library METHOD.md):
 - A call is given as one zero-argument callable per input set. The sets rotate so that
-  one replay touches more than 2 x L2 (``rotation_count``); ``time_calls`` captures ONE
-  CUDA graph holding the call once per set and reports the median of
+  one pass over them touches more than 2 x L2, and there are at least two of them
+  (``rotation_count``: a set read again finds none of its bytes in L2); ``time_calls``
+  captures ONE CUDA graph holding the rotation, repeated until it holds at least
+  ``MIN_CALLS_PER_REPLAY`` calls, and reports the median of
   ``triton.testing.do_bench(graph.replay, return_mode="median")`` divided by the calls per
   replay. do_bench also flushes L2 before each replay. Graph replay removes the host's
-  launch gaps, which dominate short calls and wander between runs.
+  launch gaps, which dominate short calls and wander between runs; several calls per
+  replay share the replay's own cost (below) as back-to-back kernels of a serving step's
+  graph do. Where the rotation is shorter than that, the Timing also carries
+  ``one_call_us``: a replay of one call alone (the method of sessions 1-19 for calls over
+  2 x L2, and of the issues' for-scale numbers).
 - Every callable is first run eagerly (compilation, autotuning, lazy initialisation stay
   out of capture and out of the numbers). A callable that cannot be captured (a host
   sync, a host-to-device copy, a recompilation) is timed eagerly by do_bench over the same
@@ -31,6 +37,15 @@ from triton.testing import do_bench
 
 L2_FALLBACK_BYTES = 50 * 2**20  # H100/H200 L2, when the device properties lack it
 COPY_BYTES = 2 * 2**30
+#: A replay holding ONE call also times the graph's launch and the write-back of the L2
+#: lines do_bench's flush left dirty: ~10 us on the H200 (session 20: index decode, e4m3,
+#: batch 64 x 32k, 83.4 us per one-call replay against 71.7 us of kernel time in
+#: torch.profiler and 73.3 us in Nsight Compute; bf16 139.4 against 129.3). The copy
+#: ceiling (2 GiB, eager) carries no such cost, so calls are timed back to back.
+MIN_CALLS_PER_REPLAY = 8
+#: Input sets at least: with one set, each call would re-read what the previous call left
+#: in L2.
+MIN_SETS = 2
 
 
 @dataclass
@@ -39,6 +54,7 @@ class Timing:
     mode: str  # "graph" or "eager"
     calls_per_replay: int
     note: str = ""  # why a callable was timed eagerly
+    one_call_us: float | None = None  # a replay of one call alone (module docstring)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,10 +73,16 @@ def l2_bytes() -> int:
 
 
 def rotation_count(bytes_per_call: int, l2: int, factor: float = 2.0) -> int:
-    """Input sets needed so that one pass over them touches more than factor x L2."""
+    """Input sets needed so that one pass over them touches more than factor x L2, at least
+    ``MIN_SETS``."""
     if bytes_per_call <= 0:
         raise ValueError(f"bytes_per_call must be positive, got {bytes_per_call}")
-    return max(1, math.floor(factor * l2 / bytes_per_call) + 1)
+    return max(MIN_SETS, math.floor(factor * l2 / bytes_per_call) + 1)
+
+
+def replay_sequence(calls: list, min_calls: int = MIN_CALLS_PER_REPLAY) -> list:
+    """The calls one replay holds: the rotation repeated whole until at least min_calls."""
+    return calls * -(-min_calls // len(calls))
 
 
 def _run_all(calls) -> None:
@@ -107,9 +129,15 @@ def time_calls(calls, warmup_ms: float = 25, rep_ms: float = 200,
             torch.cuda.synchronize()
             note = f"graph capture failed: {error_text(e)}"
         else:
+            seq = replay_sequence(calls)
+            one = None
+            if len(seq) > len(calls):
+                del g
+                one = _bench_us(capture(calls[:1]).replay, warmup_ms, rep_ms)
+                g = capture(seq)
             us = _bench_us(g.replay, warmup_ms, rep_ms)
             del g
-            return Timing(us / len(calls), "graph", len(calls))
+            return Timing(us / len(seq), "graph", len(seq), one_call_us=one)
     us = _bench_us(lambda: _run_all(calls), warmup_ms, rep_ms)
     return Timing(us / len(calls), "eager", len(calls), note)
 
@@ -232,13 +260,21 @@ def add_timing_args(ap, name: str) -> None:
     ap.add_argument("--eager", action="store_true", help="time eagerly (no CUDA graphs)")
 
 
+def timing_info(args) -> dict:
+    """The timing method of a report (module docstring) and its settings."""
+    return {"method": "median of triton.testing.do_bench over CUDA-graph replays of the "
+                      f"rotating input sets (at least {MIN_SETS}) repeated to at least "
+                      f"{MIN_CALLS_PER_REPLAY} back-to-back calls, divided by the calls "
+                      "(L2 flushed per replay); one_call_us: a replay of one call alone",
+            "min_calls_per_replay": MIN_CALLS_PER_REPLAY, "warmup_ms": args.warmup_ms,
+            "rep_ms": args.rep_ms}
+
+
 def report_base(schema: str, what: str, args) -> dict:
     """A report's measured context: device, timing method, source state, copy bandwidth
     (measured in this run, eagerly: the roofline the results are compared against)."""
     return {"schema": schema, "what": what, **device_info(),
-            "timing": {"method": "median of triton.testing.do_bench over CUDA-graph replays "
-                                 "of one call per rotating input set (L2 flushed per "
-                                 "replay)", "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms},
+            "timing": timing_info(args),
             "source": source_state(),
             "copy": copy_bandwidth(args.copy_mib * 2**20, args.warmup_ms, args.rep_ms)}
 

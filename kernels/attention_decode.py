@@ -146,9 +146,11 @@ from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 #: four of 4 16.6 us, one of 16 36.9 us. Small batches
 #: (reports/bench_attention_decode_small_batch.md): batch 1, 1-block splits 14.3 us bf16 /
 #: 13.9 e4m3fn against 16.8 / 17.1 with 4-block ones (fp8 faster than bf16 only there);
-#: batch 8, 2-block splits (what 1 gives there) 22.1 / 20.0 against 21.9 / 19.2. 1 (an
-#: experiment for the H200 A/B: batch invariance then holds up to 4 requests at the model
-#: shape, not 16).
+#: batch 8, 2-block splits (what 1 gives there) 22.1 / 20.0 against 21.9 / 19.2. A/B of
+#: 1 against 4, 3 rounds (session 20, ``reports/ab-attention-decode-bps1-h200.md``): batch
+#: 1 0.84 / 0.81 / 0.80 (bf16 / e4m3fn / e4m3fnuz; e4m3fn 13.9 us < bf16 14.2: fp8 faster
+#: there too), batch 4 1.00 / 0.96 / 0.91, batch 8 1.01 / 1.05 / 1.03, batches 16 and 64
+#: 1.00. Batch invariance holds up to 4 requests at the model shape (256 programs).
 BLOCKS_PER_SPLIT = 1
 TARGET_PROGRAMS = 256
 #: Default K/V pipeline depth. sm_90, model shape, one row per request, 4 warps (static:

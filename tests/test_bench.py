@@ -98,11 +98,36 @@ def test_kernel_binding_agrees_with_composition(cache):
 
 
 def test_rotation_count_exceeds_twice_l2():
-    """k input sets of b bytes make k * b > 2 * L2, with the fewest sets that do."""
+    """k input sets of b bytes make k * b > 2 * L2, with the fewest sets that do, and never
+    fewer than two (one set would meet its own bytes in L2 on the next call)."""
     l2 = 50 * 2**20
     for b in (1, 10 * 2**20, 50 * 2**20, 2 * l2, 669_000_000):
         k = harness.rotation_count(b, l2)
-        assert k * b > 2 * l2 and (k == 1 or (k - 1) * b <= 2 * l2)
+        assert k * b > 2 * l2 and k >= harness.MIN_SETS == 2
+        assert k == harness.MIN_SETS or (k - 1) * b <= 2 * l2
+
+
+def test_replay_sequence_repeats_the_whole_rotation():
+    """A replay holds the rotation repeated whole (each set as often, in order) until it
+    holds at least the minimum calls; a rotation already that long is left alone."""
+    for n in (1, 2, 3, 7, 8, 26):
+        calls = [f"set{i}" for i in range(n)]
+        seq = harness.replay_sequence(calls, 8)
+        assert len(seq) >= 8 and len(seq) % n == 0 and len(seq) < 8 + n
+        assert seq == calls * (len(seq) // n)
+    assert harness.replay_sequence(["a"] * 26, 8) == ["a"] * 26
+
+
+@pytest.mark.gpu
+def test_time_calls_times_back_to_back_calls():
+    """A rotation shorter than MIN_CALLS_PER_REPLAY is replayed repeated (calls_per_replay
+    counts the repeats) with the one-call replay beside it; a long one as it is, without."""
+    x = torch.zeros(2**20, device="cuda")
+    short = harness.time_calls([lambda: x.add_(1), lambda: x.mul_(1)], 1, 10)
+    assert short.mode == "graph" and short.calls_per_replay == harness.MIN_CALLS_PER_REPLAY
+    assert short.one_call_us is not None and short.one_call_us > 0 < short.median_us
+    long = harness.time_calls([lambda: x.add_(1)] * harness.MIN_CALLS_PER_REPLAY, 1, 10)
+    assert long.calls_per_replay == harness.MIN_CALLS_PER_REPLAY and long.one_call_us is None
 
 
 def _synthetic_report() -> dict:
