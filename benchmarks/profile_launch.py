@@ -14,6 +14,11 @@ the benchmark's cache names (bench_*.CACHES). ``--knobs``: the launcher's tuning
 ``--kernel-times N``: no ncu; the call's wall time (mean of N synchronized calls) and, from
 torch.profiler over N more, each GPU kernel's time per call, longest first: where a
 multi-kernel launcher (a host plan, passes, a merge) spends its time.
+
+``--timeline N`` (indexer): no ncu; N traced calls (``kernels._trace``: each program's SM
+and its start, scan-end and end times), each after an untraced one, summarised per call:
+when programs start and finish, how long their scans take, how much of the launch the SMs
+hold a program.
 """
 
 from __future__ import annotations
@@ -80,6 +85,28 @@ def kernel_times(fn, reps: int) -> str:
     return "\n".join(lines)
 
 
+TIMELINE_BENCHES = {"indexer": ("start", "scan", "end")}
+
+
+def timeline(bench: str, cache: str, knobs: dict, calls: int) -> str:
+    """The summaries of ``calls`` traced launches (module docstring)."""
+    from kernels._trace import summary, trace_buffer
+
+    if bench not in TIMELINE_BENCHES:
+        raise SystemExit(f"--timeline supports {sorted(TIMELINE_BENCHES)}, not {bench}")
+    buf = trace_buffer(1 << 16, torch.device("cuda"))
+    traced = call(bench, cache, "triton", {**knobs, "trace": buf})
+    plain = call(bench, cache, "triton", knobs)
+    out = []
+    for i in range(calls):
+        plain()
+        buf.zero_()
+        traced()
+        torch.cuda.synchronize()
+        out.append(f"### call {i + 1}\n" + summary(buf.cpu().numpy(), TIMELINE_BENCHES[bench]))
+    return "\n\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bench", choices=BENCHES, default="insert")
@@ -89,7 +116,12 @@ def main(argv=None) -> int:
     ap.add_argument("--knobs", type=harness.parse_knobs, default={})
     ap.add_argument("--kernel-times", type=int, default=0, metavar="N",
                     help="print the wall and per-kernel GPU times over N calls (no ncu)")
+    ap.add_argument("--timeline", type=int, default=0, metavar="N",
+                    help="print N traced calls' per-program timelines (no ncu; indexer)")
     args = ap.parse_args(argv)
+    if args.timeline:
+        print(timeline(args.bench, args.cache, args.knobs, args.timeline))
+        return 0
     fn = call(args.bench, args.cache, args.impl, args.knobs)
     if args.kernel_times:
         print(kernel_times(fn, args.kernel_times))

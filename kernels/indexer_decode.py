@@ -69,6 +69,7 @@ import torch
 
 from kernels import _indexer as ix
 from kernels._host import check_int, fail
+from kernels._trace import check_trace, stamp
 from kernels._triton import ensure_ready, is_interpreted, resident_programs, tl, triton
 from kernels.fp8 import HW_FORMATS
 from oracle.bounds import TENSOR_CORE_DOT_REL
@@ -82,16 +83,20 @@ from reference.domain import DECODE_ROWS_RANGE
 def _indexer_decode_kernel(
         q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages,
         bt_ptr, bt_s0, bt_s1, width, seq_ptr, num_tokens,
-        out_ptr, o_s0, o_s1, o_s2, part_ptr, cnt_ptr,
+        out_ptr, o_s0, o_s1, o_s2, part_ptr, cnt_ptr, trace_ptr,
         hi, q_rows, topk, local_blocks, initial_blocks, blocks_per_split, num_splits,
         P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         ROWS: tl.constexpr, BK: tl.constexpr, CH: tl.constexpr, VEC: tl.constexpr,
         SPLIT: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         FMA: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr, LANES: tl.constexpr,
         STAGES: tl.constexpr, MC: tl.constexpr, PAIRS: tl.constexpr, DIRECT: tl.constexpr,
-        CHAIN: tl.constexpr, MMA: tl.constexpr, F8MMA: tl.constexpr, MR: tl.constexpr):
+        CHAIN: tl.constexpr, MMA: tl.constexpr, F8MMA: tl.constexpr, MR: tl.constexpr,
+        TRACE: tl.constexpr = False):
     r = tl.program_id(0)
     s = tl.program_id(1)
+    trace_row = r * num_splits + s
+    if TRACE:
+        stamp(trace_ptr, trace_row, 1)
     seq = tl.load(seq_ptr + r).to(tl.int32)
     rows = tl.arange(0, ROWS)
     qr = rows // hi
@@ -121,6 +126,8 @@ def _indexer_decode_kernel(
                                      local_blocks, initial_blocks, P, D, HI, QR, ROWS, LANES,
                                      BLOCK_N, STAGES, FP8, FMT, HW, PAIRS, DIRECT, CHAIN)
         tl.store(mine + tile, top.to(tl.int64, bitcast=True))
+        if TRACE:
+            stamp(trace_ptr, trace_row, 2)
     else:
         q_ptrs = q_ptr + toks.to(tl.int64) * q_s0 + heads.to(tl.int64) * q_s1
         top = ix.scan_blocks(top, q_ptrs, pos, live, bt_row, bt_s1, b_lo, b_hi, ic_ptr, ic_s0,
@@ -148,6 +155,8 @@ def _indexer_decode_kernel(
             tl.atomic_xchg(cnt_ptr + r, 0)  # ready for the next call
     else:
         ix.write_list(top, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk, BK, VEC)
+    if TRACE:
+        stamp(trace_ptr, trace_row, 3)
 
 
 #: True when the kernel runs in the (patched) CPU interpreter.
@@ -280,7 +289,8 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                    *, topk, local_blocks=1, initial_blocks=0, out=None, num_splits=None,
                    blocks_per_split=None, validate=False, scan=None, lanes_d=None,
                    block_n=None, num_warps=None, num_stages=None, merge_chunk=None,
-                   pairs=None, fma_chain=None, block_d=None, blocks_per_step=None, vec=None):
+                   pairs=None, fma_chain=None, block_d=None, blocks_per_step=None, vec=None,
+                   trace=None):
     """Top-k key blocks of decode rows (SPEC.md s.5).
 
     index_q           ``[B * rows_per_request, Hi, D]`` request-major, in the index cache's
@@ -317,7 +327,12 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       reduction; default compiled) or ``tl.sum`` of products (default
                       interpreted, where the chain's combine runs element by element).
     merge_chunk       partial lists merged per step by the last split (power of two;
-                      default min(next_pow2(S), 256 / BK)); not with vec."""
+                      default min(next_pow2(S), 256 / BK)); not with vec.
+    trace             a diagnostic (``kernels._trace``, compiled "mma" / "fma" scans): an
+                      int64 buffer ``[>= B * S, TRACE_SLOTS]``; program (r, s) writes row
+                      r * S + s: its SM, then the timer at its start, after its scan
+                      (partial list stored) and at its end (after the merge, if it drew
+                      the last ticket)."""
     t, hi, d, page, num_pages, fp8, code, hw, k, loc, ini = ix.check_index_args(
         index_q, index_cache, index_fmt, block_table, seq_lens, topk, local_blocks,
         initial_blocks)
@@ -402,18 +417,20 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     if t == 0:
         return out
 
-    def call(splits, bps, part, cnt):
+    def call(splits, bps, part, cnt, trace=None):
         args = (index_q, index_q.stride(0), index_q.stride(1),
                 index_cache, index_cache.stride(0), index_cache.stride(1), num_pages,
                 block_table, block_table.stride(0), block_table.stride(1), width, seq_lens, t,
                 out, out.stride(0), out.stride(1), out.stride(2), part, cnt,
-                hi, q_rows, k, loc, ini, bps, splits)
+                cnt if trace is None else trace, hi, q_rows, k, loc, ini, bps, splits)
         const = dict(P=page, D=d, BLOCK_N=bn, BLOCK_D=bd, ROWS=rows, BK=bk, CH=ch, VEC=vec,
                      SPLIT=splits > 1, FP8=fp8, FMT=code, HW=hw, FMA=fma,
                      HI=hi if fma or mma else 1, QR=q_rows if fma or mma else 1, LANES=lanes,
                      STAGES=stages, MC=mc, PAIRS=bool(fma and pairs),
                      DIRECT=(fma or mma) and bps <= bk, CHAIN=chain, MMA=mma,
                      F8MMA=mma and fp8_mma(index_fmt), MR=max(16, rows), num_warps=warps)
+        if trace is not None:
+            const["TRACE"] = True
         return args, const
 
     ensure_ready(_indexer_decode_kernel)
@@ -426,9 +443,12 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
         if merge_chunk is None:
             mc = min(triton.next_power_of_2(splits), max(1, 256 // bk))
     ws = splits > 1 or fma or mma  # the FMA/MMA scans always merge through the workspace
+    if trace is not None and not (fma or mma):
+        fail("trace", "applies to the compiled 'mma' and 'fma' scans only")
+    check_trace(trace, b * splits, INTERPRETED, dev)
     part = torch.empty((b, splits, rows, bk) if ws else (1,), dtype=torch.int64, device=dev)
     cnt = torch.zeros((b if ws else 1,), dtype=torch.int32, device=dev)
-    args, const = call(splits, bps, part, cnt)
+    args, const = call(splits, bps, part, cnt, trace)
     _indexer_decode_kernel[(b, splits)](*args, **const)
     return out
 
@@ -459,7 +479,7 @@ def compile_signatures():
                      "o_s2"):
             sig[name] = "i64"
         sig.update(q_ptr=f"*{qt}", ic_ptr=f"*{qt}", bt_ptr=f"*{it}", seq_ptr=f"*{it}",
-                   out_ptr="*i32", part_ptr="*i64", cnt_ptr="*i32")
+                   out_ptr="*i32", part_ptr="*i64", cnt_ptr="*i32", trace_ptr="*i64")
         fma, mma = scan == "fma", scan == "mma"
         if fma:
             lanes, bn, _, stages = fma_strategy(hi * qr, page, d, fp8)
@@ -474,9 +494,12 @@ def compile_signatures():
                      SPLIT=split, FP8=fp8, FMT=fmt, HW=hw, FMA=fma, HI=hi, QR=qr, LANES=lanes,
                      STAGES=stages, MC=2 if bk == 1 else 256 // bk, PAIRS=fma and qt == "bf16",
                      DIRECT=(fma or mma) and split, CHAIN=fma, MMA=mma,
-                     F8MMA=mma and fp8 and hw, MR=max(16, rows))
+                     F8MMA=mma and fp8 and hw, MR=max(16, rows), TRACE=False)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_indexer_decode_kernel, sig, const))
+    # The timeline diagnostic (kernels._trace) on the model shape's e4m3 MMA scan.
+    kernel, sig, const = out[6]
+    out.append((kernel, sig, {**const, "TRACE": True}))
     return out
 
 

@@ -588,6 +588,9 @@ def _bad(name, decode_op=False, **changes):
     _bad("blocks_per_step", True, scan="mma", blocks_per_step=8),
     _bad("fma_chain", True, scan="fma", fma_chain="yes"),
     _bad("merge_chunk", True, merge_chunk=3),
+    # A CPU buffer: refused interpreted (no timer) and compiled (another device).
+    _bad("trace", True, scan="fma", trace=lambda a: torch.zeros(64, 4, dtype=torch.int64)),
+    _bad("trace", True, scan="dot", trace=lambda a: torch.zeros(64, 4, dtype=torch.int64)),
 ])
 def test_bad_host_input_raises_value_error_naming_it(make, name, decode_op):
     """Wrong dtypes, shapes, strides, formats, K / forced-block counts, output buffers and

@@ -1,0 +1,100 @@
+"""Per-program timelines of a compiled kernel: a diagnostic for the speed work (where a
+launch loses its time: late starts, uneven scans, the merge tail), not a result.
+
+A kernel built with ``TRACE=True`` stamps, per program, the SM it runs on and the GPU's
+``%globaltimer`` (ns, shared by all SMs) at ``TRACE_SLOTS - 1`` points of its life into a
+row of an int64 buffer: ``[smid, t_0, t_1, ...]``. Nsight Compute reports how busy the SMs
+were on average (index decode, e4m3, session 20: 88% of the elapsed cycles); the rows say
+when each program started and finished and what came between.
+
+``stamp`` is a ``@triton.jit`` helper for the kernels; ``trace_buffer`` / ``check_trace``
+are for their launchers (``trace=`` keyword), ``summary`` for the reader
+(``python -m benchmarks.profile_launch --timeline``). The interpreter has no timer: the
+launchers refuse ``trace`` there (ValueError).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels._host import fail
+from kernels._triton import tl, triton
+
+#: int64 per program row: the SM id, then up to this many minus one timestamps.
+TRACE_SLOTS = 4
+_SLOTS = tl.constexpr(TRACE_SLOTS)
+
+
+@triton.jit
+def stamp(trace_ptr, row, slot: tl.constexpr):
+    """Write ``%globaltimer`` to ``trace_ptr[row, slot]`` (slot 1..TRACE_SLOTS-1) and, at
+    slot 1, ``%smid`` to ``trace_ptr[row, 0]``. ``row`` (the program's int32 index) also
+    feeds the assembly an operand it ignores (the helper needs a value to broadcast to).
+    The timer is read after every thread of the program got here."""
+    tl.debug_barrier()
+    row_ptr = trace_ptr + row.to(tl.int64) * _SLOTS
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [row],
+                                  dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(row_ptr + slot, t)
+    if slot == 1:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [row], dtype=tl.int32,
+                                       is_pure=False, pack=1)
+        tl.store(row_ptr, sm.to(tl.int64))
+
+
+def trace_buffer(programs: int, device) -> torch.Tensor:
+    """A zeroed ``[programs, TRACE_SLOTS]`` int64 buffer for a launch of that many
+    programs."""
+    return torch.zeros((programs, TRACE_SLOTS), dtype=torch.int64, device=device)
+
+
+def check_trace(trace, programs: int, interpreted: bool, device) -> None:
+    """The ``trace=`` keyword of a launcher: None, or an int64 CUDA tensor of at least
+    ``[programs, TRACE_SLOTS]`` (contiguous) on the kernel's device; compiled kernels
+    only."""
+    if trace is None:
+        return
+    if interpreted or device.type != "cuda":
+        fail("trace", "needs the compiled kernel on a CUDA device (the interpreter has no "
+                      "timer)")
+    if (not isinstance(trace, torch.Tensor) or trace.dtype != torch.int64
+            or trace.device != device or not trace.is_contiguous() or trace.dim() != 2
+            or trace.shape[1] != TRACE_SLOTS or trace.shape[0] < programs):
+        fail("trace", f"must be a contiguous int64 tensor [>= {programs} programs, "
+                      f"{TRACE_SLOTS}] on {device} (kernels._trace.trace_buffer), got "
+                      f"{getattr(trace, 'dtype', type(trace).__name__)} "
+                      f"{tuple(getattr(trace, 'shape', ()))}")
+
+
+def summary(rows: np.ndarray, names: tuple[str, ...]) -> str:
+    """A Markdown timeline of traced programs: ``rows`` ``[programs, TRACE_SLOTS]`` from a
+    traced launch (rows never stamped are dropped), ``names`` the stamps' names (slots 1,
+    2, ...). Times in us from the earliest first stamp: quantiles of each stamp, the
+    launch's span, and how much of it the SMs held a program (the union of their
+    programs' [first, last] stamps, per SM)."""
+    rows = np.asarray(rows, np.int64)
+    rows = rows[rows[:, 1] > 0]
+    if not len(rows):
+        return "no program was stamped"
+    k = len(names)
+    t = (rows[:, 1:1 + k] - rows[:, 1].min()) / 1e3
+    span = t[:, k - 1].max()
+    qs = (0, 10, 50, 90, 100)
+    lines = [f"{len(rows)} programs on {len(np.unique(rows[:, 0]))} SMs; span {span:.1f} us",
+             "| stamp (us from the first start) | " + " | ".join(f"p{q}" for q in qs) + " |",
+             "|---|" + "---:|" * len(qs)]
+    for j, name in enumerate(names):
+        lines.append(f"| {name} | " + " | ".join(f"{np.percentile(t[:, j], q):.1f}"
+                                                 for q in qs) + " |")
+    for j in range(1, k):
+        d = t[:, j] - t[:, j - 1]
+        lines.append(f"| {names[j - 1]} -> {names[j]} | "
+                     + " | ".join(f"{np.percentile(d, q):.1f}" for q in qs) + " |")
+    busy = []
+    for sm in np.unique(rows[:, 0]):
+        mine = t[rows[:, 0] == sm]
+        busy.append(mine[:, k - 1].max() - mine[:, 0].min())
+    lines.append(f"SM busy (first start to last end per SM) / span: mean "
+                 f"{np.mean(busy) / span:.1%}, min {np.min(busy) / span:.1%}")
+    return "\n".join(lines)

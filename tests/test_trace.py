@@ -1,0 +1,86 @@
+"""The timeline diagnostic (kernels/_trace.py): its summary, its argument checks, and on the
+GPU a traced index decode: every program stamped in order, the selection unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels._trace import TRACE_SLOTS, check_trace, summary, trace_buffer
+
+
+def _rows(sm, start, scan, end):
+    """Trace rows (ns) from per-program lists of SM ids and times in us."""
+    us = np.array([start, scan, end], np.float64).T * 1e3
+    return np.column_stack([np.asarray(sm, np.int64), (us + 5e9).astype(np.int64)])
+
+
+def test_summary_reports_quantiles_span_and_sm_busy():
+    """Times are read from the earliest start; the span is the last end; an SM whose two
+    programs cover [0, 10] of a 20 us span is busy 50%, the other 100%; never-stamped rows
+    (zeros) are dropped."""
+    rows = _rows([0, 0, 1], [0.0, 2.0, 0.0], [4.0, 8.0, 15.0], [5.0, 10.0, 20.0])
+    rows = np.vstack([rows, np.zeros((2, TRACE_SLOTS), np.int64)])
+    text = summary(rows, ("start", "scan", "end"))
+    assert text.startswith("3 programs on 2 SMs; span 20.0 us")
+    end = next(line for line in text.splitlines() if line.startswith("| end |"))
+    assert end.split("|")[2].strip() == "5.0" and end.split("|")[-2].strip() == "20.0"
+    assert "mean 75.0%, min 50.0%" in text
+    assert "| start -> scan |" in text and "| scan -> end |" in text
+
+
+def test_summary_of_nothing_stamped():
+    """A buffer no program wrote says so instead of dividing by zero."""
+    assert summary(np.zeros((4, TRACE_SLOTS), np.int64), ("a", "b", "c")) == \
+        "no program was stamped"
+
+
+def test_check_trace_refuses_the_interpreter_and_bad_buffers():
+    """``trace=`` is refused where there is no timer (interpreter, CPU tensors) and when the
+    buffer is too small, of another dtype or shape; the error names the argument."""
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="trace"):
+        check_trace(trace_buffer(4, cpu), 4, True, cpu)
+    with pytest.raises(ValueError, match="trace"):
+        check_trace(trace_buffer(4, cpu), 4, False, cpu)
+    check_trace(None, 4, True, cpu)  # no trace: nothing to check
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        for bad in (trace_buffer(3, dev), trace_buffer(4, dev).int(),
+                    torch.zeros((4, TRACE_SLOTS + 1), dtype=torch.int64, device=dev)):
+            with pytest.raises(ValueError, match="trace"):
+                check_trace(bad, 4, False, dev)
+        check_trace(trace_buffer(5, dev), 4, False, dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["bf16", "e4m3"])
+def test_traced_index_decode_stamps_every_program_in_order(cache):
+    """At a small benchmark shape every program of the launch writes its row: a valid SM id,
+    start <= scan <= end; the selection is the same as the untraced launch's."""
+    from benchmarks import bench_indexer as bix
+    from kernels import indexer_decode as idx
+
+    fmt = bix.CACHES[cache]
+    t = bix.make_set(8, 4096, fmt, 0)
+    out = t.out.transpose(0, 1)
+    s = bix.SHAPE
+
+    def launch(**kw):
+        out.fill_(-2)
+        idx.indexer_decode(t.index_q, t.cache, fmt, t.table, t.seq_lens, t.rows, topk=s.topk,
+                           local_blocks=s.local_blocks, initial_blocks=s.initial_blocks,
+                           out=out, num_splits=4, **kw)
+        return out.clone()
+
+    plain = launch()
+    buf = trace_buffer(64, t.cache.device)
+    traced = launch(trace=buf)
+    assert torch.equal(plain, traced)
+    rows = buf.cpu().numpy()
+    used, rest = rows[:8 * 4], rows[8 * 4:]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert (used[:, 1] > 0).all() and (rest == 0).all()
+    assert ((used[:, 0] >= 0) & (used[:, 0] < sms)).all()
+    assert (used[:, 1] <= used[:, 2]).all() and (used[:, 2] <= used[:, 3]).all()
