@@ -15,8 +15,9 @@ the benchmark's cache names (bench_*.CACHES). ``--knobs``: the launcher's tuning
 torch.profiler over N more, each GPU kernel's time per call, longest first: where a
 multi-kernel launcher (a host plan, passes, a merge) spends its time.
 
-``--timeline N`` (indexer): no ncu; N traced calls (``kernels._trace``: each program's SM
-and its start, scan-end and end times), each after an untraced one, summarised per call:
+``--timeline N`` (indexer, attention_decode): no ncu; N traced calls (``kernels._trace``:
+each program's SM and its start, scan-end and end times), each after an untraced one,
+summarised per call:
 when programs start and finish, how long their scans take, how much of the launch the SMs
 hold a program.
 """
@@ -85,7 +86,8 @@ def kernel_times(fn, reps: int) -> str:
     return "\n".join(lines)
 
 
-TIMELINE_BENCHES = {"indexer": ("start", "scan", "end")}
+TIMELINE_BENCHES = {"indexer": ("start", "scan", "end"),
+                    "attention_decode": ("start", "blocks", "end")}
 
 
 def timeline(bench: str, cache: str, knobs: dict, calls: int) -> str:
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-times", type=int, default=0, metavar="N",
                     help="print the wall and per-kernel GPU times over N calls (no ncu)")
     ap.add_argument("--timeline", type=int, default=0, metavar="N",
-                    help="print N traced calls' per-program timelines (no ncu; indexer)")
+                    help="print N traced calls' per-program timelines (no ncu; indexer, "
+                         "attention_decode)")
     args = ap.parse_args(argv)
     if args.timeline:
         print(timeline(args.bench, args.cache, args.knobs, args.timeline))

@@ -136,6 +136,7 @@ from kernels._host import (
     codes_of,
     fail,
 )
+from kernels._trace import check_trace, stamp
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 
@@ -180,16 +181,19 @@ def _decode_split_kernel(
         seq_ptr, seq_s0,
         tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-        out_ptr, out_s0, out_s1, part_ptr, lse_ptr, flag_ptr, cnt_ptr,
+        out_ptr, out_s0, out_s1, part_ptr, lse_ptr, flag_ptr, cnt_ptr, trace_ptr,
         qk_scale, group, num_q_heads, num_splits,
         ROWS: tl.constexpr, ROWS_P: tl.constexpr, G_P: tl.constexpr, BLOCK_M: tl.constexpr,
         D: tl.constexpr, P: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr,
         NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, DIRECT: tl.constexpr,
-        REPAIR: tl.constexpr, SP: tl.constexpr):
+        REPAIR: tl.constexpr, SP: tl.constexpr, TRACE: tl.constexpr = False):
     r64 = tl.program_id(0).to(tl.int64)
     g64 = tl.program_id(1).to(tl.int64)
     c = tl.program_id(2)
+    trace_row = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * num_splits + c
+    if TRACE:
+        stamp(trace_ptr, trace_row, 1)
     seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
     # Several rows: the flag of this program for the repair pass (module docstring).
     flag = flag_ptr + (r64 * tl.num_programs(1) + g64) * tl.num_programs(2) + c
@@ -303,6 +307,8 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if TRACE:
+        stamp(trace_ptr, trace_row, 2)
     empty = l_i == 0.0  # no key in this split (NaN sums are not empty: they propagate)
     l_safe = tl.where(empty, 1.0, l_i)
     o = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
@@ -327,6 +333,8 @@ def _decode_split_kernel(
                 tl.atomic_xchg(cnt, 0)  # ready for the next call
     if ROWS > 1 and not REPAIR:
         tl.store(flag, not_finite(acc))
+    if TRACE:
+        stamp(trace_ptr, trace_row, 3)
 
 
 @triton.jit
@@ -479,7 +487,8 @@ def plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows
 def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows_per_request,
                             k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                             blocks_per_split=None, validate=False,
-                            num_warps=None, num_stages=None, max_registers=None):
+                            num_warps=None, num_stages=None, max_registers=None,
+                            trace=None):
     """Block-sparse GQA decode attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -504,7 +513,11 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     caches) or ``DEFAULT_STAGES_FP8``, or the
     deepest below that fits the GPU's shared memory, ``kernels._triton.fitting_stages``),
     ``max_registers``
-    (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape)."""
+    (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape).
+    ``trace``: a diagnostic (``kernels._trace``, compiled only): an int64 buffer ``[>= B *
+    Hkv * splits, TRACE_SLOTS]``; program (r, g, c) of the first pass writes row (r * Hkv +
+    g) * splits + c: its SM, then the timer at its start, after its block loop and at its
+    end (after the merge, if it drew the last ticket)."""
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
                               rows_per_request, k_scale, v_scale, softmax_scale, out,
                               blocks_per_split, validate)
@@ -531,6 +544,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
             opts["maxnreg"] = max_registers
     ensure_ready(_decode_split_kernel)
     grid = (p.batch, p.hkv, splits)
+    check_trace(trace, p.batch * p.hkv * splits, INTERPRETED, dev)
     flags = torch.empty(p.batch * p.hkv * splits if p.rows > 1 else 1, dtype=torch.int32,
                         device=dev)
     fused = not direct and p.rows == 1  # the last split merges (ticket counter)
@@ -542,6 +556,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
             topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
             p.ks, *p.ks_strides, p.vs, *p.vs_strides,
             p.out, p.out.stride(0), p.out.stride(1), part, lse, flags, counters,
+            counters if trace is None else trace,
             float(np.float32(p.softmax_scale * LOG2E)), grp, p.hq, splits)
     const = dict(ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d,
                  P=p.page, KP=topk_width(p.topk_k), NB=p.blocks_per_split,
@@ -558,7 +573,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
             fitting_stages(_decode_split_kernel, args, {**const, "REPAIR": r}, dev,
                            deepest=DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES)
             for r in ((False, True) if p.rows > 1 else (False,)))
-    _decode_split_kernel[grid](*args, REPAIR=False, **const)
+    _decode_split_kernel[grid](*args, REPAIR=False, TRACE=trace is not None, **const)
     if p.rows > 1:  # the programs flagged by the first pass, recomputed with the guard
         _decode_split_kernel[grid](*args, REPAIR=True, **const)
     if not direct and not fused:
@@ -585,7 +600,7 @@ def compile_signatures():
         sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", seq_ptr="*i64",
                    tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", out_ptr=f"*{act}",
                    part_ptr="*fp32", lse_ptr="*fp32", flag_ptr="*i32", cnt_ptr="*i32",
-                   qk_scale="fp32",
+                   trace_ptr="*i64", qk_scale="fp32",
                    group="i32",
                    num_q_heads="i32", num_splits="i32", topk_k="i32", bt_cols="i32",
                    num_pages="i64")
@@ -596,7 +611,7 @@ def compile_signatures():
                      NBP=triton.next_power_of_2(nb), FP8=cache == "u8", FMT=fmt, HW=hw,
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, DIRECT=direct,
                      REPAIR=rows > 1 and i % 2 == 1,
-                     SP=triton.next_power_of_2(triton.cdiv(k, nb)))
+                     SP=triton.next_power_of_2(triton.cdiv(k, nb)), TRACE=i == 0)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_split_kernel, sig, const))
     for act in ("bf16",):

@@ -356,6 +356,8 @@ def _bad(name, **changes):
     _bad("blocks_per_split", blocks_per_split=0),
     _bad("blocks_per_split", blocks_per_split=65),
     _bad("max_registers", max_registers=8),
+    # A CPU buffer: refused interpreted (no timer) and compiled (another device).
+    _bad("trace", trace=torch.zeros(64, 4, dtype=torch.int64)),
 ])
 def test_bad_host_input_raises_value_error_naming_it(make, name):
     """Wrong dtypes, shapes (T != B * rows, Hq not G * Hkv with G <= 16, K outside 1..64),

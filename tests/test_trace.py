@@ -1,5 +1,6 @@
 """The timeline diagnostic (kernels/_trace.py): its summary, its argument checks, and on the
-GPU a traced index decode: every program stamped in order, the selection unchanged."""
+GPU a traced index decode and decode attention: every program stamped in order, the
+output unchanged."""
 
 from __future__ import annotations
 
@@ -78,9 +79,35 @@ def test_traced_index_decode_stamps_every_program_in_order(cache):
     buf = trace_buffer(64, t.cache.device)
     traced = launch(trace=buf)
     assert torch.equal(plain, traced)
-    rows = buf.cpu().numpy()
-    used, rest = rows[:8 * 4], rows[8 * 4:]
+    _stamped_in_order(buf.cpu().numpy(), 8 * 4)
+
+
+def _stamped_in_order(rows: np.ndarray, programs: int) -> None:
+    used, rest = rows[:programs], rows[programs:]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert (used[:, 1] > 0).all() and (rest == 0).all()
     assert ((used[:, 0] >= 0) & (used[:, 0] < sms)).all()
     assert (used[:, 1] <= used[:, 2]).all() and (used[:, 2] <= used[:, 3]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["bf16", "e4m3fn"])
+def test_traced_decode_attention_stamps_every_program_in_order(cache):
+    """Batch 4 at the benchmark's shape, 4 blocks per split (4 splits, 64 programs): every
+    program writes its row in order; the output is bit-identical to the untraced one."""
+    from benchmarks import bench_attention_decode as bad
+    from kernels import attention_decode as ad
+
+    fmt = bad.CACHES[cache]
+    t = bad.make_set(4, fmt, seed=0, seq_len=4096)
+
+    def launch(**kw):
+        t.out.fill_(0)
+        ad.sparse_attention_decode(t.q, t.kv, fmt, t.table, t.seq_lens, t.topk.transpose(0, 1),
+                                   1, t.scale, t.scale, out=t.out, blocks_per_split=4, **kw)
+        return t.out.clone()
+
+    plain = launch()
+    buf = trace_buffer(128, t.q.device)
+    assert torch.equal(plain, launch(trace=buf))
+    _stamped_in_order(buf.cpu().numpy(), 4 * bad.SHAPE.hkv * 4)
