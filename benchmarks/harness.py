@@ -5,15 +5,17 @@ Method (NOTES.md "Timing"; .library METHOD.md):
 - A call is given as one zero-argument callable per input set. The sets rotate so that
   one pass over them touches more than 2 x L2, and there are at least two of them
   (``rotation_count``: a set read again finds none of its bytes in L2); ``time_calls``
-  captures ONE CUDA graph holding the rotation, repeated until it holds at least
-  ``MIN_CALLS_PER_REPLAY`` calls, and reports the median of
-  ``triton.testing.do_bench(graph.replay, return_mode="median")`` divided by the calls per
-  replay. do_bench also flushes L2 before each replay. Graph replay removes the host's
-  launch gaps, which dominate short calls and wander between runs; several calls per
-  replay share the replay's own cost (below) as back-to-back kernels of a serving step's
-  graph do. Where the rotation is shorter than that, the Timing also carries
-  ``one_call_us``: a replay of one call alone (the method of sessions 1-19 for calls over
-  2 x L2, and of the issues' for-scale numbers).
+  captures ONE CUDA graph holding the rotation, repeated until a replay lasts at least
+  ``MIN_REPLAY_US`` (``replay_repeats``, from a first timing of the rotation alone), and
+  reports the median of ``triton.testing.do_bench(graph.replay, return_mode="median")``
+  divided by the calls per replay. do_bench also flushes L2 before each replay. Graph
+  replay removes the host's launch gaps, which dominate short calls and wander between
+  runs; a replay's own cost (the graph's launch, the write-back of the L2 lines the flush
+  left dirty: ~10 us on the H200, below) is shared by the calls of a replay, as by the
+  back-to-back kernels of a serving step's graph, and stays under ~1% of it, as in the
+  2 GiB copy that gives the roofline. Where the rotation was repeated, the Timing also
+  carries ``one_call_us``: a replay of one call alone (the method of sessions 1-19 for
+  calls over 2 x L2, and of the issues' for-scale numbers).
 - Every callable is first run eagerly (compilation, autotuning, lazy initialisation stay
   out of capture and out of the numbers). A callable that cannot be captured (a host
   sync, a host-to-device copy, a recompilation) is timed eagerly by do_bench over the same
@@ -41,8 +43,8 @@ COPY_BYTES = 2 * 2**30
 #: lines do_bench's flush left dirty: ~10 us on the H200 (session 20: index decode, e4m3,
 #: batch 64 x 32k, 83.4 us per one-call replay against 71.7 us of kernel time in
 #: torch.profiler and 73.3 us in Nsight Compute; bf16 139.4 against 129.3). The copy
-#: ceiling (2 GiB, eager) carries no such cost, so calls are timed back to back.
-MIN_CALLS_PER_REPLAY = 8
+#: ceiling (2 GiB, ~1 ms, eager) carries ~1% of such costs, so replays last as long.
+MIN_REPLAY_US = 1000.0
 #: Input sets at least: with one set, each call would re-read what the previous call left
 #: in L2.
 MIN_SETS = 2
@@ -80,9 +82,12 @@ def rotation_count(bytes_per_call: int, l2: int, factor: float = 2.0) -> int:
     return max(MIN_SETS, math.floor(factor * l2 / bytes_per_call) + 1)
 
 
-def replay_sequence(calls: list, min_calls: int = MIN_CALLS_PER_REPLAY) -> list:
-    """The calls one replay holds: the rotation repeated whole until at least min_calls."""
-    return calls * -(-min_calls // len(calls))
+def replay_repeats(rotation_us: float, min_replay_us: float = MIN_REPLAY_US) -> int:
+    """How often a replay holds the whole rotation: the fewest times that make it last at
+    least min_replay_us, given one pass over the rotation takes rotation_us."""
+    if not rotation_us > 0:
+        raise ValueError(f"rotation_us must be positive, got {rotation_us}")
+    return max(1, math.ceil(min_replay_us / rotation_us))
 
 
 def _run_all(calls) -> None:
@@ -129,15 +134,17 @@ def time_calls(calls, warmup_ms: float = 25, rep_ms: float = 200,
             torch.cuda.synchronize()
             note = f"graph capture failed: {error_text(e)}"
         else:
-            seq = replay_sequence(calls)
+            us = _bench_us(g.replay, warmup_ms, rep_ms)
+            reps = replay_repeats(us)
             one = None
-            if len(seq) > len(calls):
+            if reps > 1:
                 del g
                 one = _bench_us(capture(calls[:1]).replay, warmup_ms, rep_ms)
-                g = capture(seq)
-            us = _bench_us(g.replay, warmup_ms, rep_ms)
+                g = capture(calls * reps)
+                us = _bench_us(g.replay, warmup_ms, rep_ms)
             del g
-            return Timing(us / len(seq), "graph", len(seq), one_call_us=one)
+            return Timing(us / (len(calls) * reps), "graph", len(calls) * reps,
+                          one_call_us=one)
     us = _bench_us(lambda: _run_all(calls), warmup_ms, rep_ms)
     return Timing(us / len(calls), "eager", len(calls), note)
 
@@ -263,10 +270,10 @@ def add_timing_args(ap, name: str) -> None:
 def timing_info(args) -> dict:
     """The timing method of a report (module docstring) and its settings."""
     return {"method": "median of triton.testing.do_bench over CUDA-graph replays of the "
-                      f"rotating input sets (at least {MIN_SETS}) repeated to at least "
-                      f"{MIN_CALLS_PER_REPLAY} back-to-back calls, divided by the calls "
-                      "(L2 flushed per replay); one_call_us: a replay of one call alone",
-            "min_calls_per_replay": MIN_CALLS_PER_REPLAY, "warmup_ms": args.warmup_ms,
+                      f"rotating input sets (at least {MIN_SETS}) repeated until a replay "
+                      f"lasts at least {MIN_REPLAY_US:g} us, divided by its calls (L2 "
+                      "flushed per replay); one_call_us: a replay of one call alone",
+            "min_replay_us": MIN_REPLAY_US, "warmup_ms": args.warmup_ms,
             "rep_ms": args.rep_ms}
 
 

@@ -107,27 +107,30 @@ def test_rotation_count_exceeds_twice_l2():
         assert k == harness.MIN_SETS or (k - 1) * b <= 2 * l2
 
 
-def test_replay_sequence_repeats_the_whole_rotation():
-    """A replay holds the rotation repeated whole (each set as often, in order) until it
-    holds at least the minimum calls; a rotation already that long is left alone."""
-    for n in (1, 2, 3, 7, 8, 26):
-        calls = [f"set{i}" for i in range(n)]
-        seq = harness.replay_sequence(calls, 8)
-        assert len(seq) >= 8 and len(seq) % n == 0 and len(seq) < 8 + n
-        assert seq == calls * (len(seq) // n)
-    assert harness.replay_sequence(["a"] * 26, 8) == ["a"] * 26
+def test_replay_repeats_make_a_replay_last_the_minimum():
+    """The rotation is repeated the fewest whole times that make a replay last at least
+    the minimum; a rotation already that long is replayed once; no time is an error."""
+    for us in (0.5, 14.0, 147.8, 999.0, 1000.0, 5300.0):
+        n = harness.replay_repeats(us, 1000.0)
+        assert n * us >= 1000.0 and (n == 1 or (n - 1) * us < 1000.0)
+    assert harness.replay_repeats(5300.0) == 1
+    with pytest.raises(ValueError, match="rotation_us"):
+        harness.replay_repeats(0.0)
 
 
 @pytest.mark.gpu
 def test_time_calls_times_back_to_back_calls():
-    """A rotation shorter than MIN_CALLS_PER_REPLAY is replayed repeated (calls_per_replay
-    counts the repeats) with the one-call replay beside it; a long one as it is, without."""
+    """A rotation of two ~microsecond calls is replayed repeated until the replay lasts
+    MIN_REPLAY_US (calls_per_replay counts the repeats, a multiple of the rotation) with
+    the one-call replay beside it; a rotation longer than that is replayed once, without."""
     x = torch.zeros(2**20, device="cuda")
     short = harness.time_calls([lambda: x.add_(1), lambda: x.mul_(1)], 1, 10)
-    assert short.mode == "graph" and short.calls_per_replay == harness.MIN_CALLS_PER_REPLAY
+    assert short.mode == "graph" and short.calls_per_replay % 2 == 0
+    assert short.calls_per_replay * short.median_us >= 0.9 * harness.MIN_REPLAY_US
     assert short.one_call_us is not None and short.one_call_us > 0 < short.median_us
-    long = harness.time_calls([lambda: x.add_(1)] * harness.MIN_CALLS_PER_REPLAY, 1, 10)
-    assert long.calls_per_replay == harness.MIN_CALLS_PER_REPLAY and long.one_call_us is None
+    big = torch.zeros(2**28, device="cuda")  # 1 GiB: each fill ~0.25 ms, eight of them
+    long = harness.time_calls([lambda: big.fill_(1.0), lambda: big.fill_(2.0)] * 4, 1, 20)
+    assert long.calls_per_replay == 8 and long.one_call_us is None
 
 
 def _synthetic_report() -> dict:
