@@ -111,3 +111,18 @@ def test_traced_decode_attention_stamps_every_program_in_order(cache):
     buf = trace_buffer(128, t.q.device)
     assert torch.equal(plain, launch(trace=buf))
     _stamped_in_order(buf.cpu().numpy(), 4 * bad.SHAPE.hkv * 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bench", ["indexer", "attention_decode"])
+def test_profile_launch_timeline_summarises_a_model_shape_launch(bench):
+    """profile_launch --timeline's text for one traced model-shape call: the whole grid
+    stamped (the index decode's one wave, the decode's B x Hkv x splits programs), the
+    quantile table and the SM busy line."""
+    from benchmarks.profile_launch import timeline
+
+    cache = "e4m3" if bench == "indexer" else "e4m3fn"
+    text = timeline(bench, cache, {}, 1)
+    head = text.splitlines()[1]
+    assert head.split(" programs on ")[0].isdigit() and int(head.split()[0]) >= 256, text
+    assert "| start |" in text and "| end |" in text and "SM busy" in text
