@@ -281,5 +281,7 @@ register(Mutant(
     "an inclusive/exclusive mix-up passed K - 1 as the selection width, so the last column "
     "of every row kept the buffer's stale content",
     patch("kernels.indexer_decode",
-          ("                hi, q_rows, k, loc, ini, bps, splits)\n",
-           "                hi, q_rows, k - 1, loc, ini, bps, splits)\n"))))
+          ("                cnt if trace is None else trace, hi, q_rows, k, loc, ini, bps, "
+           "splits)\n",
+           "                cnt if trace is None else trace, hi, q_rows, k - 1, loc, ini, bps, "
+           "splits)\n"))))
