@@ -107,6 +107,8 @@ def header(doc: dict) -> list[str]:
              f"triton {doc.get('triton', '?')}; {doc.get('tokens', '?')} tokens. "
              f"Copy bandwidth (eager device-to-device copy of {c['bytes'] / 2**30:.2f} GiB, "
              f"bytes read + written): {c['bytes_per_s'] / 1e12:.2f} TB/s.", ""]
+    if doc.get("timing", {}).get("method"):
+        lines[-1:] = [f"Timing: {doc['timing']['method']}.", ""]
     for note in doc.get("notes", ()):
         lines.append(f"- {note}")
     return lines + [""] if doc.get("notes") else lines

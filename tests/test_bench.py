@@ -183,6 +183,12 @@ def test_render_cli_writes_markdown(tmp_path):
     assert "| triton | bf16 |" in (tmp_path / "bench.md").read_text()
 
 
+def test_render_states_the_timing_method():
+    """The report's timing method (how many calls a replay holds) is in the Markdown."""
+    doc = {**_synthetic_report(), "timing": {"method": "replays of at least 1000 us"}}
+    assert "Timing: replays of at least 1000 us." in render_bench.markdown(doc)
+
+
 def test_render_rejects_other_schemas():
     """A report of another schema is refused rather than misread."""
     with pytest.raises(ValueError, match="schema"):
