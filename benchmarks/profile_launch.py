@@ -17,9 +17,8 @@ multi-kernel launcher (a host plan, passes, a merge) spends its time.
 
 ``--timeline N`` (indexer, attention_decode): no ncu; N traced calls (``kernels._trace``:
 each program's SM and its start, scan-end and end times), each after an untraced one,
-summarised per call:
-when programs start and finish, how long their scans take, how much of the launch the SMs
-hold a program.
+summarised per call: when programs start and finish, how long their scans take, how much
+of the launch the SMs hold a program.
 """
 
 from __future__ import annotations
