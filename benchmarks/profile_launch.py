@@ -87,6 +87,9 @@ def kernel_times(fn, reps: int) -> str:
 
 TIMELINE_BENCHES = {"indexer": ("start", "scan", "end"),
                     "attention_decode": ("start", "blocks", "end")}
+#: Further views of a bench's trace rows: (title, stamp names, their slots).
+TIMELINE_VIEWS = {"indexer": [("the merging programs", ("start", "scan", "ticket", "written",
+                                                       "end"), (1, 2, 4, 5, 3))]}
 
 
 def timeline(bench: str, cache: str, knobs: dict, calls: int) -> str:
@@ -103,7 +106,10 @@ def timeline(bench: str, cache: str, knobs: dict, calls: int) -> str:
         buf.zero_()
         traced()
         torch.cuda.synchronize()
-        out.append(f"### call {i + 1}\n" + summary(buf.cpu().numpy(), TIMELINE_BENCHES[bench]))
+        rows = buf.cpu().numpy()
+        out.append(f"### call {i + 1}\n" + summary(rows, TIMELINE_BENCHES[bench]))
+        for title, names, slots in TIMELINE_VIEWS.get(bench, ()):
+            out.append(f"#### call {i + 1}, {title}\n" + summary(rows, names, slots))
     return "\n\n".join(out)
 
 

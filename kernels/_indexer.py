@@ -71,6 +71,11 @@ from kernels._triton import tl, triton
 from kernels.fp8 import FMT_E4M3FN, HW_FORMATS, decode_fp8, decode_fp8_to, fmt_code
 from reference.domain import KV_HEADS_RANGE, PAGE_SIZES, TOPK_RANGE
 
+# The bitonic top-k's building blocks (private to Triton 3.6, pinned): ``_top_of_runs``
+# runs its last steps alone.
+_bitonic_merge_hypercube = triton.language.standard._bitonic_merge_hypercube
+_log2 = triton.language.standard._log2
+
 #: The index formats the kernels read: the four fp8 formats (uint8 codes; e4m3fn/e4m3fnuz
 #: are what platforms use, e5m2/e5m2fnuz exist for emulation) and the model dtypes.
 INDEX_FORMATS = ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "bfloat16", "float16")
@@ -475,29 +480,84 @@ def scan_blocks_mma(top, q_req, q_s0, q_s1, tok0, num_tokens, seq, bt_row, bt_s1
 
 
 @triton.jit
+def _partial_tile(part, s0, num_splits, rows, ROWS: tl.constexpr, BK: tl.constexpr,
+                  MC: tl.constexpr):
+    """Partial lists s0 .. s0 + MC - 1 of ``part`` (int64 ``[num_splits, ROWS, BK]``, read
+    through L2, ``.cg``: other programs wrote them) as uint64 ``[ROWS, MC * BK]``; lists
+    past num_splits read as key 0 (empty)."""
+    n = tl.arange(0, MC * BK)
+    sp = s0 + n // BK
+    ptrs = (part + rows.to(tl.int64)[:, None] * BK
+            + (sp.to(tl.int64) * (ROWS * BK) + n % BK)[None, :])
+    return tl.load(ptrs, mask=(sp < num_splits)[None, :], other=0,
+                   cache_modifier=".cg").to(tl.uint64, bitcast=True)
+
+
+@triton.jit
+def _tile_top(cand, ROWS: tl.constexpr, BK: tl.constexpr):
+    """The BK largest keys of each row of ``cand``, in descending order."""
+    if BK == 1:  # tl.topk with k = 1 does not compile (Triton 3.6): a plain max
+        return tl.reshape(tl.max(cand, axis=1), [ROWS, 1])
+    else:
+        return tl.topk(cand, BK)
+
+
+@triton.jit
+def _step_top(part, s0, num_splits, rows, ROWS: tl.constexpr, BK: tl.constexpr,
+              MC: tl.constexpr, SORTED: tl.constexpr):
+    cand = _partial_tile(part, s0, num_splits, rows, ROWS, BK, MC)
+    if SORTED and BK > 1:
+        return _top_of_runs(cand, BK)
+    else:
+        return _tile_top(cand, ROWS, BK)
+
+
+@triton.jit
 def merge_partials(part, num_splits, rows, ROWS: tl.constexpr, BK: tl.constexpr,
-                   MC: tl.constexpr):
+                   MC: tl.constexpr, SORTED: tl.constexpr = False):
     """The BK largest keys per row of ``num_splits`` partial lists stored at ``part`` as
-    int64 ``[num_splits, ROWS, BK]`` (read through L2, ``.cg``: other programs wrote them),
-    sorted in descending order: MC lists per step, ``tl.topk`` (bitonic) of the step's
-    MC * BK keys, then of those BK and the running BK. Exact: keys of a row are unique
-    except empty ones (< 2^32, which rank below every valid key)."""
-    cols = tl.arange(0, BK)
-    mc = tl.arange(0, MC)
-    merged = empty_list(ROWS, BK)
-    for s0 in range(0, num_splits, MC):
-        sp = s0 + mc
-        ptrs = (part + sp.to(tl.int64)[None, :, None] * (ROWS * BK)
-                + rows.to(tl.int64)[:, None, None] * BK + cols[None, None, :])
-        cand = tl.load(ptrs, mask=(sp < num_splits)[None, :, None], other=0,
-                       cache_modifier=".cg").to(tl.uint64, bitcast=True)
-        if BK == 1:  # tl.topk with k = 1 does not compile (Triton 3.6): a plain max
-            best = tl.max(tl.reshape(cand, [ROWS, MC]), axis=1)
-            merged = tl.maximum(merged, tl.reshape(best, [ROWS, 1]))
-        else:
-            best = tl.topk(tl.reshape(cand, [ROWS, MC * BK]), BK)
-            merged = tl.topk(tl.reshape(tl.join(merged, best), [ROWS, 2 * BK]), BK)
+    int64 ``[num_splits, ROWS, BK]``, sorted in descending order: MC lists per step, the
+    bitonic top-k of the step's MC * BK keys (``tl.topk``; SORTED: lists stored sorted by
+    ``store_partial``, its last steps alone), then (from the second step on) of those BK
+    and the running BK. Exact: keys of a row are unique except empty ones (< 2^32, which
+    rank below every valid key)."""
+    merged = _step_top(part, 0, num_splits, rows, ROWS, BK, MC, SORTED)
+    for s0 in range(MC, num_splits, MC):
+        best = _step_top(part, s0, num_splits, rows, ROWS, BK, MC, SORTED)
+        merged = _tile_top(tl.reshape(tl.join(merged, best), [ROWS, 2 * BK]), ROWS, BK)
     return merged
+
+
+@triton.jit
+def _top_of_runs(cand, BK: tl.constexpr):
+    """``tl.topk(cand, BK)`` for ``cand`` ``[ROWS, N]`` whose runs of BK keys are already
+    sorted, ascending and descending in turn (run 0 ascending): the bitonic top-k's last
+    steps alone (Triton's ``sort_impl`` after its first log2(BK) stages, which sort the
+    runs so): per step the larger of each pair of runs, key by key (a bitonic run holding
+    the pair's top BK), merged into order."""
+    LOG_K: tl.constexpr = _log2(BK)
+    LOG_N: tl.constexpr = _log2(cand.shape[1])
+    h = tl.reshape(cand, [2] * _log2(cand.numel))
+    for i in tl.static_range(LOG_K + 1, LOG_N + 1):
+        h = tl.max(h, axis=_log2(h.numel) - 1 - LOG_K)
+        h = _bitonic_merge_hypercube(h, LOG_K, 2 if i < LOG_N else 1)
+    return tl.reshape(h, [cand.shape[0], BK])
+
+
+@triton.jit
+def store_partial(mine, top, rows, s, MC: tl.constexpr, SORTED: tl.constexpr):
+    """Split s's partial list ``top`` ``[ROWS, BK]`` to its workspace slot ``mine`` (int64
+    ``[ROWS, BK]``) as ``merge_partials`` reads it: SORTED, in descending order written
+    back to front (ascending) for even s when MC > 1, so lists s0 .. s0 + MC - 1 of a
+    merge step form ``_top_of_runs``' runs (MC 1: the list is the merge, descending)."""
+    BK: tl.constexpr = top.shape[1]
+    cols = tl.arange(0, BK)
+    if SORTED and BK > 1:
+        top = tl.sort(top, descending=True)
+        if MC > 1:
+            cols = tl.where(s % 2 == 0, BK - 1 - cols, cols)
+    tl.store(mine + rows.to(tl.int64)[:, None] * BK + cols[None, :],
+             top.to(tl.int64, bitcast=True))
 
 
 @triton.jit

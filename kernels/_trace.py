@@ -21,8 +21,10 @@ import torch
 from kernels._host import fail
 from kernels._triton import tl, triton
 
-#: int64 per program row: the SM id, then up to this many minus one timestamps.
-TRACE_SLOTS = 4
+#: int64 per program row: the SM id, then up to this many minus one timestamps (a kernel
+#: may stamp some slots in some programs only: the index decode's merge stamps, 4 and 5,
+#: in the programs that merge).
+TRACE_SLOTS = 6
 _SLOTS = tl.constexpr(TRACE_SLOTS)
 
 
@@ -67,18 +69,26 @@ def check_trace(trace, programs: int, interpreted: bool, device) -> None:
                       f"{tuple(getattr(trace, 'shape', ()))}")
 
 
-def summary(rows: np.ndarray, names: tuple[str, ...]) -> str:
+def summary(rows: np.ndarray, names: tuple[str, ...], slots: tuple[int, ...] = ()
+            ) -> str:
     """A Markdown timeline of traced programs: ``rows`` ``[programs, TRACE_SLOTS]`` from a
-    traced launch (rows never stamped are dropped), ``names`` the stamps' names (slots 1,
-    2, ...). Times in us from the earliest first stamp: quantiles of each stamp, the
-    launch's span, and how much of it the SMs held a program (the union of their
-    programs' [first, last] stamps, per SM)."""
+    traced launch, ``names`` the stamps' names in time order, ``slots`` their slots
+    (default 1, 2, ...; the first is the start, the last the end). Only rows with every
+    one of those slots stamped count (a subset of the programs when some slots are
+    stamped by some programs only). Times in us from the earliest start: quantiles of each
+    stamp and of the gaps between consecutive ones, the span (the last end), the median end
+    of programs grouped by how many programs shared their SM (does a fuller SM finish
+    later?), and how much of the span the SMs held a program (the union of their
+    programs' [start, end], per SM)."""
     rows = np.asarray(rows, np.int64)
-    rows = rows[rows[:, 1] > 0]
+    k = len(names)
+    cols = np.asarray(slots or range(1, k + 1))
+    if len(cols) != k:
+        raise ValueError(f"slots must name one slot per stamp name ({k}), got {slots}")
+    rows = rows[(rows[:, cols] > 0).all(axis=1)]
     if not len(rows):
         return "no program was stamped"
-    k = len(names)
-    t = (rows[:, 1:1 + k] - rows[:, 1].min()) / 1e3
+    t = (rows[:, cols] - rows[:, cols[0]].min()) / 1e3
     span = t[:, k - 1].max()
     qs = (0, 10, 50, 90, 100)
     lines = [f"{len(rows)} programs on {len(np.unique(rows[:, 0]))} SMs; span {span:.1f} us",
@@ -91,6 +101,11 @@ def summary(rows: np.ndarray, names: tuple[str, ...]) -> str:
         d = t[:, j] - t[:, j - 1]
         lines.append(f"| {names[j - 1]} -> {names[j]} | "
                      + " | ".join(f"{np.percentile(d, q):.1f}" for q in qs) + " |")
+    per_sm = np.unique(rows[:, 0], return_inverse=True, return_counts=True)
+    load = per_sm[2][per_sm[1]]  # each program's count of programs on its SM
+    lines.append(f"{names[k - 1]} by programs per SM: " + ", ".join(
+        f"{n}: median {np.median(t[load == n, k - 1]):.1f} us ({int((load == n).sum())})"
+        for n in np.unique(load)))
     busy = []
     for sm in np.unique(rows[:, 0]):
         mine = t[rows[:, 0] == sm]

@@ -91,7 +91,7 @@ def _indexer_decode_kernel(
         FMA: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr, LANES: tl.constexpr,
         STAGES: tl.constexpr, MC: tl.constexpr, PAIRS: tl.constexpr, DIRECT: tl.constexpr,
         CHAIN: tl.constexpr, MMA: tl.constexpr, F8MMA: tl.constexpr, MR: tl.constexpr,
-        TRACE: tl.constexpr = False):
+        SORTED: tl.constexpr = False, TRACE: tl.constexpr = False):
     r = tl.program_id(0)
     s = tl.program_id(1)
     trace_row = r * num_splits + s
@@ -125,7 +125,7 @@ def _indexer_decode_kernel(
                                      bt_s1, b_lo, b_hi, ic_ptr, ic_s0, ic_s1, num_pages,
                                      local_blocks, initial_blocks, P, D, HI, QR, ROWS, LANES,
                                      BLOCK_N, STAGES, FP8, FMT, HW, PAIRS, DIRECT, CHAIN)
-        tl.store(mine + tile, top.to(tl.int64, bitcast=True))
+        ix.store_partial(mine, top, rows, s, MC, SORTED)
         if TRACE:
             stamp(trace_ptr, trace_row, 2)
     else:
@@ -134,7 +134,7 @@ def _indexer_decode_kernel(
                              ic_s1, num_pages, local_blocks, initial_blocks, P, D, BLOCK_N,
                              BLOCK_D, ROWS, CH, VEC, FP8, FMT, HW)
         if SPLIT:
-            tl.store(mine + tile, top.to(tl.int64, bitcast=True))
+            ix.store_partial(mine, top, rows, s, MC, SORTED and not VEC)
     if SPLIT or FMA or MMA:
         tl.debug_barrier()  # every thread's partial list is stored before the ticket
         ticket = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel")
@@ -149,10 +149,16 @@ def _indexer_decode_kernel(
                 ix.write_list(merged, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk,
                               BK, VEC)
             else:  # bitonic top-k of MC partial lists per step, written in order
-                merged = ix.merge_partials(first, num_splits, rows, ROWS, BK, MC)
+                if TRACE:
+                    stamp(trace_ptr, trace_row, 4)
+                merged = ix.merge_partials(first, num_splits, rows, ROWS, BK, MC, SORTED)
                 ix.write_sorted(merged, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk,
                                 BK)
-            tl.atomic_xchg(cnt_ptr + r, 0)  # ready for the next call
+                if TRACE:
+                    stamp(trace_ptr, trace_row, 5)
+            # Ready for the next launch: every ticket of this one is drawn, so a plain store
+            # (no atomic round trip at the end of the critical path).
+            tl.store(cnt_ptr + r, 0)
     else:
         ix.write_list(top, out_ptr, o_s0, o_s1, o_s2, heads, toks, row_in, topk, BK, VEC)
     if TRACE:
@@ -288,7 +294,7 @@ def fma_strategy(nr: int, page: int, d: int, fp8: bool, lanes_d=None, block_n=No
 def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_per_request,
                    *, topk, local_blocks=1, initial_blocks=0, out=None, num_splits=None,
                    blocks_per_split=None, validate=False, scan=None, lanes_d=None,
-                   block_n=None, num_warps=None, num_stages=None, merge_chunk=None,
+                   block_n=None, num_warps=None, num_stages=None, merge_chunk=None, merge=None,
                    pairs=None, fma_chain=None, block_d=None, blocks_per_step=None, vec=None,
                    trace=None):
     """Top-k key blocks of decode rows (SPEC.md s.5).
@@ -328,11 +334,16 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       interpreted, where the chain's combine runs element by element).
     merge_chunk       partial lists merged per step by the last split (power of two;
                       default min(next_pow2(S), 256 / BK)); not with vec.
+    merge             the partial lists' merge (compiled): "sorted" (default: each split
+                      sorts its list, ``kernels._indexer.store_partial``, and the last one
+                      runs the bitonic top-k's last steps alone) or "topk" (the whole
+                      ``tl.topk`` of unsorted lists).
     trace             a diagnostic (``kernels._trace``, compiled "mma" / "fma" scans): an
                       int64 buffer ``[>= B * S, TRACE_SLOTS]``; program (r, s) writes row
-                      r * S + s: its SM, then the timer at its start, after its scan
-                      (partial list stored) and at its end (after the merge, if it drew
-                      the last ticket)."""
+                      r * S + s: its SM, then the timer at its start (slot 1), after its
+                      scan (partial list stored, 2) and at its end (3; after the merge, if
+                      it drew the last ticket); the merging program also when it drew the
+                      ticket (4) and when the merged list was written (5)."""
     t, hi, d, page, num_pages, fp8, code, hw, k, loc, ini = ix.check_index_args(
         index_q, index_cache, index_fmt, block_table, seq_lens, topk, local_blocks,
         initial_blocks)
@@ -406,6 +417,11 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
         mc = ix.pow2_arg("merge_chunk", merge_chunk, 1)
         if vec:
             fail("merge_chunk", "does not apply with vec=True (rank merges)")
+    if merge not in (None, "sorted", "topk"):
+        fail("merge", f"must be 'sorted' or 'topk', got {merge!r}")
+    if merge is not None and vec:
+        fail("merge", "does not apply with vec=True (rank merges)")
+    sort = merge != "topk"
     if validate:
         lens = seq_lens.detach().cpu()
         short = (lens != 0) & (lens < q_rows)
@@ -428,7 +444,8 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                      HI=hi if fma or mma else 1, QR=q_rows if fma or mma else 1, LANES=lanes,
                      STAGES=stages, MC=mc, PAIRS=bool(fma and pairs),
                      DIRECT=(fma or mma) and bps <= bk, CHAIN=chain, MMA=mma,
-                     F8MMA=mma and fp8_mma(index_fmt), MR=max(16, rows), num_warps=warps)
+                     F8MMA=mma and fp8_mma(index_fmt), MR=max(16, rows), SORTED=sort,
+                     num_warps=warps)
         if trace is not None:
             const["TRACE"] = True
         return args, const
@@ -494,7 +511,7 @@ def compile_signatures():
                      SPLIT=split, FP8=fp8, FMT=fmt, HW=hw, FMA=fma, HI=hi, QR=qr, LANES=lanes,
                      STAGES=stages, MC=2 if bk == 1 else 256 // bk, PAIRS=fma and qt == "bf16",
                      DIRECT=(fma or mma) and split, CHAIN=fma, MMA=mma,
-                     F8MMA=mma and fp8 and hw, MR=max(16, rows), TRACE=False)
+                     F8MMA=mma and fp8 and hw, MR=max(16, rows), SORTED=True, TRACE=False)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_indexer_decode_kernel, sig, const))
     # The timeline diagnostic (kernels._trace) on the model shape's e4m3 MMA scan.

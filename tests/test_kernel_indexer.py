@@ -369,12 +369,13 @@ def test_fma_scan_every_format_exact(fmt):
     dict(block_n=32, num_warps=8), dict(num_stages=1), dict(blocks_per_split=1),
     dict(blocks_per_split=3), dict(blocks_per_split=100), dict(num_splits=64),
     dict(num_splits=64, merge_chunk=2), dict(num_splits=5, merge_chunk=1),
+    dict(num_splits=6, merge="topk"), dict(num_splits=6, merge_chunk=2, merge="topk"),
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_fma_knobs_select_identically(kw):
     """Every FMA-scan knob (lanes along D, keys per tile, warps, pipeline stages, blocks
     per split: at most BK blocks (slots filled directly) or more (replace-min), more splits
-    than blocks, merge chunks of 1..16 partial lists) gives exactly the reference's
-    selection."""
+    than blocks, merge chunks of 1..16 partial lists, presorted lists or a whole top-k)
+    gives exactly the reference's selection."""
     x = make_index_inputs("bfloat16", seq_lens=(300, 64, 7), rows=1, hi=5, d=128, page=32,
                           topk=6, local=1, kind="grid", duplicate=[(0, 2, 6), (0, 3, 8)],
                           seed=25)
@@ -588,6 +589,8 @@ def _bad(name, decode_op=False, **changes):
     _bad("blocks_per_step", True, scan="mma", blocks_per_step=8),
     _bad("fma_chain", True, scan="fma", fma_chain="yes"),
     _bad("merge_chunk", True, merge_chunk=3),
+    _bad("merge", True, scan="fma", merge="rank"),
+    _bad("merge", True, scan="dot", vec=True, merge="topk"),
     # A CPU buffer: refused interpreted (no timer) and compiled (another device).
     _bad("trace", True, scan="fma", trace=lambda a: torch.zeros(64, 4, dtype=torch.int64)),
     _bad("trace", True, scan="dot", trace=lambda a: torch.zeros(64, 4, dtype=torch.int64)),

@@ -11,10 +11,14 @@ import torch
 from kernels._trace import TRACE_SLOTS, check_trace, summary, trace_buffer
 
 
-def _rows(sm, start, scan, end):
-    """Trace rows (ns) from per-program lists of SM ids and times in us."""
-    us = np.array([start, scan, end], np.float64).T * 1e3
-    return np.column_stack([np.asarray(sm, np.int64), (us + 5e9).astype(np.int64)])
+def _rows(sm, *stamps):
+    """Trace rows ``[programs, TRACE_SLOTS]`` (ns) from per-program lists of SM ids and of
+    times in us per slot (None: not stamped), the later slots zero."""
+    ns = np.array([[0 if t is None else t * 1e3 + 5e9 for t in slot] for slot in stamps]).T
+    rows = np.zeros((len(sm), TRACE_SLOTS), np.int64)
+    rows[:, 0] = sm
+    rows[:, 1:1 + len(stamps)] = ns.astype(np.int64)
+    return rows
 
 
 def test_summary_reports_quantiles_span_and_sm_busy():
@@ -28,7 +32,24 @@ def test_summary_reports_quantiles_span_and_sm_busy():
     end = next(line for line in text.splitlines() if line.startswith("| end |"))
     assert end.split("|")[2].strip() == "5.0" and end.split("|")[-2].strip() == "20.0"
     assert "mean 75.0%, min 50.0%" in text
+    assert "end by programs per SM: 1: median 20.0 us (1), 2: median 7.5 us (2)" in text
     assert "| start -> scan |" in text and "| scan -> end |" in text
+
+
+def test_summary_of_some_programs_stamped_slots():
+    """A view over slots that only some programs stamp (the index decode's merge stamps,
+    slots 4 and 5) counts those programs alone, times from their earliest start, in the
+    order the view names the slots."""
+    rows = _rows([0, 1, 2], [0.0, 1.0, 2.0], [4.0, 8.0, 9.0], [5.0, 14.0, 10.0],
+                 [None, 9.0, None], [None, 12.0, None])
+    text = summary(rows, ("start", "scan", "ticket", "written", "end"), (1, 2, 4, 5, 3))
+    assert text.startswith("1 programs on 1 SMs; span 13.0 us")
+    gaps = {line.split("|")[1].strip(): line.split("|")[2].strip()
+            for line in text.splitlines() if "->" in line}
+    assert gaps == {"start -> scan": "7.0", "scan -> ticket": "1.0",
+                    "ticket -> written": "3.0", "written -> end": "2.0"}
+    with pytest.raises(ValueError, match="slots"):
+        summary(rows, ("start", "end"), (1, 2, 3))
 
 
 def test_summary_of_nothing_stamped():
@@ -59,7 +80,8 @@ def test_check_trace_refuses_the_interpreter_and_bad_buffers():
 @pytest.mark.parametrize("cache", ["bf16", "e4m3"])
 def test_traced_index_decode_stamps_every_program_in_order(cache):
     """At a small benchmark shape every program of the launch writes its row: a valid SM id,
-    start <= scan <= end; the selection is the same as the untraced launch's."""
+    start <= scan <= end, and one program per request its merge stamps in order; the
+    selection is the same as the untraced launch's."""
     from benchmarks import bench_indexer as bix
     from kernels import indexer_decode as idx
 
@@ -79,7 +101,13 @@ def test_traced_index_decode_stamps_every_program_in_order(cache):
     buf = trace_buffer(64, t.cache.device)
     traced = launch(trace=buf)
     assert torch.equal(plain, traced)
-    _stamped_in_order(buf.cpu().numpy(), 8 * 4)
+    rows = buf.cpu().numpy()
+    _stamped_in_order(rows, 8 * 4)
+    # One program per request (rows r * 4 + s) merges: scan <= ticket <= written <= end.
+    merging = np.nonzero(rows[:32, 4])[0]
+    assert np.array_equal(merging // 4, np.arange(8))
+    m = rows[merging]
+    assert ((m[:, 2] <= m[:, 4]) & (m[:, 4] <= m[:, 5]) & (m[:, 5] <= m[:, 3])).all()
 
 
 def _stamped_in_order(rows: np.ndarray, programs: int) -> None:
