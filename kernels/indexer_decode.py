@@ -68,6 +68,7 @@ import functools
 import torch
 
 from kernels import _indexer as ix
+from kernels import indexer_decode_flat as flat_grid
 from kernels._host import check_int, fail
 from kernels._trace import check_trace, stamp
 from kernels._triton import ensure_ready, is_interpreted, resident_programs, tl, triton
@@ -291,12 +292,62 @@ def fma_strategy(nr: int, page: int, d: int, fp8: bool, lanes_d=None, block_n=No
     return lanes, bn, warps, stages
 
 
+def _check_grid(grid, num_programs, scan, num_splits, blocks_per_split, blocks_per_step
+                ) -> bool:
+    """Whether the launch uses the flat grid; its knobs checked (ValueError naming them)."""
+    if grid not in (None, "split", "flat"):
+        fail("grid", f"must be 'split' or 'flat', got {grid!r}")
+    if grid != "flat":
+        if num_programs is not None:
+            fail("num_programs", "applies to grid='flat' only")
+        return False
+    for name, v in (("num_splits", num_splits), ("blocks_per_split", blocks_per_split),
+                    ("blocks_per_step", blocks_per_step)):
+        if v is not None:
+            fail(name, "does not apply to grid='flat' (ranges of the whole batch's blocks)")
+    if scan not in (None, "mma"):
+        fail("scan", f"grid='flat' runs the 'mma' scan only, got {scan!r}")
+    if num_programs is not None:
+        check_int(num_programs, "num_programs", 1)
+    return True
+
+
+def _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out, k, loc, ini,
+                 trace, dev, merge_chunk, const):
+    """The flat grid's launch: G programs (default: one wave of resident programs,
+    compiled; 3 interpreted, so ranges straddle requests in CI), the merge chunk (default
+    min(next_pow2(workspace slots), flat_grid.MERGE_CHUNK, 256 / BK))."""
+    kernel = flat_grid._indexer_decode_flat_kernel
+    bk = const["BK"]
+    if merge_chunk is None:
+        const["MC"] = min(triton.next_power_of_2(flat_grid.workspace_slots(
+            block_table.shape[1])), flat_grid.MERGE_CHUNK, max(1, 256 // bk))
+    else:
+        const["MC"] = ix.pow2_arg("merge_chunk", merge_chunk, 1)
+    ensure_ready(kernel)
+    g = num_programs
+    if g is None:
+        if INTERPRETED or dev.type != "cuda":
+            g = 3
+        else:
+            probe = torch.empty(1, dtype=torch.int64, device=dev)
+            args = flat_grid.kernel_args(index_q, index_cache, block_table, seq_lens, out,
+                                         probe, probe.int(), None, k, loc, ini, 2)
+            g = min(resident_programs(kernel, args, const, dev),
+                    MAX_PROGRAMS_PER_SM * _sm_count(dev.index or 0))
+    check_trace(trace, g, INTERPRETED, dev)
+    if index_q.shape[0] == 0:
+        return out
+    return flat_grid.launch(g, index_q, index_cache, block_table, seq_lens, out, k, loc, ini,
+                            const, trace)
+
+
 def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_per_request,
                    *, topk, local_blocks=1, initial_blocks=0, out=None, num_splits=None,
                    blocks_per_split=None, validate=False, scan=None, lanes_d=None,
                    block_n=None, num_warps=None, num_stages=None, merge_chunk=None, merge=None,
                    pairs=None, fma_chain=None, block_d=None, blocks_per_step=None, vec=None,
-                   trace=None):
+                   grid=None, num_programs=None, trace=None):
     """Top-k key blocks of decode rows (SPEC.md s.5).
 
     index_q           ``[B * rows_per_request, Hi, D]`` request-major, in the index cache's
@@ -338,6 +389,11 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       sorts its list, ``kernels._indexer.store_partial``, and the last one
                       runs the bitonic top-k's last steps alone) or "topk" (the whole
                       ``tl.topk`` of unsorted lists).
+    grid              "split" (default: program (r, s) per request and key-block split) or
+                      "flat" (``kernels/indexer_decode_flat.py``: the batch's key blocks
+                      laid end to end and shared out evenly over ``num_programs`` programs,
+                      default one wave; the "mma" scan; not with num_splits,
+                      blocks_per_split, blocks_per_step).
     trace             a diagnostic (``kernels._trace``, compiled "mma" / "fma" scans): an
                       int64 buffer ``[>= B * S, TRACE_SLOTS]``; program (r, s) writes row
                       r * S + s: its SM, then the timer at its start (slot 1), after its
@@ -354,8 +410,10 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
         fail("index_q", f"must have B * rows_per_request = {b} * {q_rows} = {b * q_rows} rows "
                         f"(B from block_table / seq_lens), got {t}")
     out = ix.check_out(out, hi, t, k, dev)
+    flat = _check_grid(grid, num_programs, scan, num_splits, blocks_per_split,
+                       blocks_per_step)
     if scan is None:
-        scan = "dot" if INTERPRETED or vec else "mma"
+        scan = "mma" if flat else "dot" if INTERPRETED or vec else "mma"
     if scan not in ("fma", "dot", "mma"):
         fail("scan", f"must be 'fma', 'mma' or 'dot', got {scan!r}")
     nr = q_rows * hi
@@ -363,7 +421,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     mma = scan == "mma"
     bk = triton.next_power_of_2(k)
     wave = mma and num_splits is None and blocks_per_split is None and not INTERPRETED \
-        and dev.type == "cuda"
+        and dev.type == "cuda" and not flat
     splits, bps = (0, 0) if wave else _splits(num_splits, blocks_per_split, b, width, dev,
                                               bk if fma or mma else 0)
     chain = False
@@ -450,6 +508,13 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
             const["TRACE"] = True
         return args, const
 
+    if flat:
+        return _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out, k,
+                            loc, ini, trace, dev, merge_chunk,
+                            dict(P=page, D=d, ROWS=rows, BK=bk, FP8=fp8, FMT=code, HW=hw,
+                                 HI=hi, QR=q_rows, STAGES=stages, F8MMA=fp8_mma(index_fmt),
+                                 MR=max(16, rows), MIN_BLOCKS=flat_grid.MIN_BLOCKS,
+                                 RB=flat_grid.RB, SORTED=sort, num_warps=warps))
     ensure_ready(_indexer_decode_kernel)
     if wave:  # one full wave of programs (``wave_splits``), sized from the compiled kernel
         tmpl = call(2, bk + 1, torch.empty(1, dtype=torch.int64, device=dev),
@@ -517,6 +582,36 @@ def compile_signatures():
     # The timeline diagnostic (kernels._trace) on the model shape's e4m3 MMA scan.
     kernel, sig, const = out[6]
     out.append((kernel, sig, {**const, "TRACE": True}))
+    return out + _flat_signatures()
+
+
+def _flat_signatures():
+    """The flat grid's kernel (``kernels/indexer_decode_flat.py``): the model shape in
+    bf16 and e4m3 (fp8 tensor cores, traced too), an fnuz cache (fp16 operands) with 8
+    rows, K 64 and 64-bit tables."""
+    kernel = flat_grid._indexer_decode_flat_kernel
+    combos = [  # q/cache, P, D, BK, Hi, rows, FP8, FMT, HW, index, trace
+        ("bf16", 128, 128, 16, 4, 1, False, 0, False, "i32", False),
+        ("u8", 128, 128, 16, 4, 1, True, 0, True, "i32", False),
+        ("u8", 128, 128, 16, 4, 1, True, 0, True, "i32", True),
+        ("u8", 32, 256, 64, 2, 4, True, 3, False, "i64", False),
+    ]
+    out = []
+    for qt, page, d, bk, hi, qr, fp8, fmt, hw, it, trace in combos:
+        sig = {name: "i32" for name in kernel.arg_names}
+        for name in ("q_s0", "q_s1", "ic_s0", "ic_s1", "bt_s0", "bt_s1", "o_s0", "o_s1",
+                     "o_s2"):
+            sig[name] = "i64"
+        sig.update(q_ptr=f"*{qt}", ic_ptr=f"*{qt}", bt_ptr=f"*{it}", seq_ptr=f"*{it}",
+                   out_ptr="*i32", part_ptr="*i64", cnt_ptr="*i32", trace_ptr="*i64")
+        rows = triton.next_power_of_2(hi * qr)
+        const = dict(P=page, D=d, ROWS=rows, BK=bk, FP8=fp8, FMT=fmt, HW=hw, HI=hi, QR=qr,
+                     STAGES=MMA_STAGES, MC=min(flat_grid.MERGE_CHUNK, 256 // bk),
+                     F8MMA=fp8 and hw,
+                     MR=max(16, rows), MIN_BLOCKS=flat_grid.MIN_BLOCKS, RB=flat_grid.RB,
+                     SORTED=True, TRACE=trace)
+        sig.update(dict.fromkeys(const, "constexpr"))
+        out.append((kernel, sig, const))
     return out
 
 
@@ -524,6 +619,7 @@ def compile_signatures():
 
 
 run = ix.adapter(indexer_decode, decode=True)
+run_flat = ix.adapter(functools.partial(indexer_decode, grid="flat"), decode=True)
 
 
 def _register():
@@ -539,6 +635,14 @@ def _register():
               "accumulation (score_rel declared), cp.async-pipelined key tiles; "
               "interpreted: fp32 ieee tl.dot; 64-bit order keys per block, the last split "
               "merges the partial lists by bitonic top-k (atomic ticket)"))
+    # The flat grid on the GPU (the interpreter tests cover it on the CPU): the same
+    # kernel arithmetic over a different partition of the key blocks.
+    register(Implementation(
+        "triton_flat", "indexer_decode", run_flat, devices=("cuda",),
+        shape_classes=("tiny", "small", "model", "long"), score_rel=score_rel,
+        notes="indexer_decode(grid='flat'): the batch's key blocks laid end to end and "
+              "shared out evenly over one wave of programs (ranges straddle requests), "
+              "the MMA scan per request segment, the last program of a request merges"))
 
 
 _register()

@@ -43,9 +43,10 @@ def rope_table(max_positions, rotary_dim, base, model_dtype="bfloat16", *, exact
     Default: the float32 recipe of SPEC.md s.3 (vLLM's ``RotaryEmbedding`` cache):
     ``inv_freq_j = 1 / base^(2j/R)`` with the exponent, the power and the reciprocal in
     float32; ``angle = float32(p) * inv_freq_j`` rounded to float32; cos/sin of that float32
-    angle in float32 (NumPy's float32 cos/sin); then rounded (RNE) to the model dtype.
-    NumPy's float32 pow/cos/sin may differ from torch's in the last float32 ulp, so a rare
-    entry may differ by one model-dtype ulp from a table torch builds. That is harmless by
+    angle in float32; then rounded (RNE) to the model dtype. Every float32 step is
+    correctly rounded (``_f32``); torch's float32 cos/sin may differ from that in the last
+    float32 ulp, so a rare entry may differ by one model-dtype ulp from a table torch
+    builds. That is harmless by
     design: the table is an input, built once, and its exact bits are what every
     implementation (reference included) reads.
 
@@ -61,13 +62,21 @@ def rope_table(max_positions, rotary_dim, base, model_dtype="bfloat16", *, exact
         angle = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq
         return np.concatenate([np.cos(angle), np.sin(angle)], axis=1)
     check_model_dtype(model_dtype)
-    f32 = np.float32
-    exponent = np.arange(0, rotary_dim, 2, dtype=f32) / f32(rotary_dim)
-    inv_freq = f32(1.0) / np.power(f32(base), exponent)
-    angle = np.arange(max_positions, dtype=f32)[:, None] * inv_freq  # float32 product
-    table = np.concatenate([np.cos(angle), np.sin(angle)], axis=1)
-    assert table.dtype == f32
+    exponent = _f32(np.arange(0, rotary_dim, 2) / rotary_dim)
+    inv_freq = _f32(1.0 / _f32(np.power(_f32(base), exponent)))
+    angle = _f32(np.arange(max_positions)[:, None] * inv_freq)  # exact product, one rounding
+    table = _f32(np.concatenate([np.cos(angle), np.sin(angle)], axis=1))
     return round_to(table, model_dtype)
+
+
+def _f32(x):
+    """x rounded (RNE) to float32 and held in float64: each float32 step of the table
+    computed in float64 and rounded once, i.e. correctly rounded float32 arithmetic (up to
+    a double rounding within a few float64 ulps of a float32 tie, ~1e-8 of values). Not
+    NumPy's float32 kernels: on AVX512 CPUs its float32 pow is off by an ulp for ~1 in 6
+    exponents (numpy 2.3, session 21), which moved whole columns of the table away from
+    torch's float32 recipe, and a table must not depend on the CPU it was built on."""
+    return np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
 
 
 def apply_rope_neox(x, positions, table, rotary_dim):

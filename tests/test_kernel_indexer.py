@@ -459,6 +459,65 @@ def test_mma_knobs_select_identically(kw):
     _exact(x, scan="mma", **kw)
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "e4m3fn", "e5m2fnuz"])
+def test_flat_grid_every_format_exact(fmt):
+    """The flat grid (``grid="flat"``: the batch's key blocks laid end to end, equal ranges
+    per program, ranges straddling requests) on bf16 and fp8 caches, Hi 3 with 2 rows per
+    request, padded requests in the middle and at the end, forced initial blocks, exact
+    ties, a NaN key on a visible position: exactly the reference, order included."""
+    x = make_index_inputs(fmt, seq_lens=(150, 0, 64, 97, 0), rows=2, topk=5, initial=1,
+                          page=32, kind="grid", duplicate=[(0, 0, 2)], seed=14)
+    if fmt != "bfloat16":
+        x["index_cache"][x["block_table"][0, 3], 2, 7] = 0x7F if "fnuz" not in fmt else 0x80
+    got = _exact(x, grid="flat")
+    if fmt != "bfloat16":
+        assert (got[:, 0:2, 4] == 3).all()  # the NaN block: last of the 5 selected
+    assert (got[:, 2:4] == -1).all() and (got[:, 8:10] == -1).all()  # padded requests
+
+
+@pytest.mark.parametrize("kw", [dict(num_programs=1), dict(num_programs=2),
+                                dict(num_programs=5), dict(num_programs=64),
+                                dict(num_programs=4, merge_chunk=2),
+                                dict(num_programs=3, merge="topk"),
+                                dict(num_programs=2, num_stages=1, num_warps=8)],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_flat_grid_knobs_select_identically(kw):
+    """Any number of programs (one for the whole batch; more than the batch's blocks, the
+    last ones idle), merge chunks smaller than a request's partial lists, the whole top-k
+    merge, other warps / stages: exactly the reference's selection, 1 row of 5 heads and
+    a request of 10 blocks beside ones of 1 and 3."""
+    x = make_index_inputs("bfloat16", seq_lens=(300, 7, 64, 33), rows=1, hi=5, d=64,
+                          page=32, topk=6, local=1, kind="grid",
+                          duplicate=[(0, 2, 6), (0, 3, 8)], seed=25)
+    _exact(x, grid="flat", **kw)
+
+
+def test_flat_grid_ranges_cover_every_block_once():
+    """The flat grid's partition (the kernel's arithmetic, redone here): for G programs the
+    ranges [p * L, (p + 1) * L) of the batch's T blocks, L = max(MIN_BLOCKS, cdiv(T, G)),
+    cover each block once, and no request is touched by more programs than its workspace
+    holds (``workspace_slots``)."""
+    from kernels import indexer_decode_flat as fg
+
+    bg = np.random.default_rng(3)
+    for _ in range(200):
+        width = int(bg.integers(1, 40))
+        nb = bg.integers(0, width + 1, size=int(bg.integers(1, 12)))
+        total = int(nb.sum())
+        g = int(bg.integers(1, 600))
+        span = max(fg.MIN_BLOCKS, -(-total // g))
+        starts = np.concatenate([[0], np.cumsum(nb)[:-1]])
+        seen = np.zeros(total, np.int64)
+        for p in range(g):
+            lo, hi = p * span, min(p * span + span, total)
+            seen[lo:hi] += 1
+        assert (seen == 1).all()
+        for s0, n in zip(starts, nb):
+            if n:
+                count = (s0 + n - 1) // span - s0 // span + 1
+                assert count <= fg.workspace_slots(width)
+
+
 def test_wave_splits_fill_one_wave():
     """The compiled MMA scan's default split fills the GPU's resident programs in one wave
     (B x S <= slots, as many splits as fit), at least MIN_BLOCKS_PER_SPLIT blocks per split
@@ -590,6 +649,12 @@ def _bad(name, decode_op=False, **changes):
     _bad("fma_chain", True, scan="fma", fma_chain="yes"),
     _bad("merge_chunk", True, merge_chunk=3),
     _bad("merge", True, scan="fma", merge="rank"),
+    _bad("grid", True, grid="rows"),
+    _bad("num_programs", True, num_programs=4),
+    _bad("num_programs", True, grid="flat", num_programs=0),
+    _bad("num_splits", True, grid="flat", num_splits=2),
+    _bad("blocks_per_step", True, grid="flat", blocks_per_step=2),
+    _bad("scan", True, grid="flat", scan="fma"),
     _bad("merge", True, scan="dot", vec=True, merge="topk"),
     # A CPU buffer: refused interpreted (no timer) and compiled (another device).
     _bad("trace", True, scan="fma", trace=lambda a: torch.zeros(64, 4, dtype=torch.int64)),

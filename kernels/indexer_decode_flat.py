@@ -1,0 +1,174 @@
+"""The decode indexer's flat grid (``indexer_decode(..., grid="flat")``; issue 7): the same
+selection as the split grid of ``kernels/indexer_decode.py``, with the key blocks of the
+whole batch shared out evenly over a fixed number of programs instead of request by request.
+
+Why: the split grid gives every request S programs of equal size, B x S of them in one
+wave; at the model shape (B 64, S 8) 116 of the H200's 132 SMs then hold 4 programs and
+16 hold 3, and the fuller SMs finish ~2 us later (session 21's timeline: median end 64.6
+against 62.4 us of a ~70 us launch), which bounds the launch. In a ragged batch the
+imbalance is the requests' lengths themselves. Here program p of G takes the key blocks
+``p * L .. (p + 1) * L - 1`` of the batch's blocks laid end to end (request by request,
+``nb_r = min(cdiv(seq_r, P), W)`` each), L = max(MIN_BLOCKS, cdiv(total, G)): every
+program reads the same bytes, whatever the lengths.
+
+A program's range covers the tail of one request and the head of the next ones (each a
+*segment*); per segment it scans the request's blocks (``kernels._indexer.
+scan_blocks_mma``: one tensor-core dot per key block, the request's rows and heads sharing
+it), stores its partial list to slot ``p - first(r)`` of the request's workspace (first(r)
+= the first program touching request r; ``cdiv(W, MIN_BLOCKS) + 1`` slots bound any
+request's count), and draws a ticket from the request's counter; the program that draws
+the last of the request's ``count(r)`` tickets merges its lists (``merge_partials``) and
+writes the selection, as in the split grid. Each program computes the batch's block
+offsets itself (a running sum over seq_lens in tiles of RB requests: no host sync, the
+launch stays capturable). Requests with no key block (seq_lens 0: padding) are written as
+all -1 by program ``r mod G``.
+
+The launch (``launch``) is called by ``indexer_decode`` after its argument checks; the
+grid size G defaults to one wave of resident programs (at most
+``indexer_decode.MAX_PROGRAMS_PER_SM`` per SM; ``num_programs`` overrides it)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import _indexer as ix
+from kernels._trace import stamp
+from kernels._triton import tl, triton
+
+#: Key blocks per program at least (a shorter range would cost more in its merge than it
+#: reads); also bounds the workspace: cdiv(W, MIN_BLOCKS) + 1 partial lists per request.
+MIN_BLOCKS = 4
+#: Requests per tile of the in-kernel running sum over seq_lens.
+RB = 64
+#: Partial lists per merge step at most: the merge's tile sets the kernel's registers
+#: (sm_90, model shape, e4m3: 16 lists 161 registers, 3 programs per SM; 8 lists 128, the
+#: 4 per SM of the split grid; 4 lists 118).
+MERGE_CHUNK = 8
+
+
+@triton.jit
+def _blocks_of(seq, width, P: tl.constexpr):
+    """Key blocks of requests of these lengths: cdiv(seq, P), at most the table's width."""
+    return tl.where(seq > 0, tl.minimum((seq - 1) // P + 1, width), 0)
+
+
+@triton.jit
+def _batch_offsets(seq_ptr, batch, width, lo, P: tl.constexpr, RB: tl.constexpr):
+    """(total key blocks of the batch, the first request whose blocks end after flat block
+    lo, the flat offset of that request's first block)."""
+    total = 0
+    first = 0
+    start = 0
+    for c0 in range(0, batch, RB):
+        rr = c0 + tl.arange(0, RB)
+        nb = _blocks_of(tl.load(seq_ptr + rr, mask=rr < batch, other=0).to(tl.int32), width, P)
+        ends = total + tl.cumsum(nb, 0)
+        before = (ends <= lo) & (rr < batch)  # a prefix of the batch: ends never decrease
+        first += tl.sum(before.to(tl.int32))
+        start += tl.sum(tl.where(before, nb, 0))
+        total += tl.sum(nb)
+    return total, first, start
+
+
+# Counts and sizes vary from call to call: not specialised (one compile for every shape).
+@triton.jit(do_not_specialize=[
+    "num_pages", "width", "num_tokens", "batch", "topk", "local_blocks", "initial_blocks",
+    "slots"])
+def _indexer_decode_flat_kernel(
+        q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages,
+        bt_ptr, bt_s0, bt_s1, width, seq_ptr, num_tokens, batch,
+        out_ptr, o_s0, o_s1, o_s2, part_ptr, cnt_ptr, trace_ptr,
+        topk, local_blocks, initial_blocks, slots,
+        P: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+        FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr, HI: tl.constexpr,
+        QR: tl.constexpr, STAGES: tl.constexpr, MC: tl.constexpr, F8MMA: tl.constexpr,
+        MR: tl.constexpr, MIN_BLOCKS: tl.constexpr, RB: tl.constexpr,
+        SORTED: tl.constexpr, TRACE: tl.constexpr = False):
+    p = tl.program_id(0)
+    g = tl.num_programs(0)
+    if TRACE:
+        stamp(trace_ptr, p, 1)
+    total, _, _ = _batch_offsets(seq_ptr, batch, width, 0, P, RB)
+    span = tl.maximum(MIN_BLOCKS, (total + g - 1) // g)
+    lo = p * span
+    hi = tl.minimum(lo + span, total)
+    _, r, start = _batch_offsets(seq_ptr, batch, width, lo, P, RB)
+    rows = tl.arange(0, ROWS)
+    heads = rows % HI
+    row_in = rows < QR * HI
+    list_size: tl.constexpr = ROWS * BK
+    while (r < batch) & (start < hi):
+        seq = tl.load(seq_ptr + r).to(tl.int32)
+        nb = _blocks_of(seq, width, P)
+        if nb > 0:  # blocks start .. start + nb - 1 of the batch: this request's
+            first = start // span
+            count = (start + nb - 1) // span - first + 1
+            slot = p - first
+            b_lo = tl.maximum(lo, start) - start
+            b_hi = tl.minimum(hi, start + nb) - start
+            top = ix.scan_blocks_mma(
+                ix.empty_list(ROWS, BK), q_ptr + (r * QR).to(tl.int64) * q_s0, q_s0, q_s1,
+                r * QR, num_tokens, seq, bt_ptr + r.to(tl.int64) * bt_s0, bt_s1, b_lo, b_hi,
+                ic_ptr, ic_s0, ic_s1, num_pages, local_blocks, initial_blocks, P, D, HI, QR,
+                ROWS, MR, 1, STAGES, FP8, FMT, HW, False, F8MMA)
+            mine = part_ptr + (r.to(tl.int64) * slots + slot) * list_size
+            ix.store_partial(mine, top, rows, slot, MC, SORTED)
+            if TRACE:
+                stamp(trace_ptr, p, 2)
+            tl.debug_barrier()  # every thread's partial list is stored before the ticket
+            ticket = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel")
+            if ticket == count - 1:  # the last of the request's programs merges
+                if TRACE:
+                    stamp(trace_ptr, p, 4)
+                merged = ix.merge_partials(part_ptr + r.to(tl.int64) * slots * list_size,
+                                           count, rows, ROWS, BK, MC, SORTED)
+                toks = r * QR + rows // HI
+                ix.write_sorted(merged, out_ptr, o_s0, o_s1, o_s2, heads, toks,
+                                row_in & (toks < num_tokens), topk, BK)
+                if TRACE:
+                    stamp(trace_ptr, p, 5)
+                tl.store(cnt_ptr + r, 0)  # every ticket drawn: ready for the next launch
+        start += nb
+        r += 1
+    for r2 in range(p, batch, g):  # requests without key blocks select nothing
+        if _blocks_of(tl.load(seq_ptr + r2).to(tl.int32), width, P) == 0:
+            toks = r2 * QR + rows // HI
+            ix.write_sorted(ix.empty_list(ROWS, BK), out_ptr, o_s0, o_s1, o_s2, heads, toks,
+                            row_in & (toks < num_tokens), topk, BK)
+    if TRACE:
+        stamp(trace_ptr, p, 3)
+
+
+def workspace_slots(width: int) -> int:
+    """Partial lists a request can have at most: its blocks (<= W) over ranges of at least
+    MIN_BLOCKS, plus one for a range boundary inside its first block range."""
+    return triton.cdiv(max(width, 1), MIN_BLOCKS) + 1
+
+
+def kernel_args(index_q, index_cache, block_table, seq_lens, out, part, cnt, trace, k, loc,
+                ini, slots):
+    """The flat kernel's positional arguments (shared by the launch and its residency
+    estimate)."""
+    t = index_q.shape[0]
+    return (index_q, index_q.stride(0), index_q.stride(1),
+            index_cache, index_cache.stride(0), index_cache.stride(1), index_cache.shape[0],
+            block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
+            seq_lens, t, block_table.shape[0], out, out.stride(0), out.stride(1),
+            out.stride(2), part, cnt, cnt if trace is None else trace, k, loc, ini, slots)
+
+
+def launch(programs: int, index_q, index_cache, block_table, seq_lens, out, k, loc, ini,
+           const: dict, trace=None):
+    """Run the flat kernel on ``programs`` programs (``const``: its constexprs and launch
+    options, from ``indexer_decode``); returns ``out``."""
+    b, width = block_table.shape
+    dev = index_cache.device
+    slots = workspace_slots(width)
+    part = torch.empty((b, slots, const["ROWS"], const["BK"]), dtype=torch.int64, device=dev)
+    cnt = torch.zeros((b,), dtype=torch.int32, device=dev)
+    args = kernel_args(index_q, index_cache, block_table, seq_lens, out, part, cnt, trace, k,
+                       loc, ini, slots)
+    if trace is not None:
+        const = {**const, "TRACE": True}
+    _indexer_decode_flat_kernel[(programs,)](*args, **const)
+    return out
