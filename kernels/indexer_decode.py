@@ -535,6 +535,17 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     return out
 
 
+def _signature(kernel, qt: str, it: str) -> dict:
+    """The runtime arguments' types of the split or flat kernel: q / cache elements qt,
+    block table and seq_lens it, 64-bit strides, the rest int32."""
+    sig = {name: "i32" for name in kernel.arg_names}
+    for name in ("q_s0", "q_s1", "ic_s0", "ic_s1", "bt_s0", "bt_s1", "o_s0", "o_s1", "o_s2"):
+        sig[name] = "i64"
+    sig.update(q_ptr=f"*{qt}", ic_ptr=f"*{qt}", bt_ptr=f"*{it}", seq_ptr=f"*{it}",
+               out_ptr="*i32", part_ptr="*i64", cnt_ptr="*i32", trace_ptr="*i64")
+    return sig
+
+
 def compile_signatures():
     """(kernel, signature, constexprs) triples covering the constexpr branches, for the
     sm_90 compile check on the CPU (tests/test_compile_sm90.py)."""
@@ -556,12 +567,7 @@ def compile_signatures():
     ]
     out = []
     for qt, page, d, bk, (hi, qr), split, fp8, fmt, hw, it, scan in combos:
-        sig = {name: "i32" for name in _indexer_decode_kernel.arg_names}
-        for name in ("q_s0", "q_s1", "ic_s0", "ic_s1", "bt_s0", "bt_s1", "o_s0", "o_s1",
-                     "o_s2"):
-            sig[name] = "i64"
-        sig.update(q_ptr=f"*{qt}", ic_ptr=f"*{qt}", bt_ptr=f"*{it}", seq_ptr=f"*{it}",
-                   out_ptr="*i32", part_ptr="*i64", cnt_ptr="*i32", trace_ptr="*i64")
+        sig = _signature(_indexer_decode_kernel, qt, it)
         fma, mma = scan == "fma", scan == "mma"
         if fma:
             lanes, bn, _, stages = fma_strategy(hi * qr, page, d, fp8)
@@ -598,12 +604,7 @@ def _flat_signatures():
     ]
     out = []
     for qt, page, d, bk, hi, qr, fp8, fmt, hw, it, trace in combos:
-        sig = {name: "i32" for name in kernel.arg_names}
-        for name in ("q_s0", "q_s1", "ic_s0", "ic_s1", "bt_s0", "bt_s1", "o_s0", "o_s1",
-                     "o_s2"):
-            sig[name] = "i64"
-        sig.update(q_ptr=f"*{qt}", ic_ptr=f"*{qt}", bt_ptr=f"*{it}", seq_ptr=f"*{it}",
-                   out_ptr="*i32", part_ptr="*i64", cnt_ptr="*i32", trace_ptr="*i64")
+        sig = _signature(kernel, qt, it)
         rows = triton.next_power_of_2(hi * qr)
         const = dict(P=page, D=d, ROWS=rows, BK=bk, FP8=fp8, FMT=fmt, HW=hw, HI=hi, QR=qr,
                      STAGES=MMA_STAGES, MC=min(flat_grid.MERGE_CHUNK, 256 // bk),
