@@ -89,14 +89,26 @@ class Shape:
 SHAPE = Shape()
 
 
+def context_lengths(batch: int, seq_len: int, ragged: bool = False) -> list[int]:
+    """Every request's context: seq_len each, or (ragged) spread evenly from seq_len / 8 to
+    15 / 8 seq_len in request order (the same mean up to rounding): a batch whose
+    requests' key blocks differ up to 15x, as in serving."""
+    if not ragged or batch == 1:
+        return [seq_len] * batch
+    lo, hi = seq_len / 8, seq_len * 15 / 8
+    return [max(1, round(lo + (hi - lo) * i / (batch - 1))) for i in range(batch)]
+
+
 def minimal_bytes(batch: int, seq_len: int, index_fmt: str, rows: int = ROWS,
-                  s: Shape = SHAPE, table_bytes: int = 4) -> dict:
+                  s: Shape = SHAPE, table_bytes: int = 4, ragged: bool = False) -> dict:
     """Bytes the decode indexer must move, by part (see the module docstring); index_q in
-    the index cache's format, int32 block table and seq_lens, int32 output."""
+    the index cache's format, int32 block table and seq_lens, int32 output; the contexts
+    of ``context_lengths``."""
     c = harness.element_bytes(index_fmt)
-    parts = {"read_index_keys": batch * seq_len * s.d * c,
+    lens = context_lengths(batch, seq_len, ragged)
+    parts = {"read_index_keys": sum(lens) * s.d * c,
              "read_index_q": batch * rows * s.hi * s.d * c,
-             "read_block_table": batch * -(-seq_len // s.page) * table_bytes,
+             "read_block_table": sum(-(-n // s.page) for n in lens) * table_bytes,
              "read_seq_lens": batch * 4,
              "write_topk": batch * rows * s.hi * s.topk * 4}
     parts["total"] = sum(parts.values())
@@ -117,16 +129,18 @@ class IndexerSet:
 
 
 def make_set(batch: int, seq_len: int, index_fmt: str, seed: int, rows: int = ROWS,
-             s: Shape = SHAPE, dev: str = "cuda") -> IndexerSet:
-    """Random index_q and cache (N(0, 1) in the index format), every request seq_len tokens
-    on its own shuffled pages of a pool twice the size needed."""
+             s: Shape = SHAPE, dev: str = "cuda", ragged: bool = False) -> IndexerSet:
+    """Random index_q and cache (N(0, 1) in the index format), the requests' contexts
+    (``context_lengths``) on their own shuffled pages of a pool twice the size of the
+    table (as wide as the longest context)."""
     dev = torch.device(dev)
     g = torch.Generator(device=dev).manual_seed(seed)
-    blocks = -(-seq_len // s.page)
+    lens = context_lengths(batch, seq_len, ragged)
+    blocks = -(-max(lens) // s.page)
     table, pool = harness.shuffled_block_table(batch, blocks, g, dev)
     cache = harness.random_cache((pool, s.page, s.d), index_fmt, g, dev)
     q = harness.random_cache((batch * rows, s.hi, s.d), index_fmt, g, dev)
-    seq = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
+    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
     out = torch.full((batch * rows, s.hi, s.topk), -1, dtype=torch.int32, device=dev)
     return IndexerSet(q, cache, table, seq, out, rows)
 
@@ -203,10 +217,10 @@ def selection_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def agreement(index_fmt: str, batch: int, seq_len: int, rows: int = ROWS,
-              dev: str = "cuda", knobs: dict | None = None) -> dict:
+              dev: str = "cuda", knobs: dict | None = None, ragged: bool = False) -> dict:
     """The kernel and the torch composition on one fresh set: equal selections expected
     except for fp32 near-ties (different summation orders)."""
-    a = make_set(batch, seq_len, index_fmt, seed=12345, rows=rows, dev=dev)
+    a = make_set(batch, seq_len, index_fmt, seed=12345, rows=rows, dev=dev, ragged=ragged)
     triton_indexer(index_fmt, knobs=knobs)(a)()
     got = a.out.clone()
     torch_baseline(index_fmt)(a)()
@@ -245,13 +259,13 @@ def bench_cache(cache: str, args) -> tuple[list[dict], dict, list[dict]]:
     agreement check, and the triton results of the other knob sets (the sweep)."""
     fmt = CACHES[cache]
     knob_sets = knob_list(args)
-    parts = minimal_bytes(args.batch, args.seq_len, fmt, args.rows)
+    parts = minimal_bytes(args.batch, args.seq_len, fmt, args.rows, ragged=args.ragged)
     n_sets = harness.rotation_count(parts["total"], harness.l2_bytes())
-    sets = [make_set(args.batch, args.seq_len, fmt, seed=i, rows=args.rows)
-            for i in range(n_sets)]
+    sets = [make_set(args.batch, args.seq_len, fmt, seed=i, rows=args.rows,
+                     ragged=args.ragged) for i in range(n_sets)]
     try:
         agree = agreement(fmt, min(args.batch, CHECK_BATCH), args.seq_len, args.rows,
-                          knobs=knob_sets[0])
+                          knobs=knob_sets[0], ragged=args.ragged)
     except Exception as e:  # noqa: BLE001 - the timings are still worth having
         agree = {"error": harness.error_text(e)}
 
@@ -294,6 +308,9 @@ def parse_args(argv):
     ap.add_argument("--batch", type=int, default=BATCH)
     ap.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens of every context")
     ap.add_argument("--rows", type=int, default=ROWS, help="query rows per request (1..4)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="contexts spread evenly from seq_len / 8 to 15 / 8 seq_len "
+                         "(context_lengths) instead of seq_len each")
     ap.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES))
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     ap.add_argument("--knobs", nargs="*", type=harness.parse_knobs, default=[],
@@ -310,7 +327,11 @@ def parse_args(argv):
 def build_report(args) -> dict:
     doc = harness.report_base(render_bench.SCHEMA, "decode indexer: block scores + top-k "
                               "block selection (issue 7)", args)
-    doc.update(tokens=f"{args.batch} x {args.seq_len}", batch=args.batch,
+    lens = context_lengths(args.batch, args.seq_len, args.ragged)
+    tokens = (f"{args.batch} x {args.seq_len}" if not args.ragged else
+              f"{args.batch} requests of {min(lens)}..{max(lens)} tokens (ragged, mean "
+              f"{sum(lens) / len(lens):.0f})")
+    doc.update(tokens=tokens, ragged=args.ragged, batch=args.batch,
                seq_len=args.seq_len, rows_per_request=args.rows, shape=asdict(SHAPE),
                notes=["triton: default split, output into a transposed token-major buffer.",
                       "torch_eager: plain torch ops (fp32 scores) replayed from a graph "

@@ -176,6 +176,27 @@ def test_torch_indexer_selects_the_reference_sets(fmt):
     assert agree == {"sets_equal": 1.0, "blocks_shared": 1.0}
 
 
+def test_ragged_contexts_bytes_and_set():
+    """--ragged: contexts spread evenly from seq_len / 8 to 15 / 8 seq_len (64 requests of
+    a 32k mean: 4096 .. 61440 tokens, the mean within a token of 32768); the key bytes and
+    table entries are the sums over the requests (a context ending inside a page uses its
+    entry); the input set carries those lengths, its table as wide as the longest; and
+    its torch baseline still selects the reference's sets."""
+    lens = bix.context_lengths(B, CTX, ragged=True)
+    assert (lens[0], lens[-1]) == (4096, 61440) and abs(sum(lens) / B - CTX) <= 1
+    assert bix.context_lengths(3, 100) == [100, 100, 100]
+    p = bix.minimal_bytes(B, CTX, "e4m3fn", ragged=True)
+    assert p["read_index_keys"] == sum(lens) * 128
+    assert p["read_block_table"] == sum(-(-n // 128) for n in lens) * 4
+    s = bix.Shape(hi=4, d=128, page=16, topk=4)
+    st = bix.make_set(3, 100, "bfloat16", seed=4, rows=2, s=s, dev="cpu", ragged=True)
+    assert st.seq_lens.tolist() == bix.context_lengths(3, 100, ragged=True) == [12, 100, 188]
+    assert st.table.shape == (3, 12)
+    bix.torch_baseline("bfloat16", s)(st)()
+    want = torch.from_numpy(_reference_selection(st, "bfloat16", s)).transpose(0, 1)
+    assert bix.selection_agreement(st.out, want) == {"sets_equal": 1.0, "blocks_shared": 1.0}
+
+
 def test_selection_agreement_counts():
     """Sets are compared regardless of order; blocks_shared counts the shared selected
     blocks over the first selection's valid entries."""
