@@ -54,15 +54,34 @@ def resident_programs(kernel, args, kwargs, device) -> int:
     grid size) and caches the answer."""
     key = _spec_key(kernel, args, kwargs)
     if key not in _RESIDENT:
-        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
-        compiled._init_handles()
-        props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+        regs, smem, props = _resources(kernel, args, kwargs, device)
         warps = kwargs.get("num_warps", 4)
-        smem = compiled.metadata.shared
-        per_sm = min(props["max_num_regs"] // max(compiled.n_regs * 32 * warps, 1),
+        per_sm = min(props["max_num_regs"] // max(regs * 32 * warps, 1),
                      props["max_shared_mem"] // smem if smem else 32, 32, 64 // warps)
         _RESIDENT[key] = max(per_sm, 1) * props["multiprocessor_count"]
     return _RESIDENT[key]
+
+
+def _resources(kernel, args, kwargs, device) -> tuple[int, int, dict]:
+    """(registers per thread, shared memory bytes per program, device properties) of the
+    kernel compiled for these arguments (compiles it on the first call for a key)."""
+    compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+    compiled._init_handles()
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    return compiled.n_regs, compiled.metadata.shared, props
+
+
+def register_cap(kernel, args, kwargs, device, most_per_sm: int) -> int | None:
+    """A ptxas register cap (the ``maxnreg`` launch option) under which as many programs
+    fit on an SM as its shared memory holds, at most ``most_per_sm``; None when the kernel
+    compiled without one already fits (a cap then only risks spills). For a grid sized to
+    one wave, where a few registers over a boundary lose a whole program per SM (the
+    decode indexer's flat grid: 132 registers, 3 programs per SM instead of 4)."""
+    regs, smem, props = _resources(kernel, args, kwargs, device)
+    warps = kwargs.get("num_warps", 4)
+    want = min(most_per_sm, props["max_shared_mem"] // smem if smem else most_per_sm)
+    cap = min(255, props["max_num_regs"] // (max(want, 1) * 32 * warps) // 8 * 8)
+    return cap if regs > cap else None
 
 
 _STAGES: dict = {}

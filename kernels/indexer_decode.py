@@ -71,7 +71,14 @@ from kernels import _indexer as ix
 from kernels import indexer_decode_flat as flat_grid
 from kernels._host import check_int, fail
 from kernels._trace import check_trace, stamp
-from kernels._triton import ensure_ready, is_interpreted, resident_programs, tl, triton
+from kernels._triton import (
+    ensure_ready,
+    is_interpreted,
+    register_cap,
+    resident_programs,
+    tl,
+    triton,
+)
 from kernels.fp8 import HW_FORMATS
 from oracle.bounds import TENSOR_CORE_DOT_REL
 from reference.domain import DECODE_ROWS_RANGE
@@ -315,8 +322,11 @@ def _check_grid(grid, num_programs, scan, num_splits, blocks_per_split, blocks_p
 def _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out, k, loc, ini,
                  trace, dev, merge_chunk, const):
     """The flat grid's launch: G programs (default: one wave of resident programs,
-    compiled; 3 interpreted, so ranges straddle requests in CI), the merge chunk (default
-    min(next_pow2(workspace slots), flat_grid.MERGE_CHUNK, 256 / BK))."""
+    compiled, under a register cap that lets as many programs share an SM as its shared
+    memory allows, at most MAX_PROGRAMS_PER_SM (sm_90, model shape: e4m3 132 registers
+    -> 121, 4 per SM; bf16 241 -> 168, 3 per SM, as the split grid); 3 interpreted, so
+    ranges straddle requests in CI), the merge chunk (default min(next_pow2(workspace
+    slots), flat_grid.MERGE_CHUNK, 256 / BK))."""
     kernel = flat_grid._indexer_decode_flat_kernel
     bk = const["BK"]
     if merge_chunk is None:
@@ -333,6 +343,9 @@ def _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out,
             probe = torch.empty(1, dtype=torch.int64, device=dev)
             args = flat_grid.kernel_args(index_q, index_cache, block_table, seq_lens, out,
                                          probe, probe.int(), None, k, loc, ini, 2)
+            cap = register_cap(kernel, args, const, dev, MAX_PROGRAMS_PER_SM)
+            if cap is not None:
+                const["maxnreg"] = cap
             g = min(resident_programs(kernel, args, const, dev),
                     MAX_PROGRAMS_PER_SM * _sm_count(dev.index or 0))
     check_trace(trace, g, INTERPRETED, dev)

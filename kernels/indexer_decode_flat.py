@@ -6,22 +6,24 @@ Why: the split grid gives every request S programs of equal size, B x S of them 
 wave; at the model shape (B 64, S 8) 116 of the H200's 132 SMs then hold 4 programs and
 16 hold 3, and the fuller SMs finish ~2 us later (session 21's timeline: median end 64.6
 against 62.4 us of a ~70 us launch), which bounds the launch. In a ragged batch the
-imbalance is the requests' lengths themselves. Here program p of G takes the key blocks
-``p * L .. (p + 1) * L - 1`` of the batch's blocks laid end to end (request by request,
-``nb_r = min(cdiv(seq_r, P), W)`` each), L = max(MIN_BLOCKS, cdiv(total, G)): every
-program reads the same bytes, whatever the lengths.
+imbalance is the requests' lengths themselves. Here the batch's T key blocks are laid end
+to end (request by request, ``nb_r = min(cdiv(seq_r, P), W)`` each) and program p of the
+first G' = min(G, T // MIN_BLOCKS) (at least 1) takes blocks ``floor(p T / G') ..
+floor((p + 1) T / G') - 1``: every program reads the same bytes to within one key block,
+whatever the lengths (equal ranges of cdiv(T, G) blocks would leave G - T / cdiv(T, G)
+programs idle: 16 of 528 at the model shape, the split grid's imbalance again).
 
 A program's range covers the tail of one request and the head of the next ones (each a
 *segment*); per segment it scans the request's blocks (``kernels._indexer.
 scan_blocks_mma``: one tensor-core dot per key block, the request's rows and heads sharing
 it), stores its partial list to slot ``p - first(r)`` of the request's workspace (first(r)
-= the first program touching request r; ``cdiv(W, MIN_BLOCKS) + 1`` slots bound any
-request's count), and draws a ticket from the request's counter; the program that draws
-the last of the request's ``count(r)`` tickets merges its lists (``merge_partials``) and
-writes the selection, as in the split grid. Each program computes the batch's block
-offsets itself (a running sum over seq_lens in tiles of RB requests: no host sync, the
-launch stays capturable). Requests with no key block (seq_lens 0: padding) are written as
-all -1 by program ``r mod G``.
+= the program holding the request's first block; ranges of at least MIN_BLOCKS blocks
+bound any request's count by ``cdiv(W, MIN_BLOCKS) + 1`` slots), and draws a ticket from
+the request's counter; the program that draws the last of the request's ``count(r)``
+tickets merges its lists (``merge_partials``) and writes the selection, as in the split
+grid. Each program computes the batch's block offsets itself (a running sum over seq_lens
+in tiles of RB requests: no host sync, the launch stays capturable). Requests with no key
+block (seq_lens 0: padding) are written as all -1 by program ``r mod G``.
 
 The launch (``launch``) is called by ``indexer_decode`` after its argument checks; the
 grid size G defaults to one wave of resident programs (at most
@@ -70,6 +72,13 @@ def _batch_offsets(seq_ptr, batch, width, lo, P: tl.constexpr, RB: tl.constexpr)
     return total, first, start
 
 
+@triton.jit
+def _owner(x, used, total):
+    """The program whose range holds flat key block x: ranges [floor(p T / G'), floor((p
+    + 1) T / G')), so p = ceil((x + 1) G' / T) - 1."""
+    return (((x + 1).to(tl.int64) * used + total - 1) // total - 1).to(tl.int32)
+
+
 # Counts and sizes vary from call to call: not specialised (one compile for every shape).
 @triton.jit(do_not_specialize=[
     "num_pages", "width", "num_tokens", "batch", "topk", "local_blocks", "initial_blocks",
@@ -89,9 +98,10 @@ def _indexer_decode_flat_kernel(
     if TRACE:
         stamp(trace_ptr, p, 1)
     total, _, _ = _batch_offsets(seq_ptr, batch, width, 0, P, RB)
-    span = tl.maximum(MIN_BLOCKS, (total + g - 1) // g)
-    lo = p * span
-    hi = tl.minimum(lo + span, total)
+    t64 = total.to(tl.int64)
+    used = tl.maximum(tl.minimum(g, total // MIN_BLOCKS), 1).to(tl.int64)  # G'
+    lo = tl.minimum(p * t64 // used, t64).to(tl.int32)  # programs past G': lo = hi = T
+    hi = tl.minimum((p + 1) * t64 // used, t64).to(tl.int32)
     _, r, start = _batch_offsets(seq_ptr, batch, width, lo, P, RB)
     rows = tl.arange(0, ROWS)
     heads = rows % HI
@@ -101,8 +111,8 @@ def _indexer_decode_flat_kernel(
         seq = tl.load(seq_ptr + r).to(tl.int32)
         nb = _blocks_of(seq, width, P)
         if nb > 0:  # blocks start .. start + nb - 1 of the batch: this request's
-            first = start // span
-            count = (start + nb - 1) // span - first + 1
+            first = _owner(start, used, t64)
+            count = _owner(start + nb - 1, used, t64) - first + 1
             slot = p - first
             b_lo = tl.maximum(lo, start) - start
             b_hi = tl.minimum(hi, start + nb) - start
@@ -141,7 +151,7 @@ def _indexer_decode_flat_kernel(
 
 def workspace_slots(width: int) -> int:
     """Partial lists a request can have at most: its blocks (<= W) over ranges of at least
-    MIN_BLOCKS, plus one for a range boundary inside its first block range."""
+    MIN_BLOCKS, plus one for a range boundary before its first full range."""
     return triton.cdiv(max(width, 1), MIN_BLOCKS) + 1
 
 

@@ -492,30 +492,71 @@ def test_flat_grid_knobs_select_identically(kw):
     _exact(x, grid="flat", **kw)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache,per_sm", [("e4m3", 4), ("bf16", 3)])
+def test_flat_grid_default_is_one_full_wave(cache, per_sm):
+    """At the benchmark's model shape the flat grid's default launch runs one wave of as
+    many programs per SM as the split grid holds (e4m3: 4, shared memory and the register
+    cap allowing; bf16: 3, by shared memory): a traced launch stamps exactly that many
+    programs x SMs, each starting within the first microseconds (no second wave)."""
+    from benchmarks import bench_indexer as bix
+    from kernels._trace import trace_buffer
+
+    fmt = bix.CACHES[cache]
+    t = bix.make_set(bix.BATCH, bix.SEQ_LEN, fmt, 0)
+    s = bix.SHAPE
+    buf = trace_buffer(4096, t.cache.device)
+    idd.indexer_decode(t.index_q, t.cache, fmt, t.table, t.seq_lens, t.rows, topk=s.topk,
+                       local_blocks=s.local_blocks, initial_blocks=s.initial_blocks,
+                       out=t.out.transpose(0, 1), grid="flat", trace=buf)
+    rows = buf.cpu().numpy()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    stamped = rows[rows[:, 1] > 0]
+    assert len(stamped) == per_sm * sms
+    assert (stamped[:, 1] - stamped[:, 1].min()).max() < 20_000  # ns: all started at once
+
+
 def test_flat_grid_ranges_cover_every_block_once():
-    """The flat grid's partition (the kernel's arithmetic, redone here): for G programs the
-    ranges [p * L, (p + 1) * L) of the batch's T blocks, L = max(MIN_BLOCKS, cdiv(T, G)),
-    cover each block once, and no request is touched by more programs than its workspace
-    holds (``workspace_slots``)."""
+    """The flat grid's partition (the kernel's arithmetic, redone here): for G programs and
+    T blocks, the first G' = max(1, min(G, T // MIN_BLOCKS)) programs take [floor(p T /
+    G'), floor((p + 1) T / G')), the rest nothing; each block is covered once, ranges
+    differ by at most one block and hold at least MIN_BLOCKS (T >= MIN_BLOCKS), the owner
+    formula finds each block's program, and no request is touched by more programs than
+    its workspace holds (``workspace_slots``). At the model shape (64 x 256 blocks, 528
+    programs) every program reads 31 or 32 blocks."""
     from kernels import indexer_decode_flat as fg
 
+    def ranges(total, g):
+        used = max(1, min(g, total // fg.MIN_BLOCKS))
+        return used, [(min(p * total // used, total), min((p + 1) * total // used, total))
+                      for p in range(g)]
+
+    used, model = ranges(64 * 256, 528)
+    assert used == 528 and {hi - lo for lo, hi in model} == {31, 32}
     bg = np.random.default_rng(3)
-    for _ in range(200):
+    for _ in range(300):
         width = int(bg.integers(1, 40))
         nb = bg.integers(0, width + 1, size=int(bg.integers(1, 12)))
         total = int(nb.sum())
         g = int(bg.integers(1, 600))
-        span = max(fg.MIN_BLOCKS, -(-total // g))
-        starts = np.concatenate([[0], np.cumsum(nb)[:-1]])
+        used, rs = ranges(total, g)
         seen = np.zeros(total, np.int64)
-        for p in range(g):
-            lo, hi = p * span, min(p * span + span, total)
+        for p, (lo, hi) in enumerate(rs):
             seen[lo:hi] += 1
+            assert p < used or lo == hi
+            if p < used and total >= fg.MIN_BLOCKS:
+                assert hi - lo >= fg.MIN_BLOCKS
+            for x in range(lo, hi):
+                assert ((x + 1) * used + total - 1) // total - 1 == p
         assert (seen == 1).all()
+        sizes = [hi - lo for lo, hi in rs[:used]]
+        assert max(sizes) - min(sizes) <= 1
+        starts = np.concatenate([[0], np.cumsum(nb)[:-1]])
         for s0, n in zip(starts, nb):
             if n:
-                count = (s0 + n - 1) // span - s0 // span + 1
-                assert count <= fg.workspace_slots(width)
+                first = ((s0 + 1) * used + total - 1) // total - 1
+                last = ((s0 + n) * used + total - 1) // total - 1
+                assert last - first + 1 <= fg.workspace_slots(width)
 
 
 def test_wave_splits_fill_one_wave():
