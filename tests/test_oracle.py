@@ -167,6 +167,23 @@ def test_diff_flags_a_silent_regression_and_not_a_rerun():
     assert worse_flag and "exact rate" in text and "RMSE" in text, text
 
 
+def test_diff_ignores_float64_noise_in_rmse_but_not_a_real_rise():
+    """Per-case RMSEs that all rose by 1e-14 relative (float64 arithmetic in another order)
+    are not a regression; all rising by 1e-6 relative is."""
+    def cell(scale):
+        per_case = [{"case": f"c{i}", "hash": f"h{i}", "exact_rate": 0.9,
+                     "rmse": (1e-3 + 1e-5 * i) * scale} for i in range(8)]
+        return {"cells": [{"op": "o", "impl": "i", "platform": "cuda", "format": "bfloat16",
+                           "shape_class": "tiny", "dist": "normal", "violations": 0,
+                           "cases": 8, "passed": 8, "max_err_over_bound": 0.5,
+                           "per_case": per_case}]}
+
+    text, worse = diff.diff_reports(cell(1.0), cell(1 + 1e-14))
+    assert not worse, text
+    text, worse = diff.diff_reports(cell(1.0), cell(1 + 1e-6))
+    assert worse and "RMSE" in text, text
+
+
 @pytest.mark.slow
 def test_attention_bound_is_sound_on_10000_adversarial_rows():
     """Attention rows evaluated as an fp32 online-softmax kernel would (random summation
