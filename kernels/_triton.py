@@ -76,7 +76,8 @@ def register_cap(kernel, args, kwargs, device, most_per_sm: int) -> int | None:
     fit on an SM as its shared memory holds, at most ``most_per_sm``; None when the kernel
     compiled without one already fits (a cap then only risks spills). For a grid sized to
     one wave, where a few registers over a boundary lose a whole program per SM (the
-    decode indexer's flat grid: 132 registers, 3 programs per SM instead of 4)."""
+    decode indexer's flat grid with its scan inlined in a loop: e4m3 132 registers, 3
+    programs per SM instead of 4)."""
     regs, smem, props = _resources(kernel, args, kwargs, device)
     warps = kwargs.get("num_warps", 4)
     want = min(most_per_sm, props["max_shared_mem"] // smem if smem else most_per_sm)

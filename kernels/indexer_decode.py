@@ -322,9 +322,9 @@ def _check_grid(grid, num_programs, scan, num_splits, blocks_per_split, blocks_p
 def _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out, k, loc, ini,
                  trace, dev, merge_chunk, const):
     """The flat grid's launch: G programs (default: one wave of resident programs,
-    compiled, under a register cap that lets as many programs share an SM as its shared
-    memory allows, at most MAX_PROGRAMS_PER_SM (sm_90, model shape: e4m3 132 registers
-    -> 121, 4 per SM; bf16 241 -> 168, 3 per SM, as the split grid); 3 interpreted, so
+    compiled, under a register cap when needed so that as many programs share an SM as
+    its shared memory allows, at most MAX_PROGRAMS_PER_SM (sm_90, model shape: e4m3 114
+    registers, 4 per SM, bf16 133, 3 per SM, as the split grid: no cap); 3 interpreted, so
     ranges straddle requests in CI), the merge chunk (default min(next_pow2(workspace
     slots), flat_grid.MERGE_CHUNK, 256 / BK))."""
     kernel = flat_grid._indexer_decode_flat_kernel
