@@ -71,18 +71,25 @@ def _resources(kernel, args, kwargs, device) -> tuple[int, int, dict]:
     return compiled.n_regs, compiled.metadata.shared, props
 
 
+_CAPS: dict = {}
+
+
 def register_cap(kernel, args, kwargs, device, most_per_sm: int) -> int | None:
     """A ptxas register cap (the ``maxnreg`` launch option) under which as many programs
     fit on an SM as its shared memory holds, at most ``most_per_sm``; None when the kernel
     compiled without one already fits (a cap then only risks spills). For a grid sized to
     one wave, where a few registers over a boundary lose a whole program per SM (the
     decode indexer's flat grid with its scan inlined in a loop: e4m3 132 registers, 3
-    programs per SM instead of 4)."""
-    regs, smem, props = _resources(kernel, args, kwargs, device)
-    warps = kwargs.get("num_warps", 4)
-    want = min(most_per_sm, props["max_shared_mem"] // smem if smem else most_per_sm)
-    cap = min(255, props["max_num_regs"] // (max(want, 1) * 32 * warps) // 8 * 8)
-    return cap if regs > cap else None
+    programs per SM instead of 4). Compiles on the first call for a key and caches the
+    answer, as ``resident_programs``."""
+    key = _spec_key(kernel, args, kwargs) + (most_per_sm,)
+    if key not in _CAPS:
+        regs, smem, props = _resources(kernel, args, kwargs, device)
+        warps = kwargs.get("num_warps", 4)
+        want = min(most_per_sm, props["max_shared_mem"] // smem if smem else most_per_sm)
+        cap = min(255, props["max_num_regs"] // (max(want, 1) * 32 * warps) // 8 * 8)
+        _CAPS[key] = cap if regs > cap else None
+    return _CAPS[key]
 
 
 _STAGES: dict = {}
