@@ -37,8 +37,9 @@ from benchmarks import harness  # noqa: E402
 BENCHES = ("insert", "indexer", "attention_decode", "attention_prefill")
 
 
-def call(bench: str, cache: str, impl: str, knobs: dict):
-    """The benchmark's zero-argument kernel call on its first input set."""
+def call(bench: str, cache: str, impl: str, knobs: dict, ragged: bool = False):
+    """The benchmark's zero-argument kernel call on its first input set (``ragged``: the
+    index decode's ragged contexts, ``bench_indexer --ragged``)."""
     if bench == "insert":
         from benchmarks import bench_insert as bi
         from benchmarks.tune_insert import launcher
@@ -50,7 +51,8 @@ def call(bench: str, cache: str, impl: str, knobs: dict):
         from benchmarks import bench_indexer as bix
 
         fmt = bix.CACHES[cache]
-        return bix.triton_indexer(fmt, knobs=knobs)(bix.make_set(bix.BATCH, bix.SEQ_LEN, fmt, 0))
+        return bix.triton_indexer(fmt, knobs=knobs)(
+            bix.make_set(bix.BATCH, bix.SEQ_LEN, fmt, 0, ragged=ragged))
     if bench == "attention_decode":
         from benchmarks import bench_attention_decode as bad
 
@@ -92,14 +94,14 @@ TIMELINE_VIEWS = {"indexer": [("the merging programs", ("start", "scan", "ticket
                                                        "end"), (1, 2, 4, 5, 3))]}
 
 
-def timeline(bench: str, cache: str, knobs: dict, calls: int) -> str:
+def timeline(bench: str, cache: str, knobs: dict, calls: int, ragged: bool = False) -> str:
     """The summaries of ``calls`` traced launches (module docstring)."""
     from kernels._trace import summary, trace_buffer
 
     if bench not in TIMELINE_BENCHES:
         raise SystemExit(f"--timeline supports {sorted(TIMELINE_BENCHES)}, not {bench}")
     buf = trace_buffer(1 << 16, torch.device("cuda"))
-    traced = call(bench, cache, "triton", {**knobs, "trace": buf})
+    traced = call(bench, cache, "triton", {**knobs, "trace": buf}, ragged)
     traced()  # compiles; one set of inputs, as every other mode here
     out = []
     for i in range(calls):
@@ -125,11 +127,15 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", type=int, default=0, metavar="N",
                     help="print N traced calls' per-program timelines (no ncu; indexer, "
                          "attention_decode)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="indexer only: ragged contexts (bench_indexer --ragged)")
     args = ap.parse_args(argv)
+    if args.ragged and args.bench != "indexer":
+        ap.error("--ragged applies to --bench indexer only")
     if args.timeline:
-        print(timeline(args.bench, args.cache, args.knobs, args.timeline))
+        print(timeline(args.bench, args.cache, args.knobs, args.timeline, args.ragged))
         return 0
-    fn = call(args.bench, args.cache, args.impl, args.knobs)
+    fn = call(args.bench, args.cache, args.impl, args.knobs, args.ragged)
     if args.kernel_times:
         print(kernel_times(fn, args.kernel_times))
         return 0

@@ -52,6 +52,16 @@ def test_summary_of_some_programs_stamped_slots():
         summary(rows, ("start", "end"), (1, 2, 3))
 
 
+def test_profile_launch_ragged_is_for_the_indexer_only(capsys):
+    """``--ragged`` (the index decode's ragged contexts) with another benchmark is a usage
+    error naming the flag, before anything runs on a GPU."""
+    from benchmarks.profile_launch import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--bench", "attention_decode", "--ragged", "--timeline", "1"])
+    assert e.value.code == 2 and "--ragged" in capsys.readouterr().err
+
+
 def test_summary_of_nothing_stamped():
     """A buffer no program wrote says so instead of dividing by zero."""
     assert summary(np.zeros((4, TRACE_SLOTS), np.int64), ("a", "b", "c")) == \
