@@ -435,8 +435,9 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     bk = triton.next_power_of_2(k)
     wave = mma and num_splits is None and blocks_per_split is None and not INTERPRETED \
         and dev.type == "cuda" and not flat
-    splits, bps = (0, 0) if wave else _splits(num_splits, blocks_per_split, b, width, dev,
-                                              bk if fma or mma else 0)
+    # The flat grid sizes its ranges itself (_launch_flat); the wave grid after compiling.
+    splits, bps = (0, 0) if wave or flat else _splits(num_splits, blocks_per_split, b, width,
+                                                      dev, bk if fma or mma else 0)
     chain = False
     if mma:
         for name, v in (("block_d", block_d), ("vec", vec), ("lanes_d", lanes_d),
