@@ -521,6 +521,8 @@ def merge_partials(part, num_splits, rows, ROWS: tl.constexpr, BK: tl.constexpr,
     ``store_partial``, its last steps alone), then (from the second step on) of those BK
     and the running BK. Exact: keys of a row are unique except empty ones (< 2^32, which
     rank below every valid key)."""
+    if SORTED and BK > 1 and MC > 1:
+        return _merge_sorted_partials(part, num_splits, rows, ROWS, BK, MC)
     merged = _step_top(part, 0, num_splits, rows, ROWS, BK, MC, SORTED)
     for s0 in range(MC, num_splits, MC):
         best = _step_top(part, s0, num_splits, rows, ROWS, BK, MC, SORTED)
@@ -529,18 +531,48 @@ def merge_partials(part, num_splits, rows, ROWS: tl.constexpr, BK: tl.constexpr,
 
 
 @triton.jit
-def _top_of_runs(cand, BK: tl.constexpr):
+def _runs(a, b):
+    """``[ROWS, BK]`` lists a then b as one ``[ROWS, 2 BK]`` row each (concatenated, not
+    interleaved as ``tl.join``'s last axis would leave them)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [a.shape[0], 2 * a.shape[1]])
+
+
+@triton.jit
+def _merge_sorted_partials(part, num_splits, rows, ROWS: tl.constexpr, BK: tl.constexpr,
+                           MC: tl.constexpr):
+    """``merge_partials`` of presorted lists (``store_partial``, MC > 1) when they may
+    take more than one step: the first two steps' lists are loaded together (one L2 round
+    trip on the critical path, not two: the flat grid's requests have 9-10 lists at the
+    model shape, MC 8), each later step's top comes out ascending, so it and the running
+    descending top form the two runs of ``_top_of_runs`` (its last stage alone, not a
+    whole ``tl.topk`` of the pair)."""
+    first = _partial_tile(part, 0, num_splits, rows, ROWS, BK, MC)
+    if num_splits > MC:
+        second = _partial_tile(part, MC, num_splits, rows, ROWS, BK, MC)
+        merged = _top_of_runs(_runs(_top_of_runs(second, BK, 0), _top_of_runs(first, BK, 1)),
+                              BK, 1)
+        for s0 in range(2 * MC, num_splits, MC):
+            best = _top_of_runs(_partial_tile(part, s0, num_splits, rows, ROWS, BK, MC), BK, 0)
+            merged = _top_of_runs(_runs(best, merged), BK, 1)
+    else:
+        merged = _top_of_runs(first, BK, 1)
+    return merged
+
+
+@triton.jit
+def _top_of_runs(cand, BK: tl.constexpr, ORDER: tl.constexpr = 1):
     """``tl.topk(cand, BK)`` for ``cand`` ``[ROWS, N]`` whose runs of BK keys are already
     sorted, ascending and descending in turn (run 0 ascending): the bitonic top-k's last
     steps alone (Triton's ``sort_impl`` after its first log2(BK) stages, which sort the
     runs so): per step the larger of each pair of runs, key by key (a bitonic run holding
-    the pair's top BK), merged into order."""
+    the pair's top BK), merged into order: ORDER 1 descending (as ``tl.topk``), 0
+    ascending."""
     LOG_K: tl.constexpr = _log2(BK)
     LOG_N: tl.constexpr = _log2(cand.shape[1])
     h = tl.reshape(cand, [2] * _log2(cand.numel))
     for i in tl.static_range(LOG_K + 1, LOG_N + 1):
         h = tl.max(h, axis=_log2(h.numel) - 1 - LOG_K)
-        h = _bitonic_merge_hypercube(h, LOG_K, 2 if i < LOG_N else 1)
+        h = _bitonic_merge_hypercube(h, LOG_K, 2 if i < LOG_N else ORDER)
     return tl.reshape(h, [cand.shape[0], BK])
 
 

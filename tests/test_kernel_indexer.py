@@ -447,12 +447,15 @@ def test_mma_scan_every_format_exact(fmt):
 @pytest.mark.parametrize("kw", [dict(num_stages=1), dict(num_warps=8, blocks_per_split=3),
                                 dict(blocks_per_split=100), dict(num_splits=64),
                                 dict(blocks_per_step=2, blocks_per_split=3),
-                                dict(blocks_per_step=4, num_splits=2)],
+                                dict(blocks_per_step=4, num_splits=2),
+                                dict(num_splits=10, merge_chunk=2)],
                          ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_mma_knobs_select_identically(kw):
     """MMA-scan knobs (pipeline stages, warps, at most BK blocks per split (slots filled
     directly) or more (replace-min), more splits than blocks, 2 or 4 blocks per dot with a
-    split that is not a multiple of them) give exactly the reference's selection."""
+    split that is not a multiple of them, a merge of 10 presorted lists in steps of 2:
+    the first two steps loaded together, the later ones merged as runs) give exactly the
+    reference's selection."""
     x = make_index_inputs("bfloat16", seq_lens=(300, 64, 7), rows=1, hi=5, d=64, page=32,
                           topk=6, local=1, kind="grid", duplicate=[(0, 2, 6), (0, 3, 8)],
                           seed=25)
