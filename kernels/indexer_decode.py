@@ -406,7 +406,12 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       "flat" (``kernels/indexer_decode_flat.py``: the batch's key blocks
                       laid end to end and shared out evenly over ``num_programs`` programs,
                       default one wave; the "mma" scan; not with num_splits,
-                      blocks_per_split, blocks_per_step).
+                      blocks_per_split, blocks_per_step). For batches of mixed lengths:
+                      the split grid sizes its splits by the table's width, so a short
+                      request's programs idle (H200, batch 64, e4m3, contexts 4k-60k:
+                      flat 77.5 us, split 97.0); on uniform lengths the split grid is
+                      faster (71.0 against 78.9 at 32k). Not chosen automatically: the
+                      lengths are on the device (a host sync to look).
     trace             a diagnostic (``kernels._trace``, compiled "mma" / "fma" scans): an
                       int64 buffer ``[>= B * S, TRACE_SLOTS]``; program (r, s) writes row
                       r * S + s: its SM, then the timer at its start (slot 1), after its

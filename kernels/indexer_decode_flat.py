@@ -25,6 +25,13 @@ grid. Each program computes the batch's block offsets itself (a running sum over
 in tiles of RB requests: no host sync, the launch stays capturable). Requests with no key
 block (seq_lens 0: padding) are written as all -1 by program ``r mod G``.
 
+Measured (H200, batch 64, 1 ms CUDA-graph replays; reports/bench_indexer_ragged*.md,
+bench_indexer_flat*.md): contexts spread 4k-60k tokens, e4m3 77.5 us against the split
+grid's 97.0 (bf16 136.3 / 169.6); uniform 32k contexts 78.9 against 71.0: the scans end
+~2.5 us later (a range's second segment restarts the pipeline, stores a second list, draws
+a second ticket) and a request's 9-10 lists merge in two steps (ticket -> written 3.2 us
+against 1.6 for the split grid's 8). 396 or 264 programs: slower (82.2, 103.0 us).
+
 The launch (``launch``) is called by ``indexer_decode`` after its argument checks; the
 grid size G defaults to one wave of resident programs (at most
 ``indexer_decode.MAX_PROGRAMS_PER_SM`` per SM; ``num_programs`` overrides it)."""
