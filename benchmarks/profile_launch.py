@@ -96,22 +96,24 @@ TIMELINE_VIEWS = {"indexer": [("the merging programs", ("start", "scan", "ticket
 
 def timeline(bench: str, cache: str, knobs: dict, calls: int, ragged: bool = False) -> str:
     """The summaries of ``calls`` traced launches (module docstring)."""
-    from kernels._trace import summary, trace_buffer
+    from kernels._trace import persistence, summary, trace_buffer
 
     if bench not in TIMELINE_BENCHES:
         raise SystemExit(f"--timeline supports {sorted(TIMELINE_BENCHES)}, not {bench}")
     buf = trace_buffer(1 << 16, torch.device("cuda"))
     traced = call(bench, cache, "triton", {**knobs, "trace": buf}, ragged)
     traced()  # compiles; one set of inputs, as every other mode here
-    out = []
+    out, runs = [], []
     for i in range(calls):
         buf.zero_()
         traced()
         torch.cuda.synchronize()
         rows = buf.cpu().numpy()
+        runs.append(rows)
         out.append(f"### call {i + 1}\n" + summary(rows, TIMELINE_BENCHES[bench]))
         for title, names, slots in TIMELINE_VIEWS.get(bench, ()):
             out.append(f"#### call {i + 1}, {title}\n" + summary(rows, names, slots))
+    out.append(persistence(runs))
     return "\n\n".join(out)
 
 

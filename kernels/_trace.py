@@ -113,3 +113,31 @@ def summary(rows: np.ndarray, names: tuple[str, ...], slots: tuple[int, ...] = (
     lines.append(f"SM busy (first start to last end per SM) / span: mean "
                  f"{np.mean(busy) / span:.1%}, min {np.min(busy) / span:.1%}")
     return "\n".join(lines)
+
+
+def persistence(calls: list[np.ndarray], start: int = 1, end: int = 3) -> str:
+    """Whether the late programs of a launch are late again in the next one: Spearman's
+    rank correlation (``scipy.stats.spearmanr``) of the end times (slot ``end`` less the
+    call's earliest slot ``start``) between consecutive traced calls, by program (row:
+    the same work each call) and by SM (the mean end of the programs it ran). Near 1 by
+    SM: some SMs are slow every call (their place on the chip; work placed by SM would
+    pay); near 1 by program: some work is slow (its pages); near 0 both: the spread is
+    noise, which only finer-grained balancing at run time evens out. Rows not stamped at
+    both slots are left out of that pair."""
+    from scipy.stats import spearmanr
+
+    if len(calls) < 2:
+        return "end-time persistence: needs 2 or more calls"
+    by_program, by_sm = [], []
+    for a, b in zip(calls, calls[1:]):
+        a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+        ok = (a[:, [start, end]] > 0).all(axis=1) & (b[:, [start, end]] > 0).all(axis=1)
+        ends = [(x[ok, end] - x[ok, start].min()) / 1e3 for x in (a, b)]
+        by_program.append(spearmanr(ends[0], ends[1]).statistic)
+        sms = [x[ok, 0] for x in (a, b)]
+        common = np.intersect1d(sms[0], sms[1])
+        means = [[e[s == sm].mean() for sm in common] for e, s in zip(ends, sms)]
+        by_sm.append(spearmanr(means[0], means[1]).statistic)
+    return (f"end-time persistence over {len(calls)} calls (Spearman rho of consecutive "
+            f"calls): by program {np.mean(by_program):.2f}, by SM {np.mean(by_sm):.2f}")
+
