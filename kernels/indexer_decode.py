@@ -301,19 +301,21 @@ def fma_strategy(nr: int, page: int, d: int, fp8: bool, lanes_d=None, block_n=No
 
 def _check_grid(grid, num_programs, scan, num_splits, blocks_per_split, blocks_per_step
                 ) -> bool:
-    """Whether the launch uses the flat grid; its knobs checked (ValueError naming them)."""
-    if grid not in (None, "split", "flat"):
-        fail("grid", f"must be 'split' or 'flat', got {grid!r}")
-    if grid != "flat":
+    """Whether the launch uses the flat kernel (grid "flat" or "proportional"); its knobs
+    checked (ValueError naming them)."""
+    if grid not in (None, "split", "flat", "proportional"):
+        fail("grid", f"must be 'split', 'flat' or 'proportional', got {grid!r}")
+    if grid in (None, "split"):
         if num_programs is not None:
-            fail("num_programs", "applies to grid='flat' only")
+            fail("num_programs", "applies to grid='flat' or 'proportional' only")
         return False
     for name, v in (("num_splits", num_splits), ("blocks_per_split", blocks_per_split),
                     ("blocks_per_step", blocks_per_step)):
         if v is not None:
-            fail(name, "does not apply to grid='flat' (ranges of the whole batch's blocks)")
+            fail(name, f"does not apply to grid={grid!r} (its programs share out the whole "
+                       f"batch's blocks)")
     if scan not in (None, "mma"):
-        fail("scan", f"grid='flat' runs the 'mma' scan only, got {scan!r}")
+        fail("scan", f"grid={grid!r} runs the 'mma' scan only, got {scan!r}")
     if num_programs is not None:
         check_int(num_programs, "num_programs", 1)
     return True
@@ -412,6 +414,11 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       flat 77.5 us, split 97.0); on uniform lengths the split grid is
                       faster (71.0 against 78.9 at 32k). Not chosen automatically: the
                       lengths are on the device (a host sync to look).
+                      "proportional" (the same kernel): each request cut into its own
+                      programs, cdiv(nb_r, U) of them with U the fewest blocks per program
+                      that fit the grid (searched in the kernel), so no program straddles
+                      two requests and the uniform model shape gets the split grid's
+                      partition (64 x 8 programs of 32 blocks).
     trace             a diagnostic (``kernels._trace``, compiled "mma" / "fma" scans): an
                       int64 buffer ``[>= B * S, TRACE_SLOTS]``; program (r, s) writes row
                       r * S + s: its SM, then the timer at its start (slot 1), after its
@@ -533,7 +540,9 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                             dict(P=page, D=d, ROWS=rows, BK=bk, FP8=fp8, FMT=code, HW=hw,
                                  HI=hi, QR=q_rows, STAGES=stages, F8MMA=fp8_mma(index_fmt),
                                  MR=max(16, rows), MIN_BLOCKS=flat_grid.MIN_BLOCKS,
-                                 RB=flat_grid.RB, SORTED=sort, num_warps=warps))
+                                 RB=flat_grid.tile_requests(b, grid == "proportional"),
+                                 SORTED=sort, PROP=grid == "proportional",
+                                 num_warps=warps))
     ensure_ready(_indexer_decode_kernel)
     if wave:  # one full wave of programs (``wave_splits``), sized from the compiled kernel
         tmpl = call(2, bk + 1, torch.empty(1, dtype=torch.int64, device=dev),
@@ -613,23 +622,28 @@ def compile_signatures():
 def _flat_signatures():
     """The flat grid's kernel (``kernels/indexer_decode_flat.py``): the model shape in
     bf16 and e4m3 (fp8 tensor cores, traced too), an fnuz cache (fp16 operands) with 8
-    rows, K 64 and 64-bit tables."""
+    rows, K 64 and 64-bit tables; the proportional partition at the model shape (batch 64
+    in one tile) and with a 1024-request tile."""
     kernel = flat_grid._indexer_decode_flat_kernel
-    combos = [  # q/cache, P, D, BK, Hi, rows, FP8, FMT, HW, index, trace
-        ("bf16", 128, 128, 16, 4, 1, False, 0, False, "i32", False),
-        ("u8", 128, 128, 16, 4, 1, True, 0, True, "i32", False),
-        ("u8", 128, 128, 16, 4, 1, True, 0, True, "i32", True),
-        ("u8", 32, 256, 64, 2, 4, True, 3, False, "i64", False),
+    combos = [  # q/cache, P, D, BK, Hi, rows, FP8, FMT, HW, index, trace, proportional RB
+        ("bf16", 128, 128, 16, 4, 1, False, 0, False, "i32", False, 0),
+        ("u8", 128, 128, 16, 4, 1, True, 0, True, "i32", False, 0),
+        ("u8", 128, 128, 16, 4, 1, True, 0, True, "i32", True, 0),
+        ("u8", 32, 256, 64, 2, 4, True, 3, False, "i64", False, 0),
+        ("bf16", 128, 128, 16, 4, 1, False, 0, False, "i32", False, 64),
+        ("u8", 128, 128, 16, 4, 1, True, 0, True, "i32", False, 64),
+        ("u8", 128, 128, 16, 4, 1, True, 0, True, "i32", True, 64),
+        ("u8", 128, 128, 16, 4, 1, True, 0, True, "i32", False, 1024),
     ]
     out = []
-    for qt, page, d, bk, hi, qr, fp8, fmt, hw, it, trace in combos:
+    for qt, page, d, bk, hi, qr, fp8, fmt, hw, it, trace, prop in combos:
         sig = _signature(kernel, qt, it)
         rows = triton.next_power_of_2(hi * qr)
         const = dict(P=page, D=d, ROWS=rows, BK=bk, FP8=fp8, FMT=fmt, HW=hw, HI=hi, QR=qr,
                      STAGES=MMA_STAGES, MC=min(flat_grid.MERGE_CHUNK, 256 // bk),
                      F8MMA=fp8 and hw,
-                     MR=max(16, rows), MIN_BLOCKS=flat_grid.MIN_BLOCKS, RB=flat_grid.RB,
-                     SORTED=True, TRACE=trace)
+                     MR=max(16, rows), MIN_BLOCKS=flat_grid.MIN_BLOCKS,
+                     RB=prop or flat_grid.RB, SORTED=True, PROP=bool(prop), TRACE=trace)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((kernel, sig, const))
     return out
@@ -640,6 +654,8 @@ def _flat_signatures():
 
 run = ix.adapter(indexer_decode, decode=True)
 run_flat = ix.adapter(functools.partial(indexer_decode, grid="flat"), decode=True)
+run_proportional = ix.adapter(functools.partial(indexer_decode, grid="proportional"),
+                              decode=True)
 
 
 def _register():
@@ -663,6 +679,12 @@ def _register():
         notes="indexer_decode(grid='flat'): the batch's key blocks laid end to end and "
               "shared out evenly over one wave of programs (ranges straddle requests), "
               "the MMA scan per request segment, the last program of a request merges"))
+    register(Implementation(
+        "triton_proportional", "indexer_decode", run_proportional, devices=("cuda",),
+        shape_classes=("tiny", "small", "model", "long"), score_rel=score_rel,
+        notes="indexer_decode(grid='proportional'): one wave of programs, each request "
+              "cut into cdiv(blocks, U) of them (U searched in the kernel so they fit), "
+              "the MMA scan per program, the last program of a request merges"))
 
 
 _register()

@@ -80,6 +80,96 @@ def _batch_offsets(seq_ptr, batch, width, lo, P: tl.constexpr, RB: tl.constexpr)
 
 
 @triton.jit
+def _tile_seq(seq_ptr, c0, batch, RB: tl.constexpr):
+    """seq_lens[c0 .. c0 + RB - 1] (0 past the batch) and their request ids."""
+    rr = c0 + tl.arange(0, RB)
+    return tl.load(seq_ptr + rr, mask=rr < batch, other=0).to(tl.int32), rr
+
+
+@triton.jit
+def _parts(nb, unit):
+    """Programs of requests of nb key blocks at most ``unit`` blocks each (0 for none)."""
+    return (nb + unit - 1) // unit
+
+
+@triton.jit
+def _count_parts(seq0, seq_ptr, batch, width, unit, P: tl.constexpr, RB: tl.constexpr):
+    """The proportional grid's assignments at ``unit``: sum over requests of
+    ``_parts(nb_r, unit)``; seq0 the first tile, held (the other tiles loaded)."""
+    n = tl.sum(_parts(_blocks_of(seq0, width, P), unit))
+    for c0 in range(RB, batch, RB):
+        seq, _ = _tile_seq(seq_ptr, c0, batch, RB)
+        n += tl.sum(_parts(_blocks_of(seq, width, P), unit))
+    return n
+
+
+@triton.jit(noinline=True)
+def _proportional_unit(seq_ptr, batch, width, g, P: tl.constexpr, RB: tl.constexpr,
+                       MIN_BLOCKS: tl.constexpr):
+    """The fewest blocks per program U (>= MIN_BLOCKS) with which the requests' programs
+    ``cdiv(nb_r, U)`` number at most g: searched between cdiv(T, g) and cdiv(T, g - B')
+    (B' requests with blocks: sum cdiv(nb_r, U) <= T / U + B' <= g there), or the widest
+    request when g <= B' (one program each, the programs looping). Returns (U, count).
+    Called (as ``_assignment``): inlined, its vector arithmetic added ~20 registers to the
+    kernel's (sm_90 e4m3 132 against the ranges' 112)."""
+    seq0, _ = _tile_seq(seq_ptr, 0, batch, RB)
+    total = tl.sum(_blocks_of(seq0, width, P))
+    busy = tl.sum((_blocks_of(seq0, width, P) > 0).to(tl.int32))
+    for c0 in range(RB, batch, RB):
+        seq, _ = _tile_seq(seq_ptr, c0, batch, RB)
+        nb = _blocks_of(seq, width, P)
+        total += tl.sum(nb)
+        busy += tl.sum((nb > 0).to(tl.int32))
+    lo = tl.maximum((total + g - 1) // g, MIN_BLOCKS)
+    hi = tl.maximum(tl.where(g > busy, (total + g - busy - 1) // tl.maximum(g - busy, 1),
+                             width), lo)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _count_parts(seq0, seq_ptr, batch, width, mid, P, RB) <= g:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, _count_parts(seq0, seq_ptr, batch, width, lo, P, RB)
+
+
+@triton.jit
+def _find(seq, rr, width, unit, q, base, P: tl.constexpr):
+    """``_assignment`` over one tile of requests whose programs are numbered from base:
+    sums over the one request holding assignment q, if it is in this tile (else 0s), and
+    the tile's program count."""
+    nb = _blocks_of(seq, width, P)
+    parts = _parts(nb, unit)
+    ends = base + tl.cumsum(parts, 0)
+    hit = (ends > q) & (ends - parts <= q)
+    return (tl.sum(tl.where(hit, rr, 0)), tl.sum(tl.where(hit, seq, 0)),
+            tl.sum(tl.where(hit, nb, 0)), tl.sum(tl.where(hit, parts, 0)),
+            tl.sum(tl.where(hit, ends - parts, 0)), tl.sum(parts))
+
+
+@triton.jit(noinline=True)
+def _assignment(seq_ptr, batch, width, unit, q, P: tl.constexpr, RB: tl.constexpr):
+    """Assignment q of the proportional grid (requests in order, each cut into
+    ``_parts(nb_r, unit)`` programs): (request r, its seq_len, its blocks nb, its program
+    count S, q's index s among them)."""
+    r = 0
+    seq_r = 0
+    nb_r = 0
+    parts_r = 0
+    first = 0
+    base = 0
+    for c0 in range(0, batch, RB):
+        seq, rr = _tile_seq(seq_ptr, c0, batch, RB)
+        r2, seq2, nb2, parts2, first2, n2 = _find(seq, rr, width, unit, q, base, P)
+        r += r2
+        seq_r += seq2
+        nb_r += nb2
+        parts_r += parts2
+        first += first2
+        base += n2
+    return r, seq_r, nb_r, parts_r, q - first
+
+
+@triton.jit
 def _owner(x, used, total):
     """The program whose range holds flat key block x: ranges [floor(p T / G'), floor((p
     + 1) T / G')), so p = ceil((x + 1) G' / T) - 1."""
@@ -93,24 +183,19 @@ def _owner(x, used, total):
 @triton.jit(noinline=True)
 def _segment(q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0, bt_s1,
              seq_ptr, num_tokens, out_ptr, o_s0, o_s1, o_s2, part_ptr, cnt_ptr,
-             trace_ptr, topk, local_blocks, initial_blocks, slots, p, r, seq, nb,
-             start, lo, hi, used, t64, P: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+             trace_ptr, topk, local_blocks, initial_blocks, slots, p, r, seq, b_lo, b_hi,
+             slot, count, P: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
              BK: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
              HI: tl.constexpr, QR: tl.constexpr, STAGES: tl.constexpr, MC: tl.constexpr,
              F8MMA: tl.constexpr, MR: tl.constexpr, SORTED: tl.constexpr,
              TRACE: tl.constexpr):
-    """Request r's key blocks start .. start + nb - 1 of the batch, as far as they fall in
-    this program's range [lo, hi): scan them, store the partial list to the request's slot
-    and draw its ticket; the last of the request's programs merges and writes."""
+    """Request r's key blocks b_lo .. b_hi - 1: scan them, store the partial list to the
+    request's slot ``slot`` (of ``count`` partial lists) and draw its ticket; the last of
+    the request's programs merges and writes."""
     rows = tl.arange(0, ROWS)
     heads = rows % HI
     row_in = rows < QR * HI
     list_size: tl.constexpr = ROWS * BK
-    first = _owner(start, used, t64)
-    count = _owner(start + nb - 1, used, t64) - first + 1
-    slot = p - first
-    b_lo = tl.maximum(lo, start) - start
-    b_hi = tl.minimum(hi, start + nb) - start
     top = ix.scan_blocks_mma(
         ix.empty_list(ROWS, BK), q_ptr + (r * QR).to(tl.int64) * q_s0, q_s0, q_s1,
         r * QR, num_tokens, seq, bt_ptr + r.to(tl.int64) * bt_s0, bt_s1, b_lo, b_hi,
@@ -148,31 +233,44 @@ def _indexer_decode_flat_kernel(
         FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr, HI: tl.constexpr,
         QR: tl.constexpr, STAGES: tl.constexpr, MC: tl.constexpr, F8MMA: tl.constexpr,
         MR: tl.constexpr, MIN_BLOCKS: tl.constexpr, RB: tl.constexpr,
-        SORTED: tl.constexpr, TRACE: tl.constexpr = False):
+        SORTED: tl.constexpr, PROP: tl.constexpr = False, TRACE: tl.constexpr = False):
     p = tl.program_id(0)
     g = tl.num_programs(0)
     if TRACE:
         stamp(trace_ptr, p, 1)
-    total, _, _ = _batch_offsets(seq_ptr, batch, width, 0, P, RB)
-    t64 = total.to(tl.int64)
-    used = tl.maximum(tl.minimum(g, total // MIN_BLOCKS), 1).to(tl.int64)  # G'
-    lo = tl.minimum(p * t64 // used, t64).to(tl.int32)  # programs past G': lo = hi = T
-    hi = tl.minimum((p + 1) * t64 // used, t64).to(tl.int32)
-    _, r, start = _batch_offsets(seq_ptr, batch, width, lo, P, RB)
     rows = tl.arange(0, ROWS)
     heads = rows % HI
     row_in = rows < QR * HI
-    while (r < batch) & (start < hi):
-        seq = tl.load(seq_ptr + r).to(tl.int32)
-        nb = _blocks_of(seq, width, P)
-        if nb > 0:  # blocks start .. start + nb - 1 of the batch: this request's
+    if PROP:  # each request cut into its own programs: no range straddles two
+        unit, assigned = _proportional_unit(seq_ptr, batch, width, g, P, RB, MIN_BLOCKS)
+        for q in range(p, assigned, g):
+            r, seq, nb, parts, s = _assignment(seq_ptr, batch, width, unit, q, P, RB)
             _segment(q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0, bt_s1,
                      seq_ptr, num_tokens, out_ptr, o_s0, o_s1, o_s2, part_ptr, cnt_ptr,
-                     trace_ptr, topk, local_blocks, initial_blocks, slots, p, r, seq, nb,
-                     start, lo, hi, used, t64, P, D, ROWS, BK, FP8, FMT, HW, HI, QR, STAGES,
-                     MC, F8MMA, MR, SORTED, TRACE)
-        start += nb
-        r += 1
+                     trace_ptr, topk, local_blocks, initial_blocks, slots, p, r, seq,
+                     s * nb // parts, (s + 1) * nb // parts, s, parts, P, D, ROWS, BK, FP8,
+                     FMT, HW, HI, QR, STAGES, MC, F8MMA, MR, SORTED, TRACE)
+    else:  # ranges of the batch's blocks laid end to end
+        total, _, _ = _batch_offsets(seq_ptr, batch, width, 0, P, RB)
+        t64 = total.to(tl.int64)
+        used = tl.maximum(tl.minimum(g, total // MIN_BLOCKS), 1).to(tl.int64)  # G'
+        lo = tl.minimum(p * t64 // used, t64).to(tl.int32)  # programs past G': lo = hi = T
+        hi = tl.minimum((p + 1) * t64 // used, t64).to(tl.int32)
+        _, r, start = _batch_offsets(seq_ptr, batch, width, lo, P, RB)
+        while (r < batch) & (start < hi):
+            seq = tl.load(seq_ptr + r).to(tl.int32)
+            nb = _blocks_of(seq, width, P)
+            if nb > 0:  # blocks start .. start + nb - 1 of the batch: this request's
+                first = _owner(start, used, t64)
+                _segment(q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0,
+                         bt_s1, seq_ptr, num_tokens, out_ptr, o_s0, o_s1, o_s2, part_ptr,
+                         cnt_ptr, trace_ptr, topk, local_blocks, initial_blocks, slots, p, r,
+                         seq, tl.maximum(lo, start) - start,
+                         tl.minimum(hi, start + nb) - start, p - first,
+                         _owner(start + nb - 1, used, t64) - first + 1, P, D, ROWS, BK, FP8,
+                         FMT, HW, HI, QR, STAGES, MC, F8MMA, MR, SORTED, TRACE)
+            start += nb
+            r += 1
     for r2 in range(p, batch, g):  # requests without key blocks select nothing
         if _blocks_of(tl.load(seq_ptr + r2).to(tl.int32), width, P) == 0:
             toks = r2 * QR + rows // HI
@@ -180,6 +278,16 @@ def _indexer_decode_flat_kernel(
                             row_in & (toks < num_tokens), topk, BK)
     if TRACE:
         stamp(trace_ptr, p, 3)
+
+
+def tile_requests(batch: int, proportional: bool) -> int:
+    """RB, the requests per tile of the kernel's passes over seq_lens: RB (64) for the
+    ranges; for the proportional grid the whole batch in one tile up to 1024 requests (its
+    search for the unit passes over the lengths several times: held in registers, not
+    reloaded), so one compile per power-of-two batch size from 64 up."""
+    if not proportional:
+        return RB
+    return max(RB, min(triton.next_power_of_2(max(batch, 1)), 1024))
 
 
 def workspace_slots(width: int) -> int:

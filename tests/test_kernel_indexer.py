@@ -462,17 +462,22 @@ def test_mma_knobs_select_identically(kw):
     _exact(x, scan="mma", **kw)
 
 
+FLAT_GRIDS = ["flat", "proportional"]
+
+
+@pytest.mark.parametrize("grid", FLAT_GRIDS)
 @pytest.mark.parametrize("fmt", ["bfloat16", "e4m3fn", "e5m2fnuz"])
-def test_flat_grid_every_format_exact(fmt):
-    """The flat grid (``grid="flat"``: the batch's key blocks laid end to end, equal ranges
-    per program, ranges straddling requests) on bf16 and fp8 caches, Hi 3 with 2 rows per
+def test_flat_grid_every_format_exact(fmt, grid):
+    """The flat kernel's partitions (``grid="flat"``: the batch's key blocks laid end to
+    end, equal ranges per program, ranges straddling requests; ``"proportional"``: each
+    request cut into its own programs) on bf16 and fp8 caches, Hi 3 with 2 rows per
     request, padded requests in the middle and at the end, forced initial blocks, exact
     ties, a NaN key on a visible position: exactly the reference, order included."""
     x = make_index_inputs(fmt, seq_lens=(150, 0, 64, 97, 0), rows=2, topk=5, initial=1,
                           page=32, kind="grid", duplicate=[(0, 0, 2)], seed=14)
     if fmt != "bfloat16":
         x["index_cache"][x["block_table"][0, 3], 2, 7] = 0x7F if "fnuz" not in fmt else 0x80
-    got = _exact(x, grid="flat")
+    got = _exact(x, grid=grid)
     if fmt != "bfloat16":
         assert (got[:, 0:2, 4] == 3).all()  # the NaN block: last of the 5 selected
     assert (got[:, 2:4] == -1).all() and (got[:, 8:10] == -1).all()  # padded requests
@@ -481,27 +486,32 @@ def test_flat_grid_every_format_exact(fmt):
 @pytest.mark.parametrize("kw", [dict(num_programs=1), dict(num_programs=2),
                                 dict(num_programs=5), dict(num_programs=64),
                                 dict(num_programs=4, merge_chunk=2),
+                                dict(num_programs=12, merge_chunk=2),
                                 dict(num_programs=3, merge="topk"),
                                 dict(num_programs=2, num_stages=1, num_warps=8)],
                          ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
-def test_flat_grid_knobs_select_identically(kw):
-    """Any number of programs (one for the whole batch; more than the batch's blocks, the
-    last ones idle), merge chunks smaller than a request's partial lists, the whole top-k
-    merge, other warps / stages: exactly the reference's selection, 1 row of 5 heads and
-    a request of 10 blocks beside ones of 1 and 3."""
+@pytest.mark.parametrize("grid", FLAT_GRIDS)
+def test_flat_grid_knobs_select_identically(kw, grid):
+    """Any number of programs (one for the whole batch, looping over the proportional
+    grid's requests; more than the batch's blocks, the last ones idle), merge chunks
+    smaller than a request's partial lists, the whole top-k merge, other warps / stages:
+    exactly the reference's selection, 1 row of 5 heads and a request of 10 blocks beside
+    ones of 1 and 3."""
     x = make_index_inputs("bfloat16", seq_lens=(300, 7, 64, 33), rows=1, hi=5, d=64,
                           page=32, topk=6, local=1, kind="grid",
                           duplicate=[(0, 2, 6), (0, 3, 8)], seed=25)
-    _exact(x, grid="flat", **kw)
+    _exact(x, grid=grid, **kw)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid", FLAT_GRIDS)
 @pytest.mark.parametrize("cache,per_sm", [("e4m3", 4), ("bf16", 3)])
-def test_flat_grid_default_is_one_full_wave(cache, per_sm):
-    """At the benchmark's model shape the flat grid's default launch runs one wave of as
-    many programs per SM as the split grid holds (e4m3: 4, shared memory and the register
-    cap allowing; bf16: 3, by shared memory): a traced launch stamps exactly that many
-    programs x SMs, each starting within the first microseconds (no second wave)."""
+def test_flat_grid_default_is_one_full_wave(cache, per_sm, grid):
+    """At the benchmark's model shape the flat kernel's default launch (either partition)
+    runs one wave of as many programs per SM as the split grid holds (e4m3: 4, shared
+    memory and the register cap allowing; bf16: 3, by shared memory): a traced launch
+    stamps exactly that many programs x SMs, each starting within the first microseconds
+    (no second wave)."""
     from benchmarks import bench_indexer as bix
     from kernels._trace import trace_buffer
 
@@ -511,7 +521,7 @@ def test_flat_grid_default_is_one_full_wave(cache, per_sm):
     buf = trace_buffer(4096, t.cache.device)
     idd.indexer_decode(t.index_q, t.cache, fmt, t.table, t.seq_lens, t.rows, topk=s.topk,
                        local_blocks=s.local_blocks, initial_blocks=s.initial_blocks,
-                       out=t.out.transpose(0, 1), grid="flat", trace=buf)
+                       out=t.out.transpose(0, 1), grid=grid, trace=buf)
     rows = buf.cpu().numpy()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     stamped = rows[rows[:, 1] > 0]
@@ -560,6 +570,54 @@ def test_flat_grid_ranges_cover_every_block_once():
                 first = ((s0 + 1) * used + total - 1) // total - 1
                 last = ((s0 + n) * used + total - 1) // total - 1
                 assert last - first + 1 <= fg.workspace_slots(width)
+
+
+def _proportional(nb, g, min_blocks):
+    """The proportional grid's partition (the kernel's arithmetic, redone here): the unit
+    U and each request's program count."""
+    total, busy = int(nb.sum()), int((nb > 0).sum())
+    lo = max(-(-total // g), min_blocks)
+    hi = max(-(-total // (g - busy)) if g > busy else int(nb.max(initial=1)), lo)
+    parts = lambda u: -(-nb // u)  # noqa: E731
+    unit = next(u for u in range(lo, hi + 1) if parts(u).sum() <= g or u == hi)
+    return unit, parts(unit)
+
+
+def test_proportional_partition_fits_the_grid_and_bounds_the_work():
+    """The proportional grid's unit: the model shape (64 x 256 blocks) on 528 programs
+    (e4m3, 4 per SM) gives the split grid's partition, 64 x 8 programs of 32 blocks, and
+    on 396 (bf16, 3 per SM) its 64 x 6; ragged 4k-60k contexts fill at most the grid
+    with at most U <= cdiv(T, G - B') blocks a program. Random batches: the programs
+    number at most G whenever G > B' (else one per request), U is the smallest unit that
+    fits, each request's cuts floor(s nb / S) cover its blocks once with pieces differing
+    by at most one block, and S never exceeds the workspace (``workspace_slots``)."""
+    from benchmarks.bench_indexer import context_lengths
+    from kernels import indexer_decode_flat as fg
+
+    unit, parts = _proportional(np.full(64, 256), 528, fg.MIN_BLOCKS)
+    assert unit == 32 and set(parts) == {8}
+    unit, parts = _proportional(np.full(64, 256), 396, fg.MIN_BLOCKS)
+    assert set(parts) == {6} and unit == 43
+    nb = -(-np.asarray(context_lengths(64, 32768, ragged=True)) // 128)
+    unit, parts = _proportional(nb, 528, fg.MIN_BLOCKS)
+    assert parts.sum() <= 528 and unit <= -(-nb.sum() // (528 - 64))
+    bg = np.random.default_rng(5)
+    for _ in range(300):
+        width = int(bg.integers(1, 60))
+        nb = bg.integers(0, width + 1, size=int(bg.integers(1, 30)))
+        g = int(bg.integers(1, 200))
+        unit, parts = _proportional(nb, g, fg.MIN_BLOCKS)
+        busy = int((nb > 0).sum())
+        if g > busy:
+            assert parts.sum() <= g
+        else:
+            assert (parts == (nb > 0)).all()  # one program each, looping
+        if unit > max(-(-int(nb.sum()) // g), fg.MIN_BLOCKS):
+            assert (-(-nb // (unit - 1))).sum() > g  # no smaller unit fits
+        for n, s in zip(nb, parts):
+            cuts = [i * n // s for i in range(s + 1)] if s else [0]
+            assert cuts[-1] == n and (s == 0 or max(np.diff(cuts)) - min(np.diff(cuts)) <= 1)
+            assert s <= fg.workspace_slots(width)
 
 
 def test_wave_splits_fill_one_wave():
@@ -699,6 +757,8 @@ def _bad(name, decode_op=False, **changes):
     _bad("num_splits", True, grid="flat", num_splits=2),
     _bad("blocks_per_step", True, grid="flat", blocks_per_step=2),
     _bad("scan", True, grid="flat", scan="fma"),
+    _bad("num_splits", True, grid="proportional", num_splits=2),
+    _bad("scan", True, grid="proportional", scan="dot"),
     _bad("merge", True, scan="dot", vec=True, merge="topk"),
     # A CPU buffer: refused interpreted (no timer) and compiled (another device).
     _bad("trace", True, scan="fma", trace=lambda a: torch.zeros(64, 4, dtype=torch.int64)),
