@@ -25,6 +25,17 @@ grid. Each program computes the batch's block offsets itself (a running sum over
 in tiles of RB requests: no host sync, the launch stays capturable). Requests with no key
 block (seq_lens 0: padding) are written as all -1 by program ``r mod G``.
 
+The proportional partition (``PROP``; ``indexer_decode(..., grid="proportional")``): the
+same kernel with each request cut into its own ``S_r = cdiv(nb_r, U)`` programs, blocks
+``floor(s nb_r / S_r) .. floor((s + 1) nb_r / S_r) - 1`` for program s of request r, U the
+fewest blocks per program (at least MIN_BLOCKS) with which sum S_r <= G (a binary search
+between cdiv(T, G) and cdiv(T, G - B'), B' the requests with blocks, where the sum always
+fits: sum cdiv(nb_r, U) <= T / U + B'); the assignments numbered request by request, q
+handled by program q mod G. No program straddles two requests (one scan, one partial
+list, one ticket each), a request's partial lists number S_r, and the uniform model shape
+gets the split grid's partition (64 x 8 programs of 32 blocks); with fewer programs than
+requests holding blocks, each request is one assignment and the programs loop.
+
 Measured (H200, batch 64, 1 ms CUDA-graph replays; reports/bench_indexer_ragged*.md,
 bench_indexer_flat*.md): contexts spread 4k-60k tokens, e4m3 77.5 us against the split
 grid's 97.0 (bf16 136.3 / 169.6); uniform 32k contexts 78.9 against 71.0: the scans end
