@@ -184,6 +184,26 @@ def test_diff_ignores_float64_noise_in_rmse_but_not_a_real_rise():
     assert worse and "RMSE" in text, text
 
 
+def test_diff_does_not_compare_cases_whose_inputs_changed():
+    """A case whose input hash changed (regenerated inputs) is listed apart and left out of
+    the paired comparison: its much larger RMSE is not a regression, while a rise on the
+    unchanged cases still is; violations count whatever the inputs."""
+    def cell(rmse7, hash7, violations=0, rmse=1e-3):
+        per_case = [{"case": f"c{i}", "hash": hash7 if i == 7 else f"h{i}", "exact_rate": 0.9,
+                     "rmse": rmse7 if i == 7 else rmse} for i in range(8)]
+        return {"cells": [{"op": "o", "impl": "i", "platform": "cuda", "format": "bfloat16",
+                           "shape_class": "tiny", "dist": "normal", "violations": violations,
+                           "cases": 8, "passed": 8, "max_err_over_bound": 0.5,
+                           "per_case": per_case}]}
+
+    text, worse = diff.diff_reports(cell(1e-3, "h7"), cell(5e-3, "other"))
+    assert not worse and "1 with changed inputs (1 cases" in text and "c7" in text, text
+    text, worse = diff.diff_reports(cell(1e-3, "h7"), cell(1e-3, "other", rmse=2e-3))
+    assert worse and "RMSE" in text and "1 with changed inputs" in text, text
+    text, worse = diff.diff_reports(cell(1e-3, "h7"), cell(1e-3, "other", violations=1))
+    assert worse and "violations 0 -> 1" in text, text
+
+
 @pytest.mark.slow
 def test_attention_bound_is_sound_on_10000_adversarial_rows():
     """Attention rows evaluated as an fp32 online-softmax kernel would (random summation
