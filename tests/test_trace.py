@@ -188,13 +188,18 @@ def test_traced_decode_attention_stamps_every_program_in_order(cache):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bench", ["indexer", "attention_decode"])
 def test_profile_launch_timeline_summarises_a_model_shape_launch(bench):
-    """profile_launch --timeline's text for one traced model-shape call: the whole grid
+    """profile_launch --timeline's text for two traced model-shape calls: the whole grid
     stamped (the index decode's one wave, the decode's B x Hkv x splits programs), the
-    quantile table and the SM busy line."""
+    quantile table, the SM busy line, and the end-time persistence line with two
+    correlations in [-1, 1] (real traces: ties, SMs with one program)."""
     from benchmarks.profile_launch import timeline
 
     cache = "e4m3" if bench == "indexer" else "e4m3fn"
-    text = timeline(bench, cache, {}, 1)
+    text = timeline(bench, cache, {}, 2)
     head = text.splitlines()[1]
     assert head.split(" programs on ")[0].isdigit() and int(head.split()[0]) >= 256, text
     assert "| start |" in text and "| end |" in text and "SM busy" in text
+    last = text.splitlines()[-1]
+    assert last.startswith("end-time persistence over 2 calls"), text
+    rhos = [float(last.split("by program ")[1].split(",")[0]), float(last.split("by SM ")[1])]
+    assert all(-1 <= r <= 1 for r in rhos), last
