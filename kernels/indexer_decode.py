@@ -671,20 +671,20 @@ def _register():
               "accumulation (score_rel declared), cp.async-pipelined key tiles; "
               "interpreted: fp32 ieee tl.dot; 64-bit order keys per block, the last split "
               "merges the partial lists by bitonic top-k (atomic ticket)"))
-    # The flat grid on the GPU (the interpreter tests cover it on the CPU): the same
-    # kernel arithmetic over a different partition of the key blocks.
-    register(Implementation(
-        "triton_flat", "indexer_decode", run_flat, devices=("cuda",),
-        shape_classes=("tiny", "small", "model", "long"), score_rel=score_rel,
-        notes="indexer_decode(grid='flat'): the batch's key blocks laid end to end and "
-              "shared out evenly over one wave of programs (ranges straddle requests), "
-              "the MMA scan per request segment, the last program of a request merges"))
-    register(Implementation(
-        "triton_proportional", "indexer_decode", run_proportional, devices=("cuda",),
-        shape_classes=("tiny", "small", "model", "long"), score_rel=score_rel,
-        notes="indexer_decode(grid='proportional'): one wave of programs, each request "
-              "cut into cdiv(blocks, U) of them (U searched in the kernel so they fit), "
-              "the MMA scan per program, the last program of a request merges"))
+    # The flat kernel's partitions on the GPU (the interpreter tests cover them on the
+    # CPU): the same kernel arithmetic over other partitions of the key blocks.
+    for name, fn, notes in (
+            ("triton_flat", run_flat,
+             "indexer_decode(grid='flat'): the batch's key blocks laid end to end and shared "
+             "out evenly over one wave of programs (ranges straddle requests), the MMA scan "
+             "per request segment, the last program of a request merges"),
+            ("triton_proportional", run_proportional,
+             "indexer_decode(grid='proportional'): one wave of programs, each request cut "
+             "into cdiv(blocks, U) of them (U searched in the kernel so they fit), the MMA "
+             "scan per program, the last program of a request merges")):
+        register(Implementation(name, "indexer_decode", fn, devices=("cuda",),
+                                shape_classes=("tiny", "small", "model", "long"),
+                                score_rel=score_rel, notes=notes))
 
 
 _register()
