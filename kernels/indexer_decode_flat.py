@@ -73,6 +73,13 @@ def _blocks_of(seq, width, P: tl.constexpr):
 
 
 @triton.jit
+def _tile_seq(seq_ptr, c0, batch, RB: tl.constexpr):
+    """seq_lens[c0 .. c0 + RB - 1] (0 past the batch) and their request ids."""
+    rr = c0 + tl.arange(0, RB)
+    return tl.load(seq_ptr + rr, mask=rr < batch, other=0).to(tl.int32), rr
+
+
+@triton.jit
 def _batch_offsets(seq_ptr, batch, width, lo, P: tl.constexpr, RB: tl.constexpr):
     """(total key blocks of the batch, the first request whose blocks end after flat block
     lo, the flat offset of that request's first block)."""
@@ -80,21 +87,14 @@ def _batch_offsets(seq_ptr, batch, width, lo, P: tl.constexpr, RB: tl.constexpr)
     first = 0
     start = 0
     for c0 in range(0, batch, RB):
-        rr = c0 + tl.arange(0, RB)
-        nb = _blocks_of(tl.load(seq_ptr + rr, mask=rr < batch, other=0).to(tl.int32), width, P)
+        seq, rr = _tile_seq(seq_ptr, c0, batch, RB)
+        nb = _blocks_of(seq, width, P)
         ends = total + tl.cumsum(nb, 0)
         before = (ends <= lo) & (rr < batch)  # a prefix of the batch: ends never decrease
         first += tl.sum(before.to(tl.int32))
         start += tl.sum(tl.where(before, nb, 0))
         total += tl.sum(nb)
     return total, first, start
-
-
-@triton.jit
-def _tile_seq(seq_ptr, c0, batch, RB: tl.constexpr):
-    """seq_lens[c0 .. c0 + RB - 1] (0 past the batch) and their request ids."""
-    rr = c0 + tl.arange(0, RB)
-    return tl.load(seq_ptr + rr, mask=rr < batch, other=0).to(tl.int32), rr
 
 
 @triton.jit
@@ -124,8 +124,9 @@ def _proportional_unit(seq_ptr, batch, width, g, P: tl.constexpr, RB: tl.constex
     Called (as ``_assignment``): inlined, its vector arithmetic added ~20 registers to the
     kernel's (sm_90 e4m3 132 against the ranges' 112)."""
     seq0, _ = _tile_seq(seq_ptr, 0, batch, RB)
-    total = tl.sum(_blocks_of(seq0, width, P))
-    busy = tl.sum((_blocks_of(seq0, width, P) > 0).to(tl.int32))
+    nb0 = _blocks_of(seq0, width, P)
+    total = tl.sum(nb0)
+    busy = tl.sum((nb0 > 0).to(tl.int32))
     for c0 in range(RB, batch, RB):
         seq, _ = _tile_seq(seq_ptr, c0, batch, RB)
         nb = _blocks_of(seq, width, P)
