@@ -350,6 +350,8 @@ def _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out,
                 const["maxnreg"] = cap
             g = min(resident_programs(kernel, args, const, dev),
                     MAX_PROGRAMS_PER_SM * _sm_count(dev.index or 0))
+    if const["PROP"]:  # one assignment per program at most (the kernel does not loop)
+        g = max(g, block_table.shape[0])
     check_trace(trace, g, INTERPRETED, dev)
     if index_q.shape[0] == 0:
         return out
@@ -418,7 +420,9 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       programs, cdiv(nb_r, U) of them with U the fewest blocks per program
                       that fit the grid (searched in the kernel), so no program straddles
                       two requests and the uniform model shape gets the split grid's
-                      partition (64 x 8 programs of 32 blocks).
+                      partition (64 x 8 programs of 32 blocks); at least B programs
+                      (``num_programs`` raised to B), so each program scans one segment,
+                      inlined.
     trace             a diagnostic (``kernels._trace``, compiled "mma" / "fma" scans): an
                       int64 buffer ``[>= B * S, TRACE_SLOTS]``; program (r, s) writes row
                       r * S + s: its SM, then the timer at its start (slot 1), after its
@@ -572,6 +576,12 @@ def _signature(kernel, qt: str, it: str) -> dict:
     sig.update(q_ptr=f"*{qt}", ic_ptr=f"*{qt}", bt_ptr=f"*{it}", seq_ptr=f"*{it}",
                out_ptr="*i32", part_ptr="*i64", cnt_ptr="*i32", trace_ptr="*i64")
     return sig
+
+
+#: Compiled cases whose tensor-core dots ptxas serialises (C7510; checked by
+#: tests/test_compile_sm90.py): the flat grid's ranges call their segments (a loop of
+#: segments inlined costs ~100 registers), the call serialises the scan's wgmma.
+SERIALISED_WGMMA = (("_indexer_decode_flat_kernel", {"PROP": False}),)
 
 
 def compile_signatures():

@@ -33,8 +33,11 @@ between cdiv(T, G) and cdiv(T, G - B'), B' the requests with blocks, where the s
 fits: sum cdiv(nb_r, U) <= T / U + B'); the assignments numbered request by request, q
 handled by program q mod G. No program straddles two requests (one scan, one partial
 list, one ticket each), a request's partial lists number S_r, and the uniform model shape
-gets the split grid's partition (64 x 8 programs of 32 blocks); with fewer programs than
-requests holding blocks, each request is one assignment and the programs loop.
+gets the split grid's partition (64 x 8 programs of 32 blocks). The launch gives it at
+least B programs, so a program has one assignment at most and scans it inlined: the ranges'
+segments, in a loop, are a called function, and ptxas serialises the tensor-core dots of a
+scan across a call (C7510: each wgmma waits for the one before; the proportional scans
+ended ~4 us after the split grid's on the same partition until the call went).
 
 Measured (H200, batch 64, 1 ms CUDA-graph replays; reports/bench_indexer_ragged*.md,
 bench_indexer_flat*.md): contexts spread 4k-60k tokens, e4m3 77.5 us against the split
@@ -188,11 +191,7 @@ def _owner(x, used, total):
     return (((x + 1).to(tl.int64) * used + total - 1) // total - 1).to(tl.int32)
 
 
-# A function of its own (a call in the PTX, registers allocated apart): the scan inlined
-# into the kernel's segment loop took ~100 registers more than the same scan outside a loop
-# (sm_90, model shape: bf16 241 against 122, e4m3 132 against 70; the TTGIR is the same,
-# ptxas's allocation across the loop is not); called, bf16 133 and e4m3 114.
-@triton.jit(noinline=True)
+@triton.jit
 def _segment(q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0, bt_s1,
              seq_ptr, num_tokens, out_ptr, o_s0, o_s1, o_s2, part_ptr, cnt_ptr,
              trace_ptr, topk, local_blocks, initial_blocks, slots, p, r, seq, b_lo, b_hi,
@@ -232,6 +231,29 @@ def _segment(q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0, 
         tl.store(cnt_ptr + r, 0)  # every ticket drawn: ready for the next launch
 
 
+# The ranges' segments, a function of their own (a call in the PTX, registers allocated
+# apart): the scan inlined into the kernel's segment loop took ~100 registers more than the
+# same scan outside a loop (sm_90, model shape: bf16 241 against 122, e4m3 132 against 70;
+# the TTGIR is the same, ptxas's allocation across the loop is not); called, bf16 133 and
+# e4m3 114. The call costs the tensor-core pipeline: ptxas serialises the wgmma of a scan
+# across a call boundary (C7510), each dot waiting for the one before it; the proportional
+# partition, one segment per program and no call, keeps the pipeline.
+@triton.jit(noinline=True)
+def _segment_called(q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0,
+                    bt_s1, seq_ptr, num_tokens, out_ptr, o_s0, o_s1, o_s2, part_ptr,
+                    cnt_ptr, trace_ptr, topk, local_blocks, initial_blocks, slots, p, r, seq,
+                    b_lo, b_hi, slot, count, P: tl.constexpr, D: tl.constexpr,
+                    ROWS: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr,
+                    FMT: tl.constexpr, HW: tl.constexpr, HI: tl.constexpr,
+                    QR: tl.constexpr, STAGES: tl.constexpr, MC: tl.constexpr,
+                    F8MMA: tl.constexpr, MR: tl.constexpr, SORTED: tl.constexpr,
+                    TRACE: tl.constexpr):
+    _segment(q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0, bt_s1,
+             seq_ptr, num_tokens, out_ptr, o_s0, o_s1, o_s2, part_ptr, cnt_ptr, trace_ptr,
+             topk, local_blocks, initial_blocks, slots, p, r, seq, b_lo, b_hi, slot, count,
+             P, D, ROWS, BK, FP8, FMT, HW, HI, QR, STAGES, MC, F8MMA, MR, SORTED, TRACE)
+
+
 # Counts and sizes vary from call to call: not specialised (one compile for every shape).
 @triton.jit(do_not_specialize=[
     "num_pages", "width", "num_tokens", "batch", "topk", "local_blocks", "initial_blocks",
@@ -255,8 +277,8 @@ def _indexer_decode_flat_kernel(
     row_in = rows < QR * HI
     if PROP:  # each request cut into its own programs: no range straddles two
         unit, assigned = _proportional_unit(seq_ptr, batch, width, g, P, RB, MIN_BLOCKS)
-        for q in range(p, assigned, g):
-            r, seq, nb, parts, s = _assignment(seq_ptr, batch, width, unit, q, P, RB)
+        if p < assigned:  # G >= B (the launch's): one assignment per program at most
+            r, seq, nb, parts, s = _assignment(seq_ptr, batch, width, unit, p, P, RB)
             _segment(q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0, bt_s1,
                      seq_ptr, num_tokens, out_ptr, o_s0, o_s1, o_s2, part_ptr, cnt_ptr,
                      trace_ptr, topk, local_blocks, initial_blocks, slots, p, r, seq,
@@ -274,13 +296,13 @@ def _indexer_decode_flat_kernel(
             nb = _blocks_of(seq, width, P)
             if nb > 0:  # blocks start .. start + nb - 1 of the batch: this request's
                 first = _owner(start, used, t64)
-                _segment(q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0,
-                         bt_s1, seq_ptr, num_tokens, out_ptr, o_s0, o_s1, o_s2, part_ptr,
-                         cnt_ptr, trace_ptr, topk, local_blocks, initial_blocks, slots, p, r,
-                         seq, tl.maximum(lo, start) - start,
-                         tl.minimum(hi, start + nb) - start, p - first,
-                         _owner(start + nb - 1, used, t64) - first + 1, P, D, ROWS, BK, FP8,
-                         FMT, HW, HI, QR, STAGES, MC, F8MMA, MR, SORTED, TRACE)
+                _segment_called(
+                    q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0, bt_s1,
+                    seq_ptr, num_tokens, out_ptr, o_s0, o_s1, o_s2, part_ptr, cnt_ptr,
+                    trace_ptr, topk, local_blocks, initial_blocks, slots, p, r, seq,
+                    tl.maximum(lo, start) - start, tl.minimum(hi, start + nb) - start,
+                    p - first, _owner(start + nb - 1, used, t64) - first + 1, P, D, ROWS, BK,
+                    FP8, FMT, HW, HI, QR, STAGES, MC, F8MMA, MR, SORTED, TRACE)
             start += nb
             r += 1
     for r2 in range(p, batch, g):  # requests without key blocks select nothing

@@ -492,8 +492,9 @@ def test_flat_grid_every_format_exact(fmt, grid):
                          ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 @pytest.mark.parametrize("grid", FLAT_GRIDS)
 def test_flat_grid_knobs_select_identically(kw, grid):
-    """Any number of programs (one for the whole batch, looping over the proportional
-    grid's requests; more than the batch's blocks, the last ones idle), merge chunks
+    """Any number of programs (one for the whole batch, looping over the flat ranges; the
+    proportional grid raised to one per request; more than the batch's blocks, the last
+    ones idle), merge chunks
     smaller than a request's partial lists, the whole top-k merge, other warps / stages:
     exactly the reference's selection, 1 row of 5 heads and a request of 10 blocks beside
     ones of 1 and 3."""
@@ -611,7 +612,7 @@ def test_proportional_partition_fits_the_grid_and_bounds_the_work():
         if g > busy:
             assert parts.sum() <= g
         else:
-            assert (parts == (nb > 0)).all()  # one program each, looping
+            assert (parts == (nb > 0)).all()  # one program each
         if unit > max(-(-int(nb.sum()) // g), fg.MIN_BLOCKS):
             assert (-(-nb // (unit - 1))).sum() > g  # no smaller unit fits
         for n, s in zip(nb, parts):
