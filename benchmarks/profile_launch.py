@@ -90,7 +90,9 @@ def kernel_times(fn, reps: int) -> str:
 TIMELINE_BENCHES = {"indexer": ("start", "scan", "end"),
                     "attention_decode": ("start", "blocks", "end")}
 #: Further views of a bench's trace rows: (title, stamp names, their slots).
-TIMELINE_VIEWS = {"indexer": [("the merging programs", ("start", "scan", "ticket", "written",
+TIMELINE_VIEWS = {"indexer": [("the set-up (ready: the program knows its key blocks)",
+                              ("start", "ready", "scan", "end"), (1, 6, 2, 3)),
+                             ("the merging programs", ("start", "scan", "ticket", "written",
                                                        "end"), (1, 2, 4, 5, 3))]}
 
 

@@ -24,7 +24,7 @@ from kernels._triton import tl, triton
 #: int64 per program row: the SM id, then up to this many minus one timestamps (a kernel
 #: may stamp some slots in some programs only: the index decode's merge stamps, 4 and 5,
 #: in the programs that merge).
-TRACE_SLOTS = 6
+TRACE_SLOTS = 7
 _SLOTS = tl.constexpr(TRACE_SLOTS)
 
 

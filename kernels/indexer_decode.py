@@ -116,6 +116,8 @@ def _indexer_decode_kernel(
     nb = tl.minimum(tl.where(seq > 0, (seq - 1) // P + 1, 0), width)
     b_lo = s * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, nb)
+    if TRACE:
+        stamp(trace_ptr, trace_row, 6)
     bt_row = bt_ptr + r.to(tl.int64) * bt_s0
     top = ix.empty_list(ROWS, BK)
     cols = tl.arange(0, BK)
@@ -425,10 +427,12 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       inlined.
     trace             a diagnostic (``kernels._trace``, compiled "mma" / "fma" scans): an
                       int64 buffer ``[>= B * S, TRACE_SLOTS]``; program (r, s) writes row
-                      r * S + s: its SM, then the timer at its start (slot 1), after its
-                      scan (partial list stored, 2) and at its end (3; after the merge, if
-                      it drew the last ticket); the merging program also when it drew the
-                      ticket (4) and when the merged list was written (5)."""
+                      r * S + s: its SM, then the timer at its start (slot 1), when it
+                      knows its key blocks (6; the flat kernel: after its partition's
+                      arithmetic over seq_lens), after its scan (partial list stored, 2)
+                      and at its end (3; after the merge, if it drew the last ticket); the
+                      merging program also when it drew the ticket (4) and when the merged
+                      list was written (5)."""
     t, hi, d, page, num_pages, fp8, code, hw, k, loc, ini = ix.check_index_args(
         index_q, index_cache, index_fmt, block_table, seq_lens, topk, local_blocks,
         initial_blocks)

@@ -121,67 +121,59 @@ def _count_parts(seq0, seq_ptr, batch, width, unit, P: tl.constexpr, RB: tl.cons
 def _proportional_unit(seq_ptr, batch, width, g, P: tl.constexpr, RB: tl.constexpr,
                        MIN_BLOCKS: tl.constexpr):
     """The fewest blocks per program U (>= MIN_BLOCKS) with which the requests' programs
-    ``cdiv(nb_r, U)`` number at most g: searched between cdiv(T, g) and cdiv(T, g - B')
-    (B' requests with blocks: sum cdiv(nb_r, U) <= T / U + B' <= g there), or the widest
-    request when g <= B' (one program each, the programs looping). Returns (U, count).
-    Called (as ``_assignment``): inlined, its vector arithmetic added ~20 registers to the
-    kernel's (sm_90 e4m3 132 against the ranges' 112)."""
+    ``cdiv(nb_r, U)`` number at most g: cdiv(T, g) when it fits (a uniform batch), else
+    searched up to cdiv(T, g - B') (B' requests with blocks: sum cdiv(nb_r, U) <= T / U +
+    B' <= g there), or the widest request when g <= B' (one program each). Returns (U,
+    count). Every program runs this before it can read a key (the memory idle meanwhile):
+    one pass in the common case, reductions packed (total and B' in one int64 sum).
+    A function of its own (a call, not in the scan's wgmma pipeline): inlined, its vector
+    arithmetic added ~20 registers to the kernel's."""
     seq0, _ = _tile_seq(seq_ptr, 0, batch, RB)
     nb0 = _blocks_of(seq0, width, P)
-    total = tl.sum(nb0)
-    busy = tl.sum((nb0 > 0).to(tl.int32))
+    both = tl.sum(nb0.to(tl.int64) + ((nb0 > 0).to(tl.int64) << 32))
     for c0 in range(RB, batch, RB):
         seq, _ = _tile_seq(seq_ptr, c0, batch, RB)
         nb = _blocks_of(seq, width, P)
-        total += tl.sum(nb)
-        busy += tl.sum((nb > 0).to(tl.int32))
+        both += tl.sum(nb.to(tl.int64) + ((nb > 0).to(tl.int64) << 32))
+    total = (both & 0xFFFFFFFF).to(tl.int32)
+    busy = (both >> 32).to(tl.int32)
     lo = tl.maximum((total + g - 1) // g, MIN_BLOCKS)
     hi = tl.maximum(tl.where(g > busy, (total + g - busy - 1) // tl.maximum(g - busy, 1),
                              width), lo)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _count_parts(seq0, seq_ptr, batch, width, mid, P, RB) <= g:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo, _count_parts(seq0, seq_ptr, batch, width, lo, P, RB)
-
-
-@triton.jit
-def _find(seq, rr, width, unit, q, base, P: tl.constexpr):
-    """``_assignment`` over one tile of requests whose programs are numbered from base:
-    sums over the one request holding assignment q, if it is in this tile (else 0s), and
-    the tile's program count."""
-    nb = _blocks_of(seq, width, P)
-    parts = _parts(nb, unit)
-    ends = base + tl.cumsum(parts, 0)
-    hit = (ends > q) & (ends - parts <= q)
-    return (tl.sum(tl.where(hit, rr, 0)), tl.sum(tl.where(hit, seq, 0)),
-            tl.sum(tl.where(hit, nb, 0)), tl.sum(tl.where(hit, parts, 0)),
-            tl.sum(tl.where(hit, ends - parts, 0)), tl.sum(parts))
+    count = _count_parts(seq0, seq_ptr, batch, width, lo, P, RB)
+    if count > g:  # lo does not fit: the smallest U in (lo, hi] that does
+        lo = tl.minimum(lo + 1, hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _count_parts(seq0, seq_ptr, batch, width, mid, P, RB) <= g:
+                hi = mid
+            else:
+                lo = mid + 1
+        count = _count_parts(seq0, seq_ptr, batch, width, lo, P, RB)
+    return lo, count
 
 
 @triton.jit(noinline=True)
 def _assignment(seq_ptr, batch, width, unit, q, P: tl.constexpr, RB: tl.constexpr):
     """Assignment q of the proportional grid (requests in order, each cut into
-    ``_parts(nb_r, unit)`` programs): (request r, its seq_len, its blocks nb, its program
-    count S, q's index s among them)."""
+    ``_parts(nb_r, unit)`` programs, q below their count): (request r, its seq_len, its
+    blocks nb, its program count S, q's index s among them). r is the number of requests
+    whose programs end at or before q (their running ends never decrease), and its first
+    program the largest such end."""
     r = 0
-    seq_r = 0
-    nb_r = 0
-    parts_r = 0
     first = 0
     base = 0
     for c0 in range(0, batch, RB):
-        seq, rr = _tile_seq(seq_ptr, c0, batch, RB)
-        r2, seq2, nb2, parts2, first2, n2 = _find(seq, rr, width, unit, q, base, P)
-        r += r2
-        seq_r += seq2
-        nb_r += nb2
-        parts_r += parts2
-        first += first2
-        base += n2
-    return r, seq_r, nb_r, parts_r, q - first
+        seq, _ = _tile_seq(seq_ptr, c0, batch, RB)
+        parts = _parts(_blocks_of(seq, width, P), unit)
+        ends = base + tl.cumsum(parts, 0)
+        done = ends <= q
+        r += tl.sum(done.to(tl.int32))
+        first = tl.maximum(first, tl.max(tl.where(done, ends, 0)))
+        base += tl.sum(parts)
+    seq_r = tl.load(seq_ptr + tl.minimum(r, batch - 1)).to(tl.int32)  # r < batch for q < count
+    nb_r = _blocks_of(seq_r, width, P)
+    return r, seq_r, nb_r, _parts(nb_r, unit), q - first
 
 
 @triton.jit
@@ -279,6 +271,8 @@ def _indexer_decode_flat_kernel(
         unit, assigned = _proportional_unit(seq_ptr, batch, width, g, P, RB, MIN_BLOCKS)
         if p < assigned:  # G >= B (the launch's): one assignment per program at most
             r, seq, nb, parts, s = _assignment(seq_ptr, batch, width, unit, p, P, RB)
+            if TRACE:
+                stamp(trace_ptr, p, 6)
             _segment(q_ptr, q_s0, q_s1, ic_ptr, ic_s0, ic_s1, num_pages, bt_ptr, bt_s0, bt_s1,
                      seq_ptr, num_tokens, out_ptr, o_s0, o_s1, o_s2, part_ptr, cnt_ptr,
                      trace_ptr, topk, local_blocks, initial_blocks, slots, p, r, seq,
@@ -291,6 +285,8 @@ def _indexer_decode_flat_kernel(
         lo = tl.minimum(p * t64 // used, t64).to(tl.int32)  # programs past G': lo = hi = T
         hi = tl.minimum((p + 1) * t64 // used, t64).to(tl.int32)
         _, r, start = _batch_offsets(seq_ptr, batch, width, lo, P, RB)
+        if TRACE:
+            stamp(trace_ptr, p, 6)
         while (r < batch) & (start < hi):
             seq = tl.load(seq_ptr + r).to(tl.int32)
             nb = _blocks_of(seq, width, P)

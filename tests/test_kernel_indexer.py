@@ -504,6 +504,21 @@ def test_flat_grid_knobs_select_identically(kw, grid):
     _exact(x, grid=grid, **kw)
 
 
+@pytest.mark.parametrize("grid", FLAT_GRIDS)
+def test_flat_grid_passes_over_seq_lens_in_tiles(grid, monkeypatch):
+    """The flat kernel's running sums over seq_lens in tiles of RB requests (one tile up
+    to 64 requests, or 1024 for the proportional grid: the tests' batches fit one)
+    carried from tile to tile: tiles of 2 requests over a batch of 7, padding in three
+    tiles, give exactly the reference's selection."""
+    from kernels import indexer_decode_flat as fg
+
+    monkeypatch.setattr(fg, "tile_requests", lambda batch, proportional: 2)
+    x = make_index_inputs("bfloat16", seq_lens=(0, 90, 33, 0, 130, 7, 0), rows=1, hi=2,
+                          d=64, page=16, topk=4, local=1, kind="grid",
+                          duplicate=[(1, 1, 3)], seed=31)
+    _exact(x, grid=grid, num_programs=9)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("grid", FLAT_GRIDS)
 @pytest.mark.parametrize("cache,per_sm", [("e4m3", 4), ("bf16", 3)])
