@@ -14,7 +14,8 @@ a minimum fraction of copy bandwidth, minimum speedups vs named baselines) give 
 met" yes/no; results without targets show "-".
 
 A report whose benchmark has a table of its own (``OWN_TABLES``, by the op of its results:
-bench_attention_prefill's and bench_attention_decode's, with their own derived numbers) is
+bench_attention_prefill's and bench_attention_decode's, with their own derived numbers;
+bench_indexer's, with its for-scale numbers and knob sweep) is
 rendered by that benchmark's ``markdown`` (``render``; importing it needs torch, still no
 GPU).
 
@@ -36,7 +37,8 @@ COLUMNS = ("kernel", "cache", "mode", "median (us)", "GB/s", "% of copy BW",
 COMPILED, EAGER = "torch_compiled", "torch_eager"
 # Benchmarks rendering their own table (a module with ``markdown(doc)``), by their results' op.
 OWN_TABLES = {"attention_prefill": "benchmarks.bench_attention_prefill",
-              "attention_decode": "benchmarks.bench_attention_decode"}
+              "attention_decode": "benchmarks.bench_attention_decode",
+              "indexer_decode": "benchmarks.bench_indexer"}
 
 
 def _same_group(a: dict, b: dict) -> bool:

@@ -183,6 +183,27 @@ def test_render_cli_writes_markdown(tmp_path):
     assert "| triton | bf16 |" in (tmp_path / "bench.md").read_text()
 
 
+def test_render_keeps_the_index_decode_knob_sweep(tmp_path):
+    """An index-decode report is rendered by bench_indexer's own table: its knob sweep
+    (the rows a GPU run measured besides the defaults) is in the Markdown, fastest first,
+    with each row's share of the copy bandwidth."""
+    doc = _synthetic_report()
+    for r in doc["results"]:
+        r["op"] = "indexer_decode"
+    doc["sweep"] = [{"cache": "e4m3", "knobs": {"grid": "flat"}, "median_us": 80.0,
+                     "copy_fraction": 0.8},
+                    {"cache": "e4m3", "knobs": {"grid": "proportional"}, "median_us": 75.0,
+                     "copy_fraction": 0.85}]
+    src = tmp_path / "bench.json"
+    src.write_text(json.dumps(doc))
+    assert render_bench.main([str(src)]) == 0
+    md = (tmp_path / "bench.md").read_text()
+    sweep = md[md.index("Knob sweep"):].splitlines()
+    rows = [ln for ln in sweep if ln.startswith("| e4m3")]
+    assert rows == ["| e4m3 | {'grid': 'proportional'} | 75.0 | 85.0% |",
+                    "| e4m3 | {'grid': 'flat'} | 80.0 | 80.0% |"]
+
+
 def test_render_states_the_timing_method():
     """The report's timing method (how many calls a replay holds) is in the Markdown."""
     doc = {**_synthetic_report(), "timing": {"method": "replays of at least 1000 us"}}
