@@ -150,16 +150,18 @@ def make_set(batch: int, seq_len: int, index_fmt: str, seed: int, rows: int = RO
 
 def triton_indexer(index_fmt: str, s: Shape = SHAPE, knobs: dict | None = None):
     """A factory: IndexerSet -> zero-argument call of the Triton decode indexer (with the
-    launcher's tuning keywords ``knobs``)."""
+    launcher's tuning keywords ``knobs``; the calls share one workspace unless
+    ``workspace=none``, ``harness.split_workspace``)."""
     from kernels.indexer_decode import indexer_decode
 
-    knobs = knobs or {}
+    knobs, ws = harness.split_workspace(knobs)
 
     def bind(t: IndexerSet):
         out = t.out.transpose(0, 1)
         return lambda: indexer_decode(t.index_q, t.cache, index_fmt, t.table, t.seq_lens,
                                       t.rows, topk=s.topk, local_blocks=s.local_blocks,
-                                      initial_blocks=s.initial_blocks, out=out, **knobs)
+                                      initial_blocks=s.initial_blocks, out=out, workspace=ws,
+                                      **knobs)
 
     return bind
 
@@ -333,7 +335,9 @@ def build_report(args) -> dict:
               f"{sum(lens) / len(lens):.0f})")
     doc.update(tokens=tokens, ragged=args.ragged, batch=args.batch,
                seq_len=args.seq_len, rows_per_request=args.rows, shape=asdict(SHAPE),
-               notes=["triton: default split, output into a transposed token-major buffer.",
+               notes=["triton: default split, output into a transposed token-major buffer, one "
+                      "workspace kept across the calls (knob workspace=none: fresh "
+                      "buffers and a counter fill per call).",
                       "torch_eager: plain torch ops (fp32 scores) replayed from a graph "
                       "(no launch overhead counted).",
                       "for_scale: vLLM 0.33 Triton index decode, the issue's numbers, "

@@ -335,6 +335,20 @@ def main(name: str, argv, parse_args, build_report, markdown) -> int:
     return 0
 
 
+def split_workspace(knobs: dict | None) -> tuple[dict, object]:
+    """A decode benchmark's launcher knobs without ``workspace``, and the workspace its calls
+    share: a ``kernels._host.Workspace`` kept across the calls (default: how a server runs
+    the decode kernels, no allocation and no counter fill per call), or None for
+    ``workspace=none`` (fresh buffers per call: the launcher's own default)."""
+    from kernels._host import Workspace
+
+    knobs = dict(knobs or {})
+    mode = knobs.pop("workspace", "reuse")
+    if mode not in ("reuse", "none"):
+        raise ValueError(f"workspace knob must be 'reuse' or 'none', got {mode!r}")
+    return knobs, (Workspace() if mode == "reuse" else None)
+
+
 def parse_knobs(text: str) -> dict:
     """A launcher's tuning keywords from the command line: ``"num_warps=8,scan=dot,
     pairs=false"`` -> ``{"num_warps": 8, "scan": "dot", "pairs": False}`` (integers, true /

@@ -405,3 +405,73 @@ def insert_adapter(launch):
         return res
 
     return run
+
+
+class Workspace:
+    """Scratch memory of the decode kernels kept across calls (``workspace=`` of
+    ``indexer_decode`` and ``sparse_attention_decode``), so a call neither allocates nor
+    zeroes anything: what a server holds per stream, as vLLM and FlashInfer keep their
+    workspace buffers.
+
+    Two kinds of buffer, by name: ``counters`` (int32 ticket counters, zeroed when made or
+    grown; every launch leaves them zero again, because the program that draws a counter's
+    last ticket stores 0 to it) and ``scratch`` (partial results, no initial value). A
+    fresh per-call counter buffer costs a fill kernel before every launch (a node of its
+    own in a CUDA graph). Buffers only grow (a larger request replaces the buffer; the
+    caching allocator keeps the old one alive until the work queued on it is done).
+
+    One workspace per stream of concurrent launches: two launches in flight on one
+    workspace race on its counters and partials. Calls in order on one stream (eager, or
+    replays of graphs captured with it) may share one, across kernels too. A launch that
+    dies mid-way (a CUDA error, which poisons the context anyway) may leave counters
+    non-zero: make a new workspace then."""
+
+    def __init__(self):
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def _take(self, name: str, numel: int, dtype, device, zero: bool) -> torch.Tensor:
+        key = (name, dtype, torch.device(device))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            make = torch.zeros if zero else torch.empty
+            buf = self._bufs[key] = make(max(numel, 1), dtype=dtype, device=device)
+        return buf[:numel]
+
+    def held(self, name: str, device) -> torch.Tensor | None:
+        """The whole buffer ``name`` ("counters" or a scratch name) on ``device`` as it is
+        now, or None: for checks (unlike ``counters``, never grows or zeroes it)."""
+        dev = torch.device(device)
+        return next((b for (n, _, d), b in self._bufs.items() if n == name and d == dev),
+                    None)
+
+    def counters(self, n: int, device) -> torch.Tensor:
+        """``n`` int32 counters, all zero (kept zero by the kernels between calls)."""
+        return self._take("counters", n, torch.int32, device, zero=True)
+
+    def scratch(self, name: str, shape, dtype, device) -> torch.Tensor:
+        """An uninitialised buffer of ``shape`` (a view of the named buffer)."""
+        numel = int(np.prod(shape)) if len(shape) else 1
+        return self._take(name, numel, dtype, device, zero=False).view(tuple(shape))
+
+
+def check_workspace(workspace) -> Workspace | None:
+    """``workspace`` as given (None or a ``Workspace``), else ValueError naming it."""
+    if workspace is not None and not isinstance(workspace, Workspace):
+        fail("workspace", f"must be None or a kernels._host.Workspace, got "
+                          f"{type(workspace).__name__}")
+    return workspace
+
+
+def take_counters(workspace: Workspace | None, n: int, device) -> torch.Tensor:
+    """``n`` zeroed int32 ticket counters: the workspace's, or fresh (a fill per call)."""
+    if workspace is None:
+        return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+    return workspace.counters(max(n, 1), device)
+
+
+def take_scratch(workspace: Workspace | None, name: str, shape, dtype, device
+                 ) -> torch.Tensor:
+    """An uninitialised ``shape`` buffer: the workspace's ``name`` buffer, or fresh."""
+    if workspace is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return workspace.scratch(name, shape, dtype, device)

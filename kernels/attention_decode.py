@@ -133,8 +133,11 @@ from kernels._attention import (
 )
 from kernels._host import (
     check_int,
+    check_workspace,
     codes_of,
     fail,
+    take_counters,
+    take_scratch,
 )
 from kernels._trace import check_trace, stamp
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
@@ -490,7 +493,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                             k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                             blocks_per_split=None, validate=False,
                             num_warps=None, num_stages=None, max_registers=None,
-                            trace=None):
+                            trace=None, workspace=None):
     """Block-sparse GQA decode attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -519,7 +522,11 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     ``trace``: a diagnostic (``kernels._trace``, compiled only): an int64 buffer ``[>= B *
     Hkv * splits, TRACE_SLOTS]``; program (r, g, c) of the first pass writes row (r * Hkv +
     g) * splits + c: its SM, then the timer at its start, after its block loop and at its
-    end (after the merge, if it drew the last ticket)."""
+    end (after the merge, if it drew the last ticket).
+    ``workspace``: a ``kernels._host.Workspace`` kept across calls (the merge's ticket
+    counters stay zero between launches, the partials are reused): no allocation and no
+    counter fill per call; one per stream of concurrent calls. None: fresh buffers."""
+    workspace = check_workspace(workspace)
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
                               rows_per_request, k_scale, v_scale, softmax_scale, out,
                               blocks_per_split, validate)
@@ -532,8 +539,10 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     if direct:
         part = lse = torch.empty(1, dtype=torch.float32, device=dev)
     else:
-        part = torch.empty((p.t, p.hq, splits, p.d), dtype=torch.float32, device=dev)
-        lse = torch.empty((p.t, p.hq, splits), dtype=torch.float32, device=dev)
+        part = take_scratch(workspace, "attention_partials", (p.t, p.hq, splits, p.d),
+                            torch.float32, dev)
+        lse = take_scratch(workspace, "attention_lse", (p.t, p.hq, splits), torch.float32,
+                           dev)
     rows_p = triton.next_power_of_2(p.rows)
     g_p = triton.next_power_of_2(grp)
     warps = check_int(num_warps or 4, "num_warps", 1, 16)
@@ -547,10 +556,10 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     ensure_ready(_decode_split_kernel)
     grid = (p.batch, p.hkv, splits)
     check_trace(trace, p.batch * p.hkv * splits, INTERPRETED, dev)
-    flags = torch.empty(p.batch * p.hkv * splits if p.rows > 1 else 1, dtype=torch.int32,
-                        device=dev)
+    flags = take_scratch(workspace, "attention_flags",
+                         (p.batch * p.hkv * splits if p.rows > 1 else 1,), torch.int32, dev)
     fused = not direct and p.rows == 1  # the last split merges (ticket counter)
-    counters = torch.zeros(p.batch * p.hkv if fused else 1, dtype=torch.int32, device=dev)
+    counters = take_counters(workspace, p.batch * p.hkv if fused else 1, dev)
     args = (q, q.stride(0), q.stride(1),
             kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
             block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
@@ -629,17 +638,20 @@ def compile_signatures():
 # ----------------------------------------------------------------------------- adapter
 
 
-def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None) -> dict:
+def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None,
+        workspace=None) -> dict:
     """Oracle adapter (op ``attention_decode``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
-    keep it), the block table as int32 and the output through a padded strided view."""
+    keep it), the block table as int32 and the output through a padded strided view;
+    ``workspace`` as ``sparse_attention_decode``'s."""
     from oracle.impl_torch import _ints
 
     q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
     sparse_attention_decode(q, kv, inputs["kv_fmt"], bt, _ints(inputs["seq_lens"], dev), topk,
                             int(inputs["rows_per_request"]), ks, vs, out=out,
-                            blocks_per_split=blocks_per_split, validate=validate)
+                            blocks_per_split=blocks_per_split, validate=validate,
+                            workspace=workspace)
     return {"out": codes_of(out)}
 
 

@@ -69,7 +69,7 @@ import torch
 
 from kernels import _indexer as ix
 from kernels import indexer_decode_flat as flat_grid
-from kernels._host import check_int, fail
+from kernels._host import check_int, check_workspace, fail, take_counters, take_scratch
 from kernels._trace import check_trace, stamp
 from kernels._triton import (
     ensure_ready,
@@ -324,7 +324,7 @@ def _check_grid(grid, num_programs, scan, num_splits, blocks_per_split, blocks_p
 
 
 def _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out, k, loc, ini,
-                 trace, dev, merge_chunk, const):
+                 trace, dev, merge_chunk, workspace, const):
     """The flat grid's launch: G programs (default: one wave of resident programs,
     compiled, under a register cap when needed so that as many programs share an SM as
     its shared memory allows, at most MAX_PROGRAMS_PER_SM (sm_90, model shape: e4m3 114
@@ -358,7 +358,7 @@ def _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out,
     if index_q.shape[0] == 0:
         return out
     return flat_grid.launch(g, index_q, index_cache, block_table, seq_lens, out, k, loc, ini,
-                            const, trace)
+                            const, trace, workspace)
 
 
 def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_per_request,
@@ -366,7 +366,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                    blocks_per_split=None, validate=False, scan=None, lanes_d=None,
                    block_n=None, num_warps=None, num_stages=None, merge_chunk=None, merge=None,
                    pairs=None, fma_chain=None, block_d=None, blocks_per_step=None, vec=None,
-                   grid=None, num_programs=None, trace=None):
+                   grid=None, num_programs=None, trace=None, workspace=None):
     """Top-k key blocks of decode rows (SPEC.md s.5).
 
     index_q           ``[B * rows_per_request, Hi, D]`` request-major, in the index cache's
@@ -434,7 +434,12 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       arithmetic over seq_lens), after its scan (partial list stored, 2)
                       and at its end (3; after the merge, if it drew the last ticket); the
                       merging program also when it drew the ticket (4) and when the merged
-                      list was written (5)."""
+                      list was written (5).
+    workspace         a ``kernels._host.Workspace`` kept across calls (its ticket counters
+                      stay zero between launches, its partial lists are reused): no
+                      allocation and no counter fill per call, as a server runs; one per
+                      stream of concurrent calls. None (default): fresh buffers per call."""
+    workspace = check_workspace(workspace)
     t, hi, d, page, num_pages, fp8, code, hw, k, loc, ini = ix.check_index_args(
         index_q, index_cache, index_fmt, block_table, seq_lens, topk, local_blocks,
         initial_blocks)
@@ -546,7 +551,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
 
     if flat:
         return _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out, k,
-                            loc, ini, trace, dev, merge_chunk,
+                            loc, ini, trace, dev, merge_chunk, workspace,
                             dict(P=page, D=d, ROWS=rows, BK=bk, FP8=fp8, FMT=code, HW=hw,
                                  HI=hi, QR=q_rows, STAGES=stages, F8MMA=fp8_mma(index_fmt),
                                  MR=max(16, rows), MIN_BLOCKS=flat_grid.MIN_BLOCKS,
@@ -566,8 +571,9 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     if trace is not None and not (fma or mma):
         fail("trace", "applies to the compiled 'mma' and 'fma' scans only")
     check_trace(trace, b * splits, INTERPRETED, dev)
-    part = torch.empty((b, splits, rows, bk) if ws else (1,), dtype=torch.int64, device=dev)
-    cnt = torch.zeros((b if ws else 1,), dtype=torch.int32, device=dev)
+    part = take_scratch(workspace, "index_partials", (b, splits, rows, bk) if ws else (1,),
+                        torch.int64, dev)
+    cnt = take_counters(workspace, b if ws else 1, dev)
     args, const = call(splits, bps, part, cnt, trace)
     _indexer_decode_kernel[(b, splits)](*args, **const)
     return out

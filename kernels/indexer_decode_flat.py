@@ -59,6 +59,7 @@ from __future__ import annotations
 import torch
 
 from kernels import _indexer as ix
+from kernels._host import take_counters, take_scratch
 from kernels._trace import stamp
 from kernels._triton import tl, triton
 
@@ -343,14 +344,16 @@ def kernel_args(index_q, index_cache, block_table, seq_lens, out, part, cnt, tra
 
 
 def launch(programs: int, index_q, index_cache, block_table, seq_lens, out, k, loc, ini,
-           const: dict, trace=None):
+           const: dict, trace=None, workspace=None):
     """Run the flat kernel on ``programs`` programs (``const``: its constexprs and launch
-    options, from ``indexer_decode``); returns ``out``."""
+    options, from ``indexer_decode``; ``workspace``: its ``kernels._host.Workspace`` or
+    None); returns ``out``."""
     b, width = block_table.shape
     dev = index_cache.device
     slots = workspace_slots(width)
-    part = torch.empty((b, slots, const["ROWS"], const["BK"]), dtype=torch.int64, device=dev)
-    cnt = torch.zeros((b,), dtype=torch.int32, device=dev)
+    part = take_scratch(workspace, "index_partials", (b, slots, const["ROWS"], const["BK"]),
+                        torch.int64, dev)
+    cnt = take_counters(workspace, b, dev)
     args = kernel_args(index_q, index_cache, block_table, seq_lens, out, part, cnt, trace, k,
                        loc, ini, slots)
     if trace is not None:

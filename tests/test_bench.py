@@ -155,6 +155,20 @@ def _synthetic_report() -> dict:
                  "note": "boom"}]}
 
 
+def test_decode_benchmarks_share_a_workspace_unless_told_not_to():
+    """The decode benchmarks' calls share one ``Workspace`` (a server's way) by default; the
+    knob ``workspace=none`` gives the launcher's fresh buffers; other knobs pass through and
+    a bad value is refused."""
+    from kernels._host import Workspace
+
+    knobs, ws = harness.split_workspace(harness.parse_knobs("num_warps=8"))
+    assert knobs == {"num_warps": 8} and isinstance(ws, Workspace)
+    knobs, ws = harness.split_workspace(harness.parse_knobs("workspace=none,grid=flat"))
+    assert knobs == {"grid": "flat"} and ws is None
+    with pytest.raises(ValueError, match="workspace"):
+        harness.split_workspace({"workspace": "fresh"})
+
+
 def test_render_table_numbers():
     """The rendered table holds, for each kernel row, GB/s, % of copy bandwidth and the
     speedups vs the compiled and eager compositions of the same cache as computed here from

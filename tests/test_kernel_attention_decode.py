@@ -235,6 +235,26 @@ def test_nan_key_reaches_only_the_rows_that_see_it():
 # ------------------------------------------------------------------ other properties
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_reused_workspace_stays_correct_across_calls(rows):
+    """A ``Workspace`` kept across calls (a server's scratch: no allocation and no counter
+    fill per call): batches growing and shrinking, padded requests, 3 splits (1 row: the
+    fused merge's ticket counters; 2 rows: the repair pass's flags), every call judged
+    against the reference, and the counters all zero after every call (the last ticket of
+    a (request, KV head) resets its counter: the next call's merge depends on it)."""
+    from kernels._host import Workspace
+
+    ws = Workspace()
+    impl = replace(_impl(1), run=functools.partial(ad.run, blocks_per_split=1, workspace=ws))
+    for seq_lens, seed in (((37,), 0), ((37, 0, 50, 9), 1), ((20,), 2), ((61, 33, 0), 3)):
+        x = make_inputs("e4m3fn", rows=rows, seq_lens=seq_lens, k=3, seed=seed)
+        res = run_check(_case(x), impl, inputs=x)
+        assert res.passed, res.summary()
+        held = ws.held("counters", device())
+        assert held is not None and held.numel() >= (len(seq_lens) * 2 if rows == 1 else 1)
+        assert not held.any().item()
+
+
 def test_batch_invariance():
     """A request's output is bit-identical whether it runs alone or inside a batch with
     other requests and padding (batches this small keep the default split size)."""

@@ -504,6 +504,27 @@ def test_flat_grid_knobs_select_identically(kw, grid):
     _exact(x, grid=grid, **kw)
 
 
+@pytest.mark.parametrize("grid", ["split"] + FLAT_GRIDS)
+def test_a_reused_workspace_stays_exact_across_calls(grid):
+    """A ``Workspace`` kept across calls (a server's scratch: no allocation and no counter
+    fill per call): batches growing and shrinking, padded requests, every call exactly
+    the reference's selection, and the ticket counters all zero after every call (the
+    last ticket of a request resets its counter: the next call's merge depends on it)."""
+    from kernels._host import Workspace
+    from oracle.impl_torch import device
+
+    ws = Workspace()
+    knobs = {} if grid == "split" else {"grid": grid, "num_programs": 5}
+    for seq_lens, seed in (((150, 64), 40), ((90, 0, 33, 130, 7), 41), ((64,), 42),
+                           ((0, 200, 97), 43)):
+        x = make_index_inputs("bfloat16", seq_lens=seq_lens, rows=1, hi=2, d=64, page=16,
+                              topk=4, local=1, kind="grid", duplicate=[(0, 0, 2)], seed=seed)
+        _exact(x, workspace=ws, **({"num_splits": 3} if grid == "split" else knobs))
+        held = ws.held("counters", device())
+        assert held is not None and held.numel() >= len(seq_lens)
+        assert not held.any().item()
+
+
 @pytest.mark.parametrize("grid", FLAT_GRIDS)
 def test_flat_grid_passes_over_seq_lens_in_tiles(grid, monkeypatch):
     """The flat kernel's running sums over seq_lens in tiles of RB requests (one tile up
