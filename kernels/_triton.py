@@ -14,6 +14,7 @@ import time
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.interpreter import patch_interpreter
 
@@ -156,3 +157,29 @@ class CompileClock:
 
 __all__ = ["INTERPRET", "CompileClock", "ensure_ready", "fitting_stages", "is_interpreted",
            "patch_interpreter", "resident_programs", "tl", "triton"]
+
+
+@triton.jit
+def await_previous_kernel(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90; a launch with ``launch_pdl=True``, the decode
+    launchers' ``pdl`` knob): first wait until the stream's previous kernel has completed
+    and its writes are visible (``griddepcontrol.wait``; before this program reads or writes
+    anything, so the semantics stay those of a plain launch), then let the stream's next
+    kernel be scheduled onto SMs as this one's programs finish
+    (``griddepcontrol.launch_dependents``; it too waits before touching memory). What it
+    saves: the gap between two launches (the next one's launch and set-up overlap this
+    one's tail). Nothing when PDL is False (the interpreter, a plain launch)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl_options(pdl: bool, interpreted: bool) -> dict:
+    """The constexpr and launch option of ``await_previous_kernel`` for a launch asked for
+    ``pdl`` (bool; a no-op interpreted: the CPU has no programmatic launch)."""
+    if not isinstance(pdl, bool):
+        from kernels._host import fail
+
+        fail("pdl", f"must be True or False, got {pdl!r}")
+    on = pdl and not interpreted
+    return {"PDL": True, "launch_pdl": True} if on else {}

@@ -142,7 +142,15 @@ from kernels._host import (
     take_scratch,
 )
 from kernels._trace import check_trace, stamp
-from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
+from kernels._triton import (
+    await_previous_kernel,
+    ensure_ready,
+    fitting_stages,
+    is_interpreted,
+    pdl_options,
+    tl,
+    triton,
+)
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 
 #: Blocks per split-K chunk for small grids (model: K 16 -> 16 splits), and the grid size
@@ -192,7 +200,9 @@ def _decode_split_kernel(
         D: tl.constexpr, P: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr,
         NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, DIRECT: tl.constexpr,
-        REPAIR: tl.constexpr, SP: tl.constexpr, TRACE: tl.constexpr = False):
+        REPAIR: tl.constexpr, SP: tl.constexpr, TRACE: tl.constexpr = False,
+        PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     r64 = tl.program_id(0).to(tl.int64)
     g64 = tl.program_id(1).to(tl.int64)
     c = tl.program_id(2)
@@ -495,7 +505,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                             k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                             blocks_per_split=None, validate=False,
                             num_warps=None, num_stages=None, max_registers=None,
-                            trace=None, workspace=None):
+                            trace=None, workspace=None, pdl=False):
     """Block-sparse GQA decode attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -527,8 +537,13 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     end (after the merge, if it drew the last ticket).
     ``workspace``: a ``kernels._host.Workspace`` kept across calls (the merge's ticket
     counters stay zero between launches, the partials are reused): no allocation and no
-    counter fill per call; one per stream of concurrent calls. None: fresh buffers."""
+    counter fill per call; one per stream of concurrent calls. None: fresh buffers.
+    ``pdl``: programmatic dependent launch of the first pass (``kernels._triton.
+    await_previous_kernel``; compiled, sm_90): it may start while the stream's previous
+    kernel finishes, its programs waiting for it before touching memory; a no-op
+    interpreted."""
     workspace = check_workspace(workspace)
+    pdl_kw = pdl_options(pdl, INTERPRETED)
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
                               rows_per_request, k_scale, v_scale, softmax_scale, out,
                               blocks_per_split, validate)
@@ -586,7 +601,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
             fitting_stages(_decode_split_kernel, args, {**const, "REPAIR": r}, dev,
                            deepest=DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES)
             for r in ((False, True) if p.rows > 1 else (False,)))
-    _decode_split_kernel[grid](*args, REPAIR=False, TRACE=trace is not None, **const)
+    _decode_split_kernel[grid](*args, REPAIR=False, TRACE=trace is not None, **const,
+                               **pdl_kw)
     if p.rows > 1:  # the programs flagged by the first pass, recomputed with the guard
         _decode_split_kernel[grid](*args, REPAIR=True, **const)
     if not direct and not fused:
@@ -634,7 +650,10 @@ def compile_signatures():
         const = dict(D=128, BLOCK_H=16, SP=4)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_merge_kernel, sig, const))
-    return out
+    # Programmatic dependent launch (the ``pdl`` knob) on the first combo (last, so the
+    # picks above keep their numbers).
+    kernel, sig, const = out[0]
+    return out + [(kernel, sig, {**const, "TRACE": False, "PDL": True})]
 
 
 # ----------------------------------------------------------------------------- adapter

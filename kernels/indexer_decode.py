@@ -79,8 +79,10 @@ from kernels._host import (
 )
 from kernels._trace import check_trace, stamp
 from kernels._triton import (
+    await_previous_kernel,
     ensure_ready,
     is_interpreted,
+    pdl_options,
     register_cap,
     resident_programs,
     tl,
@@ -106,7 +108,8 @@ def _indexer_decode_kernel(
         FMA: tl.constexpr, HI: tl.constexpr, QR: tl.constexpr, LANES: tl.constexpr,
         STAGES: tl.constexpr, MC: tl.constexpr, PAIRS: tl.constexpr, DIRECT: tl.constexpr,
         CHAIN: tl.constexpr, MMA: tl.constexpr, F8MMA: tl.constexpr, MR: tl.constexpr,
-        SORTED: tl.constexpr = False, TRACE: tl.constexpr = False):
+        SORTED: tl.constexpr = False, TRACE: tl.constexpr = False, PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     r = tl.program_id(0)
     s = tl.program_id(1)
     trace_row = r * num_splits + s
@@ -373,7 +376,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                    blocks_per_split=None, validate=False, scan=None, lanes_d=None,
                    block_n=None, num_warps=None, num_stages=None, merge_chunk=None, merge=None,
                    pairs=None, fma_chain=None, block_d=None, blocks_per_step=None, vec=None,
-                   grid=None, num_programs=None, trace=None, workspace=None):
+                   grid=None, num_programs=None, trace=None, workspace=None, pdl=False):
     """Top-k key blocks of decode rows (SPEC.md s.5).
 
     index_q           ``[B * rows_per_request, Hi, D]`` request-major, in the index cache's
@@ -445,8 +448,13 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
     workspace         a ``kernels._host.Workspace`` kept across calls (its ticket counters
                       stay zero between launches, its partial lists are reused): no
                       allocation and no counter fill per call, as a server runs; one per
-                      stream of concurrent calls. None (default): fresh buffers per call."""
+                      stream of concurrent calls. None (default): fresh buffers per call.
+    pdl               programmatic dependent launch (``kernels._triton.
+                      await_previous_kernel``; compiled, sm_90): the launch may start
+                      while the stream's previous kernel finishes, its programs waiting
+                      for it before touching memory. A no-op interpreted."""
     workspace = check_workspace(workspace)
+    pdl_kw = pdl_options(pdl, INTERPRETED)
     t, hi, d, page, num_pages, fp8, code, hw, k, loc, ini = ix.check_index_args(
         index_q, index_cache, index_fmt, block_table, seq_lens, topk, local_blocks,
         initial_blocks)
@@ -564,7 +572,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                                  MR=max(16, rows), MIN_BLOCKS=flat_grid.MIN_BLOCKS,
                                  RB=flat_grid.tile_requests(b, grid == "proportional"),
                                  SORTED=sort, PROP=grid == "proportional",
-                                 num_warps=warps))
+                                 num_warps=warps, **pdl_kw))
     ensure_ready(_indexer_decode_kernel)
     if wave:  # one full wave of programs (``wave_splits``), sized from the compiled kernel
         tmpl = call(2, bk + 1, torch.empty(1, dtype=torch.int64, device=dev),
@@ -582,7 +590,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                         torch.int64, dev)
     cnt = take_counters(workspace, b if ws else 1, dev)
     args, const = call(splits, bps, part, cnt, trace)
-    _indexer_decode_kernel[(b, splits)](*args, **const)
+    _indexer_decode_kernel[(b, splits)](*args, **const, **pdl_kw)
     return out
 
 
@@ -645,7 +653,10 @@ def compile_signatures():
     # The timeline diagnostic (kernels._trace) on the model shape's e4m3 MMA scan.
     kernel, sig, const = out[6]
     out.append((kernel, sig, {**const, "TRACE": True}))
-    return out + _flat_signatures()
+    out += _flat_signatures()
+    # Programmatic dependent launch (the ``pdl`` knob) on the model shape's e4m3 split and
+    # proportional kernels (last, so the picks above keep their numbers).
+    return out + [(k, s, {**c, "PDL": True}) for k, s, c in (out[6], out[19])]
 
 
 def _flat_signatures():

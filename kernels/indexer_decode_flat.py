@@ -61,7 +61,7 @@ import torch
 from kernels import _indexer as ix
 from kernels._host import take_counters, take_scratch
 from kernels._trace import stamp
-from kernels._triton import tl, triton
+from kernels._triton import await_previous_kernel, tl, triton
 
 #: Key blocks per program at least (a shorter range would cost more in its merge than it
 #: reads); also bounds the workspace: cdiv(W, MIN_BLOCKS) + 1 partial lists per request.
@@ -264,7 +264,9 @@ def _indexer_decode_flat_kernel(
         FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr, HI: tl.constexpr,
         QR: tl.constexpr, STAGES: tl.constexpr, MC: tl.constexpr, F8MMA: tl.constexpr,
         MR: tl.constexpr, MIN_BLOCKS: tl.constexpr, RB: tl.constexpr,
-        SORTED: tl.constexpr, PROP: tl.constexpr = False, TRACE: tl.constexpr = False):
+        SORTED: tl.constexpr, PROP: tl.constexpr = False, TRACE: tl.constexpr = False,
+        PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     p = tl.program_id(0)
     g = tl.num_programs(0)
     if TRACE:

@@ -84,9 +84,10 @@ class _Shape:  # what bench_insert.rope_table reads
     rope_base: float = 1e6
 
 
-def run_step(s: Step, ws=None) -> None:
+def run_step(s: Step, ws=None, pdl=False) -> None:
     """The three launches, validate=False, into the step's fixed buffers (the two decode
-    launches sharing the ``Workspace`` ws, if given, as a server's step would)."""
+    launches sharing the ``Workspace`` ws, if given, as a server's step would, and launched
+    with programmatic dependent launch when ``pdl``)."""
     from kernels.attention_decode import sparse_attention_decode
     from kernels.indexer_decode import indexer_decode
     from kernels.norm_rope_insert import norm_rope_insert
@@ -101,9 +102,9 @@ def run_step(s: Step, ws=None) -> None:
     if s.index_fmt == "bfloat16":
         s.iq.copy_(ins["index_q"])
     indexer_decode(s.iq, s.ic, s.index_fmt, s.table, s.seq_lens, 1, topk=K,
-                   out=s.sel.transpose(0, 1), workspace=ws)
+                   out=s.sel.transpose(0, 1), workspace=ws, pdl=pdl)
     sparse_attention_decode(s.q, s.kv, s.kv_fmt, s.table, s.seq_lens, s.sel.transpose(0, 1),
-                            1, s.scale, s.scale, out=s.out, workspace=ws)
+                            1, s.scale, s.scale, out=s.out, workspace=ws, pdl=pdl)
 
 
 def results(s: Step) -> dict:
@@ -114,11 +115,11 @@ def results(s: Step) -> dict:
                             ("kv", s.kv), ("ic", s.ic))}
 
 
-def eager(s: Step, rows: torch.Tensor, ws=None) -> dict:
+def eager(s: Step, rows: torch.Tensor, ws=None, pdl=False) -> dict:
     s.kv.copy_(s.kv0)
     s.ic.copy_(s.ic0)
     s.rows.copy_(rows)
-    run_step(s, ws)
+    run_step(s, ws, pdl)
     return results(s)
 
 
@@ -154,14 +155,17 @@ def test_step_is_deterministic_and_selects_real_blocks(kv_fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("workspace", [False, True], ids=["fresh", "workspace"])
+@pytest.mark.parametrize("workspace,pdl", [(False, False), (True, False), (True, True)],
+                         ids=["fresh", "workspace", "workspace-pdl"])
 @pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fn"])
-def test_graph_replay_is_bit_identical_to_eager_launches(kv_fmt, workspace):
+def test_graph_replay_is_bit_identical_to_eager_launches(kv_fmt, workspace, pdl):
     """The step captured once in a CUDA graph and replayed with new rows (and the caches
     restored) gives the bits eager launches give, for several inputs; with a
     ``Workspace`` shared by the two decode launches (warmed up eagerly, then captured:
-    the counters the replays find must be the zeros the last launch left), the bits of
-    eager launches without one."""
+    the counters the replays find must be the zeros the last launch left), and with them
+    launched as programmatic dependent launches (each decode kernel may start while the
+    one before it finishes, waiting before it touches memory), the bits of plain eager
+    launches without a workspace."""
     from kernels._host import Workspace
 
     s = make_step(kv_fmt, "cuda")
@@ -171,13 +175,13 @@ def test_graph_replay_is_bit_identical_to_eager_launches(kv_fmt, workspace):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        eager(s, inputs[0], ws)  # warm-up on the capture stream (compiles, caches plans)
+        eager(s, inputs[0], ws, pdl)  # warm-up on the capture stream (compiles, plans)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     s.kv.copy_(s.kv0)
     s.ic.copy_(s.ic0)
     with torch.cuda.graph(graph):
-        run_step(s, ws)
+        run_step(s, ws, pdl)
     for rows, w in zip(inputs, want):
         s.kv.copy_(s.kv0)
         s.ic.copy_(s.ic0)

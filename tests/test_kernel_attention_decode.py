@@ -371,6 +371,8 @@ def _bad(name, **changes):
     *(_bad(name, **changes) for name, changes in PAGED_ATTENTION_BAD_ARGS),
     _bad("q", q=lambda a: a["q"][:3]),
     _bad("rows_per_request", rows_per_request=5),
+    _bad("pdl", pdl=1),
+    _bad("workspace", workspace=object()),
     _bad("rows_per_request", rows_per_request=0),
     _bad("rows_per_request", rows_per_request=2.0),
     _bad("blocks_per_split", blocks_per_split=0),

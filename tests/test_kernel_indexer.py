@@ -541,6 +541,22 @@ def test_flat_grid_passes_over_seq_lens_in_tiles(grid, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["split"] + FLAT_GRIDS)
+def test_programmatic_dependent_launch_selects_exactly(grid):
+    """``pdl=True`` (the kernel waits for the stream's previous kernel, then lets the next
+    one launch) on every grid, with a workspace, several calls in a row on one stream, each
+    right after the inputs were written: exactly the reference's selection every time."""
+    from kernels._host import Workspace
+
+    ws = Workspace()
+    for seed in (50, 51, 52):
+        x = make_index_inputs("e4m3fn", seq_lens=(300, 0, 77, 1000), rows=2, hi=4, d=128,
+                              page=64, topk=8, local=1, initial=1, kind="grid",
+                              duplicate=[(0, 1, 3)], seed=seed)
+        _exact(x, pdl=True, workspace=ws, **({} if grid == "split" else {"grid": grid}))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("grid", FLAT_GRIDS)
 @pytest.mark.parametrize("cache,per_sm", [("e4m3", 4), ("bf16", 3)])
 def test_flat_grid_default_is_one_full_wave(cache, per_sm, grid):
@@ -790,6 +806,8 @@ def _bad(name, decode_op=False, **changes):
     _bad("merge", True, scan="fma", merge="rank"),
     _bad("grid", True, grid="rows"),
     _bad("num_programs", True, num_programs=4),
+    _bad("pdl", True, pdl="yes"),
+    _bad("workspace", True, workspace={}),
     _bad("num_programs", True, grid="flat", num_programs=0),
     _bad("num_splits", True, grid="flat", num_splits=2),
     _bad("blocks_per_step", True, grid="flat", blocks_per_step=2),
