@@ -444,6 +444,19 @@ class Workspace:
         return next((b for (n, _, d), b in self._bufs.items() if n == name and d == dev),
                     None)
 
+    def check_counters(self):
+        """ValueError naming ``workspace`` when any of its counters is not zero (a host
+        sync: the launchers call it under ``validate=True``): a launch on it died, or ran
+        concurrently with another on the same workspace, and the next merge would go
+        wrong silently."""
+        for (name, _, dev), buf in self._bufs.items():
+            if name == "counters" and bool(buf.any()):
+                bad = int(buf.nonzero()[0, 0])
+                fail("workspace", f"must hold zero ticket counters between launches, got "
+                                  f"{int(buf[bad])} at counter {bad} on {dev} (a launch on it "
+                                  f"died or ran concurrently on another stream): make a new "
+                                  f"Workspace")
+
     def counters(self, n: int, device) -> torch.Tensor:
         """``n`` int32 counters, all zero (kept zero by the kernels between calls)."""
         return self._take("counters", n, torch.int32, device, zero=True)

@@ -523,8 +523,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     batch size, what the registered implementation uses; an int: fixed, batch-invariant).
     ``validate=True``: also check contents on the host (a sync):
     seq_lens, block-table entries of used blocks, selections in range without repeats,
-    positive finite scales. Without it, bad contents are guarded in the kernel (never an
-    illegal access; see the module docstring).
+    positive finite scales, a workspace's counters all zero. Without it, bad contents are
+    guarded in the kernel (never an illegal access; see the module docstring).
     Launch knobs (speed only): ``num_warps`` (default 4), ``num_stages`` (depth of the
     K/V loads' shared-memory pipeline across blocks; default ``DEFAULT_STAGES`` (16-bit
     caches) or ``DEFAULT_STAGES_FP8``, or the
@@ -547,6 +547,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
                               rows_per_request, k_scale, v_scale, softmax_scale, out,
                               blocks_per_split, validate)
+    if validate and workspace is not None:
+        workspace.check_counters()
     if p.t == 0:
         return p.out
     grp = p.hq // p.hkv

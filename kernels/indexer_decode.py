@@ -393,7 +393,8 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       ``_splits``); S > 1 uses a workspace of B * S * ROWS * BK int64 and B
                       int32 counters.
     validate=True     host checks of contents (a sync): seq_lens 0 or >= rows_per_request,
-                      block-table entries used in range, table wide enough.
+                      block-table entries used in range, table wide enough, a workspace's
+                      counters all zero.
     Returns ``out``.
 
     Tuning knobs (ValueError naming them when invalid):
@@ -544,6 +545,8 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
             fail("seq_lens", f"must be 0 (padding) or >= rows_per_request ({q_rows}), got "
                              f"seq_lens[{r}] = {int(lens[r])}")
         ix.validate_block_table(block_table, seq_lens, page, num_pages)
+        if workspace is not None:
+            workspace.check_counters()
     if t == 0:
         return out
 

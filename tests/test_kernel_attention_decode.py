@@ -253,6 +253,9 @@ def test_a_reused_workspace_stays_correct_across_calls(rows):
         held = ws.held("counters", device())
         assert held is not None and held.numel() >= (len(seq_lens) * 2 if rows == 1 else 1)
         assert not held.any().item()
+    held[0] = 1  # as a launch that died would leave it: validate=True refuses the workspace
+    with pytest.raises(ValueError, match="^workspace must hold zero ticket counters"):
+        ad.run(x, workspace=ws, blocks_per_split=1)
 
 
 def test_batch_invariance():

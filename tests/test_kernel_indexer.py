@@ -523,6 +523,9 @@ def test_a_reused_workspace_stays_exact_across_calls(grid):
         held = ws.held("counters", device())
         assert held is not None and held.numel() >= len(seq_lens)
         assert not held.any().item()
+    held[0] = 1  # as a launch that died would leave it: validate=True refuses the workspace
+    with pytest.raises(ValueError, match="^workspace must hold zero ticket counters"):
+        _run(x, workspace=ws, validate=True)
 
 
 @pytest.mark.parametrize("grid", FLAT_GRIDS)

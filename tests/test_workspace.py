@@ -50,3 +50,16 @@ def test_a_workspace_of_the_wrong_type_is_refused_by_name():
     with pytest.raises(ValueError, match="^workspace must be None or a kernels._host.Workspace"):
         check_workspace({"counters": None})
     assert check_workspace(None) is None
+
+
+def test_check_counters_names_the_workspace_when_a_counter_is_left_set():
+    """A counter left non-zero (a launch that died, or two launches at once on one
+    workspace) is reported by ``check_counters`` (the launchers' ``validate=True``) as a
+    ValueError naming ``workspace`` and the counter; zero counters pass."""
+    ws = Workspace()
+    ws.counters(6, "cpu")
+    ws.check_counters()
+    ws.counters(6, "cpu")[4] = 2
+    with pytest.raises(ValueError, match="^workspace must hold zero ticket counters.* 2 at "
+                                         "counter 4"):
+        ws.check_counters()
