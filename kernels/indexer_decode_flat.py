@@ -40,9 +40,8 @@ scan across a call (C7510: each wgmma waits for the one before). Removing the ca
 not make it faster (H200, session 23: uniform e4m3 74.9 -> 75.1 us, the split grid 71.1;
 ragged 77.1 -> 78.1, the split grid 97.3): its time goes to the set-up over seq_lens (1.6
 us to "ready" against the split grid's 0.4, every program at once, the memory idle) and a
-longer scan loop on the same shares (310 SASS per block against 276, more 64-bit compares
-and selects on the top-k list; not from the request's id being a reduction's result: the
-split kernel given its ids that way keeps 273; cause open).
+slower scans on the same shares (~2 us; cause open: the loop bodies are alike, 310 SASS
+per block against the split kernel's 302 as launched at this shape).
 
 Measured (H200, batch 64, 1 ms CUDA-graph replays; reports/bench_indexer_ragged*.md,
 bench_indexer_flat*.md): contexts spread 4k-60k tokens, e4m3 77.5 us against the split
