@@ -437,7 +437,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       (``num_programs`` raised to B), so each program scans one segment,
                       inlined. H200 (session 23): ragged e4m3 78.1 us, bf16 136.8 (as the
                       flat grid); uniform 32k 75.1 / 135.7, ~6% behind the split grid (a
-                      1.6 us set-up over seq_lens, a longer loop body).
+                      1.6 us set-up over seq_lens, ~2 us slower scans).
     trace             a diagnostic (``kernels._trace``, compiled "mma" / "fma" scans): an
                       int64 buffer ``[>= B * S, TRACE_SLOTS]``; program (r, s) writes row
                       r * S + s: its SM, then the timer at its start (slot 1), when it
