@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels._host import fail
 from kernels.interpreter import patch_interpreter
 
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
@@ -178,8 +179,6 @@ def pdl_options(pdl: bool, interpreted: bool) -> dict:
     """The constexpr and launch option of ``await_previous_kernel`` for a launch asked for
     ``pdl`` (bool; a no-op interpreted: the CPU has no programmatic launch)."""
     if not isinstance(pdl, bool):
-        from kernels._host import fail
-
         fail("pdl", f"must be True or False, got {pdl!r}")
     on = pdl and not interpreted
     return {"PDL": True, "launch_pdl": True} if on else {}
