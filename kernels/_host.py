@@ -467,6 +467,15 @@ class Workspace:
         return self._take(name, numel, dtype, device, zero=False).view(tuple(shape))
 
 
+#: The workspace of every call of the registered ``triton_workspace`` implementations (both
+#: decode ops): the oracle's cases one after another in a process, as a server's steps, so
+#: a counter some case's launch left non-zero would spoil a later case's merge.
+ORACLE_WORKSPACE = Workspace()
+ORACLE_WORKSPACE_NOTES = ("the default launch with kernels._host.ORACLE_WORKSPACE kept across "
+                          "every case of both decode ops (no counter fill per call; the "
+                          "kernels leave the counters zero)")
+
+
 def check_workspace(workspace) -> Workspace | None:
     """``workspace`` as given (None or a ``Workspace``), else ValueError naming it."""
     if workspace is not None and not isinstance(workspace, Workspace):

@@ -133,7 +133,8 @@ from kernels._attention import (
     validate_selections,
 )
 from kernels._host import (
-    Workspace,
+    ORACLE_WORKSPACE,
+    ORACLE_WORKSPACE_NOTES,
     check_int,
     check_workspace,
     codes_of,
@@ -679,10 +680,6 @@ def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None
 
 
 SCHEDULE = DecodeSchedule()
-#: The workspace of every call of the registered ``triton_workspace`` (the oracle's cases
-#: one after another in a process, as a server's steps): a counter some case's launch left
-#: non-zero would spoil a later case's merge.
-ORACLE_WORKSPACE = Workspace()
 
 
 def _register():
@@ -706,8 +703,7 @@ def _register():
         "triton_workspace", "attention_decode",
         functools.partial(run, workspace=ORACLE_WORKSPACE), devices=("cuda",),
         shape_classes=("tiny", "small"), schedule=SCHEDULE, score_rel=TENSOR_CORE_DOT_REL,
-        notes="the default launch with one kernels._host.Workspace kept across every case "
-              "(no counter fill per call; the kernels leave the counters zero)"))
+        notes=ORACLE_WORKSPACE_NOTES))
 
 
 _register()

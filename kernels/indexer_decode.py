@@ -70,7 +70,8 @@ import torch
 from kernels import _indexer as ix
 from kernels import indexer_decode_flat as flat_grid
 from kernels._host import (
-    Workspace,
+    ORACLE_WORKSPACE,
+    ORACLE_WORKSPACE_NOTES,
     check_int,
     check_workspace,
     fail,
@@ -699,10 +700,6 @@ run = ix.adapter(indexer_decode, decode=True)
 run_flat = ix.adapter(functools.partial(indexer_decode, grid="flat"), decode=True)
 run_proportional = ix.adapter(functools.partial(indexer_decode, grid="proportional"),
                               decode=True)
-#: The workspace of every call of the registered ``triton_workspace`` (the oracle's cases
-#: one after another in a process, as a server's steps): a counter some case's launch left
-#: non-zero would spoil a later case's merge.
-ORACLE_WORKSPACE = Workspace()
 run_workspace = ix.adapter(functools.partial(indexer_decode, workspace=ORACLE_WORKSPACE),
                            decode=True)
 
@@ -737,8 +734,7 @@ def _register():
     register(Implementation(
         "triton_workspace", "indexer_decode", run_workspace, devices=("cuda",),
         shape_classes=("tiny", "small"), score_rel=score_rel,
-        notes="the default launch with one kernels._host.Workspace kept across every case "
-              "(no counter fill per call; the kernels leave the counters zero)"))
+        notes=ORACLE_WORKSPACE_NOTES))
 
 
 _register()

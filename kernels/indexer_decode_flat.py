@@ -39,7 +39,7 @@ segments, in a loop, are a called function, and ptxas serialises the tensor-core
 scan across a call (C7510: each wgmma waits for the one before). Removing the call did
 not make it faster (H200, session 23: uniform e4m3 74.9 -> 75.1 us, the split grid 71.1;
 ragged 77.1 -> 78.1, the split grid 97.3): its time goes to the set-up over seq_lens (1.6
-us to "ready" against the split grid's 0.4, every program at once, the memory idle) and a
+us to "ready" against the split grid's 0.4, every program at once, the memory idle) and
 slower scans on the same shares (~2 us; cause open: the loop bodies are alike, 310 SASS
 per block against the split kernel's 302 as launched at this shape).
 
