@@ -180,6 +180,17 @@ TARGET_PROGRAMS = 256
 #: 308.9. So 2 for 16-bit caches, 3 for fp8 (the 1-byte tiles leave room for a third).
 DEFAULT_STAGES = 2
 DEFAULT_STAGES_FP8 = 3
+#: Small grids (one query row per request, ``batch * Hkv <= SMALL_GRID``, D <= 128): 8
+#: warps capped at 128 registers (no spill at the model shape; two programs per SM, 16
+#: warps), 2 stages. Each program there walks 1-2 blocks, so its fixed chain (plan, q,
+#: block table, epilogue, merge) is the time, and twice the warps shorten it. H200, model
+#: shape, graph replay (session 24, ``reports/bench_attention_decode_warps.md``; us,
+#: default -> this): batch 1 bf16 12.6 -> 10.4, e4m3fn 12.4 -> 10.3, e4m3fnuz 13.1 ->
+#: 10.5, e5m2fnuz 13.7 -> 10.7; batch 8 18.4 -> 18.0, 17.7 -> 15.3, 18.5 -> 15.6, 19.5 ->
+#: 16.5. At batch 64 (256 programs of 16 blocks) the same launch is slower (e4m3fn 53.4
+#: -> 60.5, bf16 68.3 -> 70.8): there the 4-warp default stays.
+SMALL_GRID = 32
+SMALL_GRID_LAUNCH = {"num_warps": 8, "maxnreg": 128, "num_stages": 2}
 #: Domain limit (SPEC.md s.7); MAX_GROUP and MAX_TOPK: kernels._attention.
 MAX_ROWS = 4
 LOG2E = 1.4426950408889634
@@ -411,6 +422,14 @@ def auto_blocks_per_split(batch: int, hkv: int, topk_k: int) -> int:
     return BLOCKS_PER_SPLIT * -(-max_splits // splits)
 
 
+def launch_defaults(rows: int, d: int, batch: int, hkv: int) -> dict:
+    """Launch options that replace the defaults (``SMALL_GRID_LAUNCH`` on small grids of
+    one row per request and D <= 128; empty otherwise). Speed only: the rounding schedule
+    is the same."""
+    small = rows == 1 and d <= 128 and batch * hkv <= SMALL_GRID
+    return dict(SMALL_GRID_LAUNCH) if small else {}
+
+
 @dataclass(frozen=True)
 class DecodeSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
@@ -526,7 +545,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     seq_lens, block-table entries of used blocks, selections in range without repeats,
     positive finite scales, a workspace's counters all zero. Without it, bad contents are
     guarded in the kernel (never an illegal access; see the module docstring).
-    Launch knobs (speed only): ``num_warps`` (default 4), ``num_stages`` (depth of the
+    Launch knobs (speed only; None: the defaults, ``SMALL_GRID_LAUNCH``'s on small grids):
+    ``num_warps`` (default 4), ``num_stages`` (depth of the
     K/V loads' shared-memory pipeline across blocks; default ``DEFAULT_STAGES`` (16-bit
     caches) or ``DEFAULT_STAGES_FP8``, or the
     deepest below that fits the GPU's shared memory, ``kernels._triton.fitting_stages``),
@@ -565,14 +585,16 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                            dev)
     rows_p = triton.next_power_of_2(p.rows)
     g_p = triton.next_power_of_2(grp)
-    warps = check_int(num_warps or 4, "num_warps", 1, 16)
+    auto = launch_defaults(p.rows, p.d, p.batch, p.hkv)
+    warps = check_int(num_warps or auto.get("num_warps", 4), "num_warps", 1, 16)
     opts = {"num_warps": warps}
     if num_stages is not None:
         opts["num_stages"] = check_int(num_stages, "num_stages", 1, 8)
     if max_registers is not None:
         check_int(max_registers, "max_registers", 24, 255)
-        if not INTERPRETED:
-            opts["maxnreg"] = max_registers
+    regs = max_registers or auto.get("maxnreg")
+    if regs is not None and not INTERPRETED:
+        opts["maxnreg"] = regs
     ensure_ready(_decode_split_kernel)
     grid = (p.batch, p.hkv, splits)
     check_trace(trace, p.batch * p.hkv * splits, INTERPRETED, dev)
@@ -602,7 +624,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
         # stages where the first pass fitted; found by the H200 fuzz run)
         const["num_stages"] = min(
             fitting_stages(_decode_split_kernel, args, {**const, "REPAIR": r}, dev,
-                           deepest=DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES)
+                           deepest=auto.get("num_stages") or (
+                               DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES))
             for r in ((False, True) if p.rows > 1 else (False,)))
     _decode_split_kernel[grid](*args, REPAIR=False, TRACE=trace is not None, **const,
                                **pdl_kw)
