@@ -263,13 +263,15 @@ def build_report(args) -> dict:
                       "triton: one workspace kept across the calls (knob workspace=none: "
                       "fresh buffers and a counter fill per call).",
                       "vLLM column: the issue's numbers, for scale, not measured here."],
-               for_scale=FOR_SCALE, results=[])
+               for_scale=FOR_SCALE, results=[], sweep=[])
     knob_sets = args.knobs or [{}]
     for batch in args.batches:
         for cache in args.caches:
             doc["results"].append(bench_one(cache, batch, args, knob_sets[0]))
-    doc["sweep"] = [bench_one(cache, batch, args, k) for k in knob_sets[1:]
-                    for batch in args.batches for cache in args.caches]
+    for k in knob_sets[1:]:  # appended one by one: a stopped run keeps them (harness.main)
+        for batch in args.batches:
+            for cache in args.caches:
+                doc["sweep"].append(bench_one(cache, batch, args, k))
     for r, derived in zip(doc["results"], render_bench.derive(doc)):
         r.update(derived)
     doc["checks"] = checks(doc["results"])

@@ -386,7 +386,7 @@ def parse_args(argv):
 
 
 def build_report(args) -> dict:
-    doc = {"schema": render_bench.SCHEMA,
+    doc = harness.track({"schema": render_bench.SCHEMA,
            "what": "fused Gemma RMSNorm + partial NeoX RoPE + paged KV/index insert",
            **harness.device_info(), "tokens": args.tokens,
            "shape": {**asdict(SHAPE), "has_index_k": True, "model_dtype": "bfloat16"},
@@ -400,7 +400,7 @@ def build_report(args) -> dict:
                      "graph (no launch overhead counted).",
                      "e4m3 minimal bytes count index_q as e4m3 (642 MB at 16k tokens; the "
                      "issue's 650 MB counts it as bf16)."],
-           "results": [], "agreement": {}}
+           "results": [], "agreement": {}})
     for cache in args.caches:
         results, agree = bench_cache(cache, args.tokens, args)
         doc["results"] += results

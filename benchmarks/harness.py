@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -291,11 +292,36 @@ def timing_info(args) -> dict:
 
 def report_base(schema: str, what: str, args) -> dict:
     """A report's measured context: device, timing method, source state, copy bandwidth
-    (measured in this run, eagerly: the roofline the results are compared against)."""
-    return {"schema": schema, "what": what, **device_info(),
-            "timing": timing_info(args),
-            "source": source_state(),
-            "copy": copy_bandwidth(args.copy_mib * 2**20, args.warmup_ms, args.rep_ms)}
+    (measured in this run, eagerly: the roofline the results are compared against); the
+    report ``track``ed, so a stopped run still writes what it measured."""
+    return track({"schema": schema, "what": what, **device_info(),
+                  "timing": timing_info(args),
+                  "source": source_state(),
+                  "copy": copy_bandwidth(args.copy_mib * 2**20, args.warmup_ms,
+                                         args.rep_ms)})
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived while a benchmark measured (``timeout`` ran out, or the device
+    tool's call limit). A BaseException, so no ``except Exception`` in between keeps it."""
+
+
+#: The report being measured (``track``): what ``main`` writes when the run is stopped.
+_TRACKED: list[dict] = []
+
+#: The ``partial`` field of a stopped run's report (render_bench states it above the table).
+PARTIAL_NOTE = ("stopped by SIGTERM before the end (a time limit): the results measured "
+                "until then, and no checks")
+
+
+def track(doc: dict) -> dict:
+    """Make ``doc`` the report a stopped run writes (its results so far); returns it."""
+    _TRACKED[:] = [doc]
+    return doc
+
+
+def _stop(signum, frame):
+    raise Stopped()
 
 
 def write_report(doc: dict, out, md: str) -> None:
@@ -321,18 +347,32 @@ def check(name: str, value, limit: float, ok, **where) -> dict:
 
 def main(name: str, argv, parse_args, build_report, markdown) -> int:
     """A benchmark's command line: parse, build the report on the GPU (exit 2 without
-    one), write the JSON and its Markdown (``markdown(doc)``) and print the Markdown."""
+    one), write the JSON and its Markdown (``markdown(doc)``) and print the Markdown.
+    Stopped by SIGTERM (a ``timeout``) while measuring: the tracked report as it stands,
+    marked ``partial``, and exit 124 (what ``timeout`` itself returns), so a run cut by a
+    time limit still brings back every result it finished (session 24 lost a sweep's JSON
+    that way: only its log came back)."""
     import sys
 
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print(f"{name} needs a CUDA device", file=sys.stderr)
         return 2
-    doc = build_report(args)
+    _TRACKED.clear()
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        doc, code = build_report(args), 0
+    except Stopped:
+        if not _TRACKED:
+            return 124
+        doc, code = _TRACKED[0], 124
+        doc["partial"] = PARTIAL_NOTE
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     md = markdown(doc)
     write_report(doc, args.out, md)
     print(md)
-    return 0
+    return code
 
 
 def split_workspace(knobs: dict | None) -> tuple[dict, object]:

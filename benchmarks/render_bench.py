@@ -111,6 +111,8 @@ def header(doc: dict) -> list[str]:
              f"bytes read + written): {c['bytes_per_s'] / 1e12:.2f} TB/s.", ""]
     if doc.get("timing", {}).get("method"):
         lines[-1:] = [f"Timing: {doc['timing']['method']}.", ""]
+    if doc.get("partial"):  # a run stopped by its time limit (harness.main)
+        lines += [f"**Partial report: {doc['partial']}.**", ""]
     for note in doc.get("notes", ()):
         lines.append(f"- {note}")
     return lines + [""] if doc.get("notes") else lines

@@ -281,3 +281,39 @@ def test_each_fused_kernel_is_judged_by_its_own_issue_target():
     assert render_bench._target_met(bench_insert.TARGETS["triton"], 0.83, ratios) is True
     assert render_bench._target_met(bench_insert.TARGETS["cuda"], 0.83, ratios) is False
     assert render_bench._target_met(bench_insert.TARGETS["cuda"], 0.86, ratios) is True
+
+
+def _run_main(tmp_path, monkeypatch, stop_after: int | None):
+    """harness.main on a fake benchmark measuring the synthetic report's results one by
+    one, sending itself SIGTERM (what ``timeout`` sends) after ``stop_after`` of them."""
+    import argparse
+    import os
+    import signal
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    full = _synthetic_report()
+    out = tmp_path / "bench.json"
+
+    def build(args):
+        doc = harness.track({**full, "results": []})
+        for i, r in enumerate(full["results"]):
+            if i == stop_after:
+                os.kill(os.getpid(), signal.SIGTERM)
+            doc["results"].append(r)
+        return doc
+
+    code = harness.main("fake", [], lambda argv: argparse.Namespace(out=out), build,
+                        render_bench.markdown)
+    return code, json.loads(out.read_text()), out.with_suffix(".md").read_text()
+
+
+def test_a_benchmark_stopped_by_sigterm_writes_what_it_measured(tmp_path, monkeypatch):
+    """SIGTERM while measuring (a time limit): the JSON still comes out, holding exactly the
+    results finished before it, marked partial (and said so above the table); exit 124."""
+    code, doc, md = _run_main(tmp_path, monkeypatch, stop_after=2)
+    assert code == 124
+    assert doc["results"] == _synthetic_report()["results"][:2]
+    assert doc["partial"] == harness.PARTIAL_NOTE and "Partial report" in md
+    code, doc, md = _run_main(tmp_path, monkeypatch, stop_after=None)
+    assert code == 0 and "partial" not in doc and "Partial report" not in md
+    assert doc["results"] == _synthetic_report()["results"]
