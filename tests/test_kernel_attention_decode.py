@@ -544,8 +544,8 @@ def test_default_split_size_grows_only_past_the_target_grid():
 
 def test_small_grids_get_their_own_launch_and_nothing_else_does():
     """Only one-row grids of batch x Hkv <= SMALL_GRID with D <= 128 take SMALL_GRID_LAUNCH
-    (the model shape: batches 1 and 8, not 64); several rows (the repair pass's guarded path
-    spills under a 128-register cap) and D 256 keep the defaults."""
+    (the model shape: batches 1 and 8, not 64); several rows (their repair pass, the
+    register-heavy one, was not measured under the cap) and D 256 keep the defaults."""
     small = ad.SMALL_GRID_LAUNCH
     assert ad.launch_defaults(1, 128, 1, 4) == ad.launch_defaults(1, 128, 8, 4) == small
     assert ad.launch_defaults(1, 128, 9, 4) == ad.launch_defaults(1, 128, 64, 4) == {}
@@ -556,9 +556,9 @@ def test_small_grids_get_their_own_launch_and_nothing_else_does():
 
 @pytest.mark.gpu
 def test_small_grid_launch_matches_reference_at_model_shape():
-    """The small-grid launch (8 warps under a 128-register cap, 2 stages) computes what the
-    default one does: model head shape (Hq 64, Hkv 4, D 128, P 128), batch 2 and 8 of one
-    row, e4m3fn and e5m2fnuz, admitted by the oracle against the reference."""
+    """The small-grid launch (8 warps under a 128-register cap, 2 stages) is admitted by the
+    oracle against the reference at the model head shape (Hq 64, Hkv 4, D 128, P 128),
+    batches of 2 and 8 one-row requests (padding among them), e4m3fn and e5m2fnuz."""
     for fmt in ("e4m3fn", "e5m2fnuz"):
         for seqs in ((700, 0), (130, 4000, 1, 129, 300, 257, 0, 1024)):
             x = make_inputs(fmt, "bfloat16", hkv=4, group=16, d=128, page=128, seq_lens=seqs,
