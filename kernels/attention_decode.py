@@ -165,7 +165,8 @@ from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 #: 1 against 4, 3 rounds (session 20, ``reports/ab-attention-decode-bps1-h200.md``): batch
 #: 1 0.84 / 0.81 / 0.80 (bf16 / e4m3fn / e4m3fnuz; e4m3fn 13.9 us < bf16 14.2: fp8 faster
 #: there too), batch 4 1.00 / 0.96 / 0.91, batch 8 1.01 / 1.05 / 1.03, batches 16 and 64
-#: 1.00. Batch invariance holds up to 4 requests at the model shape (256 programs).
+#: 1.00. Batch invariance holds up to 4 requests at the model shape (256 programs;
+#: ``invariant_batch``).
 BLOCKS_PER_SPLIT = 1
 TARGET_PROGRAMS = 256
 #: Default K/V pipeline depth. sm_90, model shape, one row per request, 4 warps (static:
@@ -422,12 +423,24 @@ def auto_blocks_per_split(batch: int, hkv: int, topk_k: int) -> int:
     return BLOCKS_PER_SPLIT * -(-max_splits // splits)
 
 
-def launch_defaults(rows: int, d: int, batch: int, hkv: int) -> dict:
-    """Launch options that replace the defaults (``SMALL_GRID_LAUNCH`` on small grids of
-    one row per request and D <= 128; empty otherwise). Speed only: the rounding schedule
-    is the same."""
-    small = rows == 1 and d <= 128 and batch * hkv <= SMALL_GRID
-    return dict(SMALL_GRID_LAUNCH) if small else {}
+def invariant_batch(hkv: int, topk_k: int) -> int:
+    """The largest batch up to which the defaults keep a request's output bit-identical
+    whatever the batch (module docstring): the split size stays ``BLOCKS_PER_SPLIT``, and
+    ``launch_defaults`` picks one launch for every batch up to it (model shape: 4)."""
+    return TARGET_PROGRAMS // (hkv * -(-topk_k // BLOCKS_PER_SPLIT))
+
+
+def launch_defaults(rows: int, d: int, batch: int, hkv: int, topk_k: int,
+                    fixed_split: bool = False) -> dict:
+    """Launch options that replace the defaults: ``SMALL_GRID_LAUNCH`` on small grids of
+    one row per request and D <= 128, empty otherwise. Speed only (the rounding schedule is
+    the same), but the warps change the fp32 row sums' reduction order, so the choice never
+    splits a batch-invariant range: not with a fixed ``blocks_per_split`` (invariant at any
+    size), and with the default split only where every batch up to ``invariant_batch`` is
+    small too (model shape: batches 1-4 are, so 1-8 take it)."""
+    small = batch * hkv <= SMALL_GRID and invariant_batch(hkv, topk_k) * hkv <= SMALL_GRID
+    return dict(SMALL_GRID_LAUNCH) if small and rows == 1 and d <= 128 and not fixed_split \
+        else {}
 
 
 @dataclass(frozen=True)
@@ -585,7 +598,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                            dev)
     rows_p = triton.next_power_of_2(p.rows)
     g_p = triton.next_power_of_2(grp)
-    auto = launch_defaults(p.rows, p.d, p.batch, p.hkv)
+    auto = launch_defaults(p.rows, p.d, p.batch, p.hkv, p.topk_k,
+                           fixed_split=blocks_per_split is not None)
     warps = check_int(num_warps or auto.get("num_warps", 4), "num_warps", 1, 16)
     opts = {"num_warps": warps}
     if num_stages is not None:

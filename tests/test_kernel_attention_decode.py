@@ -265,9 +265,7 @@ def test_batch_invariance():
                     k=5, seed=12)
     full = ad.run(x)["out"]
     r, rows = 2, 2
-    alone = dict(x, q=x["q"][r * rows:(r + 1) * rows], seq_lens=x["seq_lens"][r:r + 1],
-                 block_table=x["block_table"][r:r + 1],
-                 topk=x["topk"][:, r * rows:(r + 1) * rows])
+    alone = _request_alone(x, r)
     assert np.array_equal(ad.run(alone)["out"], full[r * rows:(r + 1) * rows])
 
 
@@ -544,14 +542,58 @@ def test_default_split_size_grows_only_past_the_target_grid():
 
 def test_small_grids_get_their_own_launch_and_nothing_else_does():
     """Only one-row grids of batch x Hkv <= SMALL_GRID with D <= 128 take SMALL_GRID_LAUNCH
-    (the model shape: batches 1 and 8, not 64); several rows (their repair pass, the
-    register-heavy one, was not measured under the cap) and D 256 keep the defaults."""
+    (the model shape: batches 1 and 8, not 9 or 64); several rows (their repair pass, the
+    register-heavy one, was not measured under the cap), D 256 and a fixed split size keep
+    the defaults."""
     small = ad.SMALL_GRID_LAUNCH
-    assert ad.launch_defaults(1, 128, 1, 4) == ad.launch_defaults(1, 128, 8, 4) == small
-    assert ad.launch_defaults(1, 128, 9, 4) == ad.launch_defaults(1, 128, 64, 4) == {}
-    assert ad.launch_defaults(2, 128, 1, 4) == {}
-    assert ad.launch_defaults(1, 256, 1, 4) == {}
+    assert ad.launch_defaults(1, 128, 1, 4, 16) == ad.launch_defaults(1, 128, 8, 4, 16) == small
+    assert ad.launch_defaults(1, 128, 9, 4, 16) == ad.launch_defaults(1, 128, 64, 4, 16) == {}
+    assert ad.launch_defaults(2, 128, 1, 4, 16) == {}
+    assert ad.launch_defaults(1, 256, 1, 4, 16) == {}
+    assert ad.launch_defaults(1, 128, 1, 4, 16, fixed_split=True) == {}
     assert small["maxnreg"] * small["num_warps"] * 32 * 2 <= 65536  # two programs per SM
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("topk_k", [1, 2, 4, 7, 16, 64])
+def test_no_default_changes_inside_the_batch_invariant_range(hkv, topk_k):
+    """The documented invariance (a request's output the same in every batch up to
+    ``invariant_batch`` requests) holds by construction: over that range the default split
+    size and the launch options (whose warps set the fp32 row sums' reduction order) are
+    one and the same; past it the small-grid launch still ends at SMALL_GRID."""
+    top = ad.invariant_batch(hkv, topk_k)
+    for rows, d in ((1, 128), (1, 64), (2, 128)):
+        first = (ad.auto_blocks_per_split(1, hkv, topk_k),
+                 ad.launch_defaults(rows, d, 1, hkv, topk_k))
+        for batch in range(1, top + 1):
+            assert (ad.auto_blocks_per_split(batch, hkv, topk_k),
+                    ad.launch_defaults(rows, d, batch, hkv, topk_k)) == first, batch
+        for batch in range(1, 80):
+            if ad.launch_defaults(rows, d, batch, hkv, topk_k):
+                assert batch * hkv <= ad.SMALL_GRID and rows == 1
+
+
+def _request_alone(x, r):
+    rows = x["rows_per_request"]
+    return dict(x, q=x["q"][r * rows:(r + 1) * rows], seq_lens=x["seq_lens"][r:r + 1],
+                block_table=x["block_table"][r:r + 1], topk=x["topk"][:, r * rows:(r + 1) * rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, bps", [(4, None), (12, 2)])
+def test_batch_invariance_on_the_gpu_across_launch_choices(batch, bps):
+    """Compiled, at the model head shape (K 16: invariant_batch 4): a request's output is
+    bit-identical alone and inside a batch, with the default split up to invariant_batch
+    requests (one launch for all of them) and with a fixed split size at a batch past
+    SMALL_GRID (alone it would be a small grid: a fixed split keeps the default launch)."""
+    seqs = tuple(200 + 311 * i for i in range(batch))
+    x = make_inputs("e4m3fn", "bfloat16", hkv=4, group=16, d=128, page=128, seq_lens=seqs,
+                    k=16, seed=batch)
+    assert batch <= ad.invariant_batch(4, 16) or bps is not None
+    full = ad.run(x, blocks_per_split=bps)["out"]
+    for r in (0, batch - 1):
+        alone = ad.run(_request_alone(x, r), blocks_per_split=bps)["out"]
+        assert np.array_equal(alone, full[r:r + 1]), r
 
 
 @pytest.mark.gpu
@@ -563,7 +605,7 @@ def test_small_grid_launch_matches_reference_at_model_shape():
         for seqs in ((700, 0), (130, 4000, 1, 129, 300, 257, 0, 1024)):
             x = make_inputs(fmt, "bfloat16", hkv=4, group=16, d=128, page=128, seq_lens=seqs,
                             k=8, seed=len(seqs))
-            assert ad.launch_defaults(1, 128, len(seqs), 4) == ad.SMALL_GRID_LAUNCH
+            assert ad.launch_defaults(1, 128, len(seqs), 4, 8) == ad.SMALL_GRID_LAUNCH
             _passes(x)
 
 
