@@ -558,7 +558,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     seq_lens, block-table entries of used blocks, selections in range without repeats,
     positive finite scales, a workspace's counters all zero. Without it, bad contents are
     guarded in the kernel (never an illegal access; see the module docstring).
-    Launch knobs (speed only; None: the defaults, ``SMALL_GRID_LAUNCH``'s on small grids):
+    Launch knobs (speed only; all None: the defaults, ``launch_defaults``' on small grids;
+    any of them given: the others keep the plain defaults below):
     ``num_warps`` (default 4), ``num_stages`` (depth of the
     K/V loads' shared-memory pipeline across blocks; default ``DEFAULT_STAGES`` (16-bit
     caches) or ``DEFAULT_STAGES_FP8``, or the
@@ -598,8 +599,9 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                            dev)
     rows_p = triton.next_power_of_2(p.rows)
     g_p = triton.next_power_of_2(grp)
-    auto = launch_defaults(p.rows, p.d, p.batch, p.hkv, p.topk_k,
-                           fixed_split=blocks_per_split is not None)
+    tuned = (num_warps, num_stages, max_registers) != (None, None, None)
+    auto = {} if tuned else launch_defaults(p.rows, p.d, p.batch, p.hkv, p.topk_k,
+                                            fixed_split=blocks_per_split is not None)
     warps = check_int(num_warps or auto.get("num_warps", 4), "num_warps", 1, 16)
     opts = {"num_warps": warps}
     if num_stages is not None:

@@ -573,6 +573,40 @@ def test_no_default_changes_inside_the_batch_invariant_range(hkv, topk_k):
                 assert batch * hkv <= ad.SMALL_GRID and rows == 1
 
 
+def _launch_options(monkeypatch, x, **knobs):
+    """The launch options the first pass gets for input set ``x`` and launcher ``knobs``
+    (the kernel replaced by a recorder: nothing runs)."""
+    from kernels._attention import adapter_tensors
+    from oracle.impl_torch import _ints
+
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw)
+
+    monkeypatch.setattr(ad, "_decode_split_kernel", Recorder())
+    monkeypatch.setattr(ad, "ensure_ready", lambda kernel: None)
+    monkeypatch.setattr(ad, "fitting_stages", lambda *a, deepest, **k: deepest)
+    q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(x)
+    ad.sparse_attention_decode(q, kv, x["kv_fmt"], bt, _ints(x["seq_lens"], dev), topk, 1,
+                               ks, vs, out=out, **knobs)
+    return {k: seen[0][k] for k in ("num_warps", "num_stages")}
+
+
+def test_a_launch_knob_given_turns_the_small_grid_launch_off(monkeypatch):
+    """With no knob a small grid gets SMALL_GRID_LAUNCH's warps and stages; with any knob
+    given the others keep the plain defaults (4 warps, the fp8 stages), never a mix such as
+    4 warps under the small grid's 128-register cap."""
+    x = make_inputs("e4m3fn", seq_lens=(37, 50), k=16)  # K 16, Hkv 2: invariant up to 8
+    small = ad.SMALL_GRID_LAUNCH
+    assert _launch_options(monkeypatch, x) == {"num_warps": small["num_warps"],
+                                               "num_stages": small["num_stages"]}
+    assert _launch_options(monkeypatch, x, num_stages=1) == {"num_warps": 4, "num_stages": 1}
+    assert _launch_options(monkeypatch, x, num_warps=2) == {
+        "num_warps": 2, "num_stages": ad.DEFAULT_STAGES_FP8}
+
+
 def _request_alone(x, r):
     rows = x["rows_per_request"]
     return dict(x, q=x["q"][r * rows:(r + 1) * rows], seq_lens=x["seq_lens"][r:r + 1],
