@@ -418,7 +418,7 @@ def auto_blocks_per_split(batch: int, hkv: int, topk_k: int) -> int:
     """The default split size (module docstring): ``BLOCKS_PER_SPLIT`` times the factor
     that brings the grid ``batch * hkv * splits`` down to about ``TARGET_PROGRAMS`` (1 for
     small batches; model shape: batch 64 and up -> one split of 16 blocks)."""
-    max_splits = -(-topk_k // BLOCKS_PER_SPLIT)
+    max_splits = _max_splits(topk_k)
     splits = max(1, min(max_splits, TARGET_PROGRAMS // max(1, batch * hkv)))
     return BLOCKS_PER_SPLIT * -(-max_splits // splits)
 
@@ -427,7 +427,12 @@ def invariant_batch(hkv: int, topk_k: int) -> int:
     """The largest batch up to which the defaults keep a request's output bit-identical
     whatever the batch (module docstring): the split size stays ``BLOCKS_PER_SPLIT``, and
     ``launch_defaults`` picks one launch for every batch up to it (model shape: 4)."""
-    return TARGET_PROGRAMS // (hkv * -(-topk_k // BLOCKS_PER_SPLIT))
+    return TARGET_PROGRAMS // (hkv * _max_splits(topk_k))
+
+
+def _max_splits(topk_k: int) -> int:
+    """Splits of a row's K selected blocks at ``BLOCKS_PER_SPLIT`` blocks each."""
+    return -(-topk_k // BLOCKS_PER_SPLIT)
 
 
 def launch_defaults(rows: int, d: int, batch: int, hkv: int, topk_k: int,
