@@ -152,6 +152,19 @@ def test_attention_selections_are_valid():
         assert sorted(row) == [-1, 0, 1, 2]
 
 
+def test_attention_hot_pages_fold_the_table_onto_few_pages():
+    """--hot-pages N (the L2 diagnostic) leaves the selections and the pool alone and maps
+    every block-table entry into [0, N), using more than one of those pages."""
+    s = bad.Shape(hq=8, hkv=2, d=64, page=16, topk=4)
+    cold = bad.make_set(3, "e4m3fn", seed=2, seq_len=100, s=s, dev="cpu")
+    hot = bad.make_set(3, "e4m3fn", seed=2, seq_len=100, s=s, dev="cpu", hot_pages=3)
+    assert torch.equal(hot.topk, cold.topk) and hot.kv.shape == cold.kv.shape
+    assert torch.equal(hot.table, cold.table % 3) and int(cold.table.max()) >= 3
+    assert hot.table.unique().numel() > 1
+    assert bad.parse_args(["--hot-pages", "64"]).hot_pages == 64
+    assert bad.parse_args([]).hot_pages == 0
+
+
 def _reference_selection(st: bix.IndexerSet, fmt: str, s: bix.Shape) -> np.ndarray:
     from reference.indexer import indexer_decode
 
