@@ -154,6 +154,10 @@ from kernels._triton import (
 )
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 
+#: The longest context a request may have (the block table's width x P), in tokens: the
+#: kernel's block loop compares positions in int32.
+MAX_CONTEXT: tl.constexpr = tl.constexpr(1 << 30)
+
 #: Blocks per split-K chunk for small grids (model: K 16 -> 16 splits), and the grid size
 #: beyond which ``auto_blocks_per_split`` makes chunks longer. H200, model shape, batch 64
 #: x Hkv 4 (graph replay, 2026-11-30, before the fused merge): one split of 16 blocks
@@ -273,7 +277,12 @@ def _decode_split_kernel(
     m_row = mm // G_P
     m_head = mm % G_P
     m_ok = (m_row < ROWS) & (m_head < group)
-    m_pos = seq - ROWS + m_row
+    # Positions inside the block loop in int32: its 64-bit compares of every key against
+    # every row's position held ~9% of the loop's stall samples (H200, ncu). The host
+    # caps contexts at MAX_CONTEXT (< 2^30) tokens, so the clamp changes nothing for valid
+    # seq_lens and keeps bad ones from wrapping.
+    seq32 = tl.minimum(tl.maximum(seq, -8), MAX_CONTEXT).to(tl.int32)
+    m_pos = seq32 - ROWS + m_row
     m_t = r64 * ROWS + m_row
     m_hq = g64 * group + m_head
     dd = tl.arange(0, D)
@@ -286,6 +295,8 @@ def _decode_split_kernel(
     u_blk64 = tl.where(first, uni, 0).to(tl.int64)
     u_page = tl.load(bt_ptr + r64 * bt_s0 + u_blk64 * bt_s1, mask=first & (u_blk64 < bt_cols),
                      other=-1).to(tl.int64)
+    # -1 for a bad entry (negative, or past num_pages), then int32 for the loop's reduction.
+    u_page = tl.where((u_page >= 0) & (u_page < num_pages), u_page, -1).to(tl.int32)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -303,13 +314,12 @@ def _decode_split_kernel(
         takes = step & 15  # bit i: row i's chunk holds the block
         m_takes = (takes >> m_row) & 1
         hi = tl.where(takes >= 8, 3, tl.where(takes >= 4, 2, tl.where(takes >= 2, 1, 0)))
-        lim = seq - ROWS + hi  # the last key any taking row sees (the highest row's position)
+        lim = seq32 - ROWS + hi  # the last key any taking row sees (the highest row's position)
         blk64 = blk.to(tl.int64)
-        # -1 elsewhere; a bad entry of this block stays bad (negative, or past num_pages).
-        page = tl.max(tl.where(u_rank == it, u_page, -1), axis=0)
-        page_ok = (page >= 0) & (page < num_pages)
-        pg = tl.where(page_ok, page, 0)
-        key = blk64 * P + jj
+        page = tl.max(tl.where(u_rank == it, u_page, -1), axis=0)  # -1: a bad entry
+        page_ok = page >= 0
+        pg = tl.where(page_ok, page, 0).to(tl.int64)
+        key = blk * P + jj
         kmask = (key <= lim) & page_ok
         src = kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2 + dd[None, :]
         k, v = kv_tiles(src, pg * P + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
@@ -330,7 +340,7 @@ def _decode_split_kernel(
             lo = tl.where((takes & 1) != 0, 0, tl.where((takes & 2) != 0, 1,
                                                         tl.where((takes & 4) != 0, 2, 3)))
             last = tl.minimum(lim, blk64 * P + P - 1)
-            if (takes != live) | (seq - ROWS + lo < last):
+            if (takes != live) | (seq32 - ROWS + lo < last):
                 pv = repair_pv(pv, p_act, v, vis)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
@@ -528,6 +538,9 @@ def plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows
         fail("q", f"must have len(seq_lens) * rows_per_request = {batch * rows} rows, got "
                   f"{a.t}")
     topk_k = check_table_and_selections(block_table, topk, a, batch, dev)
+    if block_table.shape[1] * a.page > MAX_CONTEXT.value:
+        fail("block_table", f"covers {block_table.shape[1]} blocks x page {a.page} tokens; at "
+                            f"most {MAX_CONTEXT.value} (2^30) tokens per request")
     ks, ks_strides, vs, vs_strides, softmax_scale, out = check_scales_and_out(
         q, a, k_scale, v_scale, softmax_scale, out, validate)
     bps = auto_blocks_per_split(batch, a.hkv, topk_k) if blocks_per_split is None else \

@@ -379,11 +379,15 @@ def _bad(name, **changes):
     _bad("blocks_per_split", blocks_per_split=0),
     _bad("blocks_per_split", blocks_per_split=65),
     _bad("max_registers", max_registers=8),
+    # Wider than MAX_CONTEXT tokens (the loop's int32 positions); a stride-0 view, no memory.
+    _bad("block_table", block_table=lambda a: a["block_table"][:, :1].expand(
+        2, ad.MAX_CONTEXT.value // 16 + 1)),
     # A CPU buffer: refused interpreted (no timer) and compiled (another device).
     _bad("trace", trace=torch.zeros(64, 4, dtype=torch.int64)),
 ])
 def test_bad_host_input_raises_value_error_naming_it(make, name):
-    """Wrong dtypes, shapes (T != B * rows, Hq not G * Hkv with G <= 16, K outside 1..64),
+    """Wrong dtypes, shapes (T != B * rows, Hq not G * Hkv with G <= 16, K outside 1..64, a
+    block table covering more than MAX_CONTEXT tokens),
     head dims, strides, cache dtypes and page sizes, unknown or mismatched format strings,
     rows_per_request outside 1..4, bad scales, softmax_scale, out, split sizes, validate
     and the launch options raise ValueError whose message starts with the argument's name,
