@@ -38,6 +38,10 @@ from reference.platforms import is_fp8
 MAX_GROUP = 16
 MAX_TOPK = 64
 
+#: The longest context a request may have (the block table's width x P), in tokens: the
+#: attention kernels' block loops compare key positions in int32.
+MAX_CONTEXT: tl.constexpr = tl.constexpr(1 << 30)
+
 
 @triton.jit
 def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
@@ -313,12 +317,16 @@ def check_index_tensor(t, name: str, dev, dims: int):
 
 
 def check_table_and_selections(block_table, topk, a: PagedArgs, batch: int, dev) -> int:
-    """block_table ``[B, max_blocks >= 1]``; topk ``[Hkv, T, K]`` with K <= MAX_TOPK (any
-    strides: a transposed token-major buffer too). Returns K."""
+    """block_table ``[B, max_blocks >= 1]``, at most MAX_CONTEXT tokens wide; topk ``[Hkv,
+    T, K]`` with K <= MAX_TOPK (any strides: a transposed token-major buffer too). Returns
+    K."""
     check_index_tensor(block_table, "block_table", dev, 2)
     if block_table.shape[0] != batch or block_table.shape[1] < 1:
         fail("block_table", f"must have shape [B={batch}, max_blocks >= 1], got "
                             f"{list(block_table.shape)}")
+    if block_table.shape[1] * a.page > MAX_CONTEXT.value:
+        fail("block_table", f"covers {block_table.shape[1]} blocks x page {a.page} tokens; at "
+                            f"most {MAX_CONTEXT.value} (2^30) tokens per request")
     check_index_tensor(topk, "topk", dev, 3)
     if topk.shape[0] != a.hkv or topk.shape[1] != a.t or not 1 <= topk.shape[2] <= MAX_TOPK:
         fail("topk", f"must have shape [Hkv={a.hkv}, T={a.t}, K in [1, {MAX_TOPK}]], got "

@@ -115,6 +115,7 @@ import numpy as np
 import torch
 
 from kernels._attention import (
+    MAX_CONTEXT,
     MAX_TOPK,
     adapter_tensors,
     check_index_tensor,
@@ -153,10 +154,6 @@ from kernels._triton import (
     triton,
 )
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
-
-#: The longest context a request may have (the block table's width x P), in tokens: the
-#: kernel's block loop compares positions in int32.
-MAX_CONTEXT: tl.constexpr = tl.constexpr(1 << 30)
 
 #: Blocks per split-K chunk for small grids (model: K 16 -> 16 splits), and the grid size
 #: beyond which ``auto_blocks_per_split`` makes chunks longer. H200, model shape, batch 64
@@ -279,7 +276,7 @@ def _decode_split_kernel(
     m_ok = (m_row < ROWS) & (m_head < group)
     # Positions inside the block loop in int32: its 64-bit compares of every key against
     # every row's position held ~9% of the loop's stall samples (H200, ncu). The host
-    # caps contexts at MAX_CONTEXT (< 2^30) tokens, so the clamp changes nothing for valid
+    # caps contexts at MAX_CONTEXT (2^30) tokens, so the clamp changes nothing for valid
     # seq_lens and keeps bad ones from wrapping.
     seq32 = tl.minimum(tl.maximum(seq, -8), MAX_CONTEXT).to(tl.int32)
     m_pos = seq32 - ROWS + m_row
@@ -538,9 +535,6 @@ def plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, rows
         fail("q", f"must have len(seq_lens) * rows_per_request = {batch * rows} rows, got "
                   f"{a.t}")
     topk_k = check_table_and_selections(block_table, topk, a, batch, dev)
-    if block_table.shape[1] * a.page > MAX_CONTEXT.value:
-        fail("block_table", f"covers {block_table.shape[1]} blocks x page {a.page} tokens; at "
-                            f"most {MAX_CONTEXT.value} (2^30) tokens per request")
     ks, ks_strides, vs, vs_strides, softmax_scale, out = check_scales_and_out(
         q, a, k_scale, v_scale, softmax_scale, out, validate)
     bps = auto_blocks_per_split(batch, a.hkv, topk_k) if blocks_per_split is None else \

@@ -171,6 +171,10 @@ PAGED_ATTENTION_BAD_ARGS = [
     ("block_table", dict(block_table=lambda a: a["block_table"].float())),
     ("block_table", dict(block_table=lambda a: a["block_table"][:1])),
     ("block_table", dict(block_table=lambda a: a["block_table"][:, :0])),
+    # More than MAX_CONTEXT (2^30) tokens wide whatever the page (the kernels' int32
+    # positions); a stride-0 view, no memory.
+    ("block_table", dict(block_table=lambda a: a["block_table"][:, :1].expand(
+        a["block_table"].shape[0], (1 << 30) + 1))),
     ("topk", dict(topk=lambda a: a["topk"].float())),
     ("topk", dict(topk=lambda a: a["topk"][:1])),
     ("topk", dict(topk=lambda a: a["topk"][:, :3])),

@@ -379,9 +379,6 @@ def _bad(name, **changes):
     _bad("blocks_per_split", blocks_per_split=0),
     _bad("blocks_per_split", blocks_per_split=65),
     _bad("max_registers", max_registers=8),
-    # Wider than MAX_CONTEXT tokens (the loop's int32 positions); a stride-0 view, no memory.
-    _bad("block_table", block_table=lambda a: a["block_table"][:, :1].expand(
-        2, ad.MAX_CONTEXT.value // 16 + 1)),
     # A CPU buffer: refused interpreted (no timer) and compiled (another device).
     _bad("trace", trace=torch.zeros(64, 4, dtype=torch.int64)),
 ])
