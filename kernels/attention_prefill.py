@@ -119,6 +119,7 @@ import numpy as np
 import torch
 
 from kernels._attention import (
+    MAX_CONTEXT,
     adapter_tensors,
     check_index_tensor,
     check_q_and_cache,
@@ -318,7 +319,12 @@ def _prefill_kernel(
         m_loc = local + m_tok
         m_glob = cu0 + m_loc
         m_ok = (m_loc < qlen) & (m_glob >= 0) & (m_glob < num_tokens) & (m_head < group)
-        m_pos = prefix + m_loc
+        # Positions in int32 inside the block loop (as the decode: its 64-bit compares of
+        # every key against every row were ~9% of the decode loop's stall samples); the
+        # host caps block tables at MAX_CONTEXT tokens, so a valid position is unchanged
+        # and -1 still means "no key".
+        m_pos = tl.minimum(tl.maximum(prefix + m_loc, -1), MAX_CONTEXT).to(tl.int32)
+        t_pos32 = tl.minimum(tl.maximum(t_pos, -1), MAX_CONTEXT).to(tl.int32)
         m_hq = g64 * group + m_head
         dd = tl.arange(0, D)
         q = tl.load(q_ptr + m_glob[:, None] * q_s0 + m_hq[:, None] * q_s1 + dd[None, :],
@@ -338,12 +344,12 @@ def _prefill_kernel(
             cur = blk
             takes = tl.max((es == blk).to(tl.int32), axis=1)  # [BLOCK_T]: 1 if selected
             m_takes = tl.reshape(tl.broadcast_to(takes[:, None], (BLOCK_T, G_P)), (ROWS,)) > 0
-            lim = tl.max(tl.where(takes > 0, t_pos, -1), axis=0)  # the last key any row sees
+            lim = tl.max(tl.where(takes > 0, t_pos32, -1), axis=0)  # the last key any row sees
             blk64 = blk.to(tl.int64)
             page = tl.load(bt_ptr + r64 * bt_s0 + blk64 * bt_s1).to(tl.int64)
             page_ok = (page >= 0) & (page < num_pages)
             pg = tl.where(page_ok, page, 0)
-            key = blk64 * P + jj
+            key = blk * P + jj
             kmask = (key <= lim) & page_ok
             src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2
                    + dd[None, :])
@@ -363,7 +369,8 @@ def _prefill_kernel(
             if REPAIR and BLOCK_T > 1:
                 # Rows that do not all see the loaded keys: guard non-finite V (docstring).
                 last = tl.minimum(lim, blk64 * P + P - 1)
-                short = tl.sum((t_ok & ((takes == 0) | (t_pos < last))).to(tl.int32), axis=0)
+                short = tl.sum((t_ok & ((takes == 0) | (t_pos32 < last))).to(tl.int32),
+                               axis=0)
                 if short > 0:
                     pv = repair_pv(pv, p_act, v, vis)
             acc = acc * alpha[:, None] + pv
