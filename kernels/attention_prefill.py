@@ -357,8 +357,19 @@ def _prefill_kernel(
                             vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
             # [ROWS, P], fp32 accumulation
             s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
-            vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
-            s2 = tl.where(vis, s * row_scale[:, None], float("-inf"))
+            s_sc = s * row_scale[:, None]
+            if BLOCK_T == 1:
+                # One token takes every union block and sees all of a block below its own:
+                # the mask is built only for its own block (or a bad page), in a uniform
+                # branch (as the decode's one-row programs).
+                if (blk * P + P - 1 <= lim) & page_ok:
+                    s2 = s_sc
+                else:
+                    s2 = tl.where((key[None, :] <= m_pos[:, None]) & kmask[None, :], s_sc,
+                                  float("-inf"))
+            else:
+                vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
+                s2 = tl.where(vis, s_sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s2, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_use)
