@@ -119,6 +119,7 @@ import numpy as np
 import torch
 
 from kernels._attention import (
+    MAX_CONTEXT,
     adapter_tensors,
     check_index_tensor,
     check_q_and_cache,
@@ -318,7 +319,12 @@ def _prefill_kernel(
         m_loc = local + m_tok
         m_glob = cu0 + m_loc
         m_ok = (m_loc < qlen) & (m_glob >= 0) & (m_glob < num_tokens) & (m_head < group)
-        m_pos = prefix + m_loc
+        # Positions in int32 inside the block loop (as the decode: its 64-bit compares of
+        # every key against every row were ~9% of the decode loop's stall samples); the
+        # host caps block tables at MAX_CONTEXT tokens, so a valid position is unchanged
+        # and -1 still means "no key".
+        m_pos = tl.minimum(tl.maximum(prefix + m_loc, -1), MAX_CONTEXT).to(tl.int32)
+        t_pos32 = tl.minimum(tl.maximum(t_pos, -1), MAX_CONTEXT).to(tl.int32)
         m_hq = g64 * group + m_head
         dd = tl.arange(0, D)
         q = tl.load(q_ptr + m_glob[:, None] * q_s0 + m_hq[:, None] * q_s1 + dd[None, :],
@@ -338,12 +344,12 @@ def _prefill_kernel(
             cur = blk
             takes = tl.max((es == blk).to(tl.int32), axis=1)  # [BLOCK_T]: 1 if selected
             m_takes = tl.reshape(tl.broadcast_to(takes[:, None], (BLOCK_T, G_P)), (ROWS,)) > 0
-            lim = tl.max(tl.where(takes > 0, t_pos, -1), axis=0)  # the last key any row sees
+            lim = tl.max(tl.where(takes > 0, t_pos32, -1), axis=0)  # the last key any row sees
             blk64 = blk.to(tl.int64)
             page = tl.load(bt_ptr + r64 * bt_s0 + blk64 * bt_s1).to(tl.int64)
             page_ok = (page >= 0) & (page < num_pages)
             pg = tl.where(page_ok, page, 0)
-            key = blk64 * P + jj
+            key = blk * P + jj
             kmask = (key <= lim) & page_ok
             src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2
                    + dd[None, :])
@@ -351,8 +357,19 @@ def _prefill_kernel(
                             vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
             # [ROWS, P], fp32 accumulation
             s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
-            vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
-            s2 = tl.where(vis, s * row_scale[:, None], float("-inf"))
+            s_sc = s * row_scale[:, None]
+            if BLOCK_T == 1:
+                # One token takes every union block and sees all of a block below its own:
+                # the mask is built only for its own block (or a bad page), in a uniform
+                # branch (as the decode's one-row programs).
+                if (blk * P + P - 1 <= lim) & page_ok:
+                    s2 = s_sc
+                else:
+                    s2 = tl.where((key[None, :] <= m_pos[:, None]) & kmask[None, :], s_sc,
+                                  float("-inf"))
+            else:
+                vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
+                s2 = tl.where(vis, s_sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s2, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_use)
@@ -363,7 +380,8 @@ def _prefill_kernel(
             if REPAIR and BLOCK_T > 1:
                 # Rows that do not all see the loaded keys: guard non-finite V (docstring).
                 last = tl.minimum(lim, blk64 * P + P - 1)
-                short = tl.sum((t_ok & ((takes == 0) | (t_pos < last))).to(tl.int32), axis=0)
+                short = tl.sum((t_ok & ((takes == 0) | (t_pos32 < last))).to(tl.int32),
+                               axis=0)
                 if short > 0:
                     pv = repair_pv(pv, p_act, v, vis)
             acc = acc * alpha[:, None] + pv
