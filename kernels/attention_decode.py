@@ -464,9 +464,11 @@ class DecodeSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
     calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
     ``blocks_per_split`` None: the launcher's default for the case's batch
-    (``auto_blocks_per_split``; ``BLOCKS_PER_SPLIT`` without a case)."""
+    (``auto_blocks_per_split``; ``BLOCKS_PER_SPLIT`` without a case). ``block_keys``: the
+    launch knob's tiles (``Schedule.tile_keys``; None or the page size: whole blocks)."""
 
     blocks_per_split: int | None = None
+    block_keys: int | None = None
 
     def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
@@ -476,10 +478,13 @@ class DecodeSchedule:
         if bps is None:
             bps = BLOCKS_PER_SPLIT if case is None else auto_blocks_per_split(
                 len(case["seq_lens"]), case["kv_cache"].shape[1], case["topk"].shape[-1])
+        tile = self.block_keys
+        if tile is not None and case is not None and tile >= case["kv_cache"].shape[2]:
+            tile = None
         return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=bps,
                         partial_dtype="float32", lse_dtype="float32", out_dtype=model_dtype,
-                        order="ascending", q_dtype=q_dtype)
+                        order="ascending", q_dtype=q_dtype, tile_keys=tile)
 
 
 # ---------------------------------------------------------------------------- launcher
