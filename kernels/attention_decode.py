@@ -76,7 +76,8 @@ act = the model dtype = q's dtype):
   (exact when the cache has the model dtype), ``kv_dtype = act``; q as given, P in act.
 - ``S = q . K`` by ``tl.dot`` with fp32 accumulation; logits in log2 units ``S *
   fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
-  (``p_max="running"``, ``blocks_per_tile=1``), ``P @ V`` by ``tl.dot`` with fp32
+  (``p_max="running"``, ``blocks_per_tile=1``; with the ``block_keys`` knob, tiles of
+  that many keys: ``Schedule.tile_keys``), ``P @ V`` by ``tl.dot`` with fp32
   accumulation, the row sum from the unrounded fp32 P.
 - Split-K: ``blocks_per_split`` blocks per chunk, ascending block order, partials and LSE in
   fp32, the exact merge above; output rounded once to act (RNE).
@@ -587,9 +588,13 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     deepest below that fits the GPU's shared memory, ``kernels._triton.fitting_stages``),
     ``max_registers``
     (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape),
-    ``block_keys`` (EXPERIMENT: keys per tile of the online softmax, a power of two
-    dividing P, >= 16; default P: one tile per block; smaller tiles take less shared
-    memory per pipeline stage and fewer registers, so more programs share an SM).
+    ``block_keys`` (keys per tile of the online softmax, a power of two dividing P, >= 16;
+    default P: one tile per block; declared to the oracle as ``Schedule.tile_keys``
+    through ``DecodeSchedule(block_keys=...)``). Smaller tiles take less shared memory per
+    pipeline stage and fewer registers (sm_90, model shape, e4m3fn, 3 stages: 128 keys
+    193 registers and 104 KiB, two programs per SM; 64 keys 134 and 54 KiB, three; 32
+    keys 96 and 29 KiB, five), at more instructions per block (loop SASS per block 791,
+    964, 1,324): not yet timed on the H200.
     ``trace``: a diagnostic (``kernels._trace``, compiled only): an int64 buffer ``[>= B *
     Hkv * splits, TRACE_SLOTS]``; program (r, g, c) of the first pass writes row (r * Hkv +
     g) * splits + c: its SM, then the timer at its start, after its block loop and at its
