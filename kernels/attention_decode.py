@@ -76,7 +76,8 @@ act = the model dtype = q's dtype):
   (exact when the cache has the model dtype), ``kv_dtype = act``; q as given, P in act.
 - ``S = q . K`` by ``tl.dot`` with fp32 accumulation; logits in log2 units ``S *
   fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
-  (``p_max="running"``, ``blocks_per_tile=1``), ``P @ V`` by ``tl.dot`` with fp32
+  (``p_max="running"``, ``blocks_per_tile=1``; with the ``block_keys`` knob, tiles of
+  that many keys: ``Schedule.tile_keys``), ``P @ V`` by ``tl.dot`` with fp32
   accumulation, the row sum from the unrounded fp32 P.
 - Split-K: ``blocks_per_split`` blocks per chunk, ascending block order, partials and LSE in
   fp32, the exact merge above; output rounded once to act (RNE).
@@ -214,7 +215,7 @@ def _decode_split_kernel(
         D: tl.constexpr, P: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr,
         NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, DIRECT: tl.constexpr,
-        REPAIR: tl.constexpr, SP: tl.constexpr, TRACE: tl.constexpr = False,
+        REPAIR: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr, TRACE: tl.constexpr = False,
         PDL: tl.constexpr = False):
     await_previous_kernel(PDL)
     r64 = tl.program_id(0).to(tl.int64)
@@ -298,28 +299,32 @@ def _decode_split_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    jj = tl.arange(0, P)
+    SUB: tl.constexpr = P // BN  # tiles per block (BN keys each, in key order)
+    jj = tl.arange(0, BN)
     logit_scale = qk_scale
     if FP8 and SCALAR:  # the scales outside the products (kernels._attention.scales_outside)
         logit_scale = qk_scale * tl.load(ks_ptr)
     q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR)
     if REPAIR:
         n_iter = tl.where(go, n_iter, 0)
-    for it in range(n_iter):
-        step = tl.max(tl.where(u_rank == it, u_key, -1), axis=0)
+    for it in range(n_iter * SUB):
+        ub = it // SUB
+        off = (it % SUB) * BN  # the tile's first key in its block
+        step = tl.max(tl.where(u_rank == ub, u_key, -1), axis=0)
         blk = step >> 4
         takes = step & 15  # bit i: row i's chunk holds the block
         m_takes = (takes >> m_row) & 1
         hi = tl.where(takes >= 8, 3, tl.where(takes >= 4, 2, tl.where(takes >= 2, 1, 0)))
         lim = seq32 - ROWS + hi  # the last key any taking row sees (the highest row's position)
         blk64 = blk.to(tl.int64)
-        page = tl.max(tl.where(u_rank == it, u_page, -1), axis=0)  # -1: a bad entry
+        page = tl.max(tl.where(u_rank == ub, u_page, -1), axis=0)  # -1: a bad entry
         page_ok = page >= 0
         pg = tl.where(page_ok, page, 0).to(tl.int64)
-        key = blk * P + jj
+        key = blk * P + off + jj
         kmask = (key <= lim) & page_ok
-        src = kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2 + dd[None, :]
-        k, v = kv_tiles(src, pg * P + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
+        src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + (off + jj)[:, None].to(tl.int64) * kv_s2
+               + dd[None, :])
+        k, v = kv_tiles(src, pg * P + off + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
                         g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
         # [BLOCK_M, P], fp32 accumulation
         s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
@@ -336,7 +341,7 @@ def _decode_split_kernel(
             # Rows that do not all see the loaded keys: guard non-finite V (see docstring).
             lo = tl.where((takes & 1) != 0, 0, tl.where((takes & 2) != 0, 1,
                                                         tl.where((takes & 4) != 0, 2, 3)))
-            last = tl.minimum(lim, blk64 * P + P - 1)
+            last = tl.minimum(lim, blk64 * P + off + BN - 1)
             if (takes != live) | (seq32 - ROWS + lo < last):
                 pv = repair_pv(pv, p_act, v, vis)
         acc = acc * alpha[:, None] + pv
@@ -460,9 +465,11 @@ class DecodeSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
     calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
     ``blocks_per_split`` None: the launcher's default for the case's batch
-    (``auto_blocks_per_split``; ``BLOCKS_PER_SPLIT`` without a case)."""
+    (``auto_blocks_per_split``; ``BLOCKS_PER_SPLIT`` without a case). ``block_keys``: the
+    launch knob's tiles (``Schedule.tile_keys``; None or the page size: whole blocks)."""
 
     blocks_per_split: int | None = None
+    block_keys: int | None = None
 
     def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
@@ -472,10 +479,13 @@ class DecodeSchedule:
         if bps is None:
             bps = BLOCKS_PER_SPLIT if case is None else auto_blocks_per_split(
                 len(case["seq_lens"]), case["kv_cache"].shape[1], case["topk"].shape[-1])
+        tile = self.block_keys
+        if tile is not None and case is not None and tile >= case["kv_cache"].shape[2]:
+            tile = None
         return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=bps,
                         partial_dtype="float32", lse_dtype="float32", out_dtype=model_dtype,
-                        order="ascending", q_dtype=q_dtype)
+                        order="ascending", q_dtype=q_dtype, tile_keys=tile)
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -550,7 +560,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                             k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                             blocks_per_split=None, validate=False,
                             num_warps=None, num_stages=None, max_registers=None,
-                            trace=None, workspace=None, pdl=False):
+                            block_keys=None, trace=None, workspace=None, pdl=False):
     """Block-sparse GQA decode attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -577,7 +587,14 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     caches) or ``DEFAULT_STAGES_FP8``, or the
     deepest below that fits the GPU's shared memory, ``kernels._triton.fitting_stages``),
     ``max_registers``
-    (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape).
+    (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape),
+    ``block_keys`` (keys per tile of the online softmax, a power of two dividing P, >= 16;
+    default P: one tile per block; declared to the oracle as ``Schedule.tile_keys``
+    through ``DecodeSchedule(block_keys=...)``). Smaller tiles take less shared memory per
+    pipeline stage and fewer registers (sm_90, model shape, e4m3fn, 3 stages: 128 keys
+    193 registers and 104 KiB, two programs per SM; 64 keys 134 and 54 KiB, three; 32
+    keys 96 and 29 KiB, five), at more instructions per block (loop SASS per block 791,
+    964, 1,324): not yet timed on the H200.
     ``trace``: a diagnostic (``kernels._trace``, compiled only): an int64 buffer ``[>= B *
     Hkv * splits, TRACE_SLOTS]``; program (r, g, c) of the first pass writes row (r * Hkv +
     g) * splits + c: its SM, then the timer at its start, after its block loop and at its
@@ -611,7 +628,11 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                            dev)
     rows_p = triton.next_power_of_2(p.rows)
     g_p = triton.next_power_of_2(grp)
-    tuned = (num_warps, num_stages, max_registers) != (None, None, None)
+    bn = p.page if block_keys is None else check_int(block_keys, "block_keys", 16, p.page)
+    if p.page % bn or bn & (bn - 1):
+        raise ValueError(f"block_keys must be a power of two dividing the page size "
+                         f"{p.page}, got {bn}")
+    tuned = (num_warps, num_stages, max_registers, block_keys) != (None,) * 4
     auto = {} if tuned else launch_defaults(p.rows, p.d, p.batch, p.hkv, p.topk_k,
                                             fixed_split=blocks_per_split is not None)
     warps = check_int(num_warps or auto.get("num_warps", 4), "num_warps", 1, 16)
@@ -646,7 +667,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
                  ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), DIRECT=direct,
-                 SP=triton.next_power_of_2(splits), **opts)
+                 SP=triton.next_power_of_2(splits), BN=bn, **opts)
     if num_stages is None:  # the default, lowered until every pass fits shared memory
         # (the repair pass takes more: fp8, fp16 q, G 16, 4 rows asked for 268 KiB at 3
         # stages where the first pass fitted; found by the H200 fuzz run)
@@ -694,7 +715,8 @@ def compile_signatures():
                      NBP=triton.next_power_of_2(nb), FP8=cache == "u8", FMT=fmt, HW=hw,
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, DIRECT=direct,
                      REPAIR=rows > 1 and i % 2 == 1,
-                     SP=triton.next_power_of_2(triton.cdiv(k, nb)), TRACE=i == 0)
+                     SP=triton.next_power_of_2(triton.cdiv(k, nb)), TRACE=i == 0,
+                     BN=(128 if cache == "u8" else 64) // (2 if i == 1 else 1))
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_split_kernel, sig, const))
     for act in ("bf16",):
@@ -714,7 +736,7 @@ def compile_signatures():
 
 
 def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None,
-        workspace=None) -> dict:
+        workspace=None, block_keys: int | None = None) -> dict:
     """Oracle adapter (op ``attention_decode``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
@@ -726,6 +748,7 @@ def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None
     sparse_attention_decode(q, kv, inputs["kv_fmt"], bt, _ints(inputs["seq_lens"], dev), topk,
                             int(inputs["rows_per_request"]), ks, vs, out=out,
                             blocks_per_split=blocks_per_split, validate=validate,
+                            block_keys=block_keys,
                             workspace=workspace)
     return {"out": codes_of(out)}
 

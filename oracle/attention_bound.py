@@ -220,7 +220,8 @@ def _head_kv(x, g, sched):
 
 def _row_keys(x, r, p, g, entries, seq, sched, kv=None):
     """Scheduled K, V ``[n, D]`` of the keys row (r, p) sees through KV head g, each key's
-    split chunk and block rank within it; None when it sees no key. ``kv``: head g's
+    split chunk and block rank within it (the rank of its tile of ``Schedule.tile_keys``
+    keys, when set); None when it sees no key. ``kv``: head g's
     ``_head_kv`` when already computed."""
     cache, fmt = x["kv_cache"], x["kv_fmt"]
     page, d = cache.shape[2], cache.shape[3] // 2
@@ -232,6 +233,9 @@ def _row_keys(x, r, p, g, entries, seq, sched, kv=None):
     js = np.concatenate(spans)
     chunk = np.concatenate([np.full(sp.size, i // bps) for i, sp in enumerate(spans)])
     rank = np.concatenate([np.full(sp.size, i % bps) for i, sp in enumerate(spans)])
+    if sched.tile_keys is not None:  # the tile's rank (Schedule.tile_keys)
+        sub = page // sched.tile_keys
+        rank = rank * sub + (js % page) // sched.tile_keys
     pages = x["block_table"][r, js // page].astype(np.int64)
     if kv is not None:
         return kv[0][pages, js % page], kv[1][pages, js % page], chunk, rank

@@ -42,7 +42,7 @@ import math
 import operator
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -105,6 +105,15 @@ class Schedule:
         ``m_t`` = max over tiles 0..t, and the exact rescaling follows:
         ``P_j = round(exp(s_j - m_t)) * exp(m_t - m)``. With ``p_dtype="float64"`` both
         modes are the same.
+    tile_keys
+        None: tiles of whole blocks (``blocks_per_tile``). An integer: a kernel that cuts
+        each block into tiles of ``tile_keys`` consecutive keys (a divisor of P, with
+        ``blocks_per_tile`` 1 and ``order`` "ascending"): the online-softmax tiles are the
+        blocks' tiles, block by block in order, key order within a block. Computed as
+        the same attention over pages of ``tile_keys`` keys (block e's tile i as block
+        ``e * P / tile_keys + i``): exactly that order, and a block's tiles past a row's
+        position are the last of its selection, so a split chunk of ``blocks_per_split``
+        blocks is one of ``blocks_per_split * P / tile_keys`` such blocks.
     blocks_per_split, partial_dtype, lse_dtype
         ``None``: no split-K; ``out = sum_j P_j V_j / l``. An integer n: the row's selected
         blocks, in ``order`` and counted among the valid entries only (ranks 0, 1, ...),
@@ -146,6 +155,7 @@ class Schedule:
     out_dtype: str = "float64"
     order: str = "ascending"
     q_dtype: str = "given"
+    tile_keys: int | None = None
 
     def __post_init__(self):
         for name in ("kv_dtype", "p_dtype", "partial_dtype", "lse_dtype", "out_dtype"):
@@ -162,6 +172,13 @@ class Schedule:
         bps = self.blocks_per_split
         if bps is not None and (not isinstance(bps, int) or bps < 1):
             raise ValueError(f"blocks_per_split must be None or an integer >= 1, got {bps!r}")
+        tk = self.tile_keys
+        if tk is not None:
+            if not isinstance(tk, int) or tk < 1:
+                raise ValueError(f"tile_keys must be None or an integer >= 1, got {tk!r}")
+            if self.blocks_per_tile != 1 or self.order != "ascending":
+                raise ValueError("tile_keys needs blocks_per_tile 1 and order 'ascending', "
+                                 f"got {self.blocks_per_tile} and {self.order!r}")
 
 
 EXACT = Schedule()
@@ -287,6 +304,9 @@ def _check_common(q, kv_cache, kv_fmt, block_table, seq_lens, topk, k_scale, v_s
         schedule = EXACT
     elif not isinstance(schedule, Schedule):
         raise ValueError(f"schedule must be a Schedule or None, got {type(schedule).__name__}")
+    if schedule.tile_keys is not None and page % schedule.tile_keys:
+        raise ValueError(f"tile_keys (of the schedule) must divide the page size P = "
+                         f"{page}, got {schedule.tile_keys}")
     if validate not in (True, False):
         raise ValueError(f"validate must be True or False, got {validate!r}")
     if validate:
@@ -484,9 +504,32 @@ def _normalise_selection(sel, last_block, order):
     return out[:, :kc]
 
 
+def _tiles_as_pages(cache, bt, tk, tile):
+    """``Schedule.tile_keys``: the cache as pages of ``tile`` keys (page n's tile i is page
+    ``n * P / tile + i``; a slot keeps its number ``page * P + key``, so per-slot scales
+    apply unchanged), and the block table and selections as ids of those tiles (negative
+    entries stay -1)."""
+    n, h, page, d2 = cache.shape
+    sub = page // tile
+    tiles = cache.reshape(n, h, sub, tile, d2).transpose(0, 2, 1, 3, 4)
+    i = np.arange(sub)
+
+    def spread(a):
+        a = np.asarray(a, np.int64)[..., None]
+        return np.where(a >= 0, a * sub + i, -1).reshape(*a.shape[:-2], -1)
+
+    return tiles.reshape(n * sub, h, tile, d2), spread(bt), spread(tk)
+
+
 def _attend(q, cache, fmt, bt, row_req, row_pos, seq, tk, ks, vs, scale, sched):
     t_rows, hq, d = q.shape
     _, hkv, page, _ = cache.shape
+    if sched.tile_keys is not None and sched.tile_keys < page:
+        sub = page // sched.tile_keys
+        bps = sched.blocks_per_split
+        cache, bt, tk = _tiles_as_pages(cache, bt, tk, sched.tile_keys)
+        sched = replace(sched, tile_keys=None, blocks_per_split=bps and bps * sub)
+        return _attend(q, cache, fmt, bt, row_req, row_pos, seq, tk, ks, vs, scale, sched)
     grp = hq // hkv
     out = np.zeros((t_rows, hq, d))
     lse = np.full((t_rows, hq), -np.inf)

@@ -119,6 +119,37 @@ def test_fnuz_subnormal_codes_match_reference(md):
     _passes(smallest_codes(x, 11), bps=2)
 
 
+@pytest.mark.parametrize("kv_fmt, rows, block_keys, scales", [
+    ("e4m3fn", 1, 16, "tensor"),
+    ("bfloat16", 2, 16, "none"),
+    ("e4m3fnuz", 3, 16, "tensor"),
+    ("e5m2fnuz", 1, 32, "slot"),
+])
+def test_key_tiles_match_reference_under_their_schedule(kv_fmt, rows, block_keys, scales):
+    """Online-softmax tiles of ``block_keys`` keys (the launch knob; P 64, splits of two
+    blocks, a padding request, last blocks cut anywhere, tiles past a row's position)
+    pass the oracle under the schedule they declare (``Schedule.tile_keys``); the
+    whole-block schedule rejects the same bf16 output (the declaration has teeth)."""
+    x = make_inputs(kv_fmt, scales=scales, hkv=2, group=4, d=64, page=64, rows=rows,
+                    seq_lens=(37, 150, 0, 9, 64, 65), k=3, seed=3)
+    run = functools.partial(ad.run, blocks_per_split=2, block_keys=block_keys)
+    tiled = replace(_impl(2), run=run, schedule=ad.DecodeSchedule(2, block_keys))
+    res = run_check(_case(x), tiled, inputs=x)
+    assert res.passed, res.summary()
+    if kv_fmt == "bfloat16":
+        assert not run_check(_case(x), replace(tiled, schedule=ad.DecodeSchedule(2)),
+                             inputs=x).passed
+
+
+@pytest.mark.parametrize("block_keys", [8, 48, 128])
+def test_block_keys_must_be_a_power_of_two_tile_of_the_page(block_keys):
+    """block_keys below 16, not a power of two, or past the page size (32) is refused with
+    a ValueError naming it."""
+    x = make_inputs("e4m3fn", scales="tensor", page=32, seq_lens=(40,), k=2)
+    with pytest.raises(ValueError, match="block_keys"):
+        ad.run(x, block_keys=block_keys)
+
+
 @pytest.mark.parametrize("group, rows, hkv, bps, kv_fmt", [
     (1, 1, 3, 1, "e4m3fn"),
     (1, 4, 1, 2, "bfloat16"),

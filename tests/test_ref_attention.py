@@ -237,10 +237,17 @@ def literal_attention(case, schedule=EXACT, softmax_scale=None):
             for c0 in range(0, len(blocks), bps):
                 chunk = blocks[c0:c0 + bps]
                 tiles = []
-                for t0 in range(0, len(chunk), s_.blocks_per_tile):
-                    keys = [j for b in chunk[t0:t0 + s_.blocks_per_tile]
-                            for j in range(b * page, (b + 1) * page)
-                            if j <= p and j < case.seq_lens[r]]
+                if s_.tile_keys is None:  # tiles of blocks_per_tile blocks
+                    spans = [[j for b in chunk[t0:t0 + s_.blocks_per_tile]
+                              for j in range(b * page, (b + 1) * page)]
+                             for t0 in range(0, len(chunk), s_.blocks_per_tile)]
+                else:  # each block's tiles of tile_keys keys, in key order
+                    spans = [list(range(j0, j0 + s_.tile_keys)) for b in chunk
+                             for j0 in range(b * page, (b + 1) * page, s_.tile_keys)]
+                for span in spans:
+                    keys = [j for j in span if j <= p and j < case.seq_lens[r]]
+                    if not keys:
+                        continue  # a tile past the row's position: nothing to attend
                     keys = np.array(keys, dtype=np.int64)
                     k = _dequant(case, r, g, keys, 0, s_.kv_dtype)
                     v = _dequant(case, r, g, keys, 1, s_.kv_dtype)
@@ -341,12 +348,15 @@ def schedules(draw):
         return draw(st.sampled_from([EXACT, exact("bfloat16"), vllm_schedule("bfloat16"),
                                      vllm_schedule("float16", blocks_per_split=2)]))
     dt = st.sampled_from(attn.ROUNDING_DTYPES)
+    tile_keys = draw(st.none() | st.sampled_from([1, 2, 4, 8, 16]))  # divides every P
     return Schedule(kv_dtype=draw(dt), p_dtype=draw(dt),
                     p_max=draw(st.sampled_from(["row", "running"])),
-                    blocks_per_tile=draw(st.integers(1, 3)),
+                    blocks_per_tile=1 if tile_keys else draw(st.integers(1, 3)),
                     blocks_per_split=draw(st.none() | st.integers(1, 4)),
                     partial_dtype=draw(dt), lse_dtype=draw(dt), out_dtype=draw(dt),
-                    order=draw(st.sampled_from(["ascending", "given"])))
+                    order="ascending" if tile_keys else draw(st.sampled_from(["ascending",
+                                                                              "given"])),
+                    tile_keys=tile_keys)
 
 
 @st.composite
@@ -662,6 +672,20 @@ def test_running_max_with_one_tile_equals_row_max():
     assert_close(case.call(schedule=narrow), literal_attention(case, narrow)[0])
 
 
+def test_tiles_of_keys_follow_the_literal_loop_and_a_whole_block_tile_is_the_block():
+    """tile_keys = P is the one-block tile; smaller tiles round P against the running max
+    of each key tile (the literal loop over blocks' key tiles), which moves results of a
+    bf16-P schedule (not a vacuous knob), per-slot scales and split-K included."""
+    case = make_case(26, topk=5, max_blocks=5, n_req=2, page=32, scales="slot")
+    block = Schedule(p_dtype="bfloat16", p_max="running", blocks_per_split=2)
+    assert np.array_equal(case.call(schedule=replace(block, tile_keys=32)),
+                          case.call(schedule=block))
+    tiles = replace(block, tile_keys=8)
+    got = case.call(schedule=tiles)
+    assert_close(got, literal_attention(case, tiles)[0])
+    assert not np.array_equal(got, case.call(schedule=block))
+
+
 def test_act_dequantisation_is_exact_for_power_of_two_scales_only():
     """vLLM's K/V path (act(f32(act(code) * f32(scale)))) adds nothing for a scalar
     power-of-two scale (exact multiply) but changes results with random per-slot scales
@@ -741,6 +765,10 @@ def _bad_calls():
     yield "blocks_per_split", lambda: Schedule(blocks_per_split=0)
     yield "blocks_per_tile", lambda: Schedule(blocks_per_tile=0)
     yield "order", lambda: Schedule(order="descending")
+    yield "tile_keys", lambda: Schedule(tile_keys=0)
+    yield "tile_keys", lambda: Schedule(tile_keys=8, order="given")
+    yield "tile_keys", lambda: Schedule(tile_keys=8, blocks_per_tile=2)
+    yield "tile_keys", lambda: case.call(schedule=Schedule(tile_keys=3 * case.page // 4))
     yield "act", lambda: vllm_schedule("float32")
 
 
