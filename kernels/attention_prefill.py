@@ -278,13 +278,15 @@ def _prefill_kernel(
         BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
         KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
-        TIER: tl.constexpr = 0, WIDE_T: tl.constexpr = 1):
+        TIER: tl.constexpr = 0, WIDE_T: tl.constexpr = 1, BN: tl.constexpr = 0):
     """TIER (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the
     tiles ``_tier_kernel`` marked at ``tier_ptr`` (one int32 per program) to 2, the narrow
     pass (``BLOCK_T`` tokens nested in the wide pass's ``WIDE_T``), which takes only the
     tokens of those tiles."""
     NONE: tl.constexpr = NONE_ENTRY
     ROWS: tl.constexpr = BLOCK_T * G_P
+    TILE: tl.constexpr = P if BN == 0 else BN  # keys per online-softmax tile
+    SUB: tl.constexpr = P // TILE  # tiles per block, in key order
     tile = tl.program_id(0)
     g64 = tl.program_id(1).to(tl.int64)
     r64, cu0, qlen, local = _tile_request(tile, cu_ptr, cu_s0, num_reqs, search_steps,
@@ -333,14 +335,17 @@ def _prefill_kernel(
         m_i = tl.full((ROWS,), float("-inf"), tl.float32)
         l_i = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, D), tl.float32)
-        jj = tl.arange(0, P)
+        jj = tl.arange(0, TILE)
         logit_scale = qk_scale
         if FP8 and SCALAR:  # the scales outside the products (_attention.scales_outside)
             logit_scale = qk_scale * tl.load(ks_ptr)
         q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR)
         cur = tile * 0 - 1
-        for _ in range(n_union):
-            blk = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
+        blk = cur
+        for it in range(n_union * SUB):
+            off = (it % SUB) * TILE  # the tile's first key in its block
+            nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
+            blk = tl.where(off == 0, nxt, blk)  # the next union block at a block's first tile
             cur = blk
             takes = tl.max((es == blk).to(tl.int32), axis=1)  # [BLOCK_T]: 1 if selected
             m_takes = tl.reshape(tl.broadcast_to(takes[:, None], (BLOCK_T, G_P)), (ROWS,)) > 0
@@ -349,11 +354,11 @@ def _prefill_kernel(
             page = tl.load(bt_ptr + r64 * bt_s0 + blk64 * bt_s1).to(tl.int64)
             page_ok = (page >= 0) & (page < num_pages)
             pg = tl.where(page_ok, page, 0)
-            key = blk * P + jj
+            key = blk * P + off + jj
             kmask = (key <= lim) & page_ok
-            src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + jj[:, None].to(tl.int64) * kv_s2
+            src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + (off + jj)[:, None].to(tl.int64) * kv_s2
                    + dd[None, :])
-            k, v = kv_tiles(src, pg * P + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0,
+            k, v = kv_tiles(src, pg * P + off + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0,
                             vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
             # [ROWS, P], fp32 accumulation
             s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
@@ -362,7 +367,7 @@ def _prefill_kernel(
                 # One token takes every union block and sees all of a block below its own:
                 # the mask is built only for its own block (or a bad page), in a uniform
                 # branch (as the decode's one-row programs).
-                if (blk * P + P - 1 <= lim) & page_ok:
+                if (blk * P + off + TILE - 1 <= lim) & page_ok:
                     s2 = s_sc
                 else:
                     s2 = tl.where((key[None, :] <= m_pos[:, None]) & kmask[None, :], s_sc,
@@ -379,7 +384,7 @@ def _prefill_kernel(
             pv = tl.dot(p_act, v)
             if REPAIR and BLOCK_T > 1:
                 # Rows that do not all see the loaded keys: guard non-finite V (docstring).
-                last = tl.minimum(lim, blk64 * P + P - 1)
+                last = tl.minimum(lim, blk64 * P + off + TILE - 1)
                 short = tl.sum((t_ok & ((takes == 0) | (t_pos32 < last))).to(tl.int32),
                                axis=0)
                 if short > 0:
@@ -409,15 +414,22 @@ INTERPRETED = is_interpreted(_prefill_kernel)
 @dataclass(frozen=True)
 class PrefillSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
-    calls ``schedule_for(impl, model_dtype, case)``); see the module docstring."""
+    calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
+    ``block_keys``: the launch knob's tiles (``Schedule.tile_keys``; None or the page size:
+    whole blocks)."""
+
+    block_keys: int | None = None
 
     def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
 
         kv, p_dtype, q_dtype = operand_dtypes(model_dtype, case)
+        tile = self.block_keys
+        if tile is not None and case is not None and tile >= case["kv_cache"].shape[2]:
+            tile = None
         return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=None, out_dtype=model_dtype,
-                        order="ascending", q_dtype=q_dtype)
+                        order="ascending", q_dtype=q_dtype, tile_keys=tile)
 
 
 SCHEDULE = PrefillSchedule()
@@ -504,8 +516,9 @@ def _block_t(block_rows, g_p: int) -> int:
 
 def _num_stages(page: int, d: int, fp8: bool) -> int:
     """The deepest software pipeline tried by default: the K and V tiles of one block
-    (``2 P D`` codes) per stage must leave shared memory for the dequantised operands and
-    q (3 stages up to 32 KiB per stage, 2 up to 64 KiB, else 1). The launcher lowers it
+    (``2 P D`` codes, P here the keys of one tile: ``block_keys``) per stage must leave
+    shared memory for the dequantised operands and q (3 stages up to 32 KiB per stage, 2
+    up to 64 KiB, else 1). The launcher lowers it
     until the compiled kernel fits (``fitting_stages``): with D = 256, P = 64, a 16-bit
     cache and 16 heads per group, 2 stages asked for 240 KiB of the H200's 227."""
     per_stage = 2 * page * d * (1 if fp8 else 2)
@@ -516,7 +529,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                              validate=False, block_rows=None, num_warps=None,
                              num_stages=None, delegate_ratio=None, narrow_warps=None,
-                             narrow_stages=None):
+                             narrow_stages=None, block_keys=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -541,7 +554,12 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     value: every tile with a selection in the narrow tier). The narrow tier runs
     ``NARROW_ROWS`` rows per program when they are fewer than the wide tier's, with
     narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
-    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits)."""
+    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits).
+    block_keys: keys per online-softmax tile in both tiers, a power of two dividing P,
+    >= 16 (default P: one tile per block; declared as ``Schedule.tile_keys`` through
+    ``PrefillSchedule(block_keys=...)``); smaller tiles take less shared memory per
+    pipeline stage and fewer registers (the default stage depth follows the tile's bytes):
+    not yet timed on the H200."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
@@ -561,13 +579,17 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         narrow["num_warps"] = check_int(narrow_warps, "narrow_warps", 1, 16)
     if narrow_stages is not None:
         narrow["num_stages"] = check_int(narrow_stages, "narrow_stages", 1, 8)
+    bn = p.page if block_keys is None else check_int(block_keys, "block_keys", 16, p.page)
+    if p.page % bn or bn & (bn - 1):
+        raise ValueError(f"block_keys must be a power of two dividing the page size "
+                         f"{p.page}, got {bn}")
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
     const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
                  FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
-                 ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED))
+                 ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), BN=bn)
     tier = None
     if tiers:
         tier = _program_slots(p, block_t, q.device)
@@ -623,7 +645,7 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     if fit_stages:  # the guess, lowered until both passes fit shared memory
         const["num_stages"] = min(
             fitting_stages(_prefill_kernel, args, {**const, "REPAIR": r}, q.device,
-                           deepest=_num_stages(p.page, p.d, p.fp8)) for r in passes)
+                           deepest=_num_stages(const["BN"], p.d, p.fp8)) for r in passes)
     # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
     # their rows must not see are flagged by the first and recomputed by the second.
     for repair in passes:
@@ -655,7 +677,7 @@ def compile_signatures():
         const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
                      KP=topk_width(k), FP8=cache == "u8", FMT=fmt, HW=hw,
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, REPAIR=i % 3 == 1,
-                     TIER=i % 3, WIDE_T=_block_t(None, g_p))
+                     TIER=i % 3, WIDE_T=_block_t(None, g_p), BN=page // 2 if i == 1 else 0)
         if const["TIER"] == 2:
             const["BLOCK_T"] = _block_t(NARROW_ROWS, g_p)
         sig.update(dict.fromkeys(const, "constexpr"))

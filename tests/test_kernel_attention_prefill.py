@@ -285,6 +285,40 @@ def test_either_tier_alone_matches_reference(kv_fmt, group, ratio):
     _passes(x, delegate_ratio=ratio)
 
 
+@pytest.mark.parametrize("ratio", [0, ALL_NARROW])
+@pytest.mark.parametrize("kv_fmt, group, block_keys, scales", [
+    ("e4m3fn", 2, 16, "tensor"),
+    ("bfloat16", 16, 32, "none"),
+    ("e5m2fnuz", 3, 16, "slot"),
+])
+def test_key_tiles_match_reference_under_their_schedule(kv_fmt, group, block_keys, scales,
+                                                        ratio):
+    """Online-softmax tiles of ``block_keys`` keys (the launch knob, P 64) in either tier
+    alone: a ragged batch (prefixes cut anywhere, tiles past a token's position) passes the
+    oracle under the schedule it declares (``Schedule.tile_keys``), and the whole-block
+    schedule rejects the bf16 output (the declaration has teeth)."""
+    x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, scales, hkv=2, group=group, page=64,
+                    seq_lens=(61, 150, 200), qlens=(19, 3, 37), k=3, seed=group + ratio % 7)
+    run = functools.partial(ap.run, delegate_ratio=ratio, block_keys=block_keys)
+    (impl,) = implementations("attention_prefill", ["triton"])
+    tiled = replace(impl, run=run, schedule=ap.PrefillSchedule(block_keys))
+    res = run_check(_case(x), tiled, inputs=x)
+    assert res.passed, res.summary()
+    if kv_fmt == "bfloat16":
+        assert not run_check(_case(x), replace(tiled, schedule=ap.PrefillSchedule()),
+                             inputs=x).passed
+
+
+@pytest.mark.parametrize("block_keys", [8, 48, 128])
+def test_block_keys_must_be_a_power_of_two_tile_of_the_page(block_keys):
+    """block_keys below 16, not a power of two, or past the page size (32) is refused with
+    a ValueError naming it."""
+    x = make_inputs("e4m3fn", "bfloat16", scales="tensor", page=32, seq_lens=(40,),
+                    qlens=(5,), k=2)
+    with pytest.raises(ValueError, match="block_keys"):
+        ap.run(x, block_keys=block_keys)
+
+
 def _mixed_tiles_case(cache="e4m3fn"):
     """32 new tokens (positions 288..319, blocks 18 and 19) in two wide tiles of 16 tokens
     (block_rows 32 at G 2): the first tile's tokens all select blocks {0, 18} (U = 2, 32
