@@ -594,7 +594,10 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     pipeline stage and fewer registers (sm_90, model shape, e4m3fn, 3 stages: 128 keys
     193 registers and 104 KiB, two programs per SM; 64 keys 134 and 54 KiB, three; 32
     keys 96 and 29 KiB, five), at more instructions per block (loop SASS per block 791,
-    964, 1,324): not yet timed on the H200.
+    964, 1,324). H200, batch 64, e4m3fn (session 26,
+    ``reports/bench_attention_decode_block_keys.md``): 50.0 / 65.4 / 74.3 us for 128 / 64
+    / 32 keys: the extra programs per SM do not pay for the per-tile work, so the
+    default stays whole blocks.
     ``trace``: a diagnostic (``kernels._trace``, compiled only): an int64 buffer ``[>= B *
     Hkv * splits, TRACE_SLOTS]``; program (r, g, c) of the first pass writes row (r * Hkv +
     g) * splits + c: its SM, then the timer at its start, after its block loop and at its

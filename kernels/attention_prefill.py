@@ -558,8 +558,10 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     block_keys: keys per online-softmax tile in both tiers, a power of two dividing P,
     >= 16 (default P: one tile per block; declared as ``Schedule.tile_keys`` through
     ``PrefillSchedule(block_keys=...)``); smaller tiles take less shared memory per
-    pipeline stage and fewer registers (the default stage depth follows the tile's bytes):
-    not yet timed on the H200."""
+    pipeline stage and fewer registers (the default stage depth follows the tile's bytes).
+    H200, model shape, random selections, e4m3fn (session 26,
+    ``reports/bench_attention_prefill_block_keys.md``): 4.73 ms with whole blocks, 5.41
+    with 64-key tiles: the default stays whole blocks."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
