@@ -21,6 +21,7 @@ from kernels._host import (
     HEAD_DIMS,
     MODEL_DTYPES,
     SLOT_DTYPES,
+    check_int,
     check_kv_cache,
     check_kv_fmt,
     check_last_dim_contiguous,
@@ -218,6 +219,26 @@ def guarded_pv(p_act, v, vis, bad):
 
 
 # ------------------------------------------------------------------ host content checks
+
+
+def check_block_keys(block_keys, page: int) -> int:
+    """The keys per online-softmax tile of a ``block_keys`` launch knob (None: the page
+    size P, whole blocks): a divisor of P (a power of two, so the tile is one too), at
+    least 16 (``tl.dot``'s smallest side)."""
+    if block_keys is None:
+        return page
+    bn = check_int(block_keys, "block_keys", 16, page)
+    if page % bn:
+        fail("block_keys", f"must divide the page size {page}, got {bn}")
+    return bn
+
+
+def declared_tile_keys(block_keys, case: dict | None):
+    """``Schedule.tile_keys`` of a launch with ``block_keys`` on a case's inputs: None for
+    whole blocks (None, or at least the case's page size)."""
+    if block_keys is not None and case is not None and block_keys >= case["kv_cache"].shape[2]:
+        return None
+    return block_keys
 
 
 def validate_block_table(block_table, seq_lens, page: int, num_pages: int) -> None:

@@ -119,10 +119,12 @@ from kernels._attention import (
     MAX_CONTEXT,
     MAX_TOPK,
     adapter_tensors,
+    check_block_keys,
     check_index_tensor,
     check_q_and_cache,
     check_scales_and_out,
     check_table_and_selections,
+    declared_tile_keys,
     kv_tiles,
     not_finite,
     operand_dtypes,
@@ -479,13 +481,11 @@ class DecodeSchedule:
         if bps is None:
             bps = BLOCKS_PER_SPLIT if case is None else auto_blocks_per_split(
                 len(case["seq_lens"]), case["kv_cache"].shape[1], case["topk"].shape[-1])
-        tile = self.block_keys
-        if tile is not None and case is not None and tile >= case["kv_cache"].shape[2]:
-            tile = None
         return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=bps,
                         partial_dtype="float32", lse_dtype="float32", out_dtype=model_dtype,
-                        order="ascending", q_dtype=q_dtype, tile_keys=tile)
+                        order="ascending", q_dtype=q_dtype,
+                        tile_keys=declared_tile_keys(self.block_keys, case))
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -631,10 +631,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                            dev)
     rows_p = triton.next_power_of_2(p.rows)
     g_p = triton.next_power_of_2(grp)
-    bn = p.page if block_keys is None else check_int(block_keys, "block_keys", 16, p.page)
-    if p.page % bn or bn & (bn - 1):
-        raise ValueError(f"block_keys must be a power of two dividing the page size "
-                         f"{p.page}, got {bn}")
+    bn = check_block_keys(block_keys, p.page)
     tuned = (num_warps, num_stages, max_registers, block_keys) != (None,) * 4
     auto = {} if tuned else launch_defaults(p.rows, p.d, p.batch, p.hkv, p.topk_k,
                                             fixed_split=blocks_per_split is not None)

@@ -121,10 +121,12 @@ import torch
 from kernels._attention import (
     MAX_CONTEXT,
     adapter_tensors,
+    check_block_keys,
     check_index_tensor,
     check_q_and_cache,
     check_scales_and_out,
     check_table_and_selections,
+    declared_tile_keys,
     kv_tiles,
     not_finite,
     operand_dtypes,
@@ -424,12 +426,10 @@ class PrefillSchedule:
         from reference.attention import Schedule
 
         kv, p_dtype, q_dtype = operand_dtypes(model_dtype, case)
-        tile = self.block_keys
-        if tile is not None and case is not None and tile >= case["kv_cache"].shape[2]:
-            tile = None
         return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=None, out_dtype=model_dtype,
-                        order="ascending", q_dtype=q_dtype, tile_keys=tile)
+                        order="ascending", q_dtype=q_dtype,
+                        tile_keys=declared_tile_keys(self.block_keys, case))
 
 
 SCHEDULE = PrefillSchedule()
@@ -581,10 +581,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         narrow["num_warps"] = check_int(narrow_warps, "narrow_warps", 1, 16)
     if narrow_stages is not None:
         narrow["num_stages"] = check_int(narrow_stages, "narrow_stages", 1, 8)
-    bn = p.page if block_keys is None else check_int(block_keys, "block_keys", 16, p.page)
-    if p.page % bn or bn & (bn - 1):
-        raise ValueError(f"block_keys must be a power of two dividing the page size "
-                         f"{p.page}, got {bn}")
+    bn = check_block_keys(block_keys, p.page)
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
     const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,

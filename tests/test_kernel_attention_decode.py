@@ -143,9 +143,9 @@ def test_key_tiles_match_reference_under_their_schedule(kv_fmt, rows, block_keys
 
 @pytest.mark.parametrize("block_keys", [8, 48, 128])
 def test_block_keys_must_be_a_power_of_two_tile_of_the_page(block_keys):
-    """block_keys below 16, not a power of two, or past the page size (32) is refused with
-    a ValueError naming it."""
-    x = make_inputs("e4m3fn", scales="tensor", page=32, seq_lens=(40,), k=2)
+    """block_keys below 16, not dividing the page size (64), or past it is refused with a
+    ValueError naming it."""
+    x = make_inputs("e4m3fn", scales="tensor", page=64, seq_lens=(70,), k=2)
     with pytest.raises(ValueError, match="block_keys"):
         ad.run(x, block_keys=block_keys)
 
