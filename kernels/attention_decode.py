@@ -328,7 +328,7 @@ def _decode_split_kernel(
                + dd[None, :])
         k, v = kv_tiles(src, pg * P + off + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
                         g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
-        # [BLOCK_M, P], fp32 accumulation
+        # [BLOCK_M, BN], fp32 accumulation
         s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
         vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
         s2 = tl.where(vis, s * row_scale[:, None], float("-inf"))

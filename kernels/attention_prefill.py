@@ -362,7 +362,7 @@ def _prefill_kernel(
                    + dd[None, :])
             k, v = kv_tiles(src, pg * P + off + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0,
                             vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
-            # [ROWS, P], fp32 accumulation
+            # [ROWS, TILE], fp32 accumulation
             s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
             s_sc = s * row_scale[:, None]
             if BLOCK_T == 1:
