@@ -15,7 +15,8 @@ the benchmark's cache names (bench_*.CACHES). ``--knobs``: the launcher's tuning
 torch.profiler over N more, each GPU kernel's time per call, longest first: where a
 multi-kernel launcher (a host plan, passes, a merge) spends its time.
 
-``--timeline N`` (indexer, attention_decode): no ncu; N traced calls (``kernels._trace``:
+``--timeline N`` (indexer, attention_decode; with ``--hot-pages N`` the decode attention's
+blocks come from L2, as in its benchmark): no ncu; N traced calls (``kernels._trace``:
 each program's SM and its start, scan-end and end times), after one traced warm-up call,
 summarised per call: when programs start and finish, how long their scans take, how much
 of the launch the SMs hold a program.
@@ -37,9 +38,12 @@ from benchmarks import harness  # noqa: E402
 BENCHES = ("insert", "indexer", "attention_decode", "attention_prefill")
 
 
-def call(bench: str, cache: str, impl: str, knobs: dict, ragged: bool = False):
+def call(bench: str, cache: str, impl: str, knobs: dict, ragged: bool = False,
+         hot_pages: int = 0):
     """The benchmark's zero-argument kernel call on its first input set (``ragged``: the
-    index decode's ragged contexts, ``bench_indexer --ragged``)."""
+    index decode's ragged contexts, ``bench_indexer --ragged``; ``hot_pages``: the decode
+    attention's block tables folded onto that many pages, ``bench_attention_decode
+    --hot-pages``)."""
     if bench == "insert":
         from benchmarks import bench_insert as bi
         from benchmarks.tune_insert import launcher
@@ -57,7 +61,8 @@ def call(bench: str, cache: str, impl: str, knobs: dict, ragged: bool = False):
         from benchmarks import bench_attention_decode as bad
 
         fmt = bad.CACHES[cache]
-        return bad.triton_decode(fmt, knobs)(bad.make_set(bad.TARGET_BATCH, fmt, seed=0))
+        return bad.triton_decode(fmt, knobs)(bad.make_set(bad.TARGET_BATCH, fmt, seed=0,
+                                                          hot_pages=hot_pages))
     from benchmarks import bench_attention_prefill as bap
 
     fmt = bap.CACHES[cache]
@@ -96,14 +101,15 @@ TIMELINE_VIEWS = {"indexer": [("the set-up (ready: the program knows its key blo
                                                        "end"), (1, 2, 4, 5, 3))]}
 
 
-def timeline(bench: str, cache: str, knobs: dict, calls: int, ragged: bool = False) -> str:
+def timeline(bench: str, cache: str, knobs: dict, calls: int, ragged: bool = False,
+             hot_pages: int = 0) -> str:
     """The summaries of ``calls`` traced launches (module docstring)."""
     from kernels._trace import persistence, summary, trace_buffer
 
     if bench not in TIMELINE_BENCHES:
         raise SystemExit(f"--timeline supports {sorted(TIMELINE_BENCHES)}, not {bench}")
     buf = trace_buffer(1 << 16, torch.device("cuda"))
-    traced = call(bench, cache, "triton", {**knobs, "trace": buf}, ragged)
+    traced = call(bench, cache, "triton", {**knobs, "trace": buf}, ragged, hot_pages)
     traced()  # compiles; one set of inputs, as every other mode here
     out, runs = [], []
     for i in range(calls):
@@ -133,13 +139,19 @@ def main(argv=None) -> int:
                          "attention_decode)")
     ap.add_argument("--ragged", action="store_true",
                     help="indexer only: ragged contexts (bench_indexer --ragged)")
+    ap.add_argument("--hot-pages", type=int, default=0, metavar="N",
+                    help="attention_decode only: block tables folded onto N pages, the "
+                         "blocks read from L2 (bench_attention_decode --hot-pages)")
     args = ap.parse_args(argv)
     if args.ragged and args.bench != "indexer":
         ap.error("--ragged applies to --bench indexer only")
+    if args.hot_pages and args.bench != "attention_decode":
+        ap.error("--hot-pages applies to --bench attention_decode only")
     if args.timeline:
-        print(timeline(args.bench, args.cache, args.knobs, args.timeline, args.ragged))
+        print(timeline(args.bench, args.cache, args.knobs, args.timeline, args.ragged,
+                       args.hot_pages))
         return 0
-    fn = call(args.bench, args.cache, args.impl, args.knobs, args.ragged)
+    fn = call(args.bench, args.cache, args.impl, args.knobs, args.ragged, args.hot_pages)
     if args.kernel_times:
         print(kernel_times(fn, args.kernel_times))
         return 0

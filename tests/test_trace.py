@@ -96,6 +96,16 @@ def test_profile_launch_ragged_is_for_the_indexer_only(capsys):
     assert e.value.code == 2 and "--ragged" in capsys.readouterr().err
 
 
+def test_profile_launch_hot_pages_is_for_the_decode_attention_only(capsys):
+    """``--hot-pages`` (the decode attention's L2-resident blocks) with another benchmark is
+    a usage error naming the flag, before anything runs on a GPU."""
+    from benchmarks.profile_launch import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--bench", "indexer", "--hot-pages", "64", "--timeline", "1"])
+    assert e.value.code == 2 and "--hot-pages" in capsys.readouterr().err
+
+
 def test_summary_of_nothing_stamped():
     """A buffer no program wrote says so instead of dividing by zero."""
     assert summary(np.zeros((4, TRACE_SLOTS), np.int64), ("a", "b", "c")) == \
@@ -186,16 +196,18 @@ def test_traced_decode_attention_stamps_every_program_in_order(cache):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bench", ["indexer", "attention_decode"])
-def test_profile_launch_timeline_summarises_a_model_shape_launch(bench):
-    """profile_launch --timeline's text for two traced model-shape calls: the whole grid
-    stamped (the index decode's one wave, the decode's B x Hkv x splits programs), the
-    quantile table, the SM busy line, and the end-time persistence line with two
-    correlations in [-1, 1] (real traces: ties, SMs with one program)."""
+@pytest.mark.parametrize("bench, hot_pages", [("indexer", 0), ("attention_decode", 0),
+                                             ("attention_decode", 64)])
+def test_profile_launch_timeline_summarises_a_model_shape_launch(bench, hot_pages):
+    """profile_launch --timeline's text for two traced model-shape calls (the decode also
+    with its blocks folded onto 64 pages, ``--hot-pages``): the whole grid stamped (the
+    index decode's one wave, the decode's B x Hkv x splits programs), the quantile table,
+    the SM busy line, and the end-time persistence line with two correlations in [-1, 1]
+    (real traces: ties, SMs with one program)."""
     from benchmarks.profile_launch import timeline
 
     cache = "e4m3" if bench == "indexer" else "e4m3fn"
-    text = timeline(bench, cache, {}, 2)
+    text = timeline(bench, cache, {}, 2, hot_pages=hot_pages)
     head = text.splitlines()[1]
     assert head.split(" programs on ")[0].isdigit() and int(head.split()[0]) >= 256, text
     assert "| start |" in text and "| end |" in text and "SM busy" in text
