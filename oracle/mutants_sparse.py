@@ -54,7 +54,7 @@ register(Mutant(
     "a per-(head, slot) scale lookup indexed by the token's position in its sequence "
     "instead of page * P + offset; correct only while the block table is the identity",
     patch("kernels.attention_prefill",
-          ("            k, v = kv_tiles(src, pg * P + jj, kmask,",
+          ("            k, v = kv_tiles(src, pg * P + off + jj, kmask,",
            "            k, v = kv_tiles(src, key, kmask,"))))
 
 
