@@ -133,7 +133,8 @@ def _round_to(x, dtype):
 
 def attention_chunk_fp32(q, k, v, rank, sched, arith, sigma, bg, mma=False):
     """One split chunk of one row, all heads of the group, as an online-softmax fp32 kernel
-    with tiles of ``blocks_per_tile`` blocks (or one tile: ``p_max="row"``), exp2 with the
+    with tiles of ``blocks_per_tile`` ranks (blocks; key tiles with ``Schedule.tile_keys``,
+    whose ranks ``_row_keys`` gives) (or one tile: ``p_max="row"``), exp2 with the
     scale folded in, P rounded from the kernel's own fp32 value. ``mma``: both products as
     tensor cores compute them (``tensor_core_sum`` of exact products; K, V and P must be
     16-bit values), else IEEE fp32 in a random order. Returns the fp32 partial output
