@@ -515,8 +515,9 @@ def _tiles_as_pages(cache, bt, tk, tile):
     i = np.arange(sub)
 
     def spread(a):
-        a = np.asarray(a, np.int64)[..., None]
-        return np.where(a >= 0, a * sub + i, -1).reshape(*a.shape[:-2], -1)
+        a = np.asarray(a, np.int64)
+        return np.where(a[..., None] >= 0, a[..., None] * sub + i, -1).reshape(
+            *a.shape[:-1], a.shape[-1] * sub)  # explicit: -1 fails on empty arrays
 
     return tiles.reshape(n * sub, h, tile, d2), spread(bt), spread(tk)
 

@@ -686,6 +686,17 @@ def test_tiles_of_keys_follow_the_literal_loop_and_a_whole_block_tile_is_the_blo
     assert not np.array_equal(got, case.call(schedule=block))
 
 
+def test_key_tiles_with_no_query_tokens_give_an_empty_output():
+    """A batch of no new tokens (hypothesis's find: an empty topk) under tile_keys: an
+    empty output, not a reshape error."""
+    cache = np.full((3, 1, 16, 4), 127, np.uint8)
+    out = attn.sparse_attention_prefill(
+        np.zeros((0, 1, 2)), cache, "e4m3fn", np.array([[2, 0]], np.int32),
+        np.array([0, 0], np.int32), np.array([1]), np.zeros((1, 0, 1), np.int32),
+        schedule=Schedule(tile_keys=4))
+    assert out.shape == (0, 1, 2)
+
+
 def test_act_dequantisation_is_exact_for_power_of_two_scales_only():
     """vLLM's K/V path (act(f32(act(code) * f32(scale)))) adds nothing for a scalar
     power-of-two scale (exact multiply) but changes results with random per-slot scales
