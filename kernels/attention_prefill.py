@@ -280,15 +280,14 @@ def _prefill_kernel(
         BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
         KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
-        TIER: tl.constexpr = 0, WIDE_T: tl.constexpr = 1, BN: tl.constexpr = 0):
+        BN: tl.constexpr, TIER: tl.constexpr = 0, WIDE_T: tl.constexpr = 1):
     """TIER (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the
     tiles ``_tier_kernel`` marked at ``tier_ptr`` (one int32 per program) to 2, the narrow
     pass (``BLOCK_T`` tokens nested in the wide pass's ``WIDE_T``), which takes only the
     tokens of those tiles."""
     NONE: tl.constexpr = NONE_ENTRY
     ROWS: tl.constexpr = BLOCK_T * G_P
-    TILE: tl.constexpr = P if BN == 0 else BN  # keys per online-softmax tile
-    SUB: tl.constexpr = P // TILE  # tiles per block, in key order
+    SUB: tl.constexpr = P // BN  # online-softmax tiles of BN keys per block, in key order
     tile = tl.program_id(0)
     g64 = tl.program_id(1).to(tl.int64)
     r64, cu0, qlen, local = _tile_request(tile, cu_ptr, cu_s0, num_reqs, search_steps,
@@ -337,7 +336,7 @@ def _prefill_kernel(
         m_i = tl.full((ROWS,), float("-inf"), tl.float32)
         l_i = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, D), tl.float32)
-        jj = tl.arange(0, TILE)
+        jj = tl.arange(0, BN)
         logit_scale = qk_scale
         if FP8 and SCALAR:  # the scales outside the products (_attention.scales_outside)
             logit_scale = qk_scale * tl.load(ks_ptr)
@@ -345,7 +344,7 @@ def _prefill_kernel(
         cur = tile * 0 - 1
         blk = cur
         for it in range(n_union * SUB):
-            off = (it % SUB) * TILE  # the tile's first key in its block
+            off = (it % SUB) * BN  # the tile's first key in its block
             nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
             blk = tl.where(off == 0, nxt, blk)  # the next union block at a block's first tile
             cur = blk
@@ -362,14 +361,14 @@ def _prefill_kernel(
                    + dd[None, :])
             k, v = kv_tiles(src, pg * P + off + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0,
                             vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
-            # [ROWS, TILE], fp32 accumulation
+            # [ROWS, BN], fp32 accumulation
             s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
             s_sc = s * row_scale[:, None]
             if BLOCK_T == 1:
                 # One token takes every union block and sees all of a block below its own:
                 # the mask is built only for its own block (or a bad page), in a uniform
                 # branch (as the decode's one-row programs).
-                if (blk * P + off + TILE - 1 <= lim) & page_ok:
+                if (blk * P + off + BN - 1 <= lim) & page_ok:
                     s2 = s_sc
                 else:
                     s2 = tl.where((key[None, :] <= m_pos[:, None]) & kmask[None, :], s_sc,
@@ -386,7 +385,7 @@ def _prefill_kernel(
             pv = tl.dot(p_act, v)
             if REPAIR and BLOCK_T > 1:
                 # Rows that do not all see the loaded keys: guard non-finite V (docstring).
-                last = tl.minimum(lim, blk64 * P + off + TILE - 1)
+                last = tl.minimum(lim, blk64 * P + off + BN - 1)
                 short = tl.sum((t_ok & ((takes == 0) | (t_pos32 < last))).to(tl.int32),
                                axis=0)
                 if short > 0:
@@ -676,7 +675,7 @@ def compile_signatures():
         const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
                      KP=topk_width(k), FP8=cache == "u8", FMT=fmt, HW=hw,
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, REPAIR=i % 3 == 1,
-                     TIER=i % 3, WIDE_T=_block_t(None, g_p), BN=page // 2 if i == 1 else 0)
+                     TIER=i % 3, WIDE_T=_block_t(None, g_p), BN=page // 2 if i == 1 else page)
         if const["TIER"] == 2:
             const["BLOCK_T"] = _block_t(NARROW_ROWS, g_p)
         sig.update(dict.fromkeys(const, "constexpr"))
