@@ -98,33 +98,6 @@ def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
     return k, v
 
 
-@triton.jit
-def prefetch_block_l2(kv_ptr, page, g64, kv_s0, kv_s1, kv_s2, ok, P: tl.constexpr,
-                      LINES: tl.constexpr):
-    """Ask L2 for one KV head's block of a page (``P`` token rows of ``LINES`` 128-byte
-    lines each, K and V together) with ``prefetch.global.L2``, where ``ok`` (and the page
-    is not -1): no register receives the bytes, so the loop does not wait for them; the
-    later pipelined load then finds them in L2. Compiled only (inline assembly): the
-    launchers never set it interpreted. A page of -1 (a bad block-table entry) asks for
-    nothing, so a prefetch never touches an address a load would not."""
-    tt = tl.arange(0, P)
-    ll = tl.arange(0, LINES)
-    per_line: tl.constexpr = 128 // (kv_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    go = ok & (page >= 0)
-    pg = tl.where(go, page, 0).to(tl.int64)
-    ptr = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + tt[:, None].to(tl.int64) * kv_s2
-           + (ll * per_line)[None, :])
-    flag = tl.full((P, LINES), 0, tl.int32) + go.to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, flag], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def l2_lines(d: int, elem_bytes: int) -> int:
-    """128-byte lines of one token's K and V (``2 * D`` elements), at least 1."""
-    return max(1, 2 * d * elem_bytes // 128)
-
-
 #: The narrowest padded top-k width (``KP``) the attention kernels compile.
 MIN_TOPK_WIDTH = 16
 

@@ -126,10 +126,8 @@ from kernels._attention import (
     check_table_and_selections,
     declared_tile_keys,
     kv_tiles,
-    l2_lines,
     not_finite,
     operand_dtypes,
-    prefetch_block_l2,
     q_operand,
     repair_pv,
     topk_width,
@@ -220,7 +218,7 @@ def _decode_split_kernel(
         NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, DIRECT: tl.constexpr,
         REPAIR: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr, TRACE: tl.constexpr = False,
-        PDL: tl.constexpr = False, L2A: tl.constexpr = 0, L2L: tl.constexpr = 1):
+        PDL: tl.constexpr = False):
     await_previous_kernel(PDL)
     r64 = tl.program_id(0).to(tl.int64)
     g64 = tl.program_id(1).to(tl.int64)
@@ -322,9 +320,6 @@ def _decode_split_kernel(
         lim = seq32 - ROWS + hi  # the last key any taking row sees (the highest row's position)
         blk64 = blk.to(tl.int64)
         page = tl.max(tl.where(u_rank == ub, u_page, -1), axis=0)  # -1: a bad entry
-        if L2A > 0:  # the union block L2A steps ahead into L2 (the ``l2_ahead`` knob)
-            ahead = tl.max(tl.where(u_rank == ub + L2A, u_page, -1), axis=0)
-            prefetch_block_l2(kv_ptr, ahead, g64, kv_s0, kv_s1, kv_s2, off == 0, P, L2L)
         page_ok = page >= 0
         pg = tl.where(page_ok, page, 0).to(tl.int64)
         key = blk * P + off + jj
@@ -565,8 +560,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                             k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                             blocks_per_split=None, validate=False,
                             num_warps=None, num_stages=None, max_registers=None,
-                            block_keys=None, trace=None, workspace=None, pdl=False,
-                            l2_ahead=None):
+                            block_keys=None, trace=None, workspace=None, pdl=False):
     """Block-sparse GQA decode attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -614,12 +608,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     ``pdl``: programmatic dependent launch of the first pass (``kernels._triton.
     await_previous_kernel``; compiled, sm_90): it may start while the stream's previous
     kernel finishes, its programs waiting for it before touching memory; a no-op
-    interpreted.
-    ``l2_ahead``: while a program works on its union block i, it asks L2 for block i +
-    ``l2_ahead`` (``prefetch.global.L2``, ``kernels._attention.prefetch_block_l2``), so
-    more of the DRAM traffic is in flight than the shared-memory pipeline's stages hold
-    (the loads still go through it, now from L2). None or 0: off; compiled only (a no-op
-    interpreted). Numerics unchanged."""
+    interpreted."""
     workspace = check_workspace(workspace)
     pdl_kw = pdl_options(pdl, INTERPRETED)
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
@@ -643,7 +632,6 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     rows_p = triton.next_power_of_2(p.rows)
     g_p = triton.next_power_of_2(grp)
     bn = check_block_keys(block_keys, p.page)
-    l2a = 0 if l2_ahead is None else check_int(l2_ahead, "l2_ahead", 0, MAX_TOPK)
     tuned = (num_warps, num_stages, max_registers, block_keys) != (None,) * 4
     auto = {} if tuned else launch_defaults(p.rows, p.d, p.batch, p.hkv, p.topk_k,
                                             fixed_split=blocks_per_split is not None)
@@ -680,8 +668,6 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
                  ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), DIRECT=direct,
                  SP=triton.next_power_of_2(splits), BN=bn, **opts)
-    if l2a and not INTERPRETED:
-        const.update(L2A=l2a, L2L=l2_lines(p.d, kv_cache.element_size()))
     if num_stages is None:  # the default, lowered until every pass fits shared memory
         # (the repair pass takes more: fp8, fp16 q, G 16, 4 rows asked for 268 KiB at 3
         # stages where the first pass fitted; found by the H200 fuzz run)
@@ -730,7 +716,7 @@ def compile_signatures():
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, DIRECT=direct,
                      REPAIR=rows > 1 and i % 2 == 1,
                      SP=triton.next_power_of_2(triton.cdiv(k, nb)), TRACE=i == 0,
-                     BN=(128 if cache == "u8" else 64) // (2 if i == 1 else 1), L2A=0, L2L=1)
+                     BN=(128 if cache == "u8" else 64) // (2 if i == 1 else 1))
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_split_kernel, sig, const))
     for act in ("bf16",):
@@ -740,20 +726,17 @@ def compile_signatures():
         const = dict(D=128, BLOCK_H=16, SP=4)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_merge_kernel, sig, const))
-    # Programmatic dependent launch (the ``pdl`` knob) on the first combo, and the L2
-    # prefetch (``l2_ahead``) on the second's key tiles (last, so the picks above keep their
-    # numbers).
+    # Programmatic dependent launch (the ``pdl`` knob) on the first combo (last, so the
+    # picks above keep their numbers).
     kernel, sig, const = out[0]
-    _, sig1, const1 = out[1]
-    return out + [(kernel, sig, {**const, "TRACE": False, "PDL": True}),
-                  (kernel, sig1, {**const1, "L2A": 4, "L2L": 2})]
+    return out + [(kernel, sig, {**const, "TRACE": False, "PDL": True})]
 
 
 # ----------------------------------------------------------------------------- adapter
 
 
 def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None,
-        workspace=None, block_keys: int | None = None, l2_ahead: int | None = None) -> dict:
+        workspace=None, block_keys: int | None = None) -> dict:
     """Oracle adapter (op ``attention_decode``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
@@ -765,7 +748,7 @@ def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None
     sparse_attention_decode(q, kv, inputs["kv_fmt"], bt, _ints(inputs["seq_lens"], dev), topk,
                             int(inputs["rows_per_request"]), ks, vs, out=out,
                             blocks_per_split=blocks_per_split, validate=validate,
-                            block_keys=block_keys, l2_ahead=l2_ahead,
+                            block_keys=block_keys,
                             workspace=workspace)
     return {"out": codes_of(out)}
 
