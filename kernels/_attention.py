@@ -32,7 +32,7 @@ from kernels._host import (
     strided_codes_in,
 )
 from kernels._triton import tl, triton
-from kernels.fp8 import decode_fp8, decode_fp8_f16, times_f16_unit
+from kernels.fp8 import BF16_UNIT, FMT_E5M2FNUZ, decode_fp8, decode_fp8_f16, times_f16_unit
 from reference.platforms import is_fp8
 
 #: Domain limits (SPEC.md s.7).
@@ -64,6 +64,29 @@ def unit_back(x, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr,
     if FP8 and SCALAR:
         x = times_f16_unit(x, FMT, ASM)
     return x
+
+
+@triton.jit
+def out_unit_back(o, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr,
+                  ASM: tl.constexpr):
+    """An output (P @ V / l) of ``kv_tiles``' V and ``p_operand``'s P times the factor the
+    two together left out: ``unit_back``'s, except for e5m2fnuz, whose P carries BF16_UNIT
+    and V 1 / BF16_UNIT (1: o itself)."""
+    if FP8 and SCALAR and FMT != FMT_E5M2FNUZ:
+        o = times_f16_unit(o, FMT, ASM)
+    return o
+
+
+@triton.jit
+def p_operand(p, v, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr):
+    """The fp32 probabilities ``p`` as the ``P @ V`` operand for ``kv_tiles``' V: rounded to
+    V's dtype (RNE), except e5m2fnuz with scalar scales (V bf16 values / 2^111): ``p *
+    2^111`` rounded to bf16, which is P's bf16 rounding times 2^111 exactly (no overflow at
+    p <= 1, and more precise than bf16 only below p = 2^-126), so the products are
+    ``P V`` at their own scale: no fp32 underflow for small V, nothing to multiply back."""
+    if FP8 and SCALAR and FMT == FMT_E5M2FNUZ:
+        p = p * BF16_UNIT
+    return p.to(v.dtype)
 
 @triton.jit
 def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
@@ -129,30 +152,47 @@ def operand_dtypes(model_dtype: str, case) -> tuple[str, str, str]:
     K and V as their exact values ("float64": every fp8 value is an fp16 value; V decoded
     by ``kernels.fp8.decode_fp8_f16``), P rounded to fp16 (3 more bits than bf16, flushed
     below 2^-24) and q per row scaled by a power of two and rounded to fp16 (``q_operand``;
-    exact unless an element is 2^31 below its row's largest). Otherwise the model dtype
-    throughout, q as given."""
+    exact unless an element is 2^31 below its row's largest). e5m2fnuz there: bf16
+    operands instead (its values / 2^111 by bit placement, ``kernels.fp8.
+    _E5M2FNUZ_BF16X4_UNIT``: 13 instructions per four codes against 19 for fp16, whose
+    range its top binade overflows at the placed scale), so P and q round to bf16 (q per
+    row scaled by a power of two: exact unless an element is 2^226 below its row's
+    largest; a bf16 q is never rounded). Otherwise the model dtype throughout, q as given."""
+    if scales_outside(case) and case["kv_fmt"] == "e5m2fnuz":
+        return "float64", "bfloat16", "bfloat16"
     if scales_outside(case):
         return "float64", "float16", "float16"
     return model_dtype, model_dtype, "given"
 
 
+#: ``q_operand``'s target exponents: a row's largest |q| lands in [2^(T-127), 2^(T-126))
+#: (fp16 operands: 2^14, below fp16's largest; bf16 operands of e5m2fnuz: 2^100, so the
+#: products with K's values / 2^111 stay fp32 normal numbers).
+Q_TOP_F16: tl.constexpr = tl.constexpr(141)
+Q_TOP_BF16: tl.constexpr = tl.constexpr(227)
+
+
 @triton.jit
-def q_operand(q, logit_scale, F16: tl.constexpr):
+def q_operand(q, logit_scale, F16: tl.constexpr, FMT: tl.constexpr = 0):
     """``(q as the operand of S = q K^T, [M] per-row logit scale)`` for a ``[M, D]`` q tile.
     F16 (``reference.attention.Schedule.q_dtype = "float16"``): each row times ``2^s``,
     ``s = clamp(141 - E, -113, 126)`` with E the biased exponent of the row's largest
     ``|q|`` as an integer bit pattern (``reference.attention.q_row_exponent``), rounded to
     fp16 (RNE), and its logit scale times ``2^-s``: the products then run on fp16
     operands (fp8 K decoded to fp16 by one ``cvt`` per two codes, where a bf16 q needed
-    three more instructions per element to bring K to bf16). Else q as loaded and the
-    scale for every row."""
+    three more instructions per element to bring K to bf16). e5m2fnuz (FMT; K as bf16
+    values / 2^111, ``kernels.fp8.BF16_UNIT``): the same with ``s = clamp(227 - E, -113,
+    126)``, rounded to bf16 (``q_dtype = "bfloat16"``). Else q as loaded and the scale for
+    every row."""
     if F16:
         qf = q.to(tl.float32)
         top = tl.max(tl.abs(qf).to(tl.int32, bitcast=True), axis=1)
-        s = tl.minimum(tl.maximum(141 - (top >> 23), -113), 126)
+        T: tl.constexpr = Q_TOP_BF16 if FMT == FMT_E5M2FNUZ else Q_TOP_F16
+        s = tl.minimum(tl.maximum(T - (top >> 23), -113), 126)
         up = ((s + 127) << 23).to(tl.float32, bitcast=True)
         down = ((127 - s) << 23).to(tl.float32, bitcast=True)
-        return (qf * up[:, None]).to(tl.float16), logit_scale * down
+        QT: tl.constexpr = tl.bfloat16 if FMT == FMT_E5M2FNUZ else tl.float16
+        return (qf * up[:, None]).to(QT), logit_scale * down
     else:
         return q, tl.zeros([q.shape[0]], tl.float32) + logit_scale
 

@@ -128,6 +128,8 @@ from kernels._attention import (
     kv_tiles,
     not_finite,
     operand_dtypes,
+    out_unit_back,
+    p_operand,
     q_operand,
     repair_pv,
     topk_width,
@@ -306,7 +308,7 @@ def _decode_split_kernel(
     logit_scale = qk_scale
     if FP8 and SCALAR:  # the scales outside the products (kernels._attention.scales_outside)
         logit_scale = qk_scale * tl.load(ks_ptr)
-    q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR)
+    q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR, FMT)
     if REPAIR:
         n_iter = tl.where(go, n_iter, 0)
     for it in range(n_iter * SUB):
@@ -337,7 +339,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s2 - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_act = p.to(v.dtype)
+        p_act = p_operand(p, v, FP8, FMT, SCALAR)
         pv = tl.dot(p_act, v)
         if ROWS > 1 and REPAIR:
             # Rows that do not all see the loaded keys: guard non-finite V (see docstring).
@@ -355,7 +357,7 @@ def _decode_split_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
     if FP8 and SCALAR:
-        o = unit_back(o, FP8, FMT, SCALAR, ASM) * tl.load(vs_ptr)
+        o = out_unit_back(o, FP8, FMT, SCALAR, ASM) * tl.load(vs_ptr)
     m_out = m_ok & go
     if DIRECT:
         dst = out_ptr + m_t[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]

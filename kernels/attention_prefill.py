@@ -130,6 +130,8 @@ from kernels._attention import (
     kv_tiles,
     not_finite,
     operand_dtypes,
+    out_unit_back,
+    p_operand,
     q_operand,
     repair_pv,
     topk_width,
@@ -340,7 +342,7 @@ def _prefill_kernel(
         logit_scale = qk_scale
         if FP8 and SCALAR:  # the scales outside the products (_attention.scales_outside)
             logit_scale = qk_scale * tl.load(ks_ptr)
-        q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR)
+        q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR, FMT)
         cur = tile * 0 - 1
         blk = cur
         for it in range(n_union * SUB):
@@ -381,7 +383,7 @@ def _prefill_kernel(
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s2 - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            p_act = p.to(v.dtype)
+            p_act = p_operand(p, v, FP8, FMT, SCALAR)
             pv = tl.dot(p_act, v)
             if REPAIR and BLOCK_T > 1:
                 # Rows that do not all see the loaded keys: guard non-finite V (docstring).
@@ -396,7 +398,7 @@ def _prefill_kernel(
         empty = l_i == 0.0  # no key (NaN sums are not empty: they propagate)
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
         if FP8 and SCALAR:
-            o = unit_back(o, FP8, FMT, SCALAR, ASM) * tl.load(vs_ptr)
+            o = out_unit_back(o, FP8, FMT, SCALAR, ASM) * tl.load(vs_ptr)
         dst = out_ptr + m_glob[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
         if BLOCK_T > 1:  # one token's rows all see the same keys: nothing to repair

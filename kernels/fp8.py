@@ -328,6 +328,34 @@ _E5M2FNUZ_F16X4: tl.constexpr = tl.constexpr(
     "or.b32 $1, t, p; }")
 
 
+#: Four e5m2fnuz codes ($2) -> two bf16x2 registers holding each code's value / 2^111
+#: (``BF16_UNIT``), by bit placement alone: the code s|eeeee|mm placed as the bf16
+#: s|000eeeee|mm00000 has the value / 2^111 (biases 127 and 16; the code's subnormals land
+#: on bf16 subnormals with the same scaling, and the top binade, which overflows fp16 at
+#: twice its value, is an ordinary bf16 exponent), so only 0x80 (NaN; placed: -0) needs a
+#: patch. Per 32-bit word: m the magnitudes, z 0x80 in the 0x80 bytes (bit 7 set, low 7
+#: bits 0: + 0x7F leaves bit 7 clear), t = z >> 7 (1 there); per half, the magnitude byte
+#: or t (prmt) times 32 plus the sign byte (0xFF for 0x80: s | (z - t)) one byte up and z
+#: in the low byte (prmt): s|000eeeee|mm00000, and 0xFF80 + 0x20 (a NaN) for 0x80. No
+#: carry crosses a half (at most 0xFE0 + 0x8000, or 0x20 + 0xFF80). 13 instructions for
+#: four codes (``_E5M2FNUZ_F16X4``: 19).
+_E5M2FNUZ_BF16X4_UNIT: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 m, t, z, v, a, b; "
+    "and.b32 m, $2, 0x7F7F7F7F; add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; "
+    "and.b32 z, $2, t; and.b32 z, z, 0x80808080; "
+    "shr.b32 t, z, 7; sub.u32 v, z, t; or.b32 m, m, t; "
+    "and.b32 t, $2, 0x80808080; or.b32 v, v, t; "
+    "prmt.b32 a, m, 0, 0x4140; prmt.b32 b, v, z, 0x1504; mad.lo.u32 $0, a, 32, b; "
+    "prmt.b32 a, m, 0, 0x4342; prmt.b32 b, v, z, 0x3726; mad.lo.u32 $1, a, 32, b; }")
+
+#: What ``decode_fp8_f16(..., UNIT=True)`` returns for e5m2fnuz: bf16, the code's value /
+#: BF16_UNIT (assembly and interpreter alike, so the declared schedule is one: ``kernels.
+#: _attention.operand_dtypes``); the logits are multiplied back in fp32 and P by it before
+#: its bf16 rounding (``p_unit``), which cancels the factor in ``P @ V``.
+BF16_UNIT: tl.constexpr = tl.constexpr(2.0 ** 111)
+BF16_UNIT_INV: tl.constexpr = tl.constexpr(2.0 ** -111)
+
+
 def asm_f16(fmt: str, interpreted: bool) -> bool:
     """Whether the attention kernels decode with ``decode_fp8_f16``'s inline assembly (its
     ``ASM``; V, and the fnuz formats' K too): compiled, and a format it has assembly for:
@@ -360,8 +388,16 @@ def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr,
     Otherwise (interpreter, other software formats): ``decode_fp8_to(c, FMT, HW, fp16)``.
     UNIT: the value / ``times_f16_unit``'s factor instead (e4m3fnuz in assembly: by bit placement,
     ``_E4M3FNUZ_F16X4_UNIT``; its subnormals become fp16 subnormals); the caller multiplies
-    the factor back in fp32 (``times_f16_unit``), where it is exact."""
-    if ASM:
+    the factor back in fp32 (``times_f16_unit``), where it is exact. e5m2fnuz with UNIT
+    returns bf16, not fp16: its values / BF16_UNIT (``_E5M2FNUZ_BF16X4_UNIT`` compiled, the
+    same values computed in fp32 interpreted)."""
+    if UNIT and FMT == FMT_E5M2FNUZ:
+        if ASM:
+            v = tl.inline_asm_elementwise(_E5M2FNUZ_BF16X4_UNIT, "=r,=r,r", [c.to(tl.uint8)],
+                                          dtype=tl.bfloat16, is_pure=PURE, pack=4)
+        else:  # exact: every value / 2^111 is an fp32 number (subnormal below 2^-126)
+            v = (decode_fp8(c, FMT, HW) * BF16_UNIT_INV).to(tl.bfloat16)
+    elif ASM:
         tl.static_assert((HW and FMT <= 1) or FMT >= FMT_E4M3FNUZ,
                          "ASM: a hardware format (HW) or a fnuz format")
         if FMT == FMT_E4M3FNUZ and UNIT:
@@ -387,9 +423,12 @@ def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr,
 @triton.jit
 def times_f16_unit(x, FMT: tl.constexpr, ASM: tl.constexpr):
     """x times the factor ``decode_fp8_f16(..., UNIT=True)`` left out of its values
-    (F16_UNIT for e4m3fnuz in assembly: exact in fp32, a power of two), x itself otherwise."""
+    (F16_UNIT for e4m3fnuz in assembly, BF16_UNIT for e5m2fnuz: exact in fp32, powers of
+    two), x itself otherwise."""
     if ASM and FMT == FMT_E4M3FNUZ:
         x = x * F16_UNIT
+    elif FMT == FMT_E5M2FNUZ:
+        x = x * BF16_UNIT
     return x
 
 def encode_asm(fmt: str, hw: bool, interpreted: bool) -> bool:
@@ -482,14 +521,14 @@ def decode_tensor_f16(codes: torch.Tensor, fmt: str, hw: bool = False,
     """float16 values of uint8 ``codes`` through ``decode_fp8_f16``, the attention kernels'
     V operand path (its inline assembly where ``asm_f16`` says the kernels use it); ``unit``:
     its ``UNIT=True`` form, the kernels' operands with scalar scales (e4m3fnuz in assembly:
-    the values / F16_UNIT)."""
+    the values / F16_UNIT; e5m2fnuz: bfloat16 values / BF16_UNIT)."""
     code = fmt_code(fmt, hw)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise ValueError(f"codes must be a torch uint8 tensor, got "
                          f"{getattr(codes, 'dtype', type(codes))}")
     asm = asm_f16(fmt, INTERPRETED) and (hw or fmt not in HW_FORMATS)
-    return _elementwise(_decode_f16_kernel, codes, torch.float16, code, hw, block, ASM=asm,
-                        UNIT=unit)
+    dtype = torch.bfloat16 if unit and fmt == "e5m2fnuz" else torch.float16
+    return _elementwise(_decode_f16_kernel, codes, dtype, code, hw, block, ASM=asm, UNIT=unit)
 
 
 def _elementwise(kernel, x, out_dtype, code, hw, block, **consts):

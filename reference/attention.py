@@ -138,6 +138,8 @@ class Schedule:
         ``2^s`` chosen from its largest magnitude, rounded to fp16 (RNE) and scaled back:
         exact for every element within ``2^31`` of the row's largest (bf16 has 8
         significant bits, fp16 11), smaller ones rounded to fp16's subnormal grid there.
+        ``"bfloat16"``: the same with bf16 and the row's largest scaled into [2^100,
+        2^101) (``Q_TOP["bfloat16"]``): a bf16 q unchanged, an fp16 q rounded to 8 bits.
 
     Not modelled (left to the tolerance bound): the fp32 accumulation order of q.K and
     P@V, exp2 and its scale folding, the fp32 row sum and division, and the fp32 value of
@@ -164,8 +166,9 @@ class Schedule:
             raise ValueError(f"p_max must be 'row' or 'running', got {self.p_max!r}")
         if self.order not in ("ascending", "given"):
             raise ValueError(f"order must be 'ascending' or 'given', got {self.order!r}")
-        if self.q_dtype not in ("given", "float16"):
-            raise ValueError(f"q_dtype must be 'given' or 'float16', got {self.q_dtype!r}")
+        if self.q_dtype not in ("given", "float16", "bfloat16"):
+            raise ValueError(f"q_dtype must be 'given', 'float16' or 'bfloat16', "
+                             f"got {self.q_dtype!r}")
         if not isinstance(self.blocks_per_tile, int) or self.blocks_per_tile < 1:
             raise ValueError(f"blocks_per_tile must be an integer >= 1, "
                              f"got {self.blocks_per_tile!r}")
@@ -184,28 +187,35 @@ class Schedule:
 EXACT = Schedule()
 
 
-def q_row_exponent(q) -> np.ndarray:
+#: ``q_row_exponent``'s target per scheduled q dtype: the biased exponent a row's largest
+#: magnitude is scaled to (2^14 for fp16, 2^100 for bf16).
+Q_TOP = {"float16": 141, "bfloat16": 227}
+
+
+def q_row_exponent(q, q_dtype: str = "float16") -> np.ndarray:
     """The power of two ``s`` of ``Schedule.q_dtype = "float16"`` for each row (last axis)
     of q (model-dtype values, exact in fp32): ``clip(141 - E, -113, 126)`` with E the
     biased fp32 exponent of the row's largest ``|q|`` as an integer bit pattern (a NaN
     ranks above Inf, Inf above every number: E = 255 for a non-finite row). The largest
     finite magnitude then lands in [2^14, 2^15); the clip keeps ``2^s`` and ``2^-s``
-    normal fp32 numbers (a bf16 row's smallest subnormal, 2^-133, scales to 2^-7)."""
+    normal fp32 numbers (a bf16 row's smallest subnormal, 2^-133, scales to 2^-7).
+    ``"bfloat16"``: 227 for 141 (``Q_TOP``)."""
     bits = np.abs(np.asarray(q, np.float64)).astype(np.float32).view(np.uint32)
     e = (bits.max(axis=-1) >> 23).astype(np.int64)
-    return np.clip(141 - e, -113, 126)
+    return np.clip(Q_TOP[q_dtype] - e, -113, 126)
 
 
 def scheduled_q(q, q_dtype: str = "given") -> np.ndarray:
     """q as the products see it under ``Schedule.q_dtype`` (float64 values): ``"given"``
-    as is; ``"float16"``: ``fp16(q * 2^s) * 2^-s`` per row (``q_row_exponent``), the
-    only rounding the fp16 RNE (power-of-two scalings are exact)."""
+    as is; ``"float16"`` / ``"bfloat16"``: ``round(q * 2^s) * 2^-s`` per row
+    (``q_row_exponent``), the only rounding that dtype's RNE (power-of-two scalings are
+    exact)."""
     qa = np.asarray(q, np.float64)
     if q_dtype == "given":
         return qa
-    f = np.ldexp(1.0, q_row_exponent(qa))[..., None]
+    f = np.ldexp(1.0, q_row_exponent(qa, q_dtype))[..., None]
     with np.errstate(over="ignore", invalid="ignore"):
-        return round_dtype(qa * f, "float16") / f
+        return round_dtype(qa * f, q_dtype) / f
 
 
 def exact(out_dtype: str = "float64") -> Schedule:

@@ -108,11 +108,12 @@ def shuffled_selections(topk, seed, dup=False):
 
 
 def smallest_codes(x, seed):
-    """A copy of e4m3fnuz attention inputs ``x`` whose key and value codes (every code but
-    the NaN poison 0x80) are drawn from the subnormal and smallest normal codes of both
-    signs (0x01-0x0F, 0x81-0x8F): where an operand decode that flushed or rounded
+    """A copy of fnuz-format attention inputs ``x`` whose key and value codes (every code
+    but the NaN poison 0x80) are drawn from the subnormal and smallest normal codes of both
+    signs (0x01-0x0F, 0x81-0x8F: e4m3fnuz's subnormals and first binade, e5m2fnuz's
+    subnormals and first three binades): where an operand decode that flushed or rounded
     subnormals (in the conversion or in the tensor cores) would show."""
-    assert x["kv_fmt"] == "e4m3fnuz", x["kv_fmt"]
+    assert x["kv_fmt"] in ("e4m3fnuz", "e5m2fnuz"), x["kv_fmt"]
     small = np.concatenate([np.arange(0x01, 0x10), np.arange(0x81, 0x90)]).astype(np.uint8)
     cache = np.asarray(x["kv_cache"])
     pick = np.random.default_rng(seed).choice(small, cache.shape)

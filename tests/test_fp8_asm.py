@@ -158,3 +158,21 @@ def test_encode_assembly_equals_reference_whatever_nan_the_cast_writes(fmt, asm,
                 out = run_ptx(asm.value, {f"${k + 1}": int(bits[k]) for k in range(4)}, ops)
                 got = np.array([out["$0"]], np.uint32).view(np.uint8)
                 assert np.array_equal(got, w), (nan_code, quad, got, w)
+
+
+@pytest.mark.parametrize("position", range(4))
+def test_e5m2fnuz_bf16_unit_assembly_decodes_every_code_to_its_value_over_the_unit(position):
+    """The attention kernels' e5m2fnuz operand assembly (``decode_fp8_f16(..., UNIT=True)``)
+    gives each code's reference value divided by BF16_UNIT (2^111) exactly as bf16
+    (subnormal codes as bf16 subnormals, the top binade up to 57344 / 2^111, 0x80 a NaN),
+    code k into half (k % 2) of output register k // 2, for every code in every byte
+    position (no carry crosses bytes or halves)."""
+    rng = np.random.default_rng(20 + position)
+    for code in range(256):
+        word = rng.integers(0, 256, 4, dtype=np.uint8)
+        word[position] = code
+        out = run_ptx(fp8._E5M2FNUZ_BF16X4_UNIT.value, {"$2": int(word.view(np.uint32)[0])})
+        halves = np.array([out["$0"], out["$1"]], np.uint32).view(np.uint16)
+        lanes = (halves.astype(np.uint32) << 16).view(np.float32)  # bf16 bits -> fp32
+        want = decode(word, "e5m2fnuz") / float(fp8.BF16_UNIT.value)
+        assert same_float(lanes.astype(np.float64), want).all(), (code, word, halves)

@@ -96,15 +96,17 @@ def test_decode_to_fp16_every_code(fmt, hw):
 def test_unit_decode_to_fp16_every_code(fmt, hw):
     """On the GPU, the attention kernels' operand decode with scalar scales
     (``decode_fp8_f16(..., UNIT=True)``) of all 256 codes in every byte position, times the
-    factor it leaves out (F16_UNIT for e4m3fnuz's bit-placement assembly, else 1), equals
-    reference.codec.decode exactly: e4m3fnuz's subnormal codes as fp16 subnormals, 0x80 a
-    NaN."""
+    factor it leaves out (F16_UNIT for e4m3fnuz's bit-placement assembly, BF16_UNIT for
+    e5m2fnuz's bf16 operands, else 1), equals reference.codec.decode exactly: the fnuz
+    formats' subnormal codes as fp16 / bf16 subnormals, 0x80 a NaN."""
     c = np.concatenate([np.arange(256, dtype=np.uint8)] * 4)
     c = np.stack([np.roll(c, k) for k in range(4)], axis=1).ravel()
-    got = fp8.decode_tensor_f16(to_cuda(c), fmt, hw, unit=True).cpu().numpy()
-    assert got.dtype == np.float16
-    unit = float(fp8.F16_UNIT.value) if fmt == "e4m3fnuz" and fp8.asm_f16(fmt, False) else 1.0
-    assert same_float(got.astype(np.float64) * unit, decode(c, fmt)).all()
+    got = fp8.decode_tensor_f16(to_cuda(c), fmt, hw, unit=True)
+    assert got.dtype == (torch.bfloat16 if fmt == "e5m2fnuz" else torch.float16)
+    got = got.double().cpu().numpy()
+    unit = {"e4m3fnuz": float(fp8.F16_UNIT.value) if fp8.asm_f16(fmt, False) else 1.0,
+            "e5m2fnuz": float(fp8.BF16_UNIT.value)}.get(fmt, 1.0)
+    assert same_float(got * unit, decode(c, fmt)).all()
 
 @pytest.mark.parametrize(("fmt", "hw"), BRANCHES)
 def test_decode_inverts_encode_on_fp8_values(fmt, hw):

@@ -110,11 +110,13 @@ def test_every_format_layout_and_scale_matches_reference(kv_fmt, md, layout, pad
 
 
 @pytest.mark.parametrize("md", ["bfloat16", "float16"])
-def test_fnuz_subnormal_codes_match_reference(md):
-    """An e4m3fnuz cache of subnormal and smallest normal codes only, scalar scales (the
-    fp16 operand path): the output is what the oracle admits, i.e. the smallest operands
+@pytest.mark.parametrize("fmt", ["e4m3fnuz", "e5m2fnuz"])
+def test_fnuz_subnormal_codes_match_reference(md, fmt):
+    """A fnuz cache of subnormal and smallest normal codes only, scalar scales (the 16-bit
+    operand path: fp16 for e4m3fnuz, bf16 values / 2^111 for e5m2fnuz, bf16 subnormals in
+    the tensor cores): the output is what the oracle admits, i.e. the smallest operands
     are neither flushed nor rounded on their way into the products."""
-    x = make_inputs("e4m3fnuz", md, "HND", 0, "tensor", hkv=2, rows=2, seq_lens=(37, 50),
+    x = make_inputs(fmt, md, "HND", 0, "tensor", hkv=2, rows=2, seq_lens=(37, 50),
                     k=3, seed=11)
     _passes(smallest_codes(x, 11), bps=2)
 
@@ -472,20 +474,19 @@ def test_registered_with_its_schedule():
                                                                   "float32", "float32")
 
 
-@pytest.mark.parametrize("kv_fmt, scales, fp16_products", [
-    ("e4m3fn", "tensor", True), ("e5m2fnuz", "none", True), ("e4m3fnuz", "slot", False),
-    ("bfloat16", "none", False)])
-def test_schedule_follows_the_kind_of_scales(kv_fmt, scales, fp16_products):
+@pytest.mark.parametrize("kv_fmt, scales, products", [
+    ("e4m3fn", "tensor", "float16"), ("e4m3fnuz", "none", "float16"),
+    ("e5m2fnuz", "none", "bfloat16"), ("e4m3fnuz", "slot", None), ("bfloat16", "none", None)])
+def test_schedule_follows_the_kind_of_scales(kv_fmt, scales, products):
     """The declared schedule depends on the case: fp8 with scalar (or no) scales runs both
-    products on fp16 operands whatever the model dtype: K/V as their exact values
-    (kv_dtype float64: the scales multiply the logits and the output in fp32), P rounded to
-    fp16, q row-scaled to fp16 (q_dtype float16); per-slot scales and 16-bit caches: K/V
-    and P rounded to the model dtype, q as given."""
+    products on 16-bit operands whatever the model dtype (fp16; e5m2fnuz bf16, its
+    bit-placed operands): K/V as their exact values (kv_dtype float64: the scales multiply
+    the logits and the output in fp32), P rounded to that dtype, q row-scaled to it;
+    per-slot scales and 16-bit caches: K/V and P rounded to the model dtype, q as given."""
     x = make_inputs(kv_fmt, scales=scales)
-    s = schedule_for(_impl(), "bfloat16", x)
-    want = ("float64", "float16", "float16") if fp16_products else ("bfloat16", "bfloat16",
-                                                                     "given")
-    assert (s.kv_dtype, s.p_dtype, s.q_dtype, s.out_dtype) == want + ("bfloat16",)
+    s = schedule_for(_impl(), "float16", x)
+    want = ("float64", products, products) if products else ("float16", "float16", "given")
+    assert (s.kv_dtype, s.p_dtype, s.q_dtype, s.out_dtype) == want + ("float16",)
 
 
 def test_wide_q_rows_follow_the_fp16_q_schedule():

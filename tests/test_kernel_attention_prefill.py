@@ -107,11 +107,13 @@ def test_every_format_layout_and_scale_matches_reference(kv_fmt, md, layout, pad
 
 
 @pytest.mark.parametrize("md", ["bfloat16", "float16"])
-def test_fnuz_subnormal_codes_match_reference(md):
-    """An e4m3fnuz cache of subnormal and smallest normal codes only, scalar scales (the
-    fp16 operand path): the output is what the oracle admits, i.e. the smallest operands
+@pytest.mark.parametrize("fmt", ["e4m3fnuz", "e5m2fnuz"])
+def test_fnuz_subnormal_codes_match_reference(md, fmt):
+    """A fnuz cache of subnormal and smallest normal codes only, scalar scales (the 16-bit
+    operand path: fp16 for e4m3fnuz, bf16 values / 2^111 for e5m2fnuz, bf16 subnormals in
+    the tensor cores): the output is what the oracle admits, i.e. the smallest operands
     are neither flushed nor rounded on their way into the products."""
-    x = make_inputs("e4m3fnuz", md, "HND", 0, "tensor", hkv=2, seq_lens=(37, 50),
+    x = make_inputs(fmt, md, "HND", 0, "tensor", hkv=2, seq_lens=(37, 50),
                     qlens=(5, 9), k=3, seed=11)
     _passes(smallest_codes(x, 11))
 

@@ -875,4 +875,21 @@ def test_fp16_q_schedule_rounds_only_far_below_the_row_max():
     assert odd[0, 0] == np.inf and np.isnan(odd[1, 0])
     assert list(q_row_exponent(np.array([[2.0**-133], [2.0**127], [1.0]]))) == [126, -113, 14]
     with pytest.raises(ValueError, match="q_dtype"):
-        Schedule(q_dtype="bfloat16")
+        Schedule(q_dtype="float32")
+
+
+def test_bf16_q_schedule_keeps_bf16_rows_and_rounds_fp16_ones():
+    """``Schedule.q_dtype = "bfloat16"`` (e5m2fnuz's operands): bf16 rows are unchanged
+    (their largest scaled into [2^100, 2^101) and back, exactly), fp16 values are rounded to
+    bf16's 8 significant bits (RNE: 1 + 2^-8 to 1, 1 + 3 x 2^-8 to 1 + 2^-6), and the
+    row exponent targets 2^100, clipped so 2^s stays normal."""
+    from reference.attention import q_row_exponent, scheduled_q
+
+    bg = np.random.default_rng(4)
+    q = round_dtype(bg.normal(size=(4, 2, 64)) * np.exp2(bg.integers(-30, 30, (4, 2, 1))),
+                    "bfloat16")
+    assert np.array_equal(scheduled_q(q, "bfloat16"), q)
+    row = np.array([[1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(2.0**-20), 0.0]])
+    assert np.array_equal(scheduled_q(row, "bfloat16"), [[1.0, 1.0 + 2.0**-6, -(2.0**-20), 0.0]])
+    assert list(q_row_exponent(np.array([[2.0**-133], [2.0**127], [1.0]]), "bfloat16")) == [
+        126, -27, 100]
