@@ -71,6 +71,13 @@ act = the model dtype = q's dtype):
   and thread at the model shape: 771 (bf16 cache: 590), down from 1,627 with bf16
   operands (K through f16 -> f32 -> bf16, V gathered byte by byte: see
   ``decode_fp8_f16``).
+  e5m2fnuz on bf16 operands instead (``kernels._attention.operand_dtypes``): K/V its
+  values / 2^111 by bit placement (``kernels.fp8._E5M2FNUZ_BF16X4_UNIT``, 13 instructions
+  per four codes; fp16 cannot hold its top binade at the placed scale and took 19), q
+  row-scaled to bf16, P times 2^111 rounded to bf16 (the factor cancels in ``P @ V``; the
+  logits get 2^111 back in fp32): ``(float64, bfloat16, bfloat16)``. H200, batch 64
+  (session 27, ``reports/ab-attention-decode-e5m2fnuz-bf16-h200.md``): 67.5 -> 63.4 us;
+  the suite's numerics diff: RMSE +0.06% at most on its e5m2fnuz cells (P's 3 bits).
 - Per-slot fp8 scales: ``act(fp32(decode(code) * scale))`` (exact decode, one fp32
   multiply, RNE to act), ``kv_dtype = act``. bf16/fp16 caches: the value converted to act
   (exact when the cache has the model dtype), ``kv_dtype = act``; q as given, P in act.

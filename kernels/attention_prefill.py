@@ -74,7 +74,9 @@ the model dtype = q's dtype), exactly what the kernel does:
 - Operands as in the decode kernel (``kernels.attention_decode``, Numerics): fp8 with
   scalar (or no) scales runs both products on fp16 operands (K/V exact, ``kv_dtype =
   "float64"``, scales in fp32 outside the products; q row-scaled to fp16, ``q_dtype =
-  "float16"``; P in fp16); per-slot scales and 16-bit caches: K/V, P in act, q as given.
+  "float16"``; P in fp16; e5m2fnuz on bf16 operands, its values / 2^111, with q and P in
+  bf16: ``kernels._attention.operand_dtypes``); per-slot scales and 16-bit caches: K/V, P
+  in act, q as given.
 - ``S = q . K`` by ``tl.dot``, fp32 accumulation; logits in log2 units
   ``S * fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
   in ascending block id (a row's own blocks in ascending order: ``p_max="running"``,
