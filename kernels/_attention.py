@@ -47,11 +47,12 @@ MAX_CONTEXT: tl.constexpr = tl.constexpr(1 << 30)
 @triton.jit
 def dequantize(raw, scale_ptr, s0, s1, g64, slot, kmask, FMT: tl.constexpr,
                HW: tl.constexpr):
-    """fp32 ``decode(code) * scale`` of a ``[keys, D]`` tile of fp8 codes with per-slot
-    scales (each key's scale at ``scale_ptr + g64 s0 + slot s1``; one fp32 multiply, the
+    """fp32 ``decode(code) * scale`` of a ``[..., keys, D]`` tile of fp8 codes with per-slot
+    scales (each key's scale at ``scale_ptr + g64 s0 + slot s1``, ``slot`` and ``kmask``
+    shaped ``[..., keys, 1]``; one fp32 multiply, the
     caller rounds to act). Scalar scales take the other path (``scales_outside``)."""
     sc = tl.load(scale_ptr + g64 * s0 + slot * s1, mask=kmask, other=1.0)
-    return decode_fp8(raw, FMT, HW) * sc[:, None]
+    return decode_fp8(raw, FMT, HW) * sc
 
 
 @triton.jit
@@ -92,14 +93,15 @@ def p_operand(p, v, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr):
 def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
              ACT: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr,
              HW: tl.constexpr, SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr):
-    """One block's K and V operands ``[keys, D]``: the codes at ``src`` (K) and ``src + D``
-    (V) loaded where ``kmask`` (0 elsewhere), then fp8 with scalar scales as their exact
-    values in fp16 (``scales_outside``: the caller applies the scales to the logits and the
-    output; q is fp16 too, ``q_operand``), fp8 with per-slot scales dequantised at ``slot`` and
-    rounded to ACT, a cache in ACT as loaded (SAME), the other 16-bit dtype rounded to ACT
-    (exact widening, one RNE rounding)."""
-    k_raw = tl.load(src, mask=kmask[:, None], other=0)
-    v_raw = tl.load(src + D, mask=kmask[:, None], other=0)
+    """One block's K and V operands ``[..., keys, D]``: the codes at ``src`` (K) and ``src +
+    D`` (V) loaded where ``kmask`` (``[..., keys, 1]``, as ``slot``; 0 elsewhere), then
+    fp8 with scalar scales as their exact values in fp16 (``scales_outside``: the caller
+    applies the scales to the logits and the output; q is fp16 too, ``q_operand``; e5m2fnuz
+    bf16 values / 2^111), fp8 with per-slot scales dequantised at ``slot`` and rounded to
+    ACT, a cache in ACT as loaded (SAME), the other 16-bit dtype rounded to ACT (exact
+    widening, one RNE rounding)."""
+    k_raw = tl.load(src, mask=kmask, other=0)
+    v_raw = tl.load(src + D, mask=kmask, other=0)
     if FP8 and SCALAR:  # fp16 operands (``operand_dtypes``)
         # K in registers by a pure conversion (one cvt per two codes where the hardware
         # converts; e4m3fnuz's assembly marked pure). e4m3fnuz in assembly: the values /

@@ -210,6 +210,60 @@ MAX_ROWS = 4
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _stream_loop(q, row_scale, u_rank, u_key, u_page, n_iter, seq32, g64, kv_ptr, kv_s0, kv_s1,
+                 kv_s2, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, ROWS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, D: tl.constexpr, P: tl.constexpr, WS: tl.constexpr,
+                 FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr, SCALAR: tl.constexpr,
+                 SAME: tl.constexpr, ASM: tl.constexpr):
+    """The block loop of a one-row program as ``WS`` key streams (the ``key_streams`` knob):
+    each union block's keys are cut into ``WS`` tiles of ``P / WS`` consecutive keys, tile
+    w of every block goes to stream w, and each stream is its own online softmax (running
+    max, sum, accumulator) over its tiles in ascending block order, computed by 3-D
+    ``tl.dot`` whose leading (stream) dimension Triton lays out over the warps: a warp's
+    softmax needs no other warp (no shared-memory exchange of maxima and P per block, the
+    2-D loop's barriers). The streams merge once at the end, exactly in fp32:
+    ``m = max_w m_w``, ``l = sum_w l_w 2^(m_w - m)``, ``acc = sum_w acc_w 2^(m_w - m)``.
+    Declared as ``Schedule(tile_keys=P / WS, key_streams=WS)``. Returns (m, l, acc) as the
+    2-D loop leaves them."""
+    BQ: tl.constexpr = P // WS
+    tl.static_assert(ROWS == 1, "key streams: one row per request")
+    ww = tl.arange(0, WS)
+    kin = ww[:, None] * BQ + tl.arange(0, BQ)[None, :]  # [WS, BQ]: key within the block
+    dd = tl.arange(0, D)
+    q3 = tl.broadcast_to(q[None, :, :], (WS, BLOCK_M, D))
+    scale3 = row_scale[None, :, None]
+    m_i = tl.full((WS, BLOCK_M), float("-inf"), tl.float32)
+    l_i = tl.zeros((WS, BLOCK_M), tl.float32)
+    acc = tl.zeros((WS, BLOCK_M, D), tl.float32)
+    lim = seq32 - 1  # the row's position: the last key it sees
+    for it in range(n_iter):
+        blk = tl.max(tl.where(u_rank == it, u_key, -1), axis=0) >> 4
+        page = tl.max(tl.where(u_rank == it, u_page, -1), axis=0)  # -1: a bad entry
+        page_ok = page >= 0
+        pg = tl.where(page_ok, page, 0).to(tl.int64)
+        key = blk * P + kin
+        kmask = (key <= lim) & page_ok
+        src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + kin[:, :, None].to(tl.int64) * kv_s2
+               + dd[None, None, :])
+        k, v = kv_tiles(src, (pg * P + kin)[:, :, None], kmask[:, :, None], ks_ptr, ks_s0,
+                        ks_s1, vs_ptr, vs_s0, vs_s1, g64, q.dtype, D, FP8, FMT, HW, SCALAR,
+                        SAME, ASM)
+        s = unit_back(tl.dot(q3, tl.trans(k, (0, 2, 1))), FP8, FMT, SCALAR, ASM)
+        s2 = tl.where(kmask[:, None, :], s * scale3, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s2, axis=2))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s2 - m_use[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, axis=2)
+        acc = acc * alpha[:, :, None] + tl.dot(p_operand(p, v, FP8, FMT, SCALAR), v)
+        m_i = m_new
+    m = tl.max(m_i, axis=0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    sc = tl.exp2(m_i - m_use[None, :])
+    return m, tl.sum(l_i * sc, axis=0), tl.sum(acc * sc[:, :, None], axis=0)
+
+
 # Counts and sizes vary from call to call: not specialised (one compile for every shape).
 @triton.jit(do_not_specialize=[
     "num_pages", "bt_cols", "topk_k", "group", "num_q_heads", "num_splits"])
@@ -227,7 +281,7 @@ def _decode_split_kernel(
         NBP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, DIRECT: tl.constexpr,
         REPAIR: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr, TRACE: tl.constexpr = False,
-        PDL: tl.constexpr = False):
+        PDL: tl.constexpr = False, WS: tl.constexpr = 1):
     await_previous_kernel(PDL)
     r64 = tl.program_id(0).to(tl.int64)
     g64 = tl.program_id(1).to(tl.int64)
@@ -318,6 +372,12 @@ def _decode_split_kernel(
     q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR, FMT)
     if REPAIR:
         n_iter = tl.where(go, n_iter, 0)
+    if WS > 1:  # one row: key streams, one per warp (``_stream_loop``)
+        m_i, l_i, acc = _stream_loop(
+            q, row_scale, u_rank, u_key, u_page, n_iter, seq32, g64, kv_ptr, kv_s0, kv_s1,
+            kv_s2, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, ROWS, BLOCK_M, D, P, WS, FP8,
+            FMT, HW, SCALAR, SAME, ASM)
+        n_iter = 0  # the block loop below runs no step
     for it in range(n_iter * SUB):
         ub = it // SUB
         off = (it % SUB) * BN  # the tile's first key in its block
@@ -335,8 +395,9 @@ def _decode_split_kernel(
         kmask = (key <= lim) & page_ok
         src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + (off + jj)[:, None].to(tl.int64) * kv_s2
                + dd[None, :])
-        k, v = kv_tiles(src, pg * P + off + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-                        g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
+        k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None], ks_ptr, ks_s0,
+                        ks_s1, vs_ptr, vs_s0, vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT,
+                        HW, SCALAR, SAME, ASM)
         # [BLOCK_M, BN], fp32 accumulation
         s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
         vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
@@ -523,6 +584,21 @@ class DecodePlan:
     out: torch.Tensor
 
 
+def check_key_streams(key_streams, page: int, rows: int, block_keys) -> int:
+    """The ``key_streams`` knob (None: 1): a power of two with ``page / key_streams >= 16``
+    keys per stream tile, for one row per request and whole-block tiles."""
+    if key_streams is None:
+        return 1
+    ws = check_int(key_streams, "key_streams", 1, max(1, page // 16))
+    if ws & (ws - 1):
+        fail("key_streams", f"must be a power of two, got {ws}")
+    if ws > 1 and rows != 1:
+        fail("key_streams", f"needs rows_per_request 1, got {rows}")
+    if ws > 1 and block_keys is not None:
+        fail("key_streams", "cannot be combined with block_keys")
+    return ws
+
+
 def _validate_contents(block_table, seq_lens, topk, rows, page, num_pages, scales):
     """``validate=True`` content checks (a host sync), each a ValueError naming the
     argument: seq_lens 0 or >= rows; the block table wide enough and its used entries
@@ -569,7 +645,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                             k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                             blocks_per_split=None, validate=False,
                             num_warps=None, num_stages=None, max_registers=None,
-                            block_keys=None, trace=None, workspace=None, pdl=False):
+                            block_keys=None, trace=None, workspace=None, pdl=False,
+                            key_streams=None):
     """Block-sparse GQA decode attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -617,7 +694,10 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     ``pdl``: programmatic dependent launch of the first pass (``kernels._triton.
     await_previous_kernel``; compiled, sm_90): it may start while the stream's previous
     kernel finishes, its programs waiting for it before touching memory; a no-op
-    interpreted."""
+    interpreted.
+    ``key_streams``: one query row per request only; the block loop as that many key
+    streams (``_stream_loop``: a power of two, ``P / key_streams >= 16``; None or 1: the
+    2-D loop), declared as ``DecodeSchedule(key_streams=...)``."""
     workspace = check_workspace(workspace)
     pdl_kw = pdl_options(pdl, INTERPRETED)
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
@@ -641,6 +721,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     rows_p = triton.next_power_of_2(p.rows)
     g_p = triton.next_power_of_2(grp)
     bn = check_block_keys(block_keys, p.page)
+    ws = check_key_streams(key_streams, p.page, p.rows, block_keys)
     tuned = (num_warps, num_stages, max_registers, block_keys) != (None,) * 4
     auto = {} if tuned else launch_defaults(p.rows, p.d, p.batch, p.hkv, p.topk_k,
                                             fixed_split=blocks_per_split is not None)
@@ -676,7 +757,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
                  ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), DIRECT=direct,
-                 SP=triton.next_power_of_2(splits), BN=bn, **opts)
+                 SP=triton.next_power_of_2(splits), BN=bn, WS=ws, **opts)
     if num_stages is None:  # the default, lowered until every pass fits shared memory
         # (the repair pass takes more: fp8, fp16 q, G 16, 4 rows asked for 268 KiB at 3
         # stages where the first pass fitted; found by the H200 fuzz run)
@@ -745,7 +826,7 @@ def compile_signatures():
 
 
 def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None,
-        workspace=None, block_keys: int | None = None) -> dict:
+        workspace=None, block_keys: int | None = None, key_streams: int | None = None) -> dict:
     """Oracle adapter (op ``attention_decode``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
@@ -757,7 +838,7 @@ def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None
     sparse_attention_decode(q, kv, inputs["kv_fmt"], bt, _ints(inputs["seq_lens"], dev), topk,
                             int(inputs["rows_per_request"]), ks, vs, out=out,
                             blocks_per_split=blocks_per_split, validate=validate,
-                            block_keys=block_keys,
+                            block_keys=block_keys, key_streams=key_streams,
                             workspace=workspace)
     return {"out": codes_of(out)}
 

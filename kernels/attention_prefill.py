@@ -363,8 +363,9 @@ def _prefill_kernel(
             kmask = (key <= lim) & page_ok
             src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + (off + jj)[:, None].to(tl.int64) * kv_s2
                    + dd[None, :])
-            k, v = kv_tiles(src, pg * P + off + jj, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0,
-                            vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT, HW, SCALAR, SAME, ASM)
+            k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None], ks_ptr, ks_s0,
+                            ks_s1, vs_ptr, vs_s0, vs_s1, g64, q_ptr.dtype.element_ty, D, FP8,
+                            FMT, HW, SCALAR, SAME, ASM)
             # [ROWS, BN], fp32 accumulation
             s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
             s_sc = s * row_scale[:, None]

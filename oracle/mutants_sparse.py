@@ -54,8 +54,8 @@ register(Mutant(
     "a per-(head, slot) scale lookup indexed by the token's position in its sequence "
     "instead of page * P + offset; correct only while the block table is the identity",
     patch("kernels.attention_prefill",
-          ("            k, v = kv_tiles(src, pg * P + off + jj, kmask,",
-           "            k, v = kv_tiles(src, key, kmask,"))))
+          ("            k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None],",
+           "            k, v = kv_tiles(src, key[:, None], kmask[:, None],"))))
 
 
 def _fnuz_as_fn(x: dict) -> dict:
