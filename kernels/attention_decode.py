@@ -532,16 +532,42 @@ def launch_defaults(rows: int, d: int, batch: int, hkv: int, topk_k: int,
         else {}
 
 
+#: Key streams (``_stream_loop``) by default for the fnuz formats' one-row programs outside
+#: the small-grid launch: their software decode makes the block loop issue-bound, and per-
+#: warp streams drop its cross-warp exchanges (sm_90, e4m3fn: loop 792 -> 644 SASS, 8 -> 2
+#: barriers). H200, model shape, batch 64 / 256 (session 27,
+#: ``reports/bench_attention_decode_key_streams*.md``, us): e5m2fnuz 63.7 -> 59.7 / 238.6 ->
+#: 224.9, e4m3fnuz 58.7 -> 57.5 at 64; e4m3fn 49.7 -> 49.4 / 184.9 -> 184.2 (no gain: its
+#: loop waits on DRAM), bf16 67.9 -> 78.7 / 255.3 -> 283.3 (slower): those keep one stream.
+DEFAULT_KEY_STREAMS = 4
+KEY_STREAM_FORMATS = ("e4m3fnuz", "e5m2fnuz")
+
+
+def default_key_streams(kv_fmt: str, rows: int, d: int, page: int, batch: int, hkv: int,
+                        topk_k: int, fixed_split: bool, block_keys) -> int:
+    """The launcher's key streams for a call (1: the 2-D loop): ``DEFAULT_KEY_STREAMS`` for
+    ``KEY_STREAM_FORMATS`` with one row per request, whole-block tiles, at least 16 keys
+    per stream tile, where ``launch_defaults`` keeps the plain launch (whatever launch
+    knobs are given, so the declared schedule follows the case alone)."""
+    small = launch_defaults(rows, d, batch, hkv, topk_k, fixed_split)
+    ok = (kv_fmt in KEY_STREAM_FORMATS and rows == 1 and block_keys is None and not small
+          and page % DEFAULT_KEY_STREAMS == 0 and page // DEFAULT_KEY_STREAMS >= 16)
+    return DEFAULT_KEY_STREAMS if ok else 1
+
+
 @dataclass(frozen=True)
 class DecodeSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
     calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
     ``blocks_per_split`` None: the launcher's default for the case's batch
     (``auto_blocks_per_split``; ``BLOCKS_PER_SPLIT`` without a case). ``block_keys``: the
-    launch knob's tiles (``Schedule.tile_keys``; None or the page size: whole blocks)."""
+    launch knob's tiles (``Schedule.tile_keys``; None or the page size: whole blocks).
+    ``key_streams`` None: the launcher's default for the case (``default_key_streams``);
+    an integer: the knob's (``Schedule.key_streams`` with ``tile_keys = P / key_streams``)."""
 
     blocks_per_split: int | None = None
     block_keys: int | None = None
+    key_streams: int | None = None
 
     def __call__(self, model_dtype: str, case: dict | None = None):
         from reference.attention import Schedule
@@ -551,11 +577,20 @@ class DecodeSchedule:
         if bps is None:
             bps = BLOCKS_PER_SPLIT if case is None else auto_blocks_per_split(
                 len(case["seq_lens"]), case["kv_cache"].shape[1], case["topk"].shape[-1])
+        ws = self.key_streams
+        if ws is None:
+            ws = 1 if case is None else default_key_streams(
+                case["kv_fmt"], int(case["rows_per_request"]), case["q"].shape[-1],
+                case["kv_cache"].shape[2], len(case["seq_lens"]), case["kv_cache"].shape[1],
+                case["topk"].shape[-1], self.blocks_per_split is not None, self.block_keys)
+        tile_keys = declared_tile_keys(self.block_keys, case)
+        if ws > 1:
+            tile_keys = case["kv_cache"].shape[2] // ws
         return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
                         blocks_per_tile=1, blocks_per_split=bps,
                         partial_dtype="float32", lse_dtype="float32", out_dtype=model_dtype,
-                        order="ascending", q_dtype=q_dtype,
-                        tile_keys=declared_tile_keys(self.block_keys, case))
+                        order="ascending", q_dtype=q_dtype, tile_keys=tile_keys,
+                        key_streams=ws)
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -696,8 +731,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     kernel finishes, its programs waiting for it before touching memory; a no-op
     interpreted.
     ``key_streams``: one query row per request only; the block loop as that many key
-    streams (``_stream_loop``: a power of two, ``P / key_streams >= 16``; None or 1: the
-    2-D loop), declared as ``DecodeSchedule(key_streams=...)``."""
+    streams (``_stream_loop``: a power of two, ``P / key_streams >= 16``; 1: the 2-D loop;
+    None: ``default_key_streams``), declared as ``DecodeSchedule(key_streams=...)``."""
     workspace = check_workspace(workspace)
     pdl_kw = pdl_options(pdl, INTERPRETED)
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
@@ -722,6 +757,9 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     g_p = triton.next_power_of_2(grp)
     bn = check_block_keys(block_keys, p.page)
     ws = check_key_streams(key_streams, p.page, p.rows, block_keys)
+    if key_streams is None:
+        ws = default_key_streams(kv_fmt, p.rows, p.d, p.page, p.batch, p.hkv, p.topk_k,
+                                 blocks_per_split is not None, block_keys)
     tuned = (num_warps, num_stages, max_registers, block_keys) != (None,) * 4
     auto = {} if tuned else launch_defaults(p.rows, p.d, p.batch, p.hkv, p.topk_k,
                                             fixed_split=blocks_per_split is not None)
@@ -806,7 +844,7 @@ def compile_signatures():
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, DIRECT=direct,
                      REPAIR=rows > 1 and i % 2 == 1,
                      SP=triton.next_power_of_2(triton.cdiv(k, nb)), TRACE=i == 0,
-                     BN=(128 if cache == "u8" else 64) // (2 if i == 1 else 1))
+                     BN=(128 if cache == "u8" else 64) // (2 if i == 1 else 1), WS=1)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_split_kernel, sig, const))
     for act in ("bf16",):
@@ -816,10 +854,11 @@ def compile_signatures():
         const = dict(D=128, BLOCK_H=16, SP=4)
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_decode_merge_kernel, sig, const))
-    # Programmatic dependent launch (the ``pdl`` knob) on the first combo (last, so the
-    # picks above keep their numbers).
+    # Programmatic dependent launch (the ``pdl`` knob) on the first combo, and e5m2fnuz's
+    # key streams (last, so the picks above keep their numbers).
     kernel, sig, const = out[0]
-    return out + [(kernel, sig, {**const, "TRACE": False, "PDL": True})]
+    return out + [(kernel, sig, {**const, "TRACE": False, "PDL": True}),
+                  (kernel, sig, {**const, "TRACE": False, "FMT": 3, "HW": False, "WS": 4})]
 
 
 # ----------------------------------------------------------------------------- adapter

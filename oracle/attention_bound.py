@@ -103,18 +103,22 @@ def _chunk_bound(s, a_mag, v, rank, sched, arith, d, dot_rel=0.0):
     x = s - m
     big_e = e.max(axis=1, keepdims=True)
     big_s = np.abs(s).max(axis=1, keepdims=True)
-    tiles = -(-n // RESCALE_KEYS)
+    # Rescalings of a key's P and sum: one per tile at most, one more at the end, and one
+    # per other key stream when streams merge (Schedule.key_streams).
+    tiles = -(-n // RESCALE_KEYS) + sched.key_streams - 1
     rho = (np.expm1(e + big_e + 2 * U * (np.abs(x) + 2 * big_s))
            + (tiles + 1) * (arith.exp2_rel + 2 * U)) * 1.001
     p = np.exp(x)
     if sched.p_max == "running" and sched.p_dtype != "float64":
         tile = rank // sched.blocks_per_tile
         ref = np.empty_like(s)
-        run = np.full((s.shape[0],), -np.inf)
+        run = np.full((sched.key_streams, s.shape[0]), -np.inf)  # per key stream
         for t in range(int(tile.max()) + 1):
             cols = tile == t
-            run = np.maximum(run, s[:, cols].max(axis=1))
-            ref[:, cols] = run[:, None]
+            if cols.any():
+                w = t % sched.key_streams  # tile_keys x key_streams = P: a tile's stream
+                run[w] = np.maximum(run[w], s[:, cols].max(axis=1))
+                ref[:, cols] = run[w][:, None]
     else:
         ref = np.broadcast_to(m, s.shape)
     y, f = np.exp(s - ref), np.exp(ref - m)

@@ -147,11 +147,31 @@ def attention_chunk_fp32(q, k, v, rank, sched, arith, sigma, bg, mma=False):
                                .astype(F32), bg)
     s = (dot * scale2).astype(F32)  # [G, n], log2 units
     tiles = rank // sched.blocks_per_tile if sched.p_max == "running" else np.zeros_like(rank)
-    g_, d = q.shape[0], q.shape[1]
+    streams = [_online_fp32(s, v, tiles, tiles % sched.key_streams == w, sched, arith, bg,
+                            mma) for w in range(sched.key_streams)]
+    m, acc, l_sum = streams[0]
+    if len(streams) > 1:  # the streams merged once, in fp32 (Schedule.key_streams)
+        ms = np.stack([st[0] for st in streams])  # [S, G, 1]
+        m = ms.max(axis=0)
+        m0 = np.where(np.isfinite(m), m, F32(0))
+        sc = np.where(np.isfinite(ms), _exp2((ms - m0).astype(F32), arith, bg), F32(0))
+        acc = random_order_sum(np.stack([(st[1] * c).astype(F32) for st, c in
+                                         zip(streams, sc)]).transpose(1, 2, 0), bg)
+        l_sum = random_order_sum(np.stack([(st[2] * c).astype(F32) for st, c in
+                                           zip(streams, sc)]).transpose(1, 2, 0), bg)
+    out = within_ulps(acc.astype(np.float64) / l_sum.astype(np.float64), arith.div_ulp, bg)
+    lse = (m.astype(np.float64) * np.log(2) + np.log(l_sum.astype(np.float64)))[:, 0]
+    return out, within_ulps(lse, 2.0, bg)
+
+
+def _online_fp32(s, v, tiles, mine, sched, arith, bg, mma):
+    """The online softmax over the tiles of ``tiles`` where ``mine`` (one key stream):
+    its fp32 running max ``[G, 1]``, accumulator ``[G, D]`` and sum ``[G, 1]``."""
+    g_, d = s.shape[0], v.shape[1]
     m = np.full((g_, 1), -np.inf, F32)
     acc = np.zeros((g_, d), F32)
     l_sum = np.zeros((g_, 1), F32)
-    for t in np.unique(tiles):
+    for t in np.unique(tiles[mine]):
         cols = tiles == t
         st = s[:, cols]
         m_new = np.maximum(m, st.max(axis=1, keepdims=True))
@@ -167,9 +187,7 @@ def attention_chunk_fp32(q, k, v, rank, sched, arith, sigma, bg, mma=False):
         acc = ((acc * alpha).astype(F32) + pv).astype(F32)
         l_sum = ((l_sum * alpha).astype(F32) + random_order_sum(p, bg)[:, None]).astype(F32)
         m = m_new
-    out = within_ulps(acc.astype(np.float64) / l_sum.astype(np.float64), arith.div_ulp, bg)
-    lse = (m.astype(np.float64) * np.log(2) + np.log(l_sum.astype(np.float64)))[:, 0]
-    return out, within_ulps(lse, 2.0, bg)
+    return m, acc, l_sum
 
 
 def attention_row_fp32(q, k, v, chunk, rank, sched, arith, sigma, bg, mma=False):

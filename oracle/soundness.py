@@ -193,7 +193,8 @@ def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None,
                         dot_rel: float = 0.0) -> dict:
     """Adversarial fp32 evaluations (``oracle.emulate.attention_row_fp32``) of seeded tiny
     and small attention cases under several schedules (exact, vLLM-like with running tiles,
-    split-K with bf16 partials): every rounded output must be admissible. ``cases`` counts
+    split-K with bf16 partials; ``schedules`` to choose, a callable taking the case's page
+    size and returning one): every rounded output must be admissible. ``cases`` counts
     (row, query head) pairs. ``dot_rel`` > 0: both products on emulated tensor cores
     (``tensor_core_sum``), judged by the bound with that declared ``score_rel``; the
     schedules then keep K/V in the model dtype (16-bit MMA operands)."""
@@ -222,6 +223,8 @@ def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None,
                     md, ("none", "slot")[i % 3 != 0 and i % 7 == 0] if i % 3 else "none",
                     seed=seed * 100_000 + i)
         x = make_inputs(case)
+        if callable(sched):  # a schedule of the case's page size (key streams)
+            sched = sched(x["kv_cache"].shape[2])
         exact = attention_call(x, schedule=sched, return_details=True).unrounded
         bound = attention_bound(x, sched, arith, dot_rel=dot_rel)
         seq = np.asarray(x["seq_lens"], np.int64)
@@ -270,6 +273,8 @@ def attention_power(cases: int = 2_000, seed: int = 2) -> dict:
                     ("normal", "outliers")[i % 4 == 0], "cuda", ("auto", "fp8")[i % 3 == 1], md,
                     seed=seed * 100_000 + i)
         x = make_inputs(case)
+        if callable(sched):  # a schedule of the case's page size (key streams)
+            sched = sched(x["kv_cache"].shape[2])
         exact = attention_call(x, schedule=sched, return_details=True).unrounded
         bound = attention_bound(x, sched, arith)
         shares.append(one_step_power(exact, bound, md))

@@ -114,6 +114,13 @@ class Schedule:
         ``e * P / tile_keys + i``): exactly that order, and a block's tiles past a row's
         position are the last of its selection, so a split chunk of ``blocks_per_split``
         blocks is one of ``blocks_per_split * P / tile_keys`` such blocks.
+    key_streams
+        1: one online softmax per split chunk. S > 1 (with ``tile_keys = P / S`` and
+        ``p_max`` "running"; a kernel that gives each warp its own slice of every block):
+        tile i of every block goes to stream i, each stream rounds P relative to its own
+        running max (over its tiles 0..t, block by block), and the streams of a chunk
+        combine exactly before the chunk's partial rounding: ``P_j = round(exp(s_j -
+        m_{w,t})) * exp(m_{w,t} - m)``.
     blocks_per_split, partial_dtype, lse_dtype
         ``None``: no split-K; ``out = sum_j P_j V_j / l``. An integer n: the row's selected
         blocks, in ``order`` and counted among the valid entries only (ranks 0, 1, ...),
@@ -158,6 +165,7 @@ class Schedule:
     order: str = "ascending"
     q_dtype: str = "given"
     tile_keys: int | None = None
+    key_streams: int = 1
 
     def __post_init__(self):
         for name in ("kv_dtype", "p_dtype", "partial_dtype", "lse_dtype", "out_dtype"):
@@ -182,6 +190,12 @@ class Schedule:
             if self.blocks_per_tile != 1 or self.order != "ascending":
                 raise ValueError("tile_keys needs blocks_per_tile 1 and order 'ascending', "
                                  f"got {self.blocks_per_tile} and {self.order!r}")
+        ks = self.key_streams
+        if not isinstance(ks, int) or ks < 1:
+            raise ValueError(f"key_streams must be an integer >= 1, got {ks!r}")
+        if ks > 1 and (tk is None or self.p_max != "running"):
+            raise ValueError("key_streams > 1 needs tile_keys and p_max 'running', "
+                             f"got tile_keys {tk!r} and p_max {self.p_max!r}")
 
 
 EXACT = Schedule()
@@ -317,6 +331,9 @@ def _check_common(q, kv_cache, kv_fmt, block_table, seq_lens, topk, k_scale, v_s
     if schedule.tile_keys is not None and page % schedule.tile_keys:
         raise ValueError(f"tile_keys (of the schedule) must divide the page size P = "
                          f"{page}, got {schedule.tile_keys}")
+    if schedule.key_streams > 1 and schedule.tile_keys * schedule.key_streams != page:
+        raise ValueError(f"key_streams x tile_keys (of the schedule) must be the page size "
+                         f"P = {page}, got {schedule.key_streams} x {schedule.tile_keys}")
     if validate not in (True, False):
         raise ValueError(f"validate must be True or False, got {validate!r}")
     if validate:
@@ -539,7 +556,8 @@ def _attend(q, cache, fmt, bt, row_req, row_pos, seq, tk, ks, vs, scale, sched):
         sub = page // sched.tile_keys
         bps = sched.blocks_per_split
         cache, bt, tk = _tiles_as_pages(cache, bt, tk, sched.tile_keys)
-        sched = replace(sched, tile_keys=None, blocks_per_split=bps and bps * sub)
+        # tile_keys kept (now the page size: no further cut) for key_streams' check
+        sched = replace(sched, blocks_per_split=bps and bps * sub)
         return _attend(q, cache, fmt, bt, row_req, row_pos, seq, tk, ks, vs, scale, sched)
     grp = hq // hkv
     out = np.zeros((t_rows, hq, d))
@@ -652,7 +670,8 @@ def _attend_chunk(qg, sel, req, pos, seq, bt, page, g, kdec, vdec, sched, bps, b
                 logits[e, :, :v] = s
                 pmax[e] = s.max(axis=1)
 
-    m, ref, factor = _maxima(pmax, pi, pk, pc, n, ns, bps, sched)
+    stream = u_blk[pu] % sched.key_streams  # a tile's stream: its index in its block
+    m, ref, factor = _maxima(pmax, pi, pk, pc, n, ns, bps, sched, stream)
 
     num = np.zeros((n, ns, grp, d))
     psum = np.empty((pi.size, grp))
@@ -702,12 +721,13 @@ def _attend_chunk(qg, sel, req, pos, seq, bt, page, g, kdec, vdec, sched, bps, b
     return _combine(num, m, l_sum, sched)
 
 
-def _maxima(pmax, pi, pk, pc, n, ns, bps, sched):
+def _maxima(pmax, pi, pk, pc, n, ns, bps, sched, stream):
     """From per-pair maxima ``[pairs, G]``: the split max ``m [n, ns, G]``, each pair's
     reference max ``ref`` for P (the split max, or with ``p_max="running"`` the running
-    max of its tile) and ``factor = exp(ref - m)`` rescaling its P @ V and its sum to the
-    split max (None when ref is the split max). Non-finite maxima (NaN content) are
-    replaced by 0 so that they propagate as NaN rather than produce spurious values."""
+    max of its tile within its key stream ``stream``, ``Schedule.key_streams``) and
+    ``factor = exp(ref - m)`` rescaling its P @ V and its sum to the split max (None when
+    ref is the split max). Non-finite maxima (NaN content) are replaced by 0 so that they
+    propagate as NaN rather than produce spurious values."""
     grp = pmax.shape[1]
     with np.errstate(invalid="ignore", over="ignore"):
         m = np.full((n, ns, grp), -np.inf)
@@ -718,9 +738,9 @@ def _maxima(pmax, pi, pk, pc, n, ns, bps, sched):
         bpt = sched.blocks_per_tile
         nt = -(-bps // bpt)
         pt = (pk % bps) // bpt
-        tmax = np.full((n, ns, nt, grp), -np.inf)
-        np.maximum.at(tmax, (pi, pc, pt), pmax)
-        run = np.maximum.accumulate(tmax, axis=2)[pi, pc, pt]
+        tmax = np.full((n, ns, sched.key_streams, nt, grp), -np.inf)
+        np.maximum.at(tmax, (pi, pc, stream, pt), pmax)
+        run = np.maximum.accumulate(tmax, axis=3)[pi, pc, stream, pt]
         ref = np.where(np.isfinite(run), run, m0)
         return m, ref, np.exp(ref - m0)
 

@@ -143,6 +143,56 @@ def test_key_tiles_match_reference_under_their_schedule(kv_fmt, rows, block_keys
                              inputs=x).passed
 
 
+@pytest.mark.parametrize("kv_fmt, key_streams, scales", [
+    ("e4m3fn", 4, "tensor"),
+    ("bfloat16", 2, "none"),
+    ("e4m3fnuz", 4, "slot"),
+    ("e5m2fnuz", 4, "tensor"),
+])
+def test_key_streams_match_reference_under_their_schedule(kv_fmt, key_streams, scales):
+    """The block loop as per-warp key streams (the ``key_streams`` knob; P 64, one row per
+    request, splits of two blocks, a padding request, last blocks cut anywhere, stream
+    tiles past a row's position) passes the oracle under the schedule it declares
+    (``Schedule.key_streams``); for bf16 P the one-stream schedule rejects the same output
+    (the declaration has teeth)."""
+    x = make_inputs(kv_fmt, scales=scales, hkv=2, group=4, d=64, page=64, rows=1,
+                    seq_lens=(37, 150, 0, 9, 64, 65, 300, 191), k=3, seed=4)
+    run = functools.partial(ad.run, blocks_per_split=2, key_streams=key_streams)
+    streams = replace(_impl(2), run=run,
+                      schedule=ad.DecodeSchedule(2, key_streams=key_streams))
+    res = run_check(_case(x), streams, inputs=x)
+    assert res.passed, res.summary()
+    if kv_fmt == "bfloat16":
+        assert not run_check(_case(x), replace(streams, schedule=ad.DecodeSchedule(
+            2, key_streams=1)), inputs=x).passed
+
+
+def test_fnuz_one_row_decode_takes_key_streams_by_default():
+    """The registered implementation on an e5m2fnuz one-row batch past the small grid (P
+    64, Hkv 4, 12 requests) declares four key streams of 16 keys and is admitted by the
+    oracle; with two rows per request, or e4m3fn, it declares one stream."""
+    x = make_inputs("e5m2fnuz", scales="tensor", hkv=4, group=2, d=64, page=64, rows=1,
+                    seq_lens=tuple(range(40, 40 + 12 * 23, 23)), k=3, seed=6)
+    s = schedule_for(_impl(), "bfloat16", x)
+    assert (s.key_streams, s.tile_keys) == (4, 16)
+    _passes(x)
+    assert schedule_for(_impl(), "bfloat16", dict(x, rows_per_request=2)).key_streams == 1
+    fn = make_inputs("e4m3fn", scales="tensor", hkv=4, group=2, d=64, page=64, rows=1,
+                     seq_lens=tuple(range(40, 40 + 12 * 23, 23)), k=3, seed=6)
+    assert schedule_for(_impl(), "bfloat16", fn).key_streams == 1
+
+
+@pytest.mark.parametrize("key_streams, rows, block_keys", [(3, 1, None), (8, 1, None),
+                                                           (2, 2, None), (2, 1, 32)])
+def test_key_streams_must_fit_the_page_and_one_row(key_streams, rows, block_keys):
+    """key_streams not a power of two, leaving fewer than 16 keys per stream tile (P 64),
+    with several rows per request or with block_keys is refused with a ValueError naming
+    it."""
+    x = make_inputs("e4m3fn", scales="tensor", page=64, rows=rows, seq_lens=(70,), k=2)
+    with pytest.raises(ValueError, match="key_streams"):
+        ad.run(x, key_streams=key_streams, block_keys=block_keys)
+
+
 @pytest.mark.parametrize("block_keys", [8, 48, 128])
 def test_block_keys_must_be_a_power_of_two_tile_of_the_page(block_keys):
     """block_keys below 16, not dividing the page size (64), or past it is refused with a

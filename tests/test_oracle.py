@@ -218,6 +218,33 @@ def test_attention_bound_is_sound_on_10000_adversarial_rows():
     assert r["max_err_over_bound"] <= 1.0, r
 
 
+def key_streams_schedule(md: str, splits: int | None):
+    """A schedule of key streams (the decode kernel's ``key_streams``): four streams of P/4
+    keys where the page allows (tiles of at least one key), else two."""
+    from reference import attention as att
+
+    def make(page):
+        streams = 4 if page % 4 == 0 else 2
+        return att.Schedule(kv_dtype=md, p_dtype=md, p_max="running", out_dtype=md,
+                            tile_keys=page // streams, key_streams=streams,
+                            blocks_per_split=splits, partial_dtype="float32")
+    return make
+
+
+def test_attention_bound_is_sound_with_key_streams():
+    """Rows evaluated as a kernel whose warps each keep their own online softmax over one
+    slice of every block (Schedule.key_streams: P rounded relative to the stream's running
+    max, the streams merged in fp32 with exp2 at the edge of its error), with and without
+    split-K: every rounded output is admissible and no value lies beyond its bound."""
+    from oracle.soundness import attention_soundness
+
+    r = attention_soundness(600, seed=7, schedules=[
+        key_streams_schedule("bfloat16", None), key_streams_schedule("float16", 2),
+        key_streams_schedule("bfloat16", 1)])
+    assert r["cases"] >= 600 and r["violations"] == 0, r
+    assert r["max_err_over_bound"] <= 1.0, r
+
+
 @pytest.mark.slow
 def test_attention_bound_with_tensor_cores_is_sound():
     """Both products summed as tensor cores do (exact 16-bit products, k-steps aligned to

@@ -248,15 +248,17 @@ def literal_attention(case, schedule=EXACT, softmax_scale=None):
                     keys = [j for j in span if j <= p and j < case.seq_lens[r]]
                     if not keys:
                         continue  # a tile past the row's position: nothing to attend
+                    # key_streams: a tile's stream is its index within its block
+                    stream = (span[0] % page) // s_.tile_keys if s_.key_streams > 1 else 0
                     keys = np.array(keys, dtype=np.int64)
                     k = _dequant(case, r, g, keys, 0, s_.kv_dtype)
                     v = _dequant(case, r, g, keys, 1, s_.kv_dtype)
-                    tiles.append((scale * (k @ case.q[t, qh]), v))
-                m = max(float(np.max(lg)) for lg, _ in tiles)
-                acc, total, run = np.zeros(d), 0.0, -np.inf
-                for lg, v in tiles:
-                    run = max(run, float(np.max(lg)))
-                    ref = run if s_.p_max == "running" else m
+                    tiles.append((scale * (k @ case.q[t, qh]), v, stream))
+                m = max(float(np.max(lg)) for lg, _, _ in tiles)
+                acc, total, run = np.zeros(d), 0.0, {}
+                for lg, v, w in tiles:
+                    run[w] = max(run.get(w, -np.inf), float(np.max(lg)))
+                    ref = run[w] if s_.p_max == "running" else m
                     p_raw = np.exp(lg - ref)
                     total += p_raw.sum() * math.exp(ref - m)
                     acc += (_r(p_raw, s_.p_dtype) * math.exp(ref - m)) @ v
@@ -684,6 +686,26 @@ def test_tiles_of_keys_follow_the_literal_loop_and_a_whole_block_tile_is_the_blo
     got = case.call(schedule=tiles)
     assert_close(got, literal_attention(case, tiles)[0])
     assert not np.array_equal(got, case.call(schedule=block))
+
+
+def test_key_streams_follow_the_literal_loop_and_move_rounded_results():
+    """key_streams = S with tile_keys = P / S: tile i of every block in stream i, P rounded
+    against the stream's own running max (the literal loop), split-K and per-slot scales
+    included; it moves results of a bf16-P schedule (not a vacuous knob), changes nothing
+    with unrounded P, and a schedule that does not tile P into its streams is refused."""
+    case = make_case(27, topk=5, max_blocks=5, n_req=2, page=32, scales="slot")
+    tiles = Schedule(p_dtype="bfloat16", p_max="running", blocks_per_split=2, tile_keys=8)
+    streams = replace(tiles, key_streams=4)
+    got = case.call(schedule=streams)
+    assert_close(got, literal_attention(case, streams)[0])
+    assert not np.array_equal(got, case.call(schedule=tiles))
+    exact_p = replace(streams, p_dtype="float64")
+    assert_close(case.call(schedule=exact_p), case.call(schedule=replace(exact_p,
+                                                                         key_streams=1)))
+    with pytest.raises(ValueError, match="key_streams"):
+        case.call(schedule=replace(streams, key_streams=2))
+    with pytest.raises(ValueError, match="key_streams"):
+        Schedule(key_streams=2)
 
 
 def test_key_tiles_with_no_query_tokens_give_an_empty_output():
