@@ -300,6 +300,20 @@ _E4M3FNUZ_F16X4_UNIT: tl.constexpr = tl.constexpr(
     "prmt.b32 a, m, 0, 0x4140; prmt.b32 b, v, 0, 0x1404; mad.lo.u32 $0, a, 128, b; "
     "prmt.b32 a, m, 0, 0x4342; prmt.b32 b, v, 0, 0x3424; mad.lo.u32 $1, a, 128, b; }")
 
+#: The same values in 11 instructions: the 0x80 bytes marked by ``prmt``'s sign-replicating
+#: selectors (r = 0xFF in those bytes, from z's bit 7: one instruction where z - (z >> 7)
+#: took two), the sign bytes v = s | r, and per half v one byte up and r in the low byte:
+#: 0xFFFF (a NaN) for 0x80, s|0eeee|mmm0000000 otherwise (r is 0 there). Not yet the one
+#: the kernels use (``_E4M3FNUZ_F16X4_UNIT``): the CPU simulator passes it on every code;
+#: it waits for the H200's codec tests and an A/B.
+_E4M3FNUZ_F16X4_UNIT11: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 m, t, z, r, v, a, b; "
+    "and.b32 m, $2, 0x7F7F7F7F; add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; "
+    "and.b32 z, $2, t; and.b32 z, z, 0x80808080; prmt.b32 r, z, 0, 0xBA98; "
+    "and.b32 v, $2, 0x80808080; or.b32 v, v, r; "
+    "prmt.b32 a, m, 0, 0x4140; prmt.b32 b, v, r, 0x1504; mad.lo.u32 $0, a, 128, b; "
+    "prmt.b32 a, m, 0, 0x4342; prmt.b32 b, v, r, 0x3726; mad.lo.u32 $1, a, 128, b; }")
+
 #: What ``decode_fp8_f16(..., UNIT=True)`` returns: the code's value / F16_UNIT (e4m3fnuz in
 #: assembly; 1 for every other format and branch: ``times_f16_unit``).
 F16_UNIT: tl.constexpr = tl.constexpr(128.0)
@@ -347,6 +361,16 @@ _E5M2FNUZ_BF16X4_UNIT: tl.constexpr = tl.constexpr(
     "and.b32 t, $2, 0x80808080; or.b32 v, v, t; "
     "prmt.b32 a, m, 0, 0x4140; prmt.b32 b, v, z, 0x1504; mad.lo.u32 $0, a, 32, b; "
     "prmt.b32 a, m, 0, 0x4342; prmt.b32 b, v, z, 0x3726; mad.lo.u32 $1, a, 32, b; }")
+
+#: The same values in 11 instructions, as ``_E4M3FNUZ_F16X4_UNIT11`` (0x80 -> 0xFFFF, a bf16
+#: NaN; no bump of the magnitude needed). Simulator-tested; waits for the H200.
+_E5M2FNUZ_BF16X4_UNIT11: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 m, t, z, r, v, a, b; "
+    "and.b32 m, $2, 0x7F7F7F7F; add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; "
+    "and.b32 z, $2, t; and.b32 z, z, 0x80808080; prmt.b32 r, z, 0, 0xBA98; "
+    "and.b32 v, $2, 0x80808080; or.b32 v, v, r; "
+    "prmt.b32 a, m, 0, 0x4140; prmt.b32 b, v, r, 0x1504; mad.lo.u32 $0, a, 32, b; "
+    "prmt.b32 a, m, 0, 0x4342; prmt.b32 b, v, r, 0x3726; mad.lo.u32 $1, a, 32, b; }")
 
 #: What ``decode_fp8_f16(..., UNIT=True)`` returns for e5m2fnuz: bf16, the code's value /
 #: BF16_UNIT (assembly and interpreter alike, so the declared schedule is one: ``kernels.

@@ -23,8 +23,15 @@ def _f16x2_mul(a: int, b: int) -> int:
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
+    """``prmt.b32`` (default mode): output byte i is byte ``n & 7`` of {b, a} for selector
+    nibble n, or with n's bit 3 set that byte's sign bit replicated (0xFF / 0x00)."""
     src = (a | b << 32).to_bytes(8, "little")
-    return int.from_bytes(bytes(src[(sel >> 4 * i) & 7] for i in range(4)), "little")
+
+    def pick(n):
+        byte = src[n & 7]
+        return (0xFF if byte & 0x80 else 0x00) if n & 8 else byte
+
+    return int.from_bytes(bytes(pick((sel >> 4 * i) & 15) for i in range(4)), "little")
 
 
 OPS = {
@@ -109,8 +116,19 @@ def test_fnuz_assembly_decodes_every_code_in_every_byte(fmt, asm, position):
         assert same_float(lanes, decode(word, fmt)).all(), (code, word, lanes)
 
 
+def test_prmt_simulation_copies_or_sign_replicates_bytes():
+    """The simulator's prmt: nibble k (0-7) copies byte k of {b, a}; with bit 3 set it
+    writes 0xFF for a byte whose bit 7 is set, 0x00 otherwise (PTX ISA, prmt default mode)."""
+    a, b = 0x80_7F_01_FE, 0x00_81_40_C3
+    assert _prmt(a, b, 0x7654) == b and _prmt(a, b, 0x3210) == a
+    assert _prmt(a, b, 0xBA98) == 0xFF_00_00_FF
+    assert _prmt(a, b, 0xFEDC) == 0x00_FF_00_FF
+    assert _prmt(a, 0, 0x4140) == 0x00_01_00_FE
+
+
+@pytest.mark.parametrize("asm", ["_E4M3FNUZ_F16X4_UNIT", "_E4M3FNUZ_F16X4_UNIT11"])
 @pytest.mark.parametrize("position", range(4))
-def test_fnuz_unit_assembly_decodes_every_code_to_its_value_over_the_unit(position):
+def test_fnuz_unit_assembly_decodes_every_code_to_its_value_over_the_unit(position, asm):
     """The attention kernels' e4m3fnuz operand assembly (``decode_fp8_f16(..., UNIT=True)``)
     gives each code's reference value divided by F16_UNIT exactly (subnormal codes as fp16
     subnormals, 0x80 a NaN, +-240 / 128), code k into half (k % 2) of output register k // 2,
@@ -119,7 +137,7 @@ def test_fnuz_unit_assembly_decodes_every_code_to_its_value_over_the_unit(positi
     for code in range(256):
         word = rng.integers(0, 256, 4, dtype=np.uint8)
         word[position] = code
-        out = run_ptx(fp8._E4M3FNUZ_F16X4_UNIT.value, {"$2": int(word.view(np.uint32)[0])})
+        out = run_ptx(getattr(fp8, asm).value, {"$2": int(word.view(np.uint32)[0])})
         lanes = np.array([out["$0"], out["$1"]], np.uint32).view(np.uint16).view(np.float16)
         want = decode(word, "e4m3fnuz") / float(fp8.F16_UNIT.value)
         assert same_float(lanes.astype(np.float64), want).all(), (code, word, lanes)
@@ -160,8 +178,10 @@ def test_encode_assembly_equals_reference_whatever_nan_the_cast_writes(fmt, asm,
                 assert np.array_equal(got, w), (nan_code, quad, got, w)
 
 
+@pytest.mark.parametrize("asm", ["_E5M2FNUZ_BF16X4_UNIT", "_E5M2FNUZ_BF16X4_UNIT11"])
 @pytest.mark.parametrize("position", range(4))
-def test_e5m2fnuz_bf16_unit_assembly_decodes_every_code_to_its_value_over_the_unit(position):
+def test_e5m2fnuz_bf16_unit_assembly_decodes_every_code_to_its_value_over_the_unit(position,
+                                                                                   asm):
     """The attention kernels' e5m2fnuz operand assembly (``decode_fp8_f16(..., UNIT=True)``)
     gives each code's reference value divided by BF16_UNIT (2^111) exactly as bf16
     (subnormal codes as bf16 subnormals, the top binade up to 57344 / 2^111, 0x80 a NaN),
@@ -171,7 +191,7 @@ def test_e5m2fnuz_bf16_unit_assembly_decodes_every_code_to_its_value_over_the_un
     for code in range(256):
         word = rng.integers(0, 256, 4, dtype=np.uint8)
         word[position] = code
-        out = run_ptx(fp8._E5M2FNUZ_BF16X4_UNIT.value, {"$2": int(word.view(np.uint32)[0])})
+        out = run_ptx(getattr(fp8, asm).value, {"$2": int(word.view(np.uint32)[0])})
         halves = np.array([out["$0"], out["$1"]], np.uint32).view(np.uint16)
         lanes = (halves.astype(np.uint32) << 16).view(np.float32)  # bf16 bits -> fp32
         want = decode(word, "e5m2fnuz") / float(fp8.BF16_UNIT.value)
