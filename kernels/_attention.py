@@ -92,17 +92,22 @@ def p_operand(p, v, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr):
 @triton.jit
 def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
              ACT: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr,
-             HW: tl.constexpr, SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr):
+             HW: tl.constexpr, SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr,
+             PRE: tl.constexpr = False):
     """One block's K and V operands ``[..., keys, D]``: the codes at ``src`` (K) and ``src +
     D`` (V) loaded where ``kmask`` (``[..., keys, 1]``, as ``slot``; 0 elsewhere), then
     fp8 with scalar scales as their exact values in fp16 (``scales_outside``: the caller
     applies the scales to the logits and the output; q is fp16 too, ``q_operand``; e5m2fnuz
     bf16 values / 2^111), fp8 with per-slot scales dequantised at ``slot`` and rounded to
     ACT, a cache in ACT as loaded (SAME), the other 16-bit dtype rounded to ACT (exact
-    widening, one RNE rounding)."""
+    widening, one RNE rounding). PRE: the cache at ``src`` already holds those scalar-scale
+    fp8 operands (``kernels.kv_predecode``): used as loaded."""
     k_raw = tl.load(src, mask=kmask, other=0)
     v_raw = tl.load(src + D, mask=kmask, other=0)
-    if FP8 and SCALAR:  # fp16 operands (``operand_dtypes``)
+    if PRE:
+        k = k_raw
+        v = v_raw
+    elif FP8 and SCALAR:  # fp16 operands (``operand_dtypes``)
         # K in registers by a pure conversion (one cvt per two codes where the hardware
         # converts; e4m3fnuz's assembly marked pure). e4m3fnuz in assembly: the values /
         # F16_UNIT (bit placement, no conversion); the kernels multiply the logits and the

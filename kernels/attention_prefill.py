@@ -115,11 +115,12 @@ adapter registered as implementation ``"triton"`` of op ``"attention_prefill"``.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from kernels import kv_predecode
 from kernels._attention import (
     MAX_CONTEXT,
     adapter_tensors,
@@ -149,6 +150,7 @@ from kernels._host import (
 )
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
+from kernels.kv_predecode import predecode_pages
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
 #: H200, model shape, 8k new tokens on an 8k prefix (reports/bench_attention_prefill.json,
@@ -284,7 +286,8 @@ def _prefill_kernel(
         BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
         KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
-        BN: tl.constexpr, TIER: tl.constexpr = 0, WIDE_T: tl.constexpr = 1):
+        BN: tl.constexpr, TIER: tl.constexpr = 0, WIDE_T: tl.constexpr = 1,
+        PRE: tl.constexpr = False):
     """TIER (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the
     tiles ``_tier_kernel`` marked at ``tier_ptr`` (one int32 per program) to 2, the narrow
     pass (``BLOCK_T`` tokens nested in the wide pass's ``WIDE_T``), which takes only the
@@ -365,7 +368,7 @@ def _prefill_kernel(
                    + dd[None, :])
             k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None], ks_ptr, ks_s0,
                             ks_s1, vs_ptr, vs_s0, vs_s1, g64, q_ptr.dtype.element_ty, D, FP8,
-                            FMT, HW, SCALAR, SAME, ASM)
+                            FMT, HW, SCALAR, SAME, ASM, PRE)
             # [ROWS, BN], fp32 accumulation
             s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
             s_sc = s * row_scale[:, None]
@@ -533,7 +536,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                              validate=False, block_rows=None, num_warps=None,
                              num_stages=None, delegate_ratio=None, narrow_warps=None,
-                             narrow_stages=None, block_keys=None):
+                             narrow_stages=None, block_keys=None, predecode=False):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -565,7 +568,12 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     pipeline stage and fewer registers (the default stage depth follows the tile's bytes).
     H200, model shape, random selections, e4m3fn (session 26,
     ``reports/bench_attention_prefill_block_keys.md``): 4.73 ms with whole blocks, 5.41
-    with 64-key tiles: the default stays whole blocks."""
+    with 64-key tiles: the default stays whole blocks.
+    predecode: an fp8 cache with scalar (or no) scales only: the batch's pages decoded once
+    to the kernels' 16-bit operands (``kernels.kv_predecode``; a scratch of ``B x
+    max_blocks`` pages of 2-byte values) and the wide tier run on them as on a 16-bit
+    cache; the narrow tier reads the fp8 codes. Same operands and loop, so the output is
+    the same bit for bit (tested); speed only."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
@@ -604,8 +612,19 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                            KP=const["KP"], P=p.page,
                            num_warps=max(1, min(8, block_t * const["KP"]
                                                 // TIER_ENTRIES_PER_WARP)))
-    _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
-                  tier, {**const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
+    if not isinstance(predecode, bool):
+        fail("predecode", f"must be True or False, got {predecode!r}")
+    wide_p, wide_kv, wide_bt, wide_const = p, kv_cache, block_table, const
+    if predecode:
+        if not (p.fp8 and const["SCALAR"]):
+            fail("predecode", "needs an fp8 cache with scalar (or no) scales")
+        dtype = torch.bfloat16 if kv_fmt == "e5m2fnuz" else torch.float16
+        wide_kv, wide_bt = predecode_pages(kv_cache, block_table, seq_lens, const["FMT"],
+                                           const["HW"], const["ASM"], dtype)
+        wide_p = replace(p, num_pages=wide_kv.shape[0])
+        wide_const = {**const, "PRE": True}
+    _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
+                  tier, {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
                   num_stages is None)
     if tiers:
         _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
@@ -645,10 +664,12 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
             flags if tier is None else tier,
             float(np.float32(p.softmax_scale * LOG2E)), grp)
     passes = (False, True) if block_t > 1 else (False,)
+    pre = const.get("PRE", False)  # a 16-bit (predecoded) cache: its stage depth
     if fit_stages:  # the guess, lowered until both passes fit shared memory
         const["num_stages"] = min(
             fitting_stages(_prefill_kernel, args, {**const, "REPAIR": r}, q.device,
-                           deepest=_num_stages(const["BN"], p.d, p.fp8)) for r in passes)
+                           deepest=_num_stages(const["BN"], p.d, p.fp8 and not pre))
+            for r in passes)
     # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
     # their rows must not see are flagged by the first and recomputed by the second.
     for repair in passes:
@@ -680,7 +701,8 @@ def compile_signatures():
         const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
                      KP=topk_width(k), FP8=cache == "u8", FMT=fmt, HW=hw,
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, REPAIR=i % 3 == 1,
-                     TIER=i % 3, WIDE_T=_block_t(None, g_p), BN=page // 2 if i == 1 else page)
+                     TIER=i % 3, WIDE_T=_block_t(None, g_p), BN=page // 2 if i == 1 else page,
+                     PRE=False)
         if const["TIER"] == 2:
             const["BLOCK_T"] = _block_t(NARROW_ROWS, g_p)
         sig.update(dict.fromkeys(const, "constexpr"))
@@ -691,7 +713,12 @@ def compile_signatures():
                         KP="constexpr", P="constexpr")
             out.append((_tier_kernel, tsig, dict(BLOCK_T=const["WIDE_T"], KP=const["KP"],
                                                  P=page)))
-    return out
+    # The wide tier on predecoded pages (``predecode``; the model combo with a 16-bit
+    # scratch cache), and the predecode kernel itself (kernels.kv_predecode).
+    kernel, sig, const = out[0]
+    out.append((kernel, {**sig, "kv_ptr": "*fp16", "PRE": "constexpr"},
+                {**const, "TIER": 1, "PRE": True}))
+    return out + kv_predecode.compile_signatures()
 
 
 # ----------------------------------------------------------------------------- adapter

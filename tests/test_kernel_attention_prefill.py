@@ -444,6 +444,39 @@ def test_softmax_scale_is_applied():
     assert tally.violations == 0 and tally.elements == x["q"].size
 
 
+@pytest.mark.parametrize("kv_fmt, scales, ratio", [
+    ("e4m3fn", "tensor", None), ("e5m2", "none", 0), ("e4m3fnuz", "tensor", None),
+    ("e5m2fnuz", "tensor", 0)])
+def test_predecoded_pages_give_the_same_bits_and_are_guarded(kv_fmt, scales, ratio):
+    """``predecode`` (the batch's pages decoded once to the kernels' 16-bit operands, the
+    wide tier run on them): on a ragged batch whose invisible content is NaN-poisoned, with
+    the tiers (mixed tiles) or every tile wide, the output is bit-identical to the plain
+    launch and admitted by the oracle; with a block-table entry past the cache and
+    validate=False (the scratch table marks it bad) still the plain launch's bits."""
+    x = make_inputs(kv_fmt, "bfloat16", scales=scales, hkv=2, group=4, d=64, page=16,
+                    seq_lens=(37, 70, 20), qlens=(9, 16, 20), k=3, seed=17)
+    knobs = dict(block_rows=32, delegate_ratio=ratio)
+    base = ap.run(x, **knobs)["out"]
+    assert np.array_equal(ap.run(x, predecode=True, **knobs)["out"], base)
+    _passes(x, 32, delegate_ratio=ratio, predecode=True)
+    bt = np.array(x["block_table"], copy=True)
+    bt[1, 2] = 10**6
+    bad = dict(x, block_table=bt)
+    assert np.array_equal(ap.run(bad, validate=False, predecode=True, **knobs)["out"],
+                          ap.run(bad, validate=False, **knobs)["out"])
+
+
+@pytest.mark.parametrize("kv_fmt, scales, value", [("e4m3fn", "slot", True),
+                                                   ("bfloat16", "none", True),
+                                                   ("e4m3fn", "tensor", 1)])
+def test_predecode_needs_scalar_scale_fp8(kv_fmt, scales, value):
+    """predecode with per-slot scales or a 16-bit cache, or not a bool, is refused with a
+    ValueError naming it."""
+    x = make_inputs(kv_fmt, "bfloat16", scales=scales, seq_lens=(37,), qlens=(5,), k=2)
+    with pytest.raises(ValueError, match="predecode"):
+        ap.run(x, predecode=value)
+
+
 def test_out_of_range_contents_are_guarded():
     """With validate=False, entries past a token's last visible block, huge or negative
     entries are ignored, and a block whose block-table entry is out of range reads nothing:

@@ -1,0 +1,84 @@
+"""The pages a prefill batch reads, decoded once from fp8 to the attention kernels' 16-bit
+operands, in one Triton kernel (issue 9: e4m3 prefill at least as fast as bf16).
+
+Why. The prefill's wide tier multiplies each union block with 128 query rows on the tensor
+cores, whose operands must sit in shared memory as 16-bit values: an fp8 block is loaded,
+converted in registers and staged again, once per tile that uses it, and a block shared
+by many tiles (locality selections) is converted many times. Decoding every page of the
+batch once beforehand costs one read of the fp8 bytes and one write of twice as many, and
+leaves the wide tier the bf16 cache's path (``kernels.attention_prefill``'s
+``predecode``).
+
+What. For request r, block j of its block table and KV head g: when ``j * P < seq_lens[r]``
+and the entry is a page in ``[0, num_pages)``, the page's ``[P, 2D]`` codes of head g as
+``kernels.fp8.decode_fp8_f16(..., UNIT=True)`` gives them (the exact values in fp16,
+e4m3fnuz's / 128 in assembly, e5m2fnuz's / 2^111 in bf16: the operands the kernels'
+scalar-scale path multiplies) at scratch page ``r * W + j`` (W the table's width), and
+``out_table[r, j] = r * W + j``; otherwise nothing is decoded and ``out_table[r, j] = -1``,
+which the attention kernels read as a bad entry (no key), as they would the original.
+Scalar scales only: per-slot scales are applied before the rounding to act, per key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from kernels.fp8 import decode_fp8_f16
+
+
+@triton.jit
+def _predecode_kernel(kv_ptr, kv_s0, kv_s1, kv_s2, num_pages, bt_ptr, bt_s0, bt_s1, width,
+                      seq_ptr, seq_s0, out_ptr, tab_ptr, FMT: tl.constexpr, HW: tl.constexpr,
+                      ASM: tl.constexpr, P: tl.constexpr, D2: tl.constexpr):
+    rj = tl.program_id(0).to(tl.int64)  # r * width + j
+    g = tl.program_id(1).to(tl.int64)
+    r = rj // width
+    j = rj % width
+    page = tl.load(bt_ptr + r * bt_s0 + j * bt_s1).to(tl.int64)
+    used = (j * P < tl.load(seq_ptr + r * seq_s0)) & (page >= 0) & (page < num_pages)
+    if g == 0:
+        tl.store(tab_ptr + rj, tl.where(used, rj, -1).to(tl.int32))
+    if used:
+        tt = tl.arange(0, P).to(tl.int64)
+        cc = tl.arange(0, D2)
+        codes = tl.load(kv_ptr + page * kv_s0 + g * kv_s1 + tt[:, None] * kv_s2 + cc[None, :])
+        vals = decode_fp8_f16(codes, FMT, HW, ASM, False, True)
+        tl.store(out_ptr + ((rj * tl.num_programs(1) + g) * P + tt[:, None]) * D2 + cc[None, :],
+                 vals)
+
+
+INTERPRETED = is_interpreted(_predecode_kernel)
+
+
+def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bool,
+                    dtype: torch.dtype):
+    """``(scratch cache [B * W, Hkv, P, 2D] of dtype, int32 table [B, W])`` for checked
+    launcher arguments (``kernels.attention_prefill``: kv_cache uint8 codes of format code
+    ``fmt``, block_table ``[B, W]``, seq_lens ``[B]``); ``dtype``: what ``decode_fp8_f16``
+    returns for the format (fp16, bf16 for e5m2fnuz)."""
+    b, width = block_table.shape
+    num_pages, hkv, page, d2 = kv_cache.shape
+    out = torch.empty((b * width, hkv, page, d2), dtype=dtype, device=kv_cache.device)
+    table = torch.empty((b, width), dtype=torch.int32, device=kv_cache.device)
+    if b * width:
+        ensure_ready(_predecode_kernel)
+        _predecode_kernel[(b * width, hkv)](
+            kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), num_pages,
+            block_table, block_table.stride(0), block_table.stride(1), width,
+            seq_lens, seq_lens.stride(0), out, table, FMT=fmt, HW=hw, ASM=asm, P=page,
+            D2=d2, num_warps=4)
+    return out, table
+
+
+def compile_signatures():
+    """(kernel, signature, constexprs) for the sm_90 compile check (tests/test_compile_sm90.py):
+    e4m3fn in assembly and e5m2fnuz's bf16 operands, P 128, D 128."""
+    sig = {name: "i64" for name in _predecode_kernel.arg_names}
+    sig.update(kv_ptr="*u8", bt_ptr="*i32", seq_ptr="*i32", tab_ptr="*i32", width="i32")
+    out = []
+    for fmt, hw, dtype in ((0, True, "*fp16"), (3, False, "*bf16")):
+        const = dict(FMT=fmt, HW=hw, ASM=True, P=128, D2=256)
+        out.append((_predecode_kernel, {**sig, "out_ptr": dtype,
+                                        **dict.fromkeys(const, "constexpr")}, const))
+    return out
