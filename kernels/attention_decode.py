@@ -37,6 +37,10 @@ Grid and work split (designed for decode bandwidth):
   sorted on the host and nothing is read back. Each union block is carried as
   ``block * 16 + (bit mask of the rows that take it)``, so one reduction per step yields
   the block, the rows that take it and the last key they see.
+- Key streams (``key_streams``, one row per request; ``_stream_loop``): the same union walk,
+  each block's keys cut into per-warp slices, each slice sequence its own online softmax,
+  merged once per program (declared ``Schedule.key_streams``; off by default for now,
+  ``KEY_STREAM_FORMATS``).
 - One split in total (``cdiv(K, blocks_per_split) == 1``): the attention kernel writes the
   output directly. Otherwise it writes fp32 partials ``o_c = acc / l`` and
   ``lse_c = m + log2(l)`` (log2 units), and ``_merge_rows`` forms ``out = sum_c w_c o_c /
