@@ -167,6 +167,27 @@ def test_key_streams_match_reference_under_their_schedule(kv_fmt, key_streams, s
             2, key_streams=1)), inputs=x).passed
 
 
+def test_key_streams_out_of_range_contents_are_guarded():
+    """Key streams with validate=False: huge, negative and past-position entries are
+    ignored, and a block whose block-table entry is past the cache reads nothing: the
+    output equals (bit for bit) the key-stream output without them (P 64, one row)."""
+    x = make_inputs("e5m2fnuz", scales="tensor", hkv=2, group=4, d=64, page=64, rows=1,
+                    seq_lens=(150, 200), k=4, seed=21)
+    run = functools.partial(ad.run, blocks_per_split=4, key_streams=4)
+    base = run(x)["out"]
+    tk = np.array(x["topk"], copy=True)
+    for n, (g, t, k) in enumerate(np.argwhere(tk < 0)):
+        tk[g, t, k] = (10**6, -7, 3 + t)[n % 3]
+    assert np.array_equal(run(dict(x, topk=tk), validate=False)["out"], base)
+    assert (x["topk"][:, 0] == 1).any()
+    bt = np.array(x["block_table"], copy=True)
+    bt[0, 1] = 10**6
+    sel = np.where(np.arange(2)[None, :, None] < 1,
+                   np.where(x["topk"] == 1, -1, x["topk"]), x["topk"])
+    assert np.array_equal(run(dict(x, block_table=bt), validate=False)["out"],
+                          run(dict(x, topk=sel))["out"])
+
+
 def test_fnuz_one_row_decode_takes_key_streams_by_default(monkeypatch):
     """With the fnuz formats streamed by default (``STREAMED_FORMATS`` as
     ``KEY_STREAM_FORMATS``), the registered implementation on an e5m2fnuz one-row batch
