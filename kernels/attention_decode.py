@@ -247,7 +247,7 @@ def _stream_loop(q, row_scale, u_rank, u_key, u_page, n_iter, seq32, g64, kv_ptr
         page_ok = page >= 0
         pg = tl.where(page_ok, page, 0).to(tl.int64)
         key = blk * P + kin
-        kmask = (key <= lim) & page_ok
+        kmask = page_ok & (key <= lim)  # [WS, BQ]
         src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + kin[:, :, None].to(tl.int64) * kv_s2
                + dd[None, None, :])
         k, v = kv_tiles(src, (pg * P + kin)[:, :, None], kmask[:, :, None], ks_ptr, ks_s0,
