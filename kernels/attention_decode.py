@@ -381,47 +381,47 @@ def _decode_split_kernel(
             q, row_scale, u_rank, u_key, u_page, n_iter, seq32, g64, kv_ptr, kv_s0, kv_s1,
             kv_s2, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, ROWS, BLOCK_M, D, P, WS, FP8,
             FMT, HW, SCALAR, SAME, ASM)
-        n_iter = 0  # the block loop below runs no step
-    for it in range(n_iter * SUB):
-        ub = it // SUB
-        off = (it % SUB) * BN  # the tile's first key in its block
-        step = tl.max(tl.where(u_rank == ub, u_key, -1), axis=0)
-        blk = step >> 4
-        takes = step & 15  # bit i: row i's chunk holds the block
-        m_takes = (takes >> m_row) & 1
-        hi = tl.where(takes >= 8, 3, tl.where(takes >= 4, 2, tl.where(takes >= 2, 1, 0)))
-        lim = seq32 - ROWS + hi  # the last key any taking row sees (the highest row's position)
-        blk64 = blk.to(tl.int64)
-        page = tl.max(tl.where(u_rank == ub, u_page, -1), axis=0)  # -1: a bad entry
-        page_ok = page >= 0
-        pg = tl.where(page_ok, page, 0).to(tl.int64)
-        key = blk * P + off + jj
-        kmask = (key <= lim) & page_ok
-        src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + (off + jj)[:, None].to(tl.int64) * kv_s2
-               + dd[None, :])
-        k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None], ks_ptr, ks_s0,
-                        ks_s1, vs_ptr, vs_s0, vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT,
-                        HW, SCALAR, SAME, ASM)
-        # [BLOCK_M, BN], fp32 accumulation
-        s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
-        vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
-        s2 = tl.where(vis, s * row_scale[:, None], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s2, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s2 - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_act = p_operand(p, v, FP8, FMT, SCALAR)
-        pv = tl.dot(p_act, v)
-        if ROWS > 1 and REPAIR:
-            # Rows that do not all see the loaded keys: guard non-finite V (see docstring).
-            lo = tl.where((takes & 1) != 0, 0, tl.where((takes & 2) != 0, 1,
-                                                        tl.where((takes & 4) != 0, 2, 3)))
-            last = tl.minimum(lim, blk64 * P + off + BN - 1)
-            if (takes != live) | (seq32 - ROWS + lo < last):
-                pv = repair_pv(pv, p_act, v, vis)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    else:
+        for it in range(n_iter * SUB):
+            ub = it // SUB
+            off = (it % SUB) * BN  # the tile's first key in its block
+            step = tl.max(tl.where(u_rank == ub, u_key, -1), axis=0)
+            blk = step >> 4
+            takes = step & 15  # bit i: row i's chunk holds the block
+            m_takes = (takes >> m_row) & 1
+            hi = tl.where(takes >= 8, 3, tl.where(takes >= 4, 2, tl.where(takes >= 2, 1, 0)))
+            lim = seq32 - ROWS + hi  # the last key any taking row sees (the highest row's)
+            blk64 = blk.to(tl.int64)
+            page = tl.max(tl.where(u_rank == ub, u_page, -1), axis=0)  # -1: a bad entry
+            page_ok = page >= 0
+            pg = tl.where(page_ok, page, 0).to(tl.int64)
+            key = blk * P + off + jj
+            kmask = (key <= lim) & page_ok
+            src = (kv_ptr + pg * kv_s0 + g64 * kv_s1
+                   + (off + jj)[:, None].to(tl.int64) * kv_s2 + dd[None, :])
+            k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None], ks_ptr, ks_s0,
+                            ks_s1, vs_ptr, vs_s0, vs_s1, g64, q_ptr.dtype.element_ty, D, FP8, FMT,
+                            HW, SCALAR, SAME, ASM)
+            # [BLOCK_M, BN], fp32 accumulation
+            s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
+            vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
+            s2 = tl.where(vis, s * row_scale[:, None], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s2 - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p_act = p_operand(p, v, FP8, FMT, SCALAR)
+            pv = tl.dot(p_act, v)
+            if ROWS > 1 and REPAIR:
+                # Rows that do not all see the loaded keys: guard non-finite V (see docstring).
+                lo = tl.where((takes & 1) != 0, 0, tl.where((takes & 2) != 0, 1,
+                                                            tl.where((takes & 4) != 0, 2, 3)))
+                last = tl.minimum(lim, blk64 * P + off + BN - 1)
+                if (takes != live) | (seq32 - ROWS + lo < last):
+                    pv = repair_pv(pv, p_act, v, vis)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
 
     if TRACE:
         stamp(trace_ptr, trace_row, 2)

@@ -91,10 +91,10 @@ register(Mutant(
     "a paged decode kernel treated every selected page as full (P valid keys), so the "
     "unwritten tail of the request's last page entered the softmax",
     patch("kernels.attention_decode",
-          ("        kmask = (key <= lim) & page_ok\n", "        kmask = page_ok\n"),
-          ("        vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & "
+          ("            kmask = (key <= lim) & page_ok\n", "            kmask = page_ok\n"),
+          ("            vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & "
            "kmask[None, :]\n",
-           "        vis = (m_takes[:, None] > 0) & kmask[None, :]\n"))))
+           "            vis = (m_takes[:, None] > 0) & kmask[None, :]\n"))))
 
 register(Mutant(
     "decode_unmasked_loads_0nan", "attention_decode", "triton",
@@ -102,7 +102,7 @@ register(Mutant(
     "a kernel masked invisible keys only in the logits (P = 0 there) but loaded the whole "
     "page unmasked, so NaN garbage in V past seq_len reached P @ V as 0 * NaN",
     patch("kernels.attention_decode",
-          ("        kmask = (key <= lim) & page_ok\n", "        kmask = page_ok\n"))))
+          ("            kmask = (key <= lim) & page_ok\n", "            kmask = page_ok\n"))))
 
 
 def _topk_token_major(x: dict) -> dict:
