@@ -90,6 +90,22 @@ def p_operand(p, v, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr):
     return p.to(v.dtype)
 
 @triton.jit
+def softmax_step(s2, m_i, l_i, v, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr):
+    """One tile of the online softmax (both attention kernels' 2-D loops): logits ``s2``
+    ``[M, N]`` in log2 units (-inf where a row does not see the key), the running max
+    ``m_i`` and sum ``l_i`` ``[M]``, V ``[N, D]`` -> ``(m_new, alpha, P operand, P @ V,
+    l_new)``; the caller rescales its accumulator by alpha. The sum takes the unrounded
+    fp32 P; a row with no key so far keeps max -inf and adds nothing."""
+    m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s2 - m_use[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    p_act = p_operand(p, v, FP8, FMT, SCALAR)
+    return m_new, alpha, p_act, tl.dot(p_act, v), l_new
+
+
+@triton.jit
 def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
              ACT: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr,
              HW: tl.constexpr, SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr,

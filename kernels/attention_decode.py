@@ -143,6 +143,7 @@ from kernels._attention import (
     p_operand,
     q_operand,
     repair_pv,
+    softmax_step,
     topk_width,
     unit_back,
     validate_block_table,
@@ -406,13 +407,7 @@ def _decode_split_kernel(
             s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
             vis = (m_takes[:, None] > 0) & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
             s2 = tl.where(vis, s * row_scale[:, None], float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s2, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s2 - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p_act = p_operand(p, v, FP8, FMT, SCALAR)
-            pv = tl.dot(p_act, v)
+            m_new, alpha, p_act, pv, l_i = softmax_step(s2, m_i, l_i, v, FP8, FMT, SCALAR)
             if ROWS > 1 and REPAIR:
                 # Rows that do not all see the loaded keys: guard non-finite V (see docstring).
                 lo = tl.where((takes & 1) != 0, 0, tl.where((takes & 2) != 0, 1,

@@ -134,9 +134,9 @@ from kernels._attention import (
     not_finite,
     operand_dtypes,
     out_unit_back,
-    p_operand,
     q_operand,
     repair_pv,
+    softmax_step,
     topk_width,
     unit_back,
     validate_block_table,
@@ -384,13 +384,7 @@ def _prefill_kernel(
             else:
                 vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
                 s2 = tl.where(vis, s_sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s2, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s2 - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p_act = p_operand(p, v, FP8, FMT, SCALAR)
-            pv = tl.dot(p_act, v)
+            m_new, alpha, p_act, pv, l_i = softmax_step(s2, m_i, l_i, v, FP8, FMT, SCALAR)
             if REPAIR and BLOCK_T > 1:
                 # Rows that do not all see the loaded keys: guard non-finite V (docstring).
                 last = tl.minimum(lim, blk64 * P + off + BN - 1)
