@@ -33,6 +33,7 @@ from kernels._host import (
 )
 from kernels._triton import tl, triton
 from kernels.fp8 import BF16_UNIT, FMT_E5M2FNUZ, decode_fp8, decode_fp8_f16, times_f16_unit
+from reference.attention import Q_TOP
 from reference.platforms import is_fp8
 
 #: Domain limits (SPEC.md s.7).
@@ -188,11 +189,12 @@ def operand_dtypes(model_dtype: str, case) -> tuple[str, str, str]:
     return model_dtype, model_dtype, "given"
 
 
-#: ``q_operand``'s target exponents: a row's largest |q| lands in [2^(T-127), 2^(T-126))
-#: (fp16 operands: 2^14, below fp16's largest; bf16 operands of e5m2fnuz: 2^100, so the
-#: products with K's values / 2^111 stay fp32 normal numbers).
-Q_TOP_F16: tl.constexpr = tl.constexpr(141)
-Q_TOP_BF16: tl.constexpr = tl.constexpr(227)
+#: ``q_operand``'s target exponents, the reference's (``reference.attention.Q_TOP``): a
+#: row's largest |q| lands in [2^(T-127), 2^(T-126)) (fp16 operands: 2^14, below fp16's
+#: largest; bf16 operands of e5m2fnuz: 2^100, so the products with K's values / 2^111 stay
+#: fp32 normal numbers).
+Q_TOP_F16: tl.constexpr = tl.constexpr(Q_TOP["float16"])
+Q_TOP_BF16: tl.constexpr = tl.constexpr(Q_TOP["bfloat16"])
 
 
 @triton.jit

@@ -375,7 +375,7 @@ _E5M2FNUZ_BF16X4_UNIT11: tl.constexpr = tl.constexpr(
 #: What ``decode_fp8_f16(..., UNIT=True)`` returns for e5m2fnuz: bf16, the code's value /
 #: BF16_UNIT (assembly and interpreter alike, so the declared schedule is one: ``kernels.
 #: _attention.operand_dtypes``); the logits are multiplied back in fp32 and P by it before
-#: its bf16 rounding (``p_unit``), which cancels the factor in ``P @ V``.
+#: its bf16 rounding (``kernels._attention.p_operand``), which cancels the factor in ``P @ V``.
 BF16_UNIT: tl.constexpr = tl.constexpr(2.0 ** 111)
 BF16_UNIT_INV: tl.constexpr = tl.constexpr(2.0 ** -111)
 

@@ -273,8 +273,6 @@ def attention_power(cases: int = 2_000, seed: int = 2) -> dict:
                     ("normal", "outliers")[i % 4 == 0], "cuda", ("auto", "fp8")[i % 3 == 1], md,
                     seed=seed * 100_000 + i)
         x = make_inputs(case)
-        if callable(sched):  # a schedule of the case's page size (key streams)
-            sched = sched(x["kv_cache"].shape[2])
         exact = attention_call(x, schedule=sched, return_details=True).unrounded
         bound = attention_bound(x, sched, arith)
         shares.append(one_step_power(exact, bound, md))
