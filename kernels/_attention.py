@@ -178,7 +178,7 @@ def operand_dtypes(model_dtype: str, case) -> tuple[str, str, str]:
     below 2^-24) and q per row scaled by a power of two and rounded to fp16 (``q_operand``;
     exact unless an element is 2^31 below its row's largest). e5m2fnuz there: bf16
     operands instead (its values / 2^111 by bit placement, ``kernels.fp8.
-    _E5M2FNUZ_BF16X4_UNIT``: 13 instructions per four codes against 19 for fp16, whose
+    _E5M2FNUZ_BF16X4_UNIT``: 11 instructions per four codes against 19 for fp16, whose
     range its top binade overflows at the placed scale), so P and q round to bf16 (q per
     row scaled by a power of two: exact unless an element is 2^226 below its row's
     largest; a bf16 q is never rounded). Otherwise the model dtype throughout, q as given."""

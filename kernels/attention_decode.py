@@ -39,8 +39,8 @@ Grid and work split (designed for decode bandwidth):
   the block, the rows that take it and the last key they see.
 - Key streams (``key_streams``, one row per request; ``_stream_loop``): the same union walk,
   each block's keys cut into per-warp slices, each slice sequence its own online softmax,
-  merged once per program (declared ``Schedule.key_streams``; off by default for now,
-  ``KEY_STREAM_FORMATS``).
+  merged once per program (declared ``Schedule.key_streams``; the default for the fnuz
+  formats, ``KEY_STREAM_FORMATS``).
 - One split in total (``cdiv(K, blocks_per_split) == 1``): the attention kernel writes the
   output directly. Otherwise it writes fp32 partials ``o_c = acc / l`` and
   ``lse_c = m + log2(l)`` (log2 units), and ``_merge_rows`` forms ``out = sum_c w_c o_c /
@@ -62,7 +62,7 @@ act = the model dtype = q's dtype):
   ``ldmatrix.trans``; K converted in registers, in the MMA operand layout: staging it too
   cost 40 us more at batch 256 on the H200; e4m3fnuz, which NVIDIA cannot convert, takes
   both by bit placement as its values / 128 (``decode_fp8_f16(..., UNIT=True)``'s assembly,
-  12 instructions per four codes; the factor multiplied back into the logits and the output
+  11 instructions per four codes; the factor multiplied back into the logits and the output
   in fp32, exact; marked pure for K so K stays in registers): 67.1 us at batch 64 against
   78.0 with the patched e4m3fn ``cvt`` and 96.0 with K staged), ``Schedule.kv_dtype =
   "float64"``; the
@@ -76,7 +76,7 @@ act = the model dtype = q's dtype):
   operands (K through f16 -> f32 -> bf16, V gathered byte by byte: see
   ``decode_fp8_f16``).
   e5m2fnuz on bf16 operands instead (``kernels._attention.operand_dtypes``): K/V its
-  values / 2^111 by bit placement (``kernels.fp8._E5M2FNUZ_BF16X4_UNIT``, 13 instructions
+  values / 2^111 by bit placement (``kernels.fp8._E5M2FNUZ_BF16X4_UNIT``, 11 instructions
   per four codes; fp16 cannot hold its top binade at the placed scale and took 19), q
   row-scaled to bf16, P times 2^111 rounded to bf16 (the factor cancels in ``P @ V``; the
   logits get 2^111 back in fp32): ``(float64, bfloat16, bfloat16)``. H200, batch 64
@@ -538,11 +538,12 @@ def launch_defaults(rows: int, d: int, batch: int, hkv: int, topk_k: int,
 #: ``reports/bench_attention_decode_key_streams*.md``, us): e5m2fnuz 63.7 -> 59.7 / 238.6 ->
 #: 224.9, e4m3fnuz 58.7 -> 57.5 at 64; e4m3fn 49.7 -> 49.4 / 184.9 -> 184.2 (no gain: its
 #: loop waits on DRAM), bf16 67.9 -> 78.7 / 255.3 -> 283.3 (slower): those keep one stream.
-#: ``KEY_STREAM_FORMATS`` stays empty (the default off) until the GPU suite has passed with
-#: the fnuz formats in it (``STREAMED_FORMATS``); the knob and its schedule are tested.
+#: With the 11-instruction fnuz assembly (session 28, A/B in one call,
+#: ``reports/ab-attention-decode-fnuz-unit11-streams-h200.md``): batch 64 e4m3fnuz 58.5 ->
+#: 56.3, e5m2fnuz 63.5 -> 56.4 (+13.6% / +13.9% over e4m3fn's 49.6); batch 256 218.0 ->
+#: 210.7 and 237.3 -> 211.7 (+14.4% / +15.0%); batch 8 (small-grid launch) unchanged.
 DEFAULT_KEY_STREAMS = 4
-STREAMED_FORMATS = ("e4m3fnuz", "e5m2fnuz")
-KEY_STREAM_FORMATS: tuple[str, ...] = ()
+KEY_STREAM_FORMATS = ("e4m3fnuz", "e5m2fnuz")
 
 
 def default_key_streams(kv_fmt: str, rows: int, d: int, page: int, batch: int, hkv: int,

@@ -188,6 +188,18 @@ TIER_ENTRIES_PER_WARP = 512
 #: thread (bf16), with 8 none, and shared memory (144 KiB) allows one program per SM
 #: anyway. The H200 sweep is to confirm.
 NUM_WARPS = 8
+#: ``predecode=None`` (the default) predecodes an fp8 cache with scalar (or no) scales when
+#: the batch has at least ``PREDECODE_MIN_TOKENS`` new tokens and its block table's token
+#: capacity (``B x W x P``) is at most ``PREDECODE_TABLE_RATIO`` times them: the scratch
+#: (``B x W`` pages, 2 bytes per value) and the decoding pass then stay proportional to the
+#: new tokens, whose wide tiles re-read the shared blocks many times. H200, model shape (8k
+#: new tokens on an 8k prefix, e4m3fn, session 28, ``reports/bench_attention_prefill_
+#: predecode.md``): locality 2.57 -> 2.08 ms (207.5 -> 255.7 TFLOP/s useful), random 4.69
+#: -> 4.71 ms (its tiles go to the narrow tier, which reads the codes). A server whose block
+#: table spans the model's whole context (W = max_model_len / P) falls outside the rule
+#: and passes ``predecode=True`` to spend the B x W pages of scratch.
+PREDECODE_MIN_TOKENS = 1024
+PREDECODE_TABLE_RATIO = 4
 LOG2E = 1.4426950408889634
 
 
@@ -530,7 +542,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                              validate=False, block_rows=None, num_warps=None,
                              num_stages=None, delegate_ratio=None, narrow_warps=None,
-                             narrow_stages=None, block_keys=None, predecode=False):
+                             narrow_stages=None, block_keys=None, predecode=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -563,11 +575,12 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     H200, model shape, random selections, e4m3fn (session 26,
     ``reports/bench_attention_prefill_block_keys.md``): 4.73 ms with whole blocks, 5.41
     with 64-key tiles: the default stays whole blocks.
-    predecode: an fp8 cache with scalar (or no) scales only: the batch's pages decoded once
-    to the kernels' 16-bit operands (``kernels.kv_predecode``; a scratch of ``B x
-    max_blocks`` pages of 2-byte values) and the wide tier run on them as on a 16-bit
-    cache; the narrow tier reads the fp8 codes. Same operands and loop, so the output is
-    the same bit for bit (tested); speed only."""
+    predecode: True (an fp8 cache with scalar (or no) scales only): the batch's pages
+    decoded once to the kernels' 16-bit operands (``kernels.kv_predecode``; a scratch of
+    ``B x max_blocks`` pages of 2-byte values) and the wide tier run on them as on a
+    16-bit cache; the narrow tier reads the fp8 codes. Same operands and loop, so the
+    output is the same bit for bit (tested); speed only. None (default): True where
+    ``default_predecode`` says so, else False."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
@@ -606,8 +619,10 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                            KP=const["KP"], P=p.page,
                            num_warps=max(1, min(8, block_t * const["KP"]
                                                 // TIER_ENTRIES_PER_WARP)))
+    if predecode is None:
+        predecode = default_predecode(p, const["SCALAR"], block_table.shape[1])
     if not isinstance(predecode, bool):
-        fail("predecode", f"must be True or False, got {predecode!r}")
+        fail("predecode", f"must be True, False or None, got {predecode!r}")
     wide_p, wide_kv, wide_bt, wide_const = p, kv_cache, block_table, const
     if predecode:
         if not (p.fp8 and const["SCALAR"]):
@@ -625,6 +640,14 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                       tier, {**const, "BLOCK_T": narrow_t, "TIER": 2, "WIDE_T": block_t,
                              **narrow}, "num_stages" not in narrow)
     return p.out
+
+
+def default_predecode(p: PrefillPlan, scalar: bool, width: int) -> bool:
+    """``predecode=None``'s choice (``PREDECODE_MIN_TOKENS``, ``PREDECODE_TABLE_RATIO``): an
+    fp8 cache with scalar (or no) scales, at least the minimum of new tokens, and a block
+    table holding at most the ratio times as many tokens; host values only (no sync)."""
+    return (p.fp8 and scalar and p.t >= PREDECODE_MIN_TOKENS
+            and p.batch * width * p.page <= PREDECODE_TABLE_RATIO * p.t)
 
 
 def _grid(p: PrefillPlan, block_t: int) -> tuple[int, int]:

@@ -288,25 +288,14 @@ _E4M3FNUZ_F16X4: tl.constexpr = tl.constexpr(
 #: s|0eeee|mmm0000000 has the value / 2^7 (the biases 15 and 8 differ by 7; the code's
 #: subnormals land on fp16 subnormals with the same scaling), so every code but 0x80
 #: needs no arithmetic. Per 32-bit word: m the magnitudes, z 0x80 in the 0x80 bytes (bit 7
-#: set, low 7 bits 0: + 0x7F leaves bit 7 clear), v the sign bytes with the 0x80 bytes
-#: turned to 0xFF (z - (z >> 7) = 0x7F there); per half, the magnitude byte (prmt) times
-#: 128 plus the sign byte one byte up (prmt): s|0eeee|mmm0000000, and 0xFF00 (a NaN) for
-#: 0x80. 12 instructions for four codes, no conversion (``_E4M3FNUZ_F16X4``: 19).
+#: set, low 7 bits 0: + 0x7F leaves bit 7 clear), r 0xFF in those bytes (``prmt``'s
+#: sign-replicating selectors on z's bit 7), v the sign bytes or r; per half, the magnitude
+#: byte (prmt) times 128 plus v one byte up and r in the low byte (prmt):
+#: s|0eeee|mmm0000000, and 0xFFFF (a NaN) for 0x80 (r is 0 elsewhere). 11 instructions for
+#: four codes, no conversion (``_E4M3FNUZ_F16X4``: 19). H200, decode at the model shape,
+#: with key streams (session 28, ``reports/ab-attention-decode-fnuz-unit11-streams-h200.md``):
+#: e4m3fnuz batch 64 58.5 -> 56.3 us against a 12-instruction form (z - (z >> 7) for r).
 _E4M3FNUZ_F16X4_UNIT: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 m, t, z, v, a, b; "
-    "and.b32 m, $2, 0x7F7F7F7F; add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; "
-    "and.b32 z, $2, t; and.b32 z, z, 0x80808080; "
-    "shr.b32 t, z, 7; sub.u32 z, z, t; and.b32 v, $2, 0x80808080; or.b32 v, v, z; "
-    "prmt.b32 a, m, 0, 0x4140; prmt.b32 b, v, 0, 0x1404; mad.lo.u32 $0, a, 128, b; "
-    "prmt.b32 a, m, 0, 0x4342; prmt.b32 b, v, 0, 0x3424; mad.lo.u32 $1, a, 128, b; }")
-
-#: The same values in 11 instructions: the 0x80 bytes marked by ``prmt``'s sign-replicating
-#: selectors (r = 0xFF in those bytes, from z's bit 7: one instruction where z - (z >> 7)
-#: took two), the sign bytes v = s | r, and per half v one byte up and r in the low byte:
-#: 0xFFFF (a NaN) for 0x80, s|0eeee|mmm0000000 otherwise (r is 0 there). Not yet the one
-#: the kernels use (``_E4M3FNUZ_F16X4_UNIT``): the CPU simulator passes it on every code;
-#: it waits for the H200's codec tests and an A/B.
-_E4M3FNUZ_F16X4_UNIT11: tl.constexpr = tl.constexpr(
     "{ .reg .b32 m, t, z, r, v, a, b; "
     "and.b32 m, $2, 0x7F7F7F7F; add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; "
     "and.b32 z, $2, t; and.b32 z, z, 0x80808080; prmt.b32 r, z, 0, 0xBA98; "
@@ -347,24 +336,11 @@ _E5M2FNUZ_F16X4: tl.constexpr = tl.constexpr(
 #: s|000eeeee|mm00000 has the value / 2^111 (biases 127 and 16; the code's subnormals land
 #: on bf16 subnormals with the same scaling, and the top binade, which overflows fp16 at
 #: twice its value, is an ordinary bf16 exponent), so only 0x80 (NaN; placed: -0) needs a
-#: patch. Per 32-bit word: m the magnitudes, z 0x80 in the 0x80 bytes (bit 7 set, low 7
-#: bits 0: + 0x7F leaves bit 7 clear), t = z >> 7 (1 there); per half, the magnitude byte
-#: or t (prmt) times 32 plus the sign byte (0xFF for 0x80: s | (z - t)) one byte up and z
-#: in the low byte (prmt): s|000eeeee|mm00000, and 0xFF80 + 0x20 (a NaN) for 0x80. No
-#: carry crosses a half (at most 0xFE0 + 0x8000, or 0x20 + 0xFF80). 13 instructions for
-#: four codes (``_E5M2FNUZ_F16X4``: 19).
+#: patch: as ``_E4M3FNUZ_F16X4_UNIT`` with 32 for 128 (0x80 -> 0xFFFF, a bf16 NaN; no
+#: carry crosses a half: at most 0xFE0 + 0x8000). 11 instructions for four codes
+#: (``_E5M2FNUZ_F16X4``: 19). H200, decode at the model shape, with key streams (session
+#: 28): batch 64 63.5 -> 56.4 us against a 13-instruction form without streams.
 _E5M2FNUZ_BF16X4_UNIT: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 m, t, z, v, a, b; "
-    "and.b32 m, $2, 0x7F7F7F7F; add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; "
-    "and.b32 z, $2, t; and.b32 z, z, 0x80808080; "
-    "shr.b32 t, z, 7; sub.u32 v, z, t; or.b32 m, m, t; "
-    "and.b32 t, $2, 0x80808080; or.b32 v, v, t; "
-    "prmt.b32 a, m, 0, 0x4140; prmt.b32 b, v, z, 0x1504; mad.lo.u32 $0, a, 32, b; "
-    "prmt.b32 a, m, 0, 0x4342; prmt.b32 b, v, z, 0x3726; mad.lo.u32 $1, a, 32, b; }")
-
-#: The same values in 11 instructions, as ``_E4M3FNUZ_F16X4_UNIT11`` (0x80 -> 0xFFFF, a bf16
-#: NaN; no bump of the magnitude needed). Simulator-tested; waits for the H200.
-_E5M2FNUZ_BF16X4_UNIT11: tl.constexpr = tl.constexpr(
     "{ .reg .b32 m, t, z, r, v, a, b; "
     "and.b32 m, $2, 0x7F7F7F7F; add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; "
     "and.b32 z, $2, t; and.b32 z, z, 0x80808080; prmt.b32 r, z, 0, 0xBA98; "

@@ -188,12 +188,11 @@ def test_key_streams_out_of_range_contents_are_guarded():
                           run(dict(x, topk=sel))["out"])
 
 
-def test_fnuz_one_row_decode_takes_key_streams_by_default(monkeypatch):
-    """With the fnuz formats streamed by default (``STREAMED_FORMATS`` as
-    ``KEY_STREAM_FORMATS``), the registered implementation on an e5m2fnuz one-row batch
-    past the small grid (P 64, Hkv 4, 12 requests) declares four key streams of 16 keys and
-    is admitted by the oracle; with two rows per request, or e4m3fn, it declares one."""
-    monkeypatch.setattr(ad, "KEY_STREAM_FORMATS", ad.STREAMED_FORMATS)
+def test_fnuz_one_row_decode_takes_key_streams_by_default():
+    """The fnuz formats are streamed by default (``KEY_STREAM_FORMATS``): the registered
+    implementation on an e5m2fnuz one-row batch past the small grid (P 64, Hkv 4, 12
+    requests) declares four key streams of 16 keys and is admitted by the oracle; with two
+    rows per request, or e4m3fn, it declares one."""
     x = make_inputs("e5m2fnuz", scales="tensor", hkv=4, group=2, d=64, page=64, rows=1,
                     seq_lens=tuple(range(40, 40 + 12 * 23, 23)), k=3, seed=6)
     s = schedule_for(_impl(), "bfloat16", x)

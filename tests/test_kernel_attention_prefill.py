@@ -477,6 +477,24 @@ def test_predecode_needs_scalar_scale_fp8(kv_fmt, scales, value):
         ap.run(x, predecode=value)
 
 
+@pytest.mark.parametrize("fp8, scalar, t, batch, width, want", [
+    (True, True, 8192, 1, 128, True),  # the issue's shape: 8k new tokens, 16k-token table
+    (True, True, 1024, 2, 16, True),  # at both limits
+    (True, True, 1023, 1, 8, False),  # too few new tokens
+    (True, True, 8192, 4, 128, False),  # a table wider than 4x the new tokens
+    (True, False, 8192, 1, 128, False),  # per-slot scales
+    (False, True, 8192, 1, 128, False)])  # a 16-bit cache
+def test_default_predecode_follows_the_scales_and_the_batch_size(fp8, scalar, t, batch, width,
+                                                                 want):
+    """``predecode=None`` predecodes exactly an fp8 cache with scalar (or no) scales, with
+    at least PREDECODE_MIN_TOKENS new tokens and a block table of at most
+    PREDECODE_TABLE_RATIO times as many tokens (P 128), from host values alone."""
+    plan = ap.PrefillPlan(t=t, hq=64, hkv=4, d=128, page=128, num_pages=4096, batch=batch,
+                          topk_k=16, fp8=fp8, ks=None, ks_strides=(0, 0), vs=None,
+                          vs_strides=(0, 0), softmax_scale=1.0, out=None)
+    assert ap.default_predecode(plan, scalar, width) is want
+
+
 def test_out_of_range_contents_are_guarded():
     """With validate=False, entries past a token's last visible block, huge or negative
     entries are ignored, and a block whose block-table entry is out of range reads nothing:
