@@ -450,20 +450,26 @@ def test_softmax_scale_is_applied():
 def test_predecoded_pages_give_the_same_bits_and_are_guarded(kv_fmt, scales, ratio):
     """``predecode`` (the batch's pages decoded once to the kernels' 16-bit operands, the
     wide tier run on them): on a ragged batch whose invisible content is NaN-poisoned, with
-    the tiers (mixed tiles) or every tile wide, the output is bit-identical to the plain
-    launch and admitted by the oracle; with a block-table entry past the cache and
-    validate=False (the scratch table marks it bad) still the plain launch's bits."""
+    the tiers (mixed tiles) or every tile wide, the output is admitted by the oracle, and
+    interpreted it is bit-identical to the plain launch (same operands and loop; compiled,
+    the two paths' machine code differs: the H200 gave 2 of 23,040 outputs one bf16 ulp
+    apart with e5m2 and no scales, both admitted). With a block-table entry past the cache
+    and validate=False (the scratch table marks it bad), the output equals the predecoded
+    launch's without the selections of that block."""
     x = make_inputs(kv_fmt, "bfloat16", scales=scales, hkv=2, group=4, d=64, page=16,
                     seq_lens=(37, 70, 20), qlens=(9, 16, 20), k=3, seed=17)
-    knobs = dict(block_rows=32, delegate_ratio=ratio)
-    base = ap.run(x, **knobs)["out"]
-    assert np.array_equal(ap.run(x, predecode=True, **knobs)["out"], base)
-    _passes(x, 32, delegate_ratio=ratio, predecode=True)
+    knobs = dict(block_rows=32, delegate_ratio=ratio, predecode=True)
+    _passes(x, **knobs)
+    if ap.INTERPRETED:
+        assert np.array_equal(ap.run(x, **knobs)["out"],
+                              ap.run(x, **dict(knobs, predecode=False))["out"])
     bt = np.array(x["block_table"], copy=True)
-    bt[1, 2] = 10**6
-    bad = dict(x, block_table=bt)
-    assert np.array_equal(ap.run(bad, validate=False, predecode=True, **knobs)["out"],
-                          ap.run(bad, validate=False, **knobs)["out"])
+    bt[1, 2] = 10**6  # request 1 (tokens 9 to 24), block 2
+    mine = (np.arange(x["topk"].shape[1]) >= 9) & (np.arange(x["topk"].shape[1]) < 25)
+    assert (x["topk"][:, mine] == 2).any()
+    sel = np.where(mine[None, :, None] & (x["topk"] == 2), -1, x["topk"])
+    assert np.array_equal(ap.run(dict(x, block_table=bt), validate=False, **knobs)["out"],
+                          ap.run(dict(x, topk=sel), **knobs)["out"])
 
 
 @pytest.mark.parametrize("kv_fmt, scales, value", [("e4m3fn", "slot", True),
