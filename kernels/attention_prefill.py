@@ -542,8 +542,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                              validate=False, block_rows=None, num_warps=None,
                              num_stages=None, delegate_ratio=None, narrow_warps=None,
-                             narrow_stages=None, block_keys=None, predecode=None,
-                             narrow_predecode=False):
+                             narrow_stages=None, block_keys=None, predecode=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -583,10 +582,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     same declared schedule: bit for bit the plain launch's in the interpreter; compiled,
     the machine code differs (H200: 2 of 23,040 outputs one bf16 ulp apart with e5m2 and
     no scales, both admitted by the oracle; tests/test_kernel_attention_prefill.py).
-    None (default): True where ``default_predecode`` says so, else False.
-    narrow_predecode: with predecode, the narrow tier reads the scratch too (an experiment,
-    off by default: on random selections, where the narrow tier does most of the work,
-    the fp8 codes' narrow tier was faster than the 16-bit one: 4.72 against 4.87 ms)."""
+    None (default): True where ``default_predecode`` says so, else False."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
@@ -638,19 +634,13 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                                            const["HW"], const["ASM"], dtype)
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
-    if not isinstance(narrow_predecode, bool) or (narrow_predecode and not predecode):
-        fail("narrow_predecode", f"must be True (with predecode) or False, got "
-                                 f"{narrow_predecode!r}")
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
                   tier, {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
                   num_stages is None)
     if tiers:
-        narrow_args = (wide_p, wide_kv, wide_bt, wide_const) if narrow_predecode else \
-            (p, kv_cache, block_table, const)
-        _prefill_pass(narrow_args[0], q, narrow_args[1], narrow_args[2], cu_seqlens_q,
-                      seq_lens, topk, grp, tier,
-                      {**narrow_args[3], "BLOCK_T": narrow_t, "TIER": 2, "WIDE_T": block_t,
-                       **narrow}, "num_stages" not in narrow)
+        _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
+                      tier, {**const, "BLOCK_T": narrow_t, "TIER": 2, "WIDE_T": block_t,
+                             **narrow}, "num_stages" not in narrow)
     return p.out
 
 

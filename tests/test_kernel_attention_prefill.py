@@ -472,21 +472,6 @@ def test_predecoded_pages_give_the_same_bits_and_are_guarded(kv_fmt, scales, rat
                           ap.run(dict(x, topk=sel), **knobs)["out"])
 
 
-@pytest.mark.parametrize("kv_fmt", ["e4m3fn", "e5m2fnuz"])
-def test_narrow_tier_on_predecoded_pages_is_admitted(kv_fmt):
-    """``narrow_predecode`` (both tiers on the predecoded scratch) on a ragged, NaN-poisoned
-    batch with mixed tiles is admitted by the oracle, and interpreted gives the plain
-    launch's bits; without predecode it is refused with a ValueError naming it."""
-    x = make_inputs(kv_fmt, "bfloat16", scales="tensor", hkv=2, group=4, d=64, page=16,
-                    seq_lens=(37, 70, 20), qlens=(9, 16, 20), k=3, seed=19)
-    knobs = dict(block_rows=32, predecode=True, narrow_predecode=True)
-    _passes(x, **knobs)
-    if ap.INTERPRETED:
-        assert np.array_equal(ap.run(x, **knobs)["out"], ap.run(x, block_rows=32)["out"])
-    with pytest.raises(ValueError, match="narrow_predecode"):
-        ap.run(x, predecode=False, narrow_predecode=True)
-
-
 @pytest.mark.parametrize("kv_fmt, scales, value", [("e4m3fn", "slot", True),
                                                    ("bfloat16", "none", True),
                                                    ("e4m3fn", "tensor", 1)])
