@@ -3,7 +3,9 @@
 - ``--platform NAME`` (repeatable; default all three): the platforms whose fp8 formats the
   ``platform`` fixture runs over. ``cuda`` is native on NVIDIA; ``rocm-ocp`` and
   ``rocm-fnuz`` are emulated through the kernels' explicit storage-format argument.
-- Tests marked ``gpu`` are skipped with a reason when no CUDA device is present.
+- Tests marked ``gpu`` are skipped with a reason when no CUDA device is present. On a CUDA
+  machine the ``interp`` tests run compiled and count as ``gpu`` tests too: ``pytest -m
+  gpu`` there runs every kernel test on the GPU.
 - ``ORACLE_GPUS=N pytest -m gpu -n N``: each xdist worker on its own GPU (oracle/gpus.py).
 - Hypothesis profiles: ``ci`` (derandomized, bounded, chosen when CI=true), ``dev``
   (the default), ``nightly`` (long). Pick one with ``--hypothesis-profile``.
@@ -82,8 +84,16 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("platform", metafunc.config.getoption("platform") or PLATFORMS)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the marker added here counts
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
+        # On a CUDA machine the interpreter tests run compiled: they are GPU tests too, so
+        # ``pytest -m gpu`` runs every kernel test on the GPU (session 28: the prefill's
+        # predecode test, outside ``-m gpu``, found compiled bits that the interpreter's
+        # did not show).
+        for item in items:
+            if "interp" in item.keywords:
+                item.add_marker(pytest.mark.gpu)
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:
