@@ -472,6 +472,29 @@ def test_predecoded_pages_give_the_same_bits_and_are_guarded(kv_fmt, scales, rat
                           ap.run(dict(x, topk=sel), **knobs)["out"])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_fmt", ["e4m3fn", "e5m2fnuz"])
+def test_default_predecode_on_a_long_ragged_batch_is_admitted(kv_fmt):
+    """A batch large enough for ``default_predecode`` (1,324 new tokens, two requests on
+    prefixes of 800 and 1,024 tokens, not multiples of P; the model's group of 16, D 128,
+    P 128): the launcher predecodes without being asked, and the output, with the
+    invisible content NaN-poisoned, is admitted by the oracle (the default path at the
+    benchmark's scale; the interpreter is too slow for it)."""
+    x = make_inputs(kv_fmt, "bfloat16", scales="tensor", hkv=1, group=16, d=128, page=128,
+                    seq_lens=(1100, 2048), qlens=(300, 1024), k=8, seed=28)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return predecode(*args, **kwargs)
+
+    predecode = ap.predecode_pages
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ap, "predecode_pages", spy)
+        _passes(x)
+    assert calls
+
+
 @pytest.mark.parametrize("kv_fmt, scales, value", [("e4m3fn", "slot", True),
                                                    ("bfloat16", "none", True),
                                                    ("e4m3fn", "tensor", 1)])
