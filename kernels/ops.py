@@ -129,11 +129,14 @@ def _(*args, **kwargs) -> None:
 def attention_prefill(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
                       seq_lens: Tensor, topk: Tensor, out: Tensor, k_scale: Tensor | None,
                       v_scale: Tensor | None, kv_fmt: str, softmax_scale: float | None = None,
-                      validate: bool = False) -> None:
+                      validate: bool = False, predecode: bool | None = None) -> None:
     """kernels.attention_prefill.sparse_attention_prefill as a custom op writing into the
-    caller's ``out`` ``[T, Hq, D]`` (model dtype, any token/head strides)."""
+    caller's ``out`` ``[T, Hq, D]`` (model dtype, any token/head strides); ``predecode``
+    as the launcher's (None: its ``default_predecode``; True: a server whose block table
+    spans the whole context opts in)."""
     _ap.sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens,
-                                 topk, k_scale, v_scale, softmax_scale, out, validate=validate)
+                                 topk, k_scale, v_scale, softmax_scale, out, validate=validate,
+                                 predecode=predecode)
 
 
 @attention_prefill.register_fake

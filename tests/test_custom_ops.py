@@ -204,3 +204,19 @@ def test_attention_prefill_op_writes_what_the_launcher_returns():
     q, kv, bt, cu, seq, tk, out, ks, vs, fmt, _ = args
     want = apf.sparse_attention_prefill(q, kv, fmt, bt, cu, seq, tk, ks, vs)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+def test_attention_prefill_op_passes_predecode_through():
+    """The op's ``predecode`` reaches the launcher: True with scalar scales writes what the
+    launcher returns with it, and True with per-slot scales is refused with a ValueError
+    naming it."""
+    from kernels import attention_prefill as apf
+
+    args = list(_prefill_op_args("e4m3fn", True, False))
+    with pytest.raises(ValueError, match="predecode"):
+        torch.ops.attn_oracle.attention_prefill(*args, False, True)
+    args[8] = torch.tensor(0.61, device=args[0].device)  # a scalar v_scale
+    torch.ops.attn_oracle.attention_prefill(*args, False, True)
+    q, kv, bt, cu, seq, tk, out, ks, vs, fmt, _ = args
+    want = apf.sparse_attention_prefill(q, kv, fmt, bt, cu, seq, tk, ks, vs, predecode=True)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
