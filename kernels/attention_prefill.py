@@ -149,7 +149,7 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
-from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
+from kernels.fp8 import HW_FORMATS, asm_f16, f16_operand_dtype, fmt_code
 from kernels.kv_predecode import predecode_pages
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
@@ -629,9 +629,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     if predecode:
         if not (p.fp8 and const["SCALAR"]):
             fail("predecode", "needs an fp8 cache with scalar (or no) scales")
-        dtype = torch.bfloat16 if kv_fmt == "e5m2fnuz" else torch.float16
         wide_kv, wide_bt = predecode_pages(kv_cache, block_table, seq_lens, const["FMT"],
-                                           const["HW"], const["ASM"], dtype)
+                                           const["HW"], const["ASM"],
+                                           f16_operand_dtype(kv_fmt, True))
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,

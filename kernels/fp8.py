@@ -516,6 +516,12 @@ def decode_tensor(codes: torch.Tensor, fmt: str, hw: bool = False,
     return _elementwise(_decode_kernel, codes, torch.float32, code, hw, block)
 
 
+def f16_operand_dtype(fmt: str, unit: bool) -> torch.dtype:
+    """The torch dtype ``decode_fp8_f16`` returns for format ``fmt``: bfloat16 for
+    e5m2fnuz with ``UNIT`` (its values / BF16_UNIT), float16 otherwise."""
+    return torch.bfloat16 if unit and fmt == "e5m2fnuz" else torch.float16
+
+
 def decode_tensor_f16(codes: torch.Tensor, fmt: str, hw: bool = False,
                       block: int | None = None, unit: bool = False) -> torch.Tensor:
     """float16 values of uint8 ``codes`` through ``decode_fp8_f16``, the attention kernels'
@@ -527,8 +533,8 @@ def decode_tensor_f16(codes: torch.Tensor, fmt: str, hw: bool = False,
         raise ValueError(f"codes must be a torch uint8 tensor, got "
                          f"{getattr(codes, 'dtype', type(codes))}")
     asm = asm_f16(fmt, INTERPRETED) and (hw or fmt not in HW_FORMATS)
-    dtype = torch.bfloat16 if unit and fmt == "e5m2fnuz" else torch.float16
-    return _elementwise(_decode_f16_kernel, codes, dtype, code, hw, block, ASM=asm, UNIT=unit)
+    return _elementwise(_decode_f16_kernel, codes, f16_operand_dtype(fmt, unit), code, hw,
+                        block, ASM=asm, UNIT=unit)
 
 
 def _elementwise(kernel, x, out_dtype, code, hw, block, **consts):

@@ -465,7 +465,8 @@ def test_predecoded_pages_give_the_same_bits_and_are_guarded(kv_fmt, scales, rat
                               ap.run(x, **dict(knobs, predecode=False))["out"])
     bt = np.array(x["block_table"], copy=True)
     bt[1, 2] = 10**6  # request 1 (tokens 9 to 24), block 2
-    mine = (np.arange(x["topk"].shape[1]) >= 9) & (np.arange(x["topk"].shape[1]) < 25)
+    token = np.arange(x["topk"].shape[1])
+    mine = (token >= 9) & (token < 25)
     assert (x["topk"][:, mine] == 2).any()
     sel = np.where(mine[None, :, None] & (x["topk"] == 2), -1, x["topk"])
     assert np.array_equal(ap.run(dict(x, block_table=bt), validate=False, **knobs)["out"],
@@ -483,12 +484,12 @@ def test_default_predecode_on_a_long_ragged_batch_is_admitted(kv_fmt):
     x = make_inputs(kv_fmt, "bfloat16", scales="tensor", hkv=1, group=16, d=128, page=128,
                     seq_lens=(1100, 2048), qlens=(300, 1024), k=8, seed=28)
     calls = []
+    predecode = ap.predecode_pages
 
     def spy(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append(1)
         return predecode(*args, **kwargs)
 
-    predecode = ap.predecode_pages
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ap, "predecode_pages", spy)
         _passes(x)
