@@ -117,8 +117,8 @@ def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
     applies the scales to the logits and the output; q is fp16 too, ``q_operand``; e5m2fnuz
     bf16 values / 2^111), fp8 with per-slot scales dequantised at ``slot`` and rounded to
     ACT, a cache in ACT as loaded (SAME), the other 16-bit dtype rounded to ACT (exact
-    widening, one RNE rounding). PRE: the cache at ``src`` already holds those scalar-scale
-    fp8 operands (``kernels.kv_predecode``): used as loaded."""
+    widening, one RNE rounding). PRE: the cache at ``src`` holds a scalar-scale fp8 cache's
+    exact values in ACT (``kernels.kv_predecode``): used as loaded."""
     k_raw = tl.load(src, mask=kmask, other=0)
     v_raw = tl.load(src + D, mask=kmask, other=0)
     if PRE:

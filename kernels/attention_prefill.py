@@ -64,7 +64,8 @@ the issue's shape, one 8-warp program per SM counting). The NARROW pass
 (``TIER=2``, ``NARROW_ROWS`` rows: one token at G = 16, nested in the wide tiles since both
 are aligned to the request's first token) then runs only the tokens of handed-over tiles,
 in the same stream order (no sync; graph-capturable). Both tiers follow the declared
-schedule (a row's own blocks in ascending order, one running max): a token's result is
+schedule (a row's own blocks in ascending order, one running max; with ``predecode`` the
+wide tier its own operand dtypes, Numerics below): a token's result is
 within the same bounds either way, but its bits may depend on which tier ran it, i.e. on
 the selections of the tokens sharing its wide tile (the tensor-core instruction differs:
 M = 128 vs M = 16). Tiles never straddle requests, so other requests never change it.
@@ -77,6 +78,12 @@ the model dtype = q's dtype), exactly what the kernel does:
   "float16"``; P in fp16; e5m2fnuz on bf16 operands, its values / 2^111, with q and P in
   bf16: ``kernels._attention.operand_dtypes``); per-slot scales and 16-bit caches: K/V, P
   in act, q as given.
+- The wide tier on predecoded pages (``predecode``: fp8 with scalar scales, the values
+  decoded once to act by ``kernels.kv_predecode``): K/V exact in act, scales in fp32
+  outside the products as above, q as given, P in act: the second schedule of
+  ``PrefillSchedule``'s pair, which the adapter reports per row (``schedule_rows``). Its
+  rows' bits differ from the fp8 path's (bf16 P instead of fp16 for a bf16 model): why,
+  ``kernels.kv_predecode``.
 - ``S = q . K`` by ``tl.dot``, fp32 accumulation; logits in log2 units
   ``S * fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
   in ascending block id (a row's own blocks in ascending order: ``p_max="running"``,
@@ -136,6 +143,7 @@ from kernels._attention import (
     out_unit_back,
     q_operand,
     repair_pv,
+    scales_outside,
     softmax_step,
     topk_width,
     unit_back,
@@ -149,7 +157,7 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
-from kernels.fp8 import HW_FORMATS, asm_f16, f16_operand_dtype, fmt_code
+from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 from kernels.kv_predecode import predecode_pages
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
@@ -305,6 +313,9 @@ def _prefill_kernel(
     pass (``BLOCK_T`` tokens nested in the wide pass's ``WIDE_T``), which takes only the
     tokens of those tiles."""
     NONE: tl.constexpr = NONE_ENTRY
+    # The fp8 operand forms (q row-scaled, K/V decoded, their units): not on predecoded
+    # pages, which hold the exact values in act and take the 16-bit path, scales outside.
+    OPS: tl.constexpr = FP8 and not PRE
     ROWS: tl.constexpr = BLOCK_T * G_P
     SUB: tl.constexpr = P // BN  # online-softmax tiles of BN keys per block, in key order
     tile = tl.program_id(0)
@@ -359,7 +370,7 @@ def _prefill_kernel(
         logit_scale = qk_scale
         if FP8 and SCALAR:  # the scales outside the products (_attention.scales_outside)
             logit_scale = qk_scale * tl.load(ks_ptr)
-        q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR, FMT)
+        q, row_scale = q_operand(q, logit_scale, OPS and SCALAR, FMT)
         cur = tile * 0 - 1
         blk = cur
         for it in range(n_union * SUB):
@@ -382,7 +393,7 @@ def _prefill_kernel(
                             ks_s1, vs_ptr, vs_s0, vs_s1, g64, q_ptr.dtype.element_ty, D, FP8,
                             FMT, HW, SCALAR, SAME, ASM, PRE)
             # [ROWS, BN], fp32 accumulation
-            s = unit_back(tl.dot(q, tl.trans(k)), FP8, FMT, SCALAR, ASM)
+            s = unit_back(tl.dot(q, tl.trans(k)), OPS, FMT, SCALAR, ASM)
             s_sc = s * row_scale[:, None]
             if BLOCK_T == 1:
                 # One token takes every union block and sees all of a block below its own:
@@ -396,7 +407,7 @@ def _prefill_kernel(
             else:
                 vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
                 s2 = tl.where(vis, s_sc, float("-inf"))
-            m_new, alpha, p_act, pv, l_i = softmax_step(s2, m_i, l_i, v, FP8, FMT, SCALAR)
+            m_new, alpha, p_act, pv, l_i = softmax_step(s2, m_i, l_i, v, OPS, FMT, SCALAR)
             if REPAIR and BLOCK_T > 1:
                 # Rows that do not all see the loaded keys: guard non-finite V (docstring).
                 last = tl.minimum(lim, blk64 * P + off + BN - 1)
@@ -410,7 +421,7 @@ def _prefill_kernel(
         empty = l_i == 0.0  # no key (NaN sums are not empty: they propagate)
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
         if FP8 and SCALAR:
-            o = out_unit_back(o, FP8, FMT, SCALAR, ASM) * tl.load(vs_ptr)
+            o = out_unit_back(o, OPS, FMT, SCALAR, ASM) * tl.load(vs_ptr)
         dst = out_ptr + m_glob[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
         if BLOCK_T > 1:  # one token's rows all see the same keys: nothing to repair
@@ -436,13 +447,20 @@ class PrefillSchedule:
     block_keys: int | None = None
 
     def __call__(self, model_dtype: str, case: dict | None = None):
+        """One ``Schedule``, or for a case with an fp8 cache and scalar scales (which the
+        launcher may predecode) two: the fp8 path's (index 0) and the predecoded wide
+        tier's (index 1: K/V exact, q as given, P in act), the adapter's ``schedule_rows``
+        naming each row's (``oracle.registry``)."""
         from reference.attention import Schedule
 
         kv, p_dtype, q_dtype = operand_dtypes(model_dtype, case)
-        return Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
-                        blocks_per_tile=1, blocks_per_split=None, out_dtype=model_dtype,
-                        order="ascending", q_dtype=q_dtype,
-                        tile_keys=declared_tile_keys(self.block_keys, case))
+        plain = Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
+                         blocks_per_tile=1, blocks_per_split=None, out_dtype=model_dtype,
+                         order="ascending", q_dtype=q_dtype,
+                         tile_keys=declared_tile_keys(self.block_keys, case))
+        if not scales_outside(case):
+            return plain
+        return plain, replace(plain, p_dtype=model_dtype, q_dtype="given")
 
 
 SCHEDULE = PrefillSchedule()
@@ -542,7 +560,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                              validate=False, block_rows=None, num_warps=None,
                              num_stages=None, delegate_ratio=None, narrow_warps=None,
-                             narrow_stages=None, block_keys=None, predecode=None):
+                             narrow_stages=None, block_keys=None, predecode=None,
+                             schedule_rows=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -576,13 +595,15 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     ``reports/bench_attention_prefill_block_keys.md``): 4.73 ms with whole blocks, 5.41
     with 64-key tiles: the default stays whole blocks.
     predecode: True (an fp8 cache with scalar (or no) scales only): the batch's pages
-    decoded once to the kernels' 16-bit operands (``kernels.kv_predecode``; a scratch of
-    ``B x max_blocks`` pages of 2-byte values) and the wide tier run on them as on a
-    16-bit cache; the narrow tier reads the fp8 codes. Same operands and loop, so the
-    same declared schedule: bit for bit the plain launch's in the interpreter; compiled,
-    the machine code differs (H200: 2 of 23,040 outputs one bf16 ulp apart with e5m2 and
-    no scales, both admitted by the oracle; tests/test_kernel_attention_prefill.py).
-    None (default): True where ``default_predecode`` says so, else False."""
+    decoded once to their exact values in the model dtype (``kernels.kv_predecode``; a
+    scratch of ``B x max_blocks`` pages of 2-byte values) and the wide tier run on them as
+    on a 16-bit cache in act, the scales in fp32 outside the products: q as given and P in
+    act (the module docstring's second schedule, ``PrefillSchedule``), where the fp8 path
+    row-scales q to fp16 and rounds P to fp16; the narrow tier reads the fp8 codes on the
+    fp8 path. None (default): True where ``default_predecode`` says so, else False.
+    schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills
+    (no sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
+    tuple: 1 for the rows of the wide tier on predecoded pages, else 0."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
@@ -630,8 +651,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         if not (p.fp8 and const["SCALAR"]):
             fail("predecode", "needs an fp8 cache with scalar (or no) scales")
         wide_kv, wide_bt = predecode_pages(kv_cache, block_table, seq_lens, const["FMT"],
-                                           const["HW"], const["ASM"],
-                                           f16_operand_dtype(kv_fmt, True))
+                                           const["HW"], const["ASM"], q.dtype)
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
@@ -641,7 +661,26 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
                       tier, {**const, "BLOCK_T": narrow_t, "TIER": 2, "WIDE_T": block_t,
                              **narrow}, "num_stages" not in narrow)
+    if schedule_rows is not None:
+        schedule_rows.copy_(_predecoded_rows(p, cu_seqlens_q, tier, block_t, grp)
+                            if predecode else 0)
     return p.out
+
+
+def _predecoded_rows(p: PrefillPlan, cu_seqlens_q, tier, block_t: int, grp: int):
+    """``[T, Hq]`` int32 on the device: 1 where the wide tier ran the (token, head) row, i.e.
+    its wide tile (module docstring, Tiling) was not handed to the narrow tier (``tier``,
+    one int32 per (wide tile, KV head); None: every tile wide), else 0."""
+    dev = cu_seqlens_q.device
+    wide = torch.ones((p.t, p.hkv), dtype=torch.int32, device=dev)
+    if tier is not None:
+        tok = torch.arange(p.t, device=dev)
+        cu = cu_seqlens_q.to(torch.int64)
+        r = torch.searchsorted(cu[1:], tok, right=True).clamp(max=p.batch - 1)
+        tile = cu[r] // block_t + r + (tok - cu[r]) // block_t
+        slots = tier.view(-1, p.hkv)
+        wide = (slots[tile.clamp(0, slots.shape[0] - 1)] == 0).to(torch.int32)
+    return wide.repeat_interleave(grp, dim=1)
 
 
 def default_predecode(p: PrefillPlan, scalar: bool, width: int) -> bool:
@@ -732,10 +771,10 @@ def compile_signatures():
                         KP="constexpr", P="constexpr")
             out.append((_tier_kernel, tsig, dict(BLOCK_T=const["WIDE_T"], KP=const["KP"],
                                                  P=page)))
-    # The wide tier on predecoded pages (``predecode``; the model combo with a 16-bit
-    # scratch cache), and the predecode kernel itself (kernels.kv_predecode).
+    # The wide tier on predecoded pages (``predecode``; the model combo with its scratch
+    # cache in act), and the predecode kernel itself (kernels.kv_predecode).
     kernel, sig, const = out[0]
-    out.append((kernel, {**sig, "kv_ptr": "*fp16", "PRE": "constexpr"},
+    out.append((kernel, {**sig, "kv_ptr": sig["q_ptr"], "PRE": "constexpr"},
                 {**const, "TIER": 1, "PRE": True}))
     return out + kv_predecode.compile_signatures()
 
@@ -754,9 +793,11 @@ def run(inputs: dict, validate: bool = True, **knobs) -> dict:
 
     q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
     cu = torch.from_numpy(np.ascontiguousarray(inputs["cu_seqlens_q"], np.int32)).to(dev)
+    rows = torch.zeros(q.shape[:2], dtype=torch.int32, device=dev)
     sparse_attention_prefill(q, kv, inputs["kv_fmt"], bt, cu, _ints(inputs["seq_lens"], dev),
-                             topk, ks, vs, out=out, validate=validate, **knobs)
-    return {"out": codes_of(out)}
+                             topk, ks, vs, out=out, validate=validate, schedule_rows=rows,
+                             **knobs)
+    return {"out": codes_of(out), "schedule_rows": rows.cpu().numpy()}
 
 
 def _register():

@@ -1,22 +1,26 @@
-"""The pages a prefill batch reads, decoded once from fp8 to the attention kernels' 16-bit
-operands, in one Triton kernel (issue 9: e4m3 prefill at least as fast as bf16).
+"""The pages a prefill batch reads, decoded once from fp8 to their exact values in the model
+dtype, in one Triton kernel (issue 9: e4m3 prefill at least as fast as bf16).
 
 Why. The prefill's wide tier multiplies each union block with 128 query rows on the tensor
 cores, whose operands must sit in shared memory as 16-bit values: an fp8 block is loaded,
 converted in registers and staged again, once per tile that uses it, and a block shared
 by many tiles (locality selections) is converted many times. Decoding every page of the
 batch once beforehand costs one read of the fp8 bytes and one write of twice as many, and
-leaves the wide tier the bf16 cache's path (``kernels.attention_prefill``'s
-``predecode``).
+leaves the wide tier the 16-bit cache's path (``kernels.attention_prefill``'s
+``predecode``): q as given, the only operand computed in registers being P, where the fp8
+path's row-scaled fp16 q sat in registers for the whole loop (sm_90: ``HGMMA`` with its A
+operand in registers, 32 of them per thread, at 255 registers; from shared memory on the
+16-bit path).
 
 What. For request r, block j of its block table and KV head g: when ``j * P < seq_lens[r]``
 and the entry is a page in ``[0, num_pages)``, the page's ``[P, 2D]`` codes of head g as
-``kernels.fp8.decode_fp8_f16(..., UNIT=True)`` gives them (the exact values in fp16,
-e4m3fnuz's / 128 in assembly, e5m2fnuz's / 2^111 in bf16: the operands the kernels'
-scalar-scale path multiplies) at scratch page ``r * W + j`` (W the table's width), and
-``out_table[r, j] = r * W + j``; otherwise nothing is decoded and ``out_table[r, j] = -1``,
-which the attention kernels read as a bad entry (no key), as they would the original.
-Scalar scales only: per-slot scales are applied before the rounding to act, per key.
+their exact values (``kernels.fp8.decode_fp8_f16``: every value of the four formats,
+subnormals, Inf and NaN included, is an fp16 and a bf16 value) in the scratch's dtype, at
+scratch page ``r * W + j`` (W the table's width), and ``out_table[r, j] = r * W + j``;
+otherwise nothing is decoded and ``out_table[r, j] = -1``, which the attention kernels
+read as a bad entry (no key), as they would the original. Scalar scales only (the kernels
+apply them in fp32 outside the products): per-slot scales are applied before the rounding
+to act, per key.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def _predecode_kernel(kv_ptr, kv_s0, kv_s1, kv_s2, num_pages, bt_ptr, bt_s0, bt_
         tt = tl.arange(0, P).to(tl.int64)
         cc = tl.arange(0, D2)
         codes = tl.load(kv_ptr + page * kv_s0 + g * kv_s1 + tt[:, None] * kv_s2 + cc[None, :])
-        vals = decode_fp8_f16(codes, FMT, HW, ASM, False, True)
+        vals = decode_fp8_f16(codes, FMT, HW, ASM).to(out_ptr.dtype.element_ty)  # exact
         tl.store(out_ptr + ((rj * tl.num_programs(1) + g) * P + tt[:, None]) * D2 + cc[None, :],
                  vals)
 
@@ -55,8 +59,8 @@ def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bo
                     dtype: torch.dtype):
     """``(scratch cache [B * W, Hkv, P, 2D] of dtype, int32 table [B, W])`` for checked
     launcher arguments (``kernels.attention_prefill``: kv_cache uint8 codes of format code
-    ``fmt``, block_table ``[B, W]``, seq_lens ``[B]``); ``dtype``: what ``decode_fp8_f16``
-    returns for the format (fp16, bf16 for e5m2fnuz)."""
+    ``fmt``, block_table ``[B, W]``, seq_lens ``[B]``); ``dtype``: the scratch's, float16
+    or bfloat16 (the model dtype)."""
     b, width = block_table.shape
     num_pages, hkv, page, d2 = kv_cache.shape
     out = torch.empty((b * width, hkv, page, d2), dtype=dtype, device=kv_cache.device)
@@ -73,7 +77,7 @@ def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bo
 
 def compile_signatures():
     """(kernel, signature, constexprs) for the sm_90 compile check (tests/test_compile_sm90.py):
-    e4m3fn in assembly and e5m2fnuz's bf16 operands, P 128, D 128."""
+    e4m3fn in assembly to fp16 and e5m2fnuz in assembly to bf16, P 128, D 128."""
     sig = {name: "i64" for name in _predecode_kernel.arg_names}
     sig.update(kv_ptr="*u8", bt_ptr="*i32", seq_ptr="*i32", tab_ptr="*i32", width="i32")
     out = []

@@ -16,7 +16,10 @@ Declared numerics: ``arith`` (fp32 special-function errors, ``oracle.bounds.Fp32
 ``schedule`` (attention: where it rounds, a ``reference.attention.Schedule``, or a callable
 ``(model_dtype, case)`` returning one, ``case`` being the case's inputs or None: an
 implementation whose rounding depends on the cache format or the kind of scales says so
-there; ``schedule_for``); ``score_rel``
+there; ``schedule_for``; or a tuple of them, one per kind of row the implementation computes
+differently, its outputs then naming each (token, head) row's in ``schedule_rows``, int
+``[T, Hq]`` indices into the tuple, absent: all 0: ``oracle.checks.scheduled_reference``);
+``score_rel``
 (relative error of its dot products beyond IEEE fp32 summation, relative to the sum of the
 terms' magnitudes: tensor-core accumulation, ``oracle.bounds.TENSOR_CORE_DOT_REL`` for
 16-bit operands, more for fp8 MMA; the indexer's block scores, attention's ``q . K`` and

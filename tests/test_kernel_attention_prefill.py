@@ -444,25 +444,28 @@ def test_softmax_scale_is_applied():
     assert tally.violations == 0 and tally.elements == x["q"].size
 
 
-@pytest.mark.parametrize("kv_fmt, scales, ratio", [
-    ("e4m3fn", "tensor", None), ("e5m2", "none", 0), ("e4m3fnuz", "tensor", None),
-    ("e5m2fnuz", "tensor", 0)])
-def test_predecoded_pages_give_the_same_bits_and_are_guarded(kv_fmt, scales, ratio):
-    """``predecode`` (the batch's pages decoded once to the kernels' 16-bit operands, the
-    wide tier run on them): on a ragged batch whose invisible content is NaN-poisoned, with
-    the tiers (mixed tiles) or every tile wide, the output is admitted by the oracle, and
-    interpreted it is bit-identical to the plain launch (same operands and loop; compiled,
-    the two paths' machine code differs: the H200 gave 2 of 23,040 outputs one bf16 ulp
-    apart with e5m2 and no scales, both admitted). With a block-table entry past the cache
-    and validate=False (the scratch table marks it bad), the output equals the predecoded
-    launch's without the selections of that block."""
-    x = make_inputs(kv_fmt, "bfloat16", scales=scales, hkv=2, group=4, d=64, page=16,
+@pytest.mark.parametrize("kv_fmt, md, scales, ratio", [
+    ("e4m3fn", "bfloat16", "tensor", None), ("e5m2", "float16", "none", 0),
+    ("e4m3fnuz", "float16", "tensor", None), ("e5m2fnuz", "bfloat16", "tensor", 0)])
+def test_predecoded_pages_are_admitted_under_their_own_schedule_and_guarded(kv_fmt, md,
+                                                                          scales, ratio):
+    """``predecode`` (the batch's pages decoded once to their exact values in act, the wide
+    tier run on them as on a 16-bit cache): on a ragged batch whose invisible content is
+    NaN-poisoned, with the tiers (mixed tiles) or every tile wide, the output is admitted
+    by the oracle, each row under the schedule the adapter reports for it
+    (``schedule_rows``: 1, the predecoded schedule, for every row of the wide tier, 0 for
+    the narrow tier's and for every row of the plain launch), and with the tiers both
+    schedules are in use. With a block-table entry past the cache and validate=False (the
+    scratch table marks it bad), the output equals the predecoded launch's without the
+    selections of that block."""
+    x = make_inputs(kv_fmt, md, scales=scales, hkv=2, group=4, d=64, page=16,
                     seq_lens=(37, 70, 20), qlens=(9, 16, 20), k=3, seed=17)
     knobs = dict(block_rows=32, delegate_ratio=ratio, predecode=True)
     _passes(x, **knobs)
-    if ap.INTERPRETED:
-        assert np.array_equal(ap.run(x, **knobs)["out"],
-                              ap.run(x, **dict(knobs, predecode=False))["out"])
+    rows = ap.run(x, **knobs)["schedule_rows"]
+    assert rows.shape == x["q"].shape[:2]
+    assert set(np.unique(rows)) == ({1} if ratio == 0 else {0, 1})
+    assert not ap.run(x, **dict(knobs, predecode=False))["schedule_rows"].any()
     bt = np.array(x["block_table"], copy=True)
     bt[1, 2] = 10**6  # request 1 (tokens 9 to 24), block 2
     token = np.arange(x["topk"].shape[1])

@@ -10,8 +10,9 @@ from oracle import diff, report
 from oracle.bounds import norm_rope_bound
 from oracle.cases import OPS, Case, input_hash, make_inputs
 from oracle.checks import run_check
+from oracle.impl_reference import attention_call
 from oracle.intervals import admissible_range, classify, joint_value_exists, round_codes
-from oracle.registry import implementations
+from oracle.registry import Implementation, implementations
 from oracle.soundness import (
     indexer_power,
     indexer_soundness,
@@ -393,3 +394,34 @@ def test_long_class_is_for_the_sparse_ops_only():
     """An insert case cannot ask for the long class (it has no contexts)."""
     with pytest.raises(ValueError, match="shape_class 'long'"):
         Case("norm_rope_insert", "long")
+
+
+def test_rows_are_judged_under_the_schedule_their_implementation_reports():
+    """An implementation declaring two schedules (``oracle.registry``: a tuple) and naming
+    each (token, head) row's in ``schedule_rows`` is judged row by row: outputs computed
+    under the exact schedule for even tokens and vLLM's act-rounding one for odd tokens
+    pass when reported so, fail when every row is reported under the exact one, and a
+    malformed report (wrong shape, an index past the tuple) fails the check with the
+    argument named."""
+    from reference import attention
+
+    case = Case("attention_prefill", "tiny", "normal", "cuda", "fp8", "bfloat16", "tensor",
+                seed=3)
+    x = make_inputs(case)
+    md = x["model_dtype"]
+    scheds = (attention.exact(), attention.vllm_schedule(md, order="ascending"))
+    outs = [attention_call(x, schedule=s) for s in scheds]
+    rows = np.zeros(x["q"].shape[:2], np.int64)
+    rows[1::2] = 1
+    codes = encode(np.where(rows[..., None] == 1, outs[1], outs[0]), md)
+    assert not np.array_equal(outs[0], outs[1])
+
+    def impl(report):
+        return Implementation("two", "attention_prefill", lambda _: report,
+                              schedule=lambda _md, _case: scheds)
+
+    assert run_check(case, impl({"out": codes, "schedule_rows": rows}), x).passed
+    assert not run_check(case, impl({"out": codes, "schedule_rows": 0 * rows}), x).passed
+    for bad in (rows[:1], rows + 1):
+        res = run_check(case, impl({"out": codes, "schedule_rows": bad}), x)
+        assert not res.passed and "schedule_rows" in res.summary()
