@@ -429,8 +429,18 @@ class Workspace:
     def __init__(self):
         self._bufs: dict[tuple, torch.Tensor] = {}
 
+    @staticmethod
+    def device_key(device) -> torch.device:
+        """``device`` as the tensors made on it name theirs: "cuda" is the current CUDA
+        device, "cuda:N" (a launcher passes its tensors' device, a caller may pass
+        "cuda": both must find the same buffers)."""
+        d = torch.device(device)
+        if d.type == "cuda" and d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+        return d
+
     def _take(self, name: str, numel: int, dtype, device, zero: bool) -> torch.Tensor:
-        key = (name, dtype, torch.device(device))
+        key = (name, dtype, self.device_key(device))
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < numel:
             make = torch.zeros if zero else torch.empty
@@ -440,7 +450,7 @@ class Workspace:
     def held(self, name: str, device) -> torch.Tensor | None:
         """The whole buffer ``name`` ("counters" or a scratch name) on ``device`` as it is
         now, or None: for checks (unlike ``counters``, never grows or zeroes it)."""
-        dev = torch.device(device)
+        dev = self.device_key(device)
         return next((b for (n, _, d), b in self._bufs.items() if n == name and d == dev),
                     None)
 

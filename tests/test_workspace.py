@@ -63,3 +63,20 @@ def test_check_counters_names_the_workspace_when_a_counter_is_left_set():
     with pytest.raises(ValueError, match="^workspace must hold zero ticket counters.* 2 at "
                                          "counter 4"):
         ws.check_counters()
+
+
+def test_held_finds_a_cuda_buffer_by_the_bare_device_name(monkeypatch):
+    """A launcher keys its buffers by its tensors' device ("cuda:0"); a caller asking
+    ``held`` for "cuda" (what ``torch.device("cuda")`` names: the current device) gets that
+    buffer, and a buffer taken for "cuda" is the one a launch on "cuda:0" reuses (the
+    H200 ran the reuse tests compiled for the first time in session 29: ``held`` with
+    "cuda" returned None). Checked without a GPU: the buffer is placed by hand."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    ws = Workspace()
+    buf = torch.zeros(4, dtype=torch.int32)
+    ws._bufs[("counters", torch.int32, torch.device("cuda", 0))] = buf
+    assert ws.held("counters", "cuda") is buf
+    assert ws.held("counters", torch.device("cuda", 0)) is buf
+    assert ws.held("counters", "cuda:1") is None
+    assert Workspace.device_key("cuda") == Workspace.device_key("cuda:0")
+    assert Workspace.device_key("cpu") == torch.device("cpu")
