@@ -323,6 +323,17 @@ def cmd_scaleout(args) -> int:
     return 0
 
 
+def cmd_suite_merge(args) -> int:
+    from oracle import suite
+    from oracle.report import load, write_json
+
+    doc = suite.merge([load(p) for p in args.parts])
+    path = write_json(doc, args.out)
+    s = doc["suite"]
+    print(f"{len(args.parts)} parts, {s['outcomes']}, {s['wall_seconds']} s: wrote {path}")
+    return 1 if s["failed"] else 0
+
+
 def cmd_e2e(args) -> int:
     from oracle import e2e
 
@@ -488,6 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="reports/scaleout-h200x2.json", help="OUT.json, with "
                    "OUT.md beside it (default reports/scaleout-h200x2.json)")
     s.set_defaults(func=cmd_scaleout)
+
+    s = sub.add_parser("suite-merge", help="one suite report from the parts of a suite run "
+                       "split over device calls (.ci/gpu suite with SUITE_PART)")
+    s.add_argument("parts", nargs="+", help="the parts' suite.json reports")
+    s.add_argument("--out", required=True, help="the joined report (e.g. "
+                   "reports/suite-h200.json; render it with python -m oracle render)")
+    s.set_defaults(func=cmd_suite_merge)
     return p
 
 

@@ -104,6 +104,76 @@ def _seconds_by_file(tests: dict) -> dict:
     return {f: round(sec, 2) for f, sec in by.most_common()}
 
 
+def merge(docs: list[dict]) -> dict:
+    """One suite report from the reports of a suite run split over device calls (``.ci/gpu
+    suite`` with ``SUITE_PART``: each call within the device's per-call limit): tests,
+    outcomes, failures and differential cells joined (a cell in several parts: counts
+    summed, maxima kept, cases concatenated), seconds summed (the parts ran one after the
+    other), the first part's machine. Parts that share a test are an error (they were not
+    one run's parts)."""
+    if not docs:
+        raise ValueError("merge needs at least one suite report")
+    tests: dict[str, dict] = {}
+    for d in docs:
+        if "suite" not in d:
+            raise ValueError("not a suite report (no 'suite' key): pytest --suite-report "
+                             "writes them")
+        shared = set(tests) & set(d["suite"]["tests"])
+        if shared:
+            raise ValueError(f"the parts share {len(shared)} tests, e.g. {min(shared)}: "
+                             f"not parts of one run")
+        tests.update({k: {"outcome": v} for k, v in d["suite"]["tests"].items()})
+    seconds = Counter()
+    for d in docs:
+        seconds.update(d["suite"]["seconds_by_file"])
+    cells: dict = {}
+    for d in docs:
+        for c in d["cells"]:
+            key = tuple(c[k] for k in ("op", "impl", "platform", "format", "shape_class",
+                                       "dist"))
+            cells[key] = _merged_cell(cells[key], c) if key in cells else dict(c)
+    parts = [d["suite"] for d in docs]
+    wall = round(sum(p["wall_seconds"] for p in parts), 2)
+    return {**docs[0], "seconds": wall,
+            "cases": sum(d["cases"] for d in docs),
+            "cells": finished_cells(cells),
+            "failures": [f for d in docs for f in d["failures"]],
+            "merged_from": len(docs),
+            "suite": {
+                "wall_seconds": wall,
+                "part_wall_seconds": [p["wall_seconds"] for p in parts],
+                "test_seconds": round(sum(p["test_seconds"] for p in parts), 2),
+                "outcomes": dict(Counter(t["outcome"] for t in tests.values())),
+                "slowest": sorted((t for p in parts for t in p["slowest"]),
+                                  key=lambda t: -t["seconds"])[:20],
+                "seconds_by_file": {f: round(sec, 2) for f, sec in seconds.most_common()},
+                "failed": [f for p in parts for f in p["failed"]],
+                "tests": {k: v["outcome"] for k, v in tests.items()},
+            }}
+
+
+def _merged_cell(a: dict, b: dict) -> dict:
+    """Two parts' statistics of one differential cell as one (``oracle.report``'s cell)."""
+    c = dict(a)
+    for name in ("cases", "passed", "elements", "exact", "within_one",
+                 "admissible_not_nearest", "violations", "width_1", "width_2", "width_more",
+                 "sum_sq_err"):
+        c[name] = a[name] + b[name]
+    c["ulp_hist"] = {k: a["ulp_hist"].get(k, 0) + b["ulp_hist"].get(k, 0)
+                     for k in a["ulp_hist"].keys() | b["ulp_hist"].keys()}
+    for name in ("max_abs_err", "max_rel_err", "max_err_over_bound"):
+        c[name] = max(a[name], b[name])
+    wa, wb = a["worst_case"], b["worst_case"]
+    if wa is None or (wb is not None and (not wb["passed"], wb["max_err_over_bound"])
+                      > (not wa["passed"], wa["max_err_over_bound"])):
+        c["worst_case"] = wb
+    if "reported" in a or "reported" in b:
+        ra, rb = a.get("reported", {}), b.get("reported", {})
+        c["reported"] = {k: max(ra.get(k, 0.0), rb.get(k, 0.0)) for k in ra.keys() | rb}
+    c["per_case"] = a["per_case"] + b["per_case"]
+    return c
+
+
 def scaleout(paths, subset: str, warm: str) -> dict:
     """One ``scaleout/1`` document from the suite reports of ``.ci/gpu scaleout``
     (``scaleout-W-G.json``: W pytest-xdist workers on G GPUs), each run's wall and test

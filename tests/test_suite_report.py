@@ -108,3 +108,42 @@ def test_scaleout_report_divides_the_one_gpu_wall_time(tmp_path, capsys):
         suite.scaleout(paths[::2], "k", "w")
     with pytest.raises(ValueError, match="scaleout-W-G"):
         suite.scaleout([str(tmp_path / "s.json")], "k", "w")
+
+
+def test_parts_of_a_run_merge_into_the_report_of_the_whole_run(tmp_path):
+    """A suite split over device calls (``.ci/gpu suite`` with SUITE_PART) is joined by
+    ``oracle.suite.merge``: the parts' tests, outcomes, failures and differential cells
+    (one cell split over both parts: counts summed, maxima kept, every case kept) equal
+    the report a single recorder of all their tests writes; the seconds are the parts'
+    sums; parts sharing a test are refused."""
+    from oracle.cases import Case
+    from oracle.checks import run_check
+    from oracle.registry import implementations
+    from oracle.suite import merge
+
+    (impl,) = implementations("norm_rope_insert", ["torch"])
+    checks = [run_check(Case("norm_rope_insert", "tiny", "normal", "cuda", "fp8", "bfloat16",
+                             "tensor", seed=s), impl) for s in range(3)]
+    tests = [(f"t{i}::x[{i}]", "passed", (SuiteRecorder.check_property(r),))
+             for i, r in enumerate(checks)] + [("u::y", "failed", ())]
+    whole, parts = SuiteRecorder(tmp_path / "w.json"), [SuiteRecorder(tmp_path / f"{i}.json")
+                                                        for i in range(2)]
+    for i, (nodeid, outcome, props) in enumerate(tests):
+        for rec in (whole, parts[i % 2]):
+            rep = _report("call", outcome, duration=0.5 + i, props=props)
+            rec.pytest_runtest_logreport(SimpleNamespace(**{**vars(rep), "nodeid": nodeid}))
+    a, b, w = parts[0].report(), parts[1].report(), whole.report()
+    m = merge([a, b])
+    assert len(w["cells"]) == 1 and len(a["cells"]) == len(b["cells"]) == 1
+    for key in ("tests", "outcomes", "failed", "seconds_by_file"):
+        assert m["suite"][key] == w["suite"][key], key
+    assert m["suite"]["test_seconds"] == pytest.approx(w["suite"]["test_seconds"])
+    assert m["suite"]["wall_seconds"] == pytest.approx(a["seconds"] + b["seconds"], abs=0.02)
+    (mc,), (wc,) = m["cells"], w["cells"]
+    for key in ("cases", "passed", "elements", "exact", "violations", "ulp_hist",
+                "max_err_over_bound", "max_abs_err", "rmse"):
+        assert mc[key] == pytest.approx(wc[key]), key
+    assert sorted(c["case"] for c in mc["per_case"]) == sorted(c["case"] for c in wc["per_case"])
+    assert m["failures"] == w["failures"] and m["cases"] == w["cases"]
+    with pytest.raises(ValueError, match="share 1 tests"):
+        merge([a, a | {"suite": {**a["suite"], "tests": {"t0::x[0]": "passed"}}}])
