@@ -57,13 +57,16 @@ depends on the selections, which the host cannot see without a sync: on the H200
 decided per tile on the device. ``_tier_kernel`` (one small program per wide tile and KV
 head) counts the tile's union ``U``; when ``U * DELEGATE_RATIO`` exceeds the tile's valid
 entries (about the narrow tier's block iterations for those tokens, each ~3x cheaper) it
-writes 1 at the tile's slot of an int32 array (counting stops there), else 0. The WIDE
+writes 1 at the tile's slot of an int32 array (counting stops there), else 0, and appends
+the handed slot to a list. The WIDE
 pass (``TIER=1``, ``BLOCK_T`` tokens) computes the tiles marked 0 and returns at once
 from the others (session 19 did the count in the wide pass itself: ~0.37 ms of 5.77 at
 the issue's shape, one 8-warp program per SM counting). The NARROW pass
 (``TIER=2``, ``NARROW_ROWS`` rows: one token at G = 16, nested in the wide tiles since both
 are aligned to the request's first token) then runs only the tokens of handed-over tiles,
-in the same stream order (no sync; graph-capturable). Both tiers follow the declared
+one wave of programs striding over the list (``_prefill_kernel``, LISTED; a grid of one
+program per token cost 73 us with nothing handed over at the model shape, bf16 cache,
+H100), in the same stream order (no sync; graph-capturable). Both tiers follow the declared
 schedule (a row's own blocks in ascending order, one running max; with ``predecode`` the
 wide tier its own operand dtypes, Numerics below): a token's result is
 within the same bounds either way, but its bits may depend on which tier ran it, i.e. on
@@ -100,9 +103,10 @@ not seen by others (a token that did not select the block, the causal cut inside
 current block) are masked in the logits; a non-finite V in such a key would still reach
 the others through ``0 * NaN`` in the shared ``P @ V``. It then always leaves a NaN in
 the accumulator, so the first pass checks its accumulator once, after the loop
-(``kernels._attention.not_finite``; tiles of one token need no check) and flags the tile
-(one int32 per program); a second launch of the same kernel (``REPAIR=True``, the flagged
-tiles only, the others return at once) recomputes it, each block whose ``P @ V`` is
+(``kernels._attention.not_finite``; tiles of one token need no check) and appends the
+tile to a list (an atomic count); a second launch of the same kernel (``REPAIR=True``, one
+wave of programs striding over the listed tiles: none listed, a few microseconds)
+recomputes it, each block whose ``P @ V`` is
 non-finite by ``kernels._attention.guarded_pv`` (exact 0/1 counts of the non-finite values
 each row sees; ``repair_pv``). Inlined in the main pass, the guarded path's [N, D]
 temporaries made ptxas spill 1.5 KiB per thread at the model shape (sm_90, 4 warps); a
@@ -156,7 +160,14 @@ from kernels._host import (
     codes_of,
     fail,
 )
-from kernels._triton import ensure_ready, fitting_stages, is_interpreted, tl, triton
+from kernels._triton import (
+    ensure_ready,
+    fitting_stages,
+    is_interpreted,
+    resident_programs,
+    tl,
+    triton,
+)
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 from kernels.kv_predecode import predecode_pages
 
@@ -271,11 +282,13 @@ def _union_size(es, cap):
     "num_tokens", "bt_cols", "num_reqs", "search_steps", "topk_k", "delegate_ratio"])
 def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tokens,
                  tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols, tier_ptr, delegate_ratio,
+                 list_ptr, count_ptr,
                  BLOCK_T: tl.constexpr, KP: tl.constexpr, P: tl.constexpr):
     """The tiers' switch (module docstring, Tiers), one small program per (wide tile, KV
     head): 1 at the tile's slot of ``tier_ptr`` when its union U has ``U *
     delegate_ratio`` > its valid entries (counting stops there), else 0 (surplus programs
-    too)."""
+    too); a handed tile's slot is also appended to the narrow pass's list at ``list_ptr``
+    (``count_ptr[0]`` entries, in no particular order)."""
     tile = tl.program_id(0)
     g64 = tl.program_id(1).to(tl.int64)
     r64, cu0, qlen, local = _tile_request(tile, cu_ptr, cu_s0, num_reqs, search_steps,
@@ -288,12 +301,16 @@ def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tok
                                                BLOCK_T, KP, P)
         cap = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0) // delegate_ratio
         handed = (_union_size(es, cap) > cap).to(tl.int32)
-    tl.store(tier_ptr + tile * tl.num_programs(1) + tl.program_id(1), handed)
+    slot = tile * tl.num_programs(1) + tl.program_id(1)
+    tl.store(tier_ptr + slot, handed)
+    if handed != 0:
+        tl.store(list_ptr + tl.atomic_add(count_ptr, 1), slot)
 
 
 # Counts and sizes vary from call to call: not specialised (one compile for every shape).
 @triton.jit(do_not_specialize=[
-    "num_tokens", "num_pages", "bt_cols", "num_reqs", "search_steps", "topk_k", "group"])
+    "num_tokens", "num_pages", "bt_cols", "num_reqs", "search_steps", "topk_k", "group",
+    "num_heads"])
 def _prefill_kernel(
         q_ptr, q_s0, q_s1, num_tokens,
         kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
@@ -301,39 +318,91 @@ def _prefill_kernel(
         cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
         tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-        out_ptr, out_s0, out_s1, flag_ptr, tier_ptr,
-        qk_scale, group,
+        out_ptr, out_s0, out_s1, qk_scale, group,
+        tier_ptr, list_ptr, count_ptr, push_ptr, push_count_ptr, num_heads,
         BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
         KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
-        BN: tl.constexpr, TIER: tl.constexpr = 0, WIDE_T: tl.constexpr = 1,
-        PRE: tl.constexpr = False):
-    """TIER (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the
-    tiles ``_tier_kernel`` marked at ``tier_ptr`` (one int32 per program) to 2, the narrow
-    pass (``BLOCK_T`` tokens nested in the wide pass's ``WIDE_T``), which takes only the
-    tokens of those tiles."""
+        BN: tl.constexpr, TIER: tl.constexpr = 0,
+        WIDE_T: tl.constexpr = 1, PRE: tl.constexpr = False, LISTED: tl.constexpr = False):
+    """One pass over tiles, each a (tile slot, KV head) item ``e = slot * SUBS + sub``
+    (``slot = wide tile * num_heads + KV head``; ``sub``: the ``BLOCK_T``-token tile within
+    a ``WIDE_T``-token wide tile, ``SUBS = WIDE_T // BLOCK_T`` of them in the narrow tier,
+    else 1). Not LISTED (the first pass of the wide tier): one program per (wide tile, KV
+    head) of the grid. LISTED (the narrow tier's first pass, every repair pass): a grid of
+    about one wave of programs striding over the items of the list at ``list_ptr`` (int32,
+    ``count_ptr[0]`` of them, each expanded to SUBS items in the narrow tier's first pass,
+    whose list holds wide slots): a tier or a repair with nothing to do costs one wave of
+    programs that read a zero count, not a grid of empty programs (H100, model shape,
+    session 29: the narrow pass with no tile handed over took 73 us for a bf16 cache, 38
+    for fp8; the wide repair pass with none flagged 19 us). A first pass appends each tile
+    it flags for repair (module docstring, Masking) to the list at ``push_ptr``. TIER
+    (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the tiles
+    ``_tier_kernel`` marked at ``tier_ptr`` to 2, the narrow pass (``BLOCK_T`` tokens
+    nested in the wide tiles' ``WIDE_T``)."""
+    SUBS: tl.constexpr = WIDE_T // BLOCK_T if TIER == 2 else 1
+    if LISTED:
+        EXPAND: tl.constexpr = SUBS if (TIER == 2 and not REPAIR) else 1
+        n = tl.load(count_ptr) * EXPAND
+        for i in range(tl.program_id(0), n, tl.num_programs(0)):
+            e = tl.load(list_ptr + i // EXPAND) * EXPAND + i % EXPAND
+            _prefill_tile(e, SUBS, q_ptr, q_s0, q_s1, num_tokens,
+                          kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
+                          bt_ptr, bt_s0, bt_s1, bt_cols,
+                          cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
+                          tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
+                          ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
+                          out_ptr, out_s0, out_s1, qk_scale, group,
+                          tier_ptr, push_ptr, push_count_ptr, num_heads,
+                          BLOCK_T, G_P, D, P, KP, FP8, FMT, HW, SCALAR, SAME, ASM, REPAIR,
+                          BN, PRE, TIER, WIDE_T)
+    else:
+        e = tl.program_id(0) * num_heads + tl.program_id(1)
+        _prefill_tile(e, SUBS, q_ptr, q_s0, q_s1, num_tokens,
+                      kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
+                      bt_ptr, bt_s0, bt_s1, bt_cols,
+                      cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
+                      tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
+                      ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
+                      out_ptr, out_s0, out_s1, qk_scale, group,
+                      tier_ptr, push_ptr, push_count_ptr, num_heads,
+                      BLOCK_T, G_P, D, P, KP, FP8, FMT, HW, SCALAR, SAME, ASM, REPAIR, BN,
+                      PRE, TIER, WIDE_T)
+
+
+@triton.jit
+def _prefill_tile(
+        e, SUBS: tl.constexpr, q_ptr, q_s0, q_s1, num_tokens,
+        kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
+        bt_ptr, bt_s0, bt_s1, bt_cols,
+        cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
+        tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
+        ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
+        out_ptr, out_s0, out_s1, qk_scale, group,
+        tier_ptr, push_ptr, push_count_ptr, num_heads,
+        BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+        KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
+        SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
+        BN: tl.constexpr, PRE: tl.constexpr, TIER: tl.constexpr, WIDE_T: tl.constexpr):
+    """Item ``e`` of a pass (``_prefill_kernel``): its tile's rows computed and stored; a
+    first pass appends e to the repair list when the tile needs it."""
     NONE: tl.constexpr = NONE_ENTRY
     # The fp8 operand forms (q row-scaled, K/V decoded, their units): not on predecoded
     # pages, which hold the exact values in act and take the 16-bit path, scales outside.
     OPS: tl.constexpr = FP8 and not PRE
     ROWS: tl.constexpr = BLOCK_T * G_P
     SUB: tl.constexpr = P // BN  # online-softmax tiles of BN keys per block, in key order
-    tile = tl.program_id(0)
-    g64 = tl.program_id(1).to(tl.int64)
-    r64, cu0, qlen, local = _tile_request(tile, cu_ptr, cu_s0, num_reqs, search_steps,
-                                          BLOCK_T)
-    flag = flag_ptr + tile * tl.num_programs(1) + tl.program_id(1)
+    WT: tl.constexpr = WIDE_T if TIER == 2 else BLOCK_T  # the slot's tile size
+    slot = e // SUBS
+    wide_tile = slot // num_heads
+    g64 = (slot % num_heads).to(tl.int64)
+    r64, cu0, qlen, local = _tile_request(wide_tile, cu_ptr, cu_s0, num_reqs, search_steps,
+                                          WT)
+    local += (e % SUBS) * BLOCK_T
     work = local < qlen
-    if REPAIR:  # only the tiles the first pass flagged
-        work = work & (tl.load(flag) != 0)
     if TIER == 1:  # not the tiles handed to the narrow pass
-        work = work & (tl.load(tier_ptr + tile * tl.num_programs(1) + tl.program_id(1)) == 0)
-    if TIER == 2:  # only tokens whose wide tile was handed over
-        wide = cu0 // WIDE_T + r64 + local // WIDE_T
-        handed_here = tl.load(tier_ptr + wide * tl.num_programs(1) + tl.program_id(1),
-                              mask=work, other=0)  # a surplus program's wide tile: none
-        work = work & (handed_here != 0)
-    needs_repair = tile * 0
+        work = work & (tl.load(tier_ptr + slot) == 0)
+    needs_repair = e * 0
     if work:
         seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
         prefix = seq - qlen
@@ -343,7 +412,7 @@ def _prefill_kernel(
         t_ok, t_pos, valid, es = _tile_entries(local, cu0, qlen, prefix, g64, num_tokens,
                                                tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols,
                                                BLOCK_T, KP, P)
-        n_union = _union_size(es, tile * 0 + NONE)
+        n_union = _union_size(es, e * 0 + NONE)
 
         # ---- the (token, head) rows: m = token * G_P + head.
         mm = tl.arange(0, ROWS)
@@ -371,7 +440,7 @@ def _prefill_kernel(
         if FP8 and SCALAR:  # the scales outside the products (_attention.scales_outside)
             logit_scale = qk_scale * tl.load(ks_ptr)
         q, row_scale = q_operand(q, logit_scale, OPS and SCALAR, FMT)
-        cur = tile * 0 - 1
+        cur = e * 0 - 1
         blk = cur
         for it in range(n_union * SUB):
             off = (it % SUB) * BN  # the tile's first key in its block
@@ -426,8 +495,9 @@ def _prefill_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
         if BLOCK_T > 1:  # one token's rows all see the same keys: nothing to repair
             needs_repair = not_finite(acc)
-    if not REPAIR:
-        tl.store(flag, needs_repair)
+    if (not REPAIR) and (BLOCK_T > 1):
+        if needs_repair != 0:
+            tl.store(push_ptr + tl.atomic_add(push_count_ptr, 1), e)
 
 
 #: True when the kernel runs in the (patched) CPU interpreter.
@@ -631,14 +701,15 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
                  ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), BN=bn)
-    tier = None
+    tier = handed = None
     if tiers:
         tier = _program_slots(p, block_t, q.device)
+        handed = _item_list(tier.numel(), q.device)
         grid = _grid(p, block_t)
         _tier_kernel[grid](cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0),
                            p.batch, max(1, p.batch.bit_length()), p.t,
                            topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
-                           block_table.shape[1], tier, ratio, BLOCK_T=block_t,
+                           block_table.shape[1], tier, ratio, *handed, BLOCK_T=block_t,
                            KP=const["KP"], P=p.page,
                            num_warps=max(1, min(8, block_t * const["KP"]
                                                 // TIER_ENTRIES_PER_WARP)))
@@ -655,12 +726,12 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
-                  tier, {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
+                  tier, None, {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
                   num_stages is None)
     if tiers:
         _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
-                      tier, {**const, "BLOCK_T": narrow_t, "TIER": 2, "WIDE_T": block_t,
-                             **narrow}, "num_stages" not in narrow)
+                      tier, handed, {**const, "BLOCK_T": narrow_t, "TIER": 2,
+                                     "WIDE_T": block_t, **narrow}, "num_stages" not in narrow)
     if schedule_rows is not None:
         schedule_rows.copy_(_predecoded_rows(p, cu_seqlens_q, tier, block_t, grp)
                             if predecode else 0)
@@ -698,40 +769,66 @@ def _grid(p: PrefillPlan, block_t: int) -> tuple[int, int]:
 
 
 def _program_slots(p: PrefillPlan, block_t: int, device) -> torch.Tensor:
-    """One int32 per program of such a pass (the repair flags, the tiers' switch)."""
+    """One int32 per program of such a pass (the tiers' switch)."""
     g = _grid(p, block_t)
     return torch.empty(g[0] * g[1], dtype=torch.int32, device=device)
 
 
+def _item_list(capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An empty list of a pass's items (``_prefill_kernel``): room for ``capacity`` int32
+    entries and its int32 count, zero (kernels append with an atomic add)."""
+    return (torch.empty(max(capacity, 1), dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))
+
+
+#: Programs of a LISTED pass in the interpreter (compiled: one wave, ``resident_programs``).
+INTERPRETED_LISTED_PROGRAMS = 3
+
+
 def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, tier,
-                  const, fit_stages):
-    """One tier's launches: the main pass, then the repair pass over the tiles it flagged
+                  items, const, fit_stages):
+    """One tier's launches: the main pass (over the grid of wide tiles, or LISTED over
+    ``items``, the list of handed wide slots ``_tier_kernel`` wrote: the narrow tier), then
+    the repair pass, LISTED over the tiles the main pass appended to its repair list
     (module docstring; tiles of one token never need it). fit_stages: pick num_stages by
     ``_num_stages``, lowered until both passes fit shared memory."""
     block_t = const["BLOCK_T"]
-    grid = _grid(p, block_t)
-    flags = _program_slots(p, block_t, q.device)
-    args = (q, q.stride(0), q.stride(1), p.t,
-            kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
-            block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
-            cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0), p.batch,
-            max(1, p.batch.bit_length()),
-            topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
-            p.ks, *p.ks_strides, p.vs, *p.vs_strides,
-            p.out, p.out.stride(0), p.out.stride(1), flags,
-            flags if tier is None else tier,
-            float(np.float32(p.softmax_scale * LOG2E)), grp)
-    passes = (False, True) if block_t > 1 else (False,)
+    subs = const["WIDE_T"] // block_t if const.get("TIER") == 2 else 1
+    slots = _grid(p, const.get("WIDE_T", block_t) if subs > 1 else block_t)
+    flagged = _item_list(slots[0] * slots[1] * subs, q.device)
+    listed = items or flagged  # the first pass's list (the wide pass: none, any buffer)
+
+    def args(repair: bool):
+        entries, count = flagged if repair else listed
+        return (q, q.stride(0), q.stride(1), p.t,
+                kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+                p.num_pages,
+                block_table, block_table.stride(0), block_table.stride(1),
+                block_table.shape[1],
+                cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0), p.batch,
+                max(1, p.batch.bit_length()),
+                topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
+                p.ks, *p.ks_strides, p.vs, *p.vs_strides,
+                p.out, p.out.stride(0), p.out.stride(1),
+                float(np.float32(p.softmax_scale * LOG2E)), grp,
+                flagged[0] if tier is None else tier, entries, count, *flagged, p.hkv)
+
+    passes = [(False, items is not None)] + ([(True, True)] if block_t > 1 else [])
     pre = const.get("PRE", False)  # a 16-bit (predecoded) cache: its stage depth
     if fit_stages:  # the guess, lowered until both passes fit shared memory
         const["num_stages"] = min(
-            fitting_stages(_prefill_kernel, args, {**const, "REPAIR": r}, q.device,
-                           deepest=_num_stages(const["BN"], p.d, p.fp8 and not pre))
-            for r in passes)
+            fitting_stages(_prefill_kernel, args(r), {**const, "REPAIR": r, "LISTED": li},
+                           q.device, deepest=_num_stages(const["BN"], p.d, p.fp8 and not pre))
+            for r, li in passes)
     # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
-    # their rows must not see are flagged by the first and recomputed by the second.
-    for repair in passes:
-        _prefill_kernel[grid](*args, REPAIR=repair, **const)
+    # their rows must not see are listed by the first and recomputed by the second.
+    for repair, li in passes:
+        kw = {**const, "REPAIR": repair, "LISTED": li}
+        grid = slots
+        if li:
+            grid = (INTERPRETED_LISTED_PROGRAMS if INTERPRETED else
+                    resident_programs(_prefill_kernel, args(repair), kw, q.device),)
+        _prefill_kernel[grid](*args(repair), **kw)
 
 
 def compile_signatures():
@@ -751,7 +848,8 @@ def compile_signatures():
         sig = {name: "i64" for name in _prefill_kernel.arg_names}
         sig.update(q_ptr=f"*{act}", kv_ptr=f"*{cache}", bt_ptr="*i32", cu_ptr="*i32",
                    seq_ptr="*i64", tk_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32",
-                   out_ptr=f"*{act}", flag_ptr="*i32", tier_ptr="*i32", qk_scale="fp32",
+                   out_ptr=f"*{act}", tier_ptr="*i32", list_ptr="*i32", count_ptr="*i32",
+                   push_ptr="*i32", push_count_ptr="*i32", num_heads="i32", qk_scale="fp32",
                    group="i32", topk_k="i32",
                    bt_cols="i32", num_reqs="i32", search_steps="i32", num_tokens="i64",
                    num_pages="i64")
@@ -763,6 +861,7 @@ def compile_signatures():
                      PRE=False)
         if const["TIER"] == 2:
             const["BLOCK_T"] = _block_t(NARROW_ROWS, g_p)
+        const["LISTED"] = const["TIER"] == 2 or const["REPAIR"]
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_prefill_kernel, sig, const))
         if const["TIER"] == 1:

@@ -167,8 +167,8 @@ register(Mutant(
     "query's own: the last valid entry of a selection list it assumed sorted ascending "
     "(the indexer emits score order)",
     patch("kernels.attention_prefill",
-          ("        n_union = _union_size(es, tile * 0 + NONE)\n",
-           "        n_union = _union_size(es, tile * 0 + NONE)\n"
+          ("        n_union = _union_size(es, e * 0 + NONE)\n",
+           "        n_union = _union_size(es, e * 0 + NONE)\n"
            "        kk = tl.arange(0, KP)\n"
            "        last_k = tl.max(tl.where(valid, kk[None, :], -1), axis=1)\n"
            "        diag = tl.max(tl.where(kk[None, :] == last_k[:, None], es, -1), axis=1)\n"),
