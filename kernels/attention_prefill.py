@@ -630,7 +630,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              k_scale=None, v_scale=None, softmax_scale=None, out=None, *,
                              validate=False, block_rows=None, num_warps=None,
                              num_stages=None, delegate_ratio=None, narrow_warps=None,
-                             narrow_stages=None, block_keys=None, predecode=None,
+                             narrow_stages=None, narrow_max_registers=None, block_keys=None,
+                             predecode=None,
                              schedule_rows=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
@@ -656,7 +657,10 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     value: every tile with a selection in the narrow tier). The narrow tier runs
     ``NARROW_ROWS`` rows per program when they are fewer than the wide tier's, with
     narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
-    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits).
+    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits);
+    narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
+    choice: sm_90, model shape, e4m3fn, 254 registers, 4 programs per SM by registers;
+    200 would fit 5 with 144 B of spills per thread, 168 spill 248 B: to time).
     block_keys: keys per online-softmax tile in both tiers, a power of two dividing P,
     >= 16 (default P: one tile per block; declared as ``Schedule.tile_keys`` through
     ``PrefillSchedule(block_keys=...)``); smaller tiles take less shared memory per
@@ -693,6 +697,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         narrow["num_warps"] = check_int(narrow_warps, "narrow_warps", 1, 16)
     if narrow_stages is not None:
         narrow["num_stages"] = check_int(narrow_stages, "narrow_stages", 1, 8)
+    if narrow_max_registers is not None:
+        narrow["maxnreg"] = check_int(narrow_max_registers, "narrow_max_registers", 24, 255)
     bn = check_block_keys(block_keys, p.page)
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t

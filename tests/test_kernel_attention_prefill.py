@@ -369,7 +369,7 @@ def test_tiers_agree_with_one_tier():
 
 
 @pytest.mark.parametrize("knob, value", [("delegate_ratio", -1), ("narrow_warps", 0),
-                                         ("narrow_stages", 9)])
+                                         ("narrow_stages", 9), ("narrow_max_registers", 8)])
 def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
     """A tier knob out of its range is rejected on the host, naming the argument."""
     with pytest.raises(ValueError, match=knob):
@@ -381,6 +381,7 @@ def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
     ("e4m3fn", {"narrow_warps": 8, "narrow_stages": 2}, {"num_warps": 8, "num_stages": 2}),
     ("bfloat16", {}, {"num_warps": ap.NARROW_WARPS}),
     ("bfloat16", {"narrow_warps": 2, "narrow_stages": 1}, {"num_warps": 2, "num_stages": 1}),
+    ("e4m3fn", {"narrow_max_registers": 200}, {"num_warps": 2, "maxnreg": 200}),
 ])
 def test_narrow_launch_options_are_applied_and_admitted(cache, knobs, want):
     """The narrow tier's launch options (the per-cache defaults, or the knobs) reach its
@@ -399,8 +400,9 @@ def test_narrow_launch_options_are_applied_and_admitted(cache, knobs, want):
         _passes(x, 32, delegate_ratio=ALL_NARROW, **knobs)
     narrow = [c for c in seen if c["TIER"] == 2]
     assert narrow and all(c["num_warps"] == want["num_warps"] for c in narrow)
-    if "num_stages" in want:
-        assert all(c["num_stages"] == want["num_stages"] for c in narrow)
+    for opt in ("num_stages", "maxnreg"):
+        if opt in want:
+            assert all(c[opt] == want[opt] for c in narrow)
 
 
 # ------------------------------------------------------------------ other properties
