@@ -708,9 +708,11 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
                  ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), BN=bn)
     tier = handed = None
+    # The lists' counts (handed wide tiles; flagged wide and narrow tiles): one fill.
+    counts = torch.zeros(3, dtype=torch.int32, device=q.device)
     if tiers:
         tier = _program_slots(p, block_t, q.device)
-        handed = _item_list(tier.numel(), q.device)
+        handed = _item_list(tier.numel(), counts[0:1])
         grid = _grid(p, block_t)
         _tier_kernel[grid](cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0),
                            p.batch, max(1, p.batch.bit_length()), p.t,
@@ -732,12 +734,14 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
-                  tier, None, {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
+                  tier, None, counts[1:2],
+                  {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
                   num_stages is None)
     if tiers:
         _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
-                      tier, handed, {**const, "BLOCK_T": narrow_t, "TIER": 2,
-                                     "WIDE_T": block_t, **narrow}, "num_stages" not in narrow)
+                      tier, handed, counts[2:3], {**const, "BLOCK_T": narrow_t, "TIER": 2,
+                                                  "WIDE_T": block_t, **narrow},
+                      "num_stages" not in narrow)
     if schedule_rows is not None:
         schedule_rows.copy_(_predecoded_rows(p, cu_seqlens_q, tier, block_t, grp)
                             if predecode else 0)
@@ -780,11 +784,10 @@ def _program_slots(p: PrefillPlan, block_t: int, device) -> torch.Tensor:
     return torch.empty(g[0] * g[1], dtype=torch.int32, device=device)
 
 
-def _item_list(capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _item_list(capacity: int, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An empty list of a pass's items (``_prefill_kernel``): room for ``capacity`` int32
-    entries and its int32 count, zero (kernels append with an atomic add)."""
-    return (torch.empty(max(capacity, 1), dtype=torch.int32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device))
+    entries, and ``count`` (one int32, zero: kernels append with an atomic add)."""
+    return torch.empty(max(capacity, 1), dtype=torch.int32, device=count.device), count
 
 
 #: Programs of a LISTED pass in the interpreter (compiled: one wave, ``resident_programs``).
@@ -792,16 +795,17 @@ INTERPRETED_LISTED_PROGRAMS = 3
 
 
 def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, tier,
-                  items, const, fit_stages):
+                  items, count, const, fit_stages):
     """One tier's launches: the main pass (over the grid of wide tiles, or LISTED over
     ``items``, the list of handed wide slots ``_tier_kernel`` wrote: the narrow tier), then
-    the repair pass, LISTED over the tiles the main pass appended to its repair list
-    (module docstring; tiles of one token never need it). fit_stages: pick num_stages by
-    ``_num_stages``, lowered until both passes fit shared memory."""
+    the repair pass, LISTED over the tiles the main pass appended to its repair list, whose
+    count is ``count`` (one zero int32; module docstring; tiles of one token never need
+    it). fit_stages: pick num_stages by ``_num_stages``, lowered until both passes fit
+    shared memory."""
     block_t = const["BLOCK_T"]
     subs = const["WIDE_T"] // block_t if const.get("TIER") == 2 else 1
     slots = _grid(p, const.get("WIDE_T", block_t) if subs > 1 else block_t)
-    flagged = _item_list(slots[0] * slots[1] * subs, q.device)
+    flagged = _item_list(slots[0] * slots[1] * subs, count)
     listed = items or flagged  # the first pass's list (the wide pass: none, any buffer)
 
     def args(repair: bool):
