@@ -340,52 +340,6 @@ def _prefill_kernel(
     (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the tiles
     ``_tier_kernel`` marked at ``tier_ptr`` to 2, the narrow pass (``BLOCK_T`` tokens
     nested in the wide tiles' ``WIDE_T``)."""
-    SUBS: tl.constexpr = WIDE_T // BLOCK_T if TIER == 2 else 1
-    if LISTED:
-        EXPAND: tl.constexpr = SUBS if (TIER == 2 and not REPAIR) else 1
-        n = tl.load(count_ptr) * EXPAND
-        for i in range(tl.program_id(0), n, tl.num_programs(0)):
-            e = tl.load(list_ptr + i // EXPAND) * EXPAND + i % EXPAND
-            _prefill_tile(e, SUBS, q_ptr, q_s0, q_s1, num_tokens,
-                          kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
-                          bt_ptr, bt_s0, bt_s1, bt_cols,
-                          cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
-                          tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
-                          ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-                          out_ptr, out_s0, out_s1, qk_scale, group,
-                          tier_ptr, push_ptr, push_count_ptr, num_heads,
-                          BLOCK_T, G_P, D, P, KP, FP8, FMT, HW, SCALAR, SAME, ASM, REPAIR,
-                          BN, PRE, TIER, WIDE_T)
-    else:
-        e = tl.program_id(0) * num_heads + tl.program_id(1)
-        _prefill_tile(e, SUBS, q_ptr, q_s0, q_s1, num_tokens,
-                      kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
-                      bt_ptr, bt_s0, bt_s1, bt_cols,
-                      cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
-                      tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
-                      ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-                      out_ptr, out_s0, out_s1, qk_scale, group,
-                      tier_ptr, push_ptr, push_count_ptr, num_heads,
-                      BLOCK_T, G_P, D, P, KP, FP8, FMT, HW, SCALAR, SAME, ASM, REPAIR, BN,
-                      PRE, TIER, WIDE_T)
-
-
-@triton.jit
-def _prefill_tile(
-        e, SUBS: tl.constexpr, q_ptr, q_s0, q_s1, num_tokens,
-        kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
-        bt_ptr, bt_s0, bt_s1, bt_cols,
-        cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps,
-        tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
-        ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
-        out_ptr, out_s0, out_s1, qk_scale, group,
-        tier_ptr, push_ptr, push_count_ptr, num_heads,
-        BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-        KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
-        SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
-        BN: tl.constexpr, PRE: tl.constexpr, TIER: tl.constexpr, WIDE_T: tl.constexpr):
-    """Item ``e`` of a pass (``_prefill_kernel``): its tile's rows computed and stored; a
-    first pass appends e to the repair list when the tile needs it."""
     NONE: tl.constexpr = NONE_ENTRY
     # The fp8 operand forms (q row-scaled, K/V decoded, their units): not on predecoded
     # pages, which hold the exact values in act and take the 16-bit path, scales outside.
@@ -393,111 +347,122 @@ def _prefill_tile(
     ROWS: tl.constexpr = BLOCK_T * G_P
     SUB: tl.constexpr = P // BN  # online-softmax tiles of BN keys per block, in key order
     WT: tl.constexpr = WIDE_T if TIER == 2 else BLOCK_T  # the slot's tile size
-    slot = e // SUBS
-    wide_tile = slot // num_heads
-    g64 = (slot % num_heads).to(tl.int64)
-    r64, cu0, qlen, local = _tile_request(wide_tile, cu_ptr, cu_s0, num_reqs, search_steps,
-                                          WT)
-    local += (e % SUBS) * BLOCK_T
-    work = local < qlen
-    if TIER == 1:  # not the tiles handed to the narrow pass
-        work = work & (tl.load(tier_ptr + slot) == 0)
-    needs_repair = e * 0
-    if work:
-        seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
-        prefix = seq - qlen
+    SUBS: tl.constexpr = WIDE_T // BLOCK_T if TIER == 2 else 1
+    EXPAND: tl.constexpr = SUBS if (TIER == 2 and not REPAIR) else 1
+    if LISTED:
+        first, n, step = tl.program_id(0), tl.load(count_ptr) * EXPAND, tl.num_programs(0)
+    else:  # one item: a loop of one trip, which the compiler removes
+        first, n, step = 0, 1, 1
+    for i in range(first, n, step):
+        if LISTED:
+            e = tl.load(list_ptr + i // EXPAND) * EXPAND + i % EXPAND
+        else:
+            e = tl.program_id(0) * num_heads + tl.program_id(1)
+        slot = e // SUBS
+        wide_tile = slot // num_heads
+        g64 = (slot % num_heads).to(tl.int64)
+        r64, cu0, qlen, local = _tile_request(wide_tile, cu_ptr, cu_s0, num_reqs, search_steps,
+                                              WT)
+        local += (e % SUBS) * BLOCK_T
+        work = local < qlen
+        if TIER == 1:  # not the tiles handed to the narrow pass
+            work = work & (tl.load(tier_ptr + slot) == 0)
+        needs_repair = e * 0
+        if work:
+            seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
+            prefix = seq - qlen
 
-        # ---- the tile's tokens and their entries (invalid ones: NONE), and the union's
-        # size (the main loop's trip count).
-        t_ok, t_pos, valid, es = _tile_entries(local, cu0, qlen, prefix, g64, num_tokens,
-                                               tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols,
-                                               BLOCK_T, KP, P)
-        n_union = _union_size(es, e * 0 + NONE)
+            # ---- the tile's tokens and their entries (invalid ones: NONE), and the union's
+            # size (the main loop's trip count).
+            t_ok, t_pos, valid, es = _tile_entries(local, cu0, qlen, prefix, g64, num_tokens,
+                                                   tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols,
+                                                   BLOCK_T, KP, P)
+            n_union = _union_size(es, e * 0 + NONE)
 
-        # ---- the (token, head) rows: m = token * G_P + head.
-        mm = tl.arange(0, ROWS)
-        m_tok = mm // G_P
-        m_head = mm % G_P
-        m_loc = local + m_tok
-        m_glob = cu0 + m_loc
-        m_ok = (m_loc < qlen) & (m_glob >= 0) & (m_glob < num_tokens) & (m_head < group)
-        # Positions in int32 inside the block loop (as the decode: its 64-bit compares of
-        # every key against every row were ~9% of the decode loop's stall samples); the
-        # host caps block tables at MAX_CONTEXT tokens, so a valid position is unchanged
-        # and -1 still means "no key".
-        m_pos = tl.minimum(tl.maximum(prefix + m_loc, -1), MAX_CONTEXT).to(tl.int32)
-        t_pos32 = tl.minimum(tl.maximum(t_pos, -1), MAX_CONTEXT).to(tl.int32)
-        m_hq = g64 * group + m_head
-        dd = tl.arange(0, D)
-        q = tl.load(q_ptr + m_glob[:, None] * q_s0 + m_hq[:, None] * q_s1 + dd[None, :],
-                    mask=m_ok[:, None], other=0.0)
+            # ---- the (token, head) rows: m = token * G_P + head.
+            mm = tl.arange(0, ROWS)
+            m_tok = mm // G_P
+            m_head = mm % G_P
+            m_loc = local + m_tok
+            m_glob = cu0 + m_loc
+            m_ok = (m_loc < qlen) & (m_glob >= 0) & (m_glob < num_tokens) & (m_head < group)
+            # Positions in int32 inside the block loop (as the decode: its 64-bit compares of
+            # every key against every row were ~9% of the decode loop's stall samples); the
+            # host caps block tables at MAX_CONTEXT tokens, so a valid position is unchanged
+            # and -1 still means "no key".
+            m_pos = tl.minimum(tl.maximum(prefix + m_loc, -1), MAX_CONTEXT).to(tl.int32)
+            t_pos32 = tl.minimum(tl.maximum(t_pos, -1), MAX_CONTEXT).to(tl.int32)
+            m_hq = g64 * group + m_head
+            dd = tl.arange(0, D)
+            q = tl.load(q_ptr + m_glob[:, None] * q_s0 + m_hq[:, None] * q_s1 + dd[None, :],
+                        mask=m_ok[:, None], other=0.0)
 
-        m_i = tl.full((ROWS,), float("-inf"), tl.float32)
-        l_i = tl.zeros((ROWS,), tl.float32)
-        acc = tl.zeros((ROWS, D), tl.float32)
-        jj = tl.arange(0, BN)
-        logit_scale = qk_scale
-        if FP8 and SCALAR:  # the scales outside the products (_attention.scales_outside)
-            logit_scale = qk_scale * tl.load(ks_ptr)
-        q, row_scale = q_operand(q, logit_scale, OPS and SCALAR, FMT)
-        cur = e * 0 - 1
-        blk = cur
-        for it in range(n_union * SUB):
-            off = (it % SUB) * BN  # the tile's first key in its block
-            nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
-            blk = tl.where(off == 0, nxt, blk)  # the next union block at a block's first tile
-            cur = blk
-            takes = tl.max((es == blk).to(tl.int32), axis=1)  # [BLOCK_T]: 1 if selected
-            m_takes = tl.reshape(tl.broadcast_to(takes[:, None], (BLOCK_T, G_P)), (ROWS,)) > 0
-            lim = tl.max(tl.where(takes > 0, t_pos32, -1), axis=0)  # the last key any row sees
-            blk64 = blk.to(tl.int64)
-            page = tl.load(bt_ptr + r64 * bt_s0 + blk64 * bt_s1).to(tl.int64)
-            page_ok = (page >= 0) & (page < num_pages)
-            pg = tl.where(page_ok, page, 0)
-            key = blk * P + off + jj
-            kmask = (key <= lim) & page_ok
-            src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + (off + jj)[:, None].to(tl.int64) * kv_s2
-                   + dd[None, :])
-            k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None], ks_ptr, ks_s0,
-                            ks_s1, vs_ptr, vs_s0, vs_s1, g64, q_ptr.dtype.element_ty, D, FP8,
-                            FMT, HW, SCALAR, SAME, ASM, PRE)
-            # [ROWS, BN], fp32 accumulation
-            s = unit_back(tl.dot(q, tl.trans(k)), OPS, FMT, SCALAR, ASM)
-            s_sc = s * row_scale[:, None]
-            if BLOCK_T == 1:
-                # One token takes every union block and sees all of a block below its own:
-                # the mask is built only for its own block (or a bad page), in a uniform
-                # branch (as the decode's one-row programs).
-                if (blk * P + off + BN - 1 <= lim) & page_ok:
-                    s2 = s_sc
+            m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+            l_i = tl.zeros((ROWS,), tl.float32)
+            acc = tl.zeros((ROWS, D), tl.float32)
+            jj = tl.arange(0, BN)
+            logit_scale = qk_scale
+            if FP8 and SCALAR:  # the scales outside the products (_attention.scales_outside)
+                logit_scale = qk_scale * tl.load(ks_ptr)
+            q, row_scale = q_operand(q, logit_scale, OPS and SCALAR, FMT)
+            cur = e * 0 - 1
+            blk = cur
+            for it in range(n_union * SUB):
+                off = (it % SUB) * BN  # the tile's first key in its block
+                nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
+                blk = tl.where(off == 0, nxt, blk)  # the next union block at a block's first tile
+                cur = blk
+                takes = tl.max((es == blk).to(tl.int32), axis=1)  # [BLOCK_T]: 1 if selected
+                m_takes = tl.reshape(tl.broadcast_to(takes[:, None], (BLOCK_T, G_P)), (ROWS,)) > 0
+                lim = tl.max(tl.where(takes > 0, t_pos32, -1), axis=0)  # the last key any row sees
+                blk64 = blk.to(tl.int64)
+                page = tl.load(bt_ptr + r64 * bt_s0 + blk64 * bt_s1).to(tl.int64)
+                page_ok = (page >= 0) & (page < num_pages)
+                pg = tl.where(page_ok, page, 0)
+                key = blk * P + off + jj
+                kmask = (key <= lim) & page_ok
+                src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + (off + jj)[:, None].to(tl.int64) * kv_s2
+                       + dd[None, :])
+                k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None], ks_ptr, ks_s0,
+                                ks_s1, vs_ptr, vs_s0, vs_s1, g64, q_ptr.dtype.element_ty, D, FP8,
+                                FMT, HW, SCALAR, SAME, ASM, PRE)
+                # [ROWS, BN], fp32 accumulation
+                s = unit_back(tl.dot(q, tl.trans(k)), OPS, FMT, SCALAR, ASM)
+                s_sc = s * row_scale[:, None]
+                if BLOCK_T == 1:
+                    # One token takes every union block and sees all of a block below its own:
+                    # the mask is built only for its own block (or a bad page), in a uniform
+                    # branch (as the decode's one-row programs).
+                    if (blk * P + off + BN - 1 <= lim) & page_ok:
+                        s2 = s_sc
+                    else:
+                        s2 = tl.where((key[None, :] <= m_pos[:, None]) & kmask[None, :], s_sc,
+                                      float("-inf"))
                 else:
-                    s2 = tl.where((key[None, :] <= m_pos[:, None]) & kmask[None, :], s_sc,
-                                  float("-inf"))
-            else:
-                vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
-                s2 = tl.where(vis, s_sc, float("-inf"))
-            m_new, alpha, p_act, pv, l_i = softmax_step(s2, m_i, l_i, v, OPS, FMT, SCALAR)
-            if REPAIR and BLOCK_T > 1:
-                # Rows that do not all see the loaded keys: guard non-finite V (docstring).
-                last = tl.minimum(lim, blk64 * P + off + BN - 1)
-                short = tl.sum((t_ok & ((takes == 0) | (t_pos32 < last))).to(tl.int32),
-                               axis=0)
-                if short > 0:
-                    pv = repair_pv(pv, p_act, v, vis)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+                    vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
+                    s2 = tl.where(vis, s_sc, float("-inf"))
+                m_new, alpha, p_act, pv, l_i = softmax_step(s2, m_i, l_i, v, OPS, FMT, SCALAR)
+                if REPAIR and BLOCK_T > 1:
+                    # Rows that do not all see the loaded keys: guard non-finite V (docstring).
+                    last = tl.minimum(lim, blk64 * P + off + BN - 1)
+                    short = tl.sum((t_ok & ((takes == 0) | (t_pos32 < last))).to(tl.int32),
+                                   axis=0)
+                    if short > 0:
+                        pv = repair_pv(pv, p_act, v, vis)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
 
-        empty = l_i == 0.0  # no key (NaN sums are not empty: they propagate)
-        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
-        if FP8 and SCALAR:
-            o = out_unit_back(o, OPS, FMT, SCALAR, ASM) * tl.load(vs_ptr)
-        dst = out_ptr + m_glob[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
-        if BLOCK_T > 1:  # one token's rows all see the same keys: nothing to repair
-            needs_repair = not_finite(acc)
-    if (not REPAIR) and (BLOCK_T > 1):
-        if needs_repair != 0:
-            tl.store(push_ptr + tl.atomic_add(push_count_ptr, 1), e)
+            empty = l_i == 0.0  # no key (NaN sums are not empty: they propagate)
+            o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+            if FP8 and SCALAR:
+                o = out_unit_back(o, OPS, FMT, SCALAR, ASM) * tl.load(vs_ptr)
+            dst = out_ptr + m_glob[:, None] * out_s0 + m_hq[:, None] * out_s1 + dd[None, :]
+            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+            if BLOCK_T > 1:  # one token's rows all see the same keys: nothing to repair
+                needs_repair = not_finite(acc)
+        if (not REPAIR) and (BLOCK_T > 1):
+            if needs_repair != 0:
+                tl.store(push_ptr + tl.atomic_add(push_count_ptr, 1), e)
 
 
 #: True when the kernel runs in the (patched) CPU interpreter.

@@ -54,8 +54,8 @@ register(Mutant(
     "a per-(head, slot) scale lookup indexed by the token's position in its sequence "
     "instead of page * P + offset; correct only while the block table is the identity",
     patch("kernels.attention_prefill",
-          ("            k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None],",
-           "            k, v = kv_tiles(src, key[:, None], kmask[:, None],"))))
+          ("                k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None],",
+           "                k, v = kv_tiles(src, key[:, None], kmask[:, None],"))))
 
 
 def _fnuz_as_fn(x: dict) -> dict:
@@ -81,9 +81,9 @@ register(Mutant(
     "a block-sparse prefill masked keys only at block granularity (and the tile's load "
     "bound), so a new token saw the later new tokens of its own block",
     patch("kernels.attention_prefill",
-          ("            vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & "
+          ("                vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & "
            "kmask[None, :]\n",
-           "            vis = m_takes[:, None] & kmask[None, :]\n"))))
+           "                vis = m_takes[:, None] & kmask[None, :]\n"))))
 
 register(Mutant(
     "decode_full_pages", "attention_decode", "triton",
@@ -167,18 +167,19 @@ register(Mutant(
     "query's own: the last valid entry of a selection list it assumed sorted ascending "
     "(the indexer emits score order)",
     patch("kernels.attention_prefill",
-          ("        n_union = _union_size(es, e * 0 + NONE)\n",
-           "        n_union = _union_size(es, e * 0 + NONE)\n"
-           "        kk = tl.arange(0, KP)\n"
-           "        last_k = tl.max(tl.where(valid, kk[None, :], -1), axis=1)\n"
-           "        diag = tl.max(tl.where(kk[None, :] == last_k[:, None], es, -1), axis=1)\n"),
-          ("        m_hq = g64 * group + m_head\n",
-           "        m_hq = g64 * group + m_head\n"
-           "        m_diag = tl.reshape(tl.broadcast_to(diag[:, None], (BLOCK_T, G_P)), "
+          ("            n_union = _union_size(es, e * 0 + NONE)\n",
+           "            n_union = _union_size(es, e * 0 + NONE)\n"
+           "            kk = tl.arange(0, KP)\n"
+           "            last_k = tl.max(tl.where(valid, kk[None, :], -1), axis=1)\n"
+           "            diag = tl.max(tl.where(kk[None, :] == last_k[:, None], es, -1), "
+           "axis=1)\n"),
+          ("            m_hq = g64 * group + m_head\n",
+           "            m_hq = g64 * group + m_head\n"
+           "            m_diag = tl.reshape(tl.broadcast_to(diag[:, None], (BLOCK_T, G_P)), "
            "(ROWS,))\n"),
-          ("            vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & "
+          ("                vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & "
            "kmask[None, :]\n",
-           "            vis = m_takes[:, None] & ((key[None, :] <= m_pos[:, None]) | "
+           "                vis = m_takes[:, None] & ((key[None, :] <= m_pos[:, None]) | "
            "(m_diag != blk64)[:, None]) & kmask[None, :]\n"))))
 
 
