@@ -771,10 +771,11 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     subs = const["WIDE_T"] // block_t if const.get("TIER") == 2 else 1
     slots = _grid(p, const.get("WIDE_T", block_t) if subs > 1 else block_t)
     flagged = _item_list(slots[0] * slots[1] * subs, count)
-    listed = items or flagged  # the first pass's list (the wide pass: none, any buffer)
+    # The first pass's list (the wide pass has none: any buffer, never read).
+    listed = flagged if items is None else items
 
     def args(repair: bool):
-        entries, count = flagged if repair else listed
+        entries, n_entries = flagged if repair else listed
         return (q, q.stride(0), q.stride(1), p.t,
                 kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
                 p.num_pages,
@@ -786,7 +787,7 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
                 p.ks, *p.ks_strides, p.vs, *p.vs_strides,
                 p.out, p.out.stride(0), p.out.stride(1),
                 float(np.float32(p.softmax_scale * LOG2E)), grp,
-                flagged[0] if tier is None else tier, entries, count, *flagged, p.hkv)
+                flagged[0] if tier is None else tier, entries, n_entries, *flagged, p.hkv)
 
     passes = [(False, items is not None)] + ([(True, True)] if block_t > 1 else [])
     pre = const.get("PRE", False)  # a 16-bit (predecoded) cache: its stage depth
