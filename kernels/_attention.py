@@ -286,15 +286,15 @@ def guarded_pv(p_act, v, vis, bad):
 # ------------------------------------------------------------------ host content checks
 
 
-def check_block_keys(block_keys, page: int) -> int:
+def check_block_keys(block_keys, page: int, name: str = "block_keys") -> int:
     """The keys per online-softmax tile of a ``block_keys`` launch knob (None: the page
     size P, whole blocks): a divisor of P (a power of two, so the tile is one too), at
-    least 16 (``tl.dot``'s smallest side)."""
+    least 16 (``tl.dot``'s smallest side); errors name the argument ``name``."""
     if block_keys is None:
         return page
-    bn = check_int(block_keys, "block_keys", 16, page)
+    bn = check_int(block_keys, name, 16, page)
     if page % bn:
-        fail("block_keys", f"must divide the page size {page}, got {bn}")
+        fail(name, f"must divide the page size {page}, got {bn}")
     return bn
 
 

@@ -476,26 +476,31 @@ INTERPRETED = is_interpreted(_prefill_kernel)
 class PrefillSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
     calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
-    ``block_keys``: the launch knob's tiles (``Schedule.tile_keys``; None or the page size:
-    whole blocks)."""
+    ``block_keys`` / ``narrow_block_keys``: the launch knobs' tiles (``Schedule.tile_keys``;
+    None or the page size: whole blocks; ``narrow_block_keys`` None: ``block_keys``)."""
 
     block_keys: int | None = None
+    narrow_block_keys: int | None = None
 
     def __call__(self, model_dtype: str, case: dict | None = None):
-        """One ``Schedule``, or for a case with an fp8 cache and scalar scales (which the
-        launcher may predecode) two: the fp8 path's (index 0) and the predecoded wide
-        tier's (index 1: K/V exact, q as given, P in act), the adapter's ``schedule_rows``
-        naming each row's (``oracle.registry``)."""
+        """The schedules of the three kinds of rows, indexed as the adapter's
+        ``schedule_rows`` names them (``oracle.registry``): 0 the wide tier on the cache,
+        1 the wide tier on predecoded pages (fp8 with scalar scales: K/V exact, q as given,
+        P in act), 2 the narrow tier (its own key tiles); equal where they agree (the
+        oracle runs the reference once per distinct schedule)."""
         from reference.attention import Schedule
 
         kv, p_dtype, q_dtype = operand_dtypes(model_dtype, case)
-        plain = Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
-                         blocks_per_tile=1, blocks_per_split=None, out_dtype=model_dtype,
-                         order="ascending", q_dtype=q_dtype,
-                         tile_keys=declared_tile_keys(self.block_keys, case))
-        if not scales_outside(case):
-            return plain
-        return plain, replace(plain, p_dtype=model_dtype, q_dtype="given")
+        wide = Schedule(kv_dtype=kv, p_dtype=p_dtype, p_max="running",
+                        blocks_per_tile=1, blocks_per_split=None, out_dtype=model_dtype,
+                        order="ascending", q_dtype=q_dtype,
+                        tile_keys=declared_tile_keys(self.block_keys, case))
+        pre = replace(wide, p_dtype=model_dtype, q_dtype="given") if scales_outside(case) \
+            else wide
+        narrow_keys = self.block_keys if self.narrow_block_keys is None \
+            else self.narrow_block_keys
+        narrow = replace(wide, tile_keys=declared_tile_keys(narrow_keys, case))
+        return wide, pre, narrow
 
 
 SCHEDULE = PrefillSchedule()
@@ -596,7 +601,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              validate=False, block_rows=None, num_warps=None,
                              num_stages=None, delegate_ratio=None, narrow_warps=None,
                              narrow_stages=None, narrow_max_registers=None, block_keys=None,
-                             predecode=None,
+                             narrow_block_keys=None, predecode=None,
                              schedule_rows=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
@@ -640,9 +645,11 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     act (the module docstring's second schedule, ``PrefillSchedule``), where the fp8 path
     row-scales q to fp16 and rounds P to fp16; the narrow tier reads the fp8 codes on the
     fp8 path. None (default): True where ``default_predecode`` says so, else False.
+    narrow_block_keys: the narrow tier's own key tiles (default: ``block_keys``; declared
+    as ``PrefillSchedule(narrow_block_keys=...)``, the narrow rows' schedule).
     schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills
     (no sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
-    tuple: 1 for the rows of the wide tier on predecoded pages, else 0."""
+    schedules: 0 the wide tier on the cache, 1 on predecoded pages, 2 the narrow tier."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
@@ -665,6 +672,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     if narrow_max_registers is not None:
         narrow["maxnreg"] = check_int(narrow_max_registers, "narrow_max_registers", 24, 255)
     bn = check_block_keys(block_keys, p.page)
+    bn_narrow = bn if narrow_block_keys is None else check_block_keys(
+        narrow_block_keys, p.page, "narrow_block_keys")
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
     const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
@@ -705,28 +714,31 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     if tiers:
         _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
                       tier, handed, counts[2:3], {**const, "BLOCK_T": narrow_t, "TIER": 2,
-                                                  "WIDE_T": block_t, **narrow},
+                                                  "WIDE_T": block_t, "BN": bn_narrow,
+                                                  **narrow},
                       "num_stages" not in narrow)
     if schedule_rows is not None:
-        schedule_rows.copy_(_predecoded_rows(p, cu_seqlens_q, tier, block_t, grp)
-                            if predecode else 0)
+        schedule_rows.copy_(_row_schedules(p, cu_seqlens_q, tier, block_t, grp, predecode))
     return p.out
 
 
-def _predecoded_rows(p: PrefillPlan, cu_seqlens_q, tier, block_t: int, grp: int):
-    """``[T, Hq]`` int32 on the device: 1 where the wide tier ran the (token, head) row, i.e.
-    its wide tile (module docstring, Tiling) was not handed to the narrow tier (``tier``,
-    one int32 per (wide tile, KV head); None: every tile wide), else 0."""
+def _row_schedules(p: PrefillPlan, cu_seqlens_q, tier, block_t: int, grp: int,
+                   predecode: bool):
+    """``[T, Hq]`` int32 on the device: each (token, head) row's index into
+    ``PrefillSchedule``'s schedules: 2 where the narrow tier ran it (its wide tile, module
+    docstring Tiling, handed over: ``tier``, one int32 per (wide tile, KV head), None with
+    the tiers off), else 1 on predecoded pages, 0 on the cache."""
     dev = cu_seqlens_q.device
-    wide = torch.ones((p.t, p.hkv), dtype=torch.int32, device=dev)
+    narrow = torch.zeros((p.t, p.hkv), dtype=torch.bool, device=dev)
     if tier is not None:
         tok = torch.arange(p.t, device=dev)
         cu = cu_seqlens_q.to(torch.int64)
         r = torch.searchsorted(cu[1:], tok, right=True).clamp(max=p.batch - 1)
         tile = cu[r] // block_t + r + (tok - cu[r]) // block_t
         slots = tier.view(-1, p.hkv)
-        wide = (slots[tile.clamp(0, slots.shape[0] - 1)] == 0).to(torch.int32)
-    return wide.repeat_interleave(grp, dim=1)
+        narrow = slots[tile.clamp(0, slots.shape[0] - 1)] != 0
+    rows = torch.where(narrow, 2, int(predecode)).to(torch.int32)
+    return rows.repeat_interleave(grp, dim=1)
 
 
 def default_predecode(p: PrefillPlan, scalar: bool, width: int) -> bool:

@@ -323,8 +323,8 @@ def scheduled_reference(x, impl, out) -> tuple[np.ndarray, np.ndarray]:
     (``oracle.attention_bound``). An implementation declaring a tuple of schedules (one per
     kind of row its kernels compute differently; ``oracle.registry``) reports in
     ``out["schedule_rows"]`` (int ``[T, Hq]``, default all 0) which one each (token, head)
-    row followed: each row is judged against its own, the reference run once per schedule
-    in use. A missing or malformed report is a ValueError (a failed check)."""
+    row followed: each row is judged against its own, the reference run once per distinct
+    schedule in use. A malformed report is a ValueError (a failed check)."""
     from oracle.attention_bound import attention_bound
 
     declared = schedule_for(impl, x["model_dtype"], x)
@@ -337,14 +337,17 @@ def scheduled_reference(x, impl, out) -> tuple[np.ndarray, np.ndarray]:
     if rows.size and (rows.min() < 0 or rows.max() >= len(scheds)):
         raise ValueError(f"schedule_rows: entries must lie in [0, {len(scheds)}) (the "
                          f"declared schedules), got [{rows.min()}, {rows.max()}]")
-    unrounded = bound = None
+    used: dict = {}  # each distinct schedule in use -> the indices naming it
     for i in np.unique(rows) if rows.size else (0,):
-        res = ref_impl.attention_call(x, schedule=scheds[i], return_details=True)
-        b = attention_bound(x, scheds[i], impl.arith, dot_rel=score_rel_for(impl, x))
+        used.setdefault(scheds[i], []).append(i)
+    unrounded = bound = None
+    for sched, indices in used.items():
+        res = ref_impl.attention_call(x, schedule=sched, return_details=True)
+        b = attention_bound(x, sched, impl.arith, dot_rel=score_rel_for(impl, x))
         if unrounded is None:
             unrounded, bound = res.unrounded, b
         else:
-            mine = (rows == i)[..., None]
+            mine = np.isin(rows, indices)[..., None]
             unrounded, bound = np.where(mine, res.unrounded, unrounded), np.where(mine, b, bound)
     return unrounded, bound
 

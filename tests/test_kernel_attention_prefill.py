@@ -315,6 +315,29 @@ def test_key_tiles_match_reference_under_their_schedule(kv_fmt, group, block_key
                              inputs=x).passed
 
 
+@pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fn"])
+def test_narrow_key_tiles_are_declared_for_the_narrow_rows_only(kv_fmt):
+    """The narrow tier's own key tiles (``narrow_block_keys`` 16, P 64, the wide tier on
+    whole blocks): on a ragged batch whose tiles go to both tiers (32-row wide tiles,
+    delegate_ratio 16) the output passes the oracle under
+    ``PrefillSchedule(narrow_block_keys=16)``, the adapter names the narrow rows (2) and
+    the wide ones (0), and for bf16 the undeclared tiles are rejected (the wide tier's
+    schedule for every row)."""
+    x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, "tensor" if kv_fmt != "bfloat16" else
+                    "none", hkv=2, group=2, page=64, seq_lens=(61, 150, 200),
+                    qlens=(19, 3, 37), k=3, seed=5)
+    run = functools.partial(ap.run, narrow_block_keys=16, block_rows=32, delegate_ratio=16)
+    (impl,) = implementations("attention_prefill", ["triton"])
+    tiled = replace(impl, run=run, schedule=ap.PrefillSchedule(narrow_block_keys=16))
+    res = run_check(_case(x), tiled, inputs=x)
+    assert res.passed, res.summary()
+    rows = run(x)["schedule_rows"]
+    assert set(np.unique(rows)) == {0, 2}
+    if kv_fmt == "bfloat16":
+        assert not run_check(_case(x), replace(tiled, schedule=ap.PrefillSchedule()),
+                             inputs=x).passed
+
+
 @pytest.mark.parametrize("block_keys", [8, 48, 128])
 def test_block_keys_must_be_a_power_of_two_tile_of_the_page(block_keys):
     """block_keys below 16, not dividing the page size (64), or past it is refused with a
@@ -369,7 +392,8 @@ def test_tiers_agree_with_one_tier():
 
 
 @pytest.mark.parametrize("knob, value", [("delegate_ratio", -1), ("narrow_warps", 0),
-                                         ("narrow_stages", 9), ("narrow_max_registers", 8)])
+                                         ("narrow_stages", 9), ("narrow_max_registers", 8),
+                                         ("narrow_block_keys", 48)])
 def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
     """A tier knob out of its range is rejected on the host, naming the argument."""
     with pytest.raises(ValueError, match=knob):
@@ -439,7 +463,7 @@ def test_softmax_scale_is_applied():
         torch.from_numpy(x["q"]).to(act).to(dev), t(x["kv_cache"]), "e4m3fn",
         t(x["block_table"]), t(x["cu_seqlens_q"]), t(x["seq_lens"]), t(x["topk"]),
         t(x["k_scale"]), t(x["v_scale"]), softmax_scale=0.3)
-    sched = ap.SCHEDULE("float16")
+    sched = ap.SCHEDULE("float16")[0]
     res = attention.sparse_attention_prefill(
         x["q"], x["kv_cache"], "e4m3fn", x["block_table"], x["cu_seqlens_q"], x["seq_lens"],
         x["topk"], x["k_scale"], x["v_scale"], softmax_scale=0.3, schedule=sched,
@@ -459,9 +483,9 @@ def test_predecoded_pages_are_admitted_under_their_own_schedule_and_guarded(kv_f
     tier run on them as on a 16-bit cache): on a ragged batch whose invisible content is
     NaN-poisoned, with the tiers (mixed tiles) or every tile wide, the output is admitted
     by the oracle, each row under the schedule the adapter reports for it
-    (``schedule_rows``: 1, the predecoded schedule, for every row of the wide tier, 0 for
-    the narrow tier's and for every row of the plain launch), and with the tiers both
-    schedules are in use. With a block-table entry past the cache and validate=False (the
+    (``schedule_rows``: 1, the predecoded schedule, for every row of the wide tier, 2 for
+    the narrow tier's, 0 for the wide tier of the plain launch), and with the tiers both
+    tiers ran. With a block-table entry past the cache and validate=False (the
     scratch table marks it bad), the output equals the predecoded launch's without the
     selections of that block."""
     x = make_inputs(kv_fmt, md, scales=scales, hkv=2, group=4, d=64, page=16,
@@ -470,8 +494,9 @@ def test_predecoded_pages_are_admitted_under_their_own_schedule_and_guarded(kv_f
     _passes(x, **knobs)
     rows = ap.run(x, **knobs)["schedule_rows"]
     assert rows.shape == x["q"].shape[:2]
-    assert set(np.unique(rows)) == ({1} if ratio == 0 else {0, 1})
-    assert not ap.run(x, **dict(knobs, predecode=False))["schedule_rows"].any()
+    assert set(np.unique(rows)) == ({1} if ratio == 0 else {1, 2})
+    plain = ap.run(x, **dict(knobs, predecode=False))["schedule_rows"]
+    assert np.array_equal(plain, np.where(rows == 1, 0, rows))
     bt = np.array(x["block_table"], copy=True)
     bt[1, 2] = 10**6  # request 1 (tokens 9 to 24), block 2
     token = np.arange(x["topk"].shape[1])
@@ -684,14 +709,17 @@ def test_validate_rejects_bad_contents(changes, match):
 
 def test_registered_with_its_schedule():
     """Registered as implementation "triton" of attention_prefill for cpu and cuda, tiny
-    shapes only when interpreted and model shapes when compiled; its schedule: K/V and P in
-    the model dtype, running-max tiles of one block, ascending block order, no split-K,
-    output in the model dtype."""
+    shapes only when interpreted and model shapes when compiled; its schedules (the three
+    kinds of rows, all alike for a 16-bit cache): K/V and P in the model dtype,
+    running-max tiles of one block, ascending block order, no split-K, output in the
+    model dtype."""
     impl = _impl()
     assert impl.devices == ("cpu", "cuda")
     assert ("model" in impl.shape_classes) == (not ap.INTERPRETED)
     assert ("small" in impl.shape_classes) == (not ap.INTERPRETED)
-    s = impl.schedule("float16")
+    scheds = impl.schedule("float16")
+    assert len(scheds) == 3 and len(set(scheds)) == 1
+    s = scheds[0]
     assert (s.kv_dtype, s.p_dtype, s.out_dtype) == ("float16",) * 3
     assert (s.p_max, s.blocks_per_tile, s.order) == ("running", 1, "ascending")
     assert s.blocks_per_split is None
