@@ -364,7 +364,9 @@ def _mixed_tiles_case(cache="e4m3fn"):
 def test_each_wide_tile_picks_its_tier_by_its_union(monkeypatch):
     """With the default ratio the tile with U = 2 against 32 entries stays in the wide
     tier and the tile with U = 17 (3 x 17 > 32) is handed over (the int32 per wide
-    program the launcher passes both tiers); the output is admitted by the oracle."""
+    program the launcher passes both tiers); the output is admitted by the oracle, and
+    the adapter names the rows of the second tile's tokens the narrow tier's (2), the
+    first tile's the wide tier's (1 on predecoded pages, else 0)."""
     seen = []
     orig = ap._prefill_pass
 
@@ -378,6 +380,10 @@ def test_each_wide_tile_picks_its_tier_by_its_union(monkeypatch):
     tiers = [tier for tier, _ in seen]
     assert tiers == [1, 2]
     assert seen[0][1][:2].tolist() == [0, 1]
+    second = (np.arange(32) >= 16)[:, None]
+    for predecode, wide in ((False, 0), (True, 1)):
+        rows = ap.run(x, block_rows=32, predecode=predecode)["schedule_rows"]
+        assert np.array_equal(rows, np.where(second, 2, wide) + 0 * rows)
 
 
 def test_tiers_agree_with_one_tier():
