@@ -98,7 +98,10 @@ TIMELINE_BENCHES = {"indexer": ("start", "scan", "end"),
 TIMELINE_VIEWS = {"indexer": [("the set-up (ready: the program knows its key blocks)",
                               ("start", "ready", "scan", "end"), (1, 6, 2, 3)),
                              ("the merging programs", ("start", "scan", "ticket", "written",
-                                                       "end"), (1, 2, 4, 5, 3))]}
+                                                       "end"), (1, 2, 4, 5, 3))],
+                  "attention_decode": [("the plan (planned: the union's blocks and pages "
+                                        "known, q scaled; the block loop's loads wait on it)",
+                                        ("start", "planned", "blocks", "end"), (1, 4, 2, 3))]}
 
 
 def timeline(bench: str, cache: str, knobs: dict, calls: int, ragged: bool = False,

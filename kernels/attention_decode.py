@@ -377,6 +377,8 @@ def _decode_split_kernel(
     q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR, FMT)
     if REPAIR:
         n_iter = tl.where(go, n_iter, 0)
+    if TRACE:
+        stamp(trace_ptr, trace_row, 4)
     if WS > 1:  # one row: key streams, one per warp (``_stream_loop``)
         m_i, l_i, acc = _stream_loop(
             q, row_scale, u_rank, u_key, u_page, n_iter, seq32, g64, kv_ptr, kv_s0, kv_s1,
@@ -724,8 +726,9 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     default stays whole blocks.
     ``trace``: a diagnostic (``kernels._trace``, compiled only): an int64 buffer ``[>= B *
     Hkv * splits, TRACE_SLOTS]``; program (r, g, c) of the first pass writes row (r * Hkv +
-    g) * splits + c: its SM, then the timer at its start, after its block loop and at its
-    end (after the merge, if it drew the last ticket).
+    g) * splits + c: its SM, then the timer at its start (slot 1), after its block loop
+    (2), at its end (3; after the merge, if it drew the last ticket) and when its plan was
+    ready (4: the union's blocks and pages known, q scaled; the loop's loads wait on it).
     ``workspace``: a ``kernels._host.Workspace`` kept across calls (the merge's ticket
     counters stay zero between launches, the partials are reused): no allocation and no
     counter fill per call; one per stream of concurrent calls. None: fresh buffers.

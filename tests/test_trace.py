@@ -176,7 +176,8 @@ def _stamped_in_order(rows: np.ndarray, programs: int) -> None:
 @pytest.mark.parametrize("cache", ["bf16", "e4m3fn"])
 def test_traced_decode_attention_stamps_every_program_in_order(cache):
     """Batch 4 at the benchmark's shape, 4 blocks per split (4 splits, 64 programs): every
-    program writes its row in order; the output is bit-identical to the untraced one."""
+    program writes its row in order (its plan's stamp, slot 4, between its start and its
+    block loop's end); the output is bit-identical to the untraced one."""
     from benchmarks import bench_attention_decode as bad
     from kernels import attention_decode as ad
 
@@ -192,7 +193,10 @@ def test_traced_decode_attention_stamps_every_program_in_order(cache):
     plain = launch()
     buf = trace_buffer(128, t.q.device)
     assert torch.equal(plain, launch(trace=buf))
-    _stamped_in_order(buf.cpu().numpy(), 4 * bad.SHAPE.hkv * 4)
+    rows = buf.cpu().numpy()
+    _stamped_in_order(rows, 4 * bad.SHAPE.hkv * 4)
+    used = rows[:4 * bad.SHAPE.hkv * 4]
+    assert (used[:, 1] <= used[:, 4]).all() and (used[:, 4] <= used[:, 2]).all()
 
 
 @pytest.mark.gpu
