@@ -312,6 +312,24 @@ def _decode_split_kernel(
     # position.
     e = tl.load(tk_ptr + g64 * tk_s0 + rows64[:, None] * tk_s1 + kk[None, :].to(tl.int64) * tk_s2,
                 mask=(ri < ROWS)[:, None] & (kk < topk_k)[None, :], other=-1).to(tl.int64)
+    # ---- the (row, head) tile of queries: m = row * G_P + head; loaded before the plan
+    # below so that its latency overlaps the plan's (the first K/V loads wait for both).
+    mm = tl.arange(0, BLOCK_M)
+    m_row = mm // G_P
+    m_head = mm % G_P
+    m_ok = (m_row < ROWS) & (m_head < group)
+    m_t = r64 * ROWS + m_row
+    m_hq = g64 * group + m_head
+    dd = tl.arange(0, D)
+    q = tl.load(q_ptr + m_t[:, None] * q_s0 + m_hq[:, None] * q_s1 + dd[None, :],
+                mask=m_ok[:, None], other=0.0)
+    logit_scale = qk_scale
+    if FP8 and SCALAR:  # the scales outside the products (kernels._attention.scales_outside)
+        logit_scale = qk_scale * tl.load(ks_ptr)
+    if ROWS_P == 1:  # every entry's page, gathered while the plan below is computed
+        e1 = tl.reshape(e, (KP,))
+        entry_page = tl.load(bt_ptr + r64 * bt_s0 + e1 * bt_s1,
+                             mask=(e1 >= 0) & (e1 < bt_cols), other=-1)
     in_range = row_ok[:, None] & (e >= 0) & (e * P <= pos[:, None])  # 0 <= e <= p // P
     e32 = tl.where(in_range, e, -1).to(tl.int32)
     same = e32[:, :, None] == e32[:, None, :]  # [row, k', k]
@@ -320,49 +338,53 @@ def _decode_split_kernel(
     valid = in_range & (repeat == 0)  # a repeated block counts once
     below = (e32[:, :, None] < e32[:, None, :]) & valid[:, :, None]
     rank = tl.sum(below.to(tl.int32), axis=1)  # ascending rank among the row's blocks
-    tt = tl.arange(0, NBP)
-    want = c * NB + tt
-    pick = (valid[:, None, :] & (rank[:, None, :] == want[None, :, None])
-            & (tt < NB)[None, :, None])
-    chunk = tl.max(tl.where(pick, e32[:, None, :], -1), axis=2)  # [ROWS_P, NBP], -1: none
-    S: tl.constexpr = ROWS_P * NBP
-    uni = tl.reshape(chunk, (S,))
-    ubit = tl.reshape(tl.where(chunk >= 0, 1 << ri[:, None], 0), (S,))
-    ss = tl.arange(0, S)
-    same_u = uni[:, None] == uni[None, :]
-    u_rep = tl.max((same_u & (ss[:, None] < ss[None, :])).to(tl.int32), axis=0)
-    first = (uni >= 0) & (u_rep == 0)
-    u_rank = tl.sum(((uni[:, None] < uni[None, :]) & first[:, None]).to(tl.int32), axis=0)
-    n_iter = tl.sum(first.to(tl.int32), axis=0)
-    # Per union block: block * 16 + the bit mask of the rows whose chunk holds it (a row's
-    # chunk holds a block once), so one reduction per step yields both.
-    rmask = tl.sum(tl.where(same_u, ubit[:, None], 0), axis=0)
-    u_key = tl.where(first, uni * 16 + rmask, -1)
+    if ROWS_P == 1:
+        # One row: its chunk is the union. Over its KP entries: the valid ones ranked in
+        # this split's range, in ascending order (u_rank), without the rows' merge below.
+        uni = tl.reshape(e32, (KP,))
+        u_rank = tl.reshape(rank, (KP,)) - c * NB
+        first = tl.reshape(valid, (KP,)) & (u_rank >= 0) & (u_rank < NB)
+        u_rank = tl.where(first, u_rank, -1)
+        n_iter = tl.sum(first.to(tl.int32), axis=0)
+        u_key = tl.where(first, uni * 16 + 1, -1)  # row 0's bit
+    else:
+        tt = tl.arange(0, NBP)
+        want = c * NB + tt
+        pick = (valid[:, None, :] & (rank[:, None, :] == want[None, :, None])
+                & (tt < NB)[None, :, None])
+        chunk = tl.max(tl.where(pick, e32[:, None, :], -1), axis=2)  # [ROWS_P, NBP]
+        S: tl.constexpr = ROWS_P * NBP
+        uni = tl.reshape(chunk, (S,))
+        ubit = tl.reshape(tl.where(chunk >= 0, 1 << ri[:, None], 0), (S,))
+        ss = tl.arange(0, S)
+        same_u = uni[:, None] == uni[None, :]
+        u_rep = tl.max((same_u & (ss[:, None] < ss[None, :])).to(tl.int32), axis=0)
+        first = (uni >= 0) & (u_rep == 0)
+        u_rank = tl.sum(((uni[:, None] < uni[None, :]) & first[:, None]).to(tl.int32),
+                        axis=0)
+        n_iter = tl.sum(first.to(tl.int32), axis=0)
+        # Per union block: block * 16 + the bit mask of the rows whose chunk holds it (a
+        # row's chunk holds a block once), so one reduction per step yields both.
+        rmask = tl.sum(tl.where(same_u, ubit[:, None], 0), axis=0)
+        u_key = tl.where(first, uni * 16 + rmask, -1)
     live = tl.sum(tl.where(row_ok, 1 << ri, 0), axis=0)  # rows with a position >= 0
-
-    # ---- the (row, head) tile of queries: m = row * G_P + head.
-    mm = tl.arange(0, BLOCK_M)
-    m_row = mm // G_P
-    m_head = mm % G_P
-    m_ok = (m_row < ROWS) & (m_head < group)
     # Positions inside the block loop in int32: its 64-bit compares of every key against
     # every row's position held ~9% of the loop's stall samples (H200, ncu). The host
     # caps contexts at MAX_CONTEXT (2^30) tokens, so the clamp changes nothing for valid
     # seq_lens and keeps bad ones from wrapping.
     seq32 = tl.minimum(tl.maximum(seq, -8), MAX_CONTEXT).to(tl.int32)
     m_pos = seq32 - ROWS + m_row
-    m_t = r64 * ROWS + m_row
-    m_hq = g64 * group + m_head
-    dd = tl.arange(0, D)
-    q = tl.load(q_ptr + m_t[:, None] * q_s0 + m_hq[:, None] * q_s1 + dd[None, :],
-                mask=m_ok[:, None], other=0.0)
+
 
     # The union blocks' pages in one gather before the loop: the loop's K/V addresses then
     # depend on registers only, not on a block-table load per block (one global round trip
     # less on each block's path, and nothing for the pipeliner to chain).
-    u_blk64 = tl.where(first, uni, 0).to(tl.int64)
-    u_page = tl.load(bt_ptr + r64 * bt_s0 + u_blk64 * bt_s1, mask=first & (u_blk64 < bt_cols),
-                     other=-1).to(tl.int64)
+    if ROWS_P == 1:
+        u_page = tl.where(first, entry_page, -1).to(tl.int64)
+    else:
+        u_blk64 = tl.where(first, uni, 0).to(tl.int64)
+        u_page = tl.load(bt_ptr + r64 * bt_s0 + u_blk64 * bt_s1,
+                         mask=first & (u_blk64 < bt_cols), other=-1).to(tl.int64)
     # -1 for a bad entry (negative, or past num_pages), then int32 for the loop's reduction.
     u_page = tl.where((u_page >= 0) & (u_page < num_pages), u_page, -1).to(tl.int32)
 
@@ -371,9 +393,6 @@ def _decode_split_kernel(
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     SUB: tl.constexpr = P // BN  # tiles per block (BN keys each, in key order)
     jj = tl.arange(0, BN)
-    logit_scale = qk_scale
-    if FP8 and SCALAR:  # the scales outside the products (kernels._attention.scales_outside)
-        logit_scale = qk_scale * tl.load(ks_ptr)
     q, row_scale = q_operand(q, logit_scale, FP8 and SCALAR, FMT)
     if REPAIR:
         n_iter = tl.where(go, n_iter, 0)

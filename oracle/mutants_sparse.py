@@ -130,10 +130,10 @@ register(Mutant(
     "set: a block selected by several rows was accumulated once per selecting row into "
     "every row that holds it",
     patch("kernels.attention_decode",
-          ("    first = (uni >= 0) & (u_rep == 0)\n", "    first = uni >= 0\n"),
-          ("    u_rank = tl.sum(((uni[:, None] < uni[None, :]) & first[:, None])"
-           ".to(tl.int32), axis=0)\n",
-           "    u_rank = tl.sum((((uni[:, None] < uni[None, :]) | ((uni[:, None] == "
+          ("        first = (uni >= 0) & (u_rep == 0)\n", "        first = uni >= 0\n"),
+          ("        u_rank = tl.sum(((uni[:, None] < uni[None, :]) & first[:, None])"
+           ".to(tl.int32),\n                        axis=0)\n",
+           "        u_rank = tl.sum((((uni[:, None] < uni[None, :]) | ((uni[:, None] == "
            "uni[None, :]) & (ss[:, None] < ss[None, :]))) & first[:, None]).to(tl.int32), "
            "axis=0)\n"))))
 
