@@ -780,9 +780,9 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     it). fit_stages: pick num_stages by ``_num_stages``, lowered until both passes fit
     shared memory."""
     block_t = const["BLOCK_T"]
-    subs = const["WIDE_T"] // block_t if const.get("TIER") == 2 else 1
-    slots = _grid(p, const.get("WIDE_T", block_t) if subs > 1 else block_t)
-    flagged = _item_list(slots[0] * slots[1] * subs, count)
+    wide_t = const["WIDE_T"] if const.get("TIER") == 2 else block_t  # the slots' tile
+    slots = _grid(p, wide_t)
+    flagged = _item_list(slots[0] * slots[1] * (wide_t // block_t), count)
     # The first pass's list (the wide pass has none: any buffer, never read).
     listed = flagged if items is None else items
 
