@@ -113,7 +113,9 @@ def merge(docs: list[dict]) -> dict:
     one run's parts)."""
     if not docs:
         raise ValueError("merge needs at least one suite report")
-    tests: dict[str, dict] = {}
+    tests: dict[str, str] = {}  # test -> outcome
+    seconds = Counter()
+    cells: dict = {}
     for d in docs:
         if "suite" not in d:
             raise ValueError("not a suite report (no 'suite' key): pytest --suite-report "
@@ -122,12 +124,8 @@ def merge(docs: list[dict]) -> dict:
         if shared:
             raise ValueError(f"the parts share {len(shared)} tests, e.g. {min(shared)}: "
                              f"not parts of one run")
-        tests.update({k: {"outcome": v} for k, v in d["suite"]["tests"].items()})
-    seconds = Counter()
-    for d in docs:
+        tests.update(d["suite"]["tests"])
         seconds.update(d["suite"]["seconds_by_file"])
-    cells: dict = {}
-    for d in docs:
         for c in d["cells"]:
             key = tuple(c[k] for k in ("op", "impl", "platform", "format", "shape_class",
                                        "dist"))
@@ -143,12 +141,12 @@ def merge(docs: list[dict]) -> dict:
                 "wall_seconds": wall,
                 "part_wall_seconds": [p["wall_seconds"] for p in parts],
                 "test_seconds": round(sum(p["test_seconds"] for p in parts), 2),
-                "outcomes": dict(Counter(t["outcome"] for t in tests.values())),
+                "outcomes": dict(Counter(tests.values())),
                 "slowest": sorted((t for p in parts for t in p["slowest"]),
                                   key=lambda t: -t["seconds"])[:20],
                 "seconds_by_file": {f: round(sec, 2) for f, sec in seconds.most_common()},
                 "failed": [f for p in parts for f in p["failed"]],
-                "tests": {k: v["outcome"] for k, v in tests.items()},
+                "tests": tests,
             }}
 
 
