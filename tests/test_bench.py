@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks import bench_insert, harness, render_bench
+from oracle import rand
 from oracle.impl_torch import _Flags, _fused
 
 N = 16_384
@@ -317,3 +318,49 @@ def test_a_benchmark_stopped_by_sigterm_writes_what_it_measured(tmp_path, monkey
     code, doc, md = _run_main(tmp_path, monkeypatch, stop_after=None)
     assert code == 0 and "partial" not in doc and "Partial report" not in md
     assert doc["results"] == _synthetic_report()["results"]
+
+
+# ------------------------------------------------------------- gathered-read bandwidth
+
+
+@pytest.mark.interp
+def test_gather_xor_reads_exactly_the_indexed_chunks():
+    """The L2 probe's kernel (benchmarks/l2_bandwidth.py) XORs, per visit, exactly the
+    chunk its index names, all of it, so every byte it is credited with is
+    loaded: checked against NumPy on distinct random words, chunks of two load blocks."""
+    from benchmarks import l2_bandwidth as l2b
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    words, chunks, visits = 64, 5, 9
+    src = rand.raw_u32(rand.generator(1), (chunks * words,)).view(np.int32)
+    idx = l2b.chunk_indices(7, visits, chunks)
+    assert set(idx.tolist()) <= set(range(chunks)) and len(set(idx.tolist())) > 1
+    got = l2b.gather_xor(torch.from_numpy(src).to(dev), torch.from_numpy(idx).to(dev),
+                         words, block_words=32)
+    want = np.bitwise_xor.reduce(src.reshape(chunks, words)[idx], axis=1)
+    np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+def test_gather_xor_rejects_a_chunk_not_a_multiple_of_the_load_block():
+    """A chunk the load block does not divide is refused, naming chunk_words."""
+    from benchmarks import l2_bandwidth as l2b
+
+    with pytest.raises(ValueError, match="chunk_words"):
+        l2b.gather_xor(torch.zeros(64, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                       48, block_words=32)
+
+
+@pytest.mark.gpu
+def test_l2_bandwidth_report(tmp_path):
+    """A small run of the probe writes its JSON and Markdown with a positive bandwidth per
+    (working set, chunk), and L2-resident reads no slower than HBM-sized ones."""
+    from benchmarks import l2_bandwidth as l2b
+
+    out = tmp_path / "l2.json"
+    assert l2b.main(["--working-sets", "8", "1024", "--chunks", "32", "--rep-ms", "20",
+                     "--copy-mib", "64", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rates = {r["working_set_mib"]: r["tb_per_s"] for r in doc["results"]}
+    assert set(rates) == {8, 1024} and min(rates.values()) > 0
+    assert rates[8] >= rates[1024]
+    assert "| 8 | 32 |" in out.with_suffix(".md").read_text()
