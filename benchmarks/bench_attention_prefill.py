@@ -47,7 +47,11 @@ options unless ``--flex-knobs``) on the same selections, its inputs built with
 oracle/impl_flex.py: ``gather_kv`` (the request's pages dequantised to bf16 into
 contiguous K, V ``[1, Hkv, S, D]``, keys no token sees zeroed), ``selection_mask`` and
 ``build_block_mask`` (query blocks of 128 tokens, key blocks of P; ``mask_mod`` = selection
-& causal); q copied to a contiguous ``[1, Hq, T, D]``. Flex's time EXCLUDES its compile
+& causal; the blocks where it holds for every row and key marked "full", so flex skips
+``mask_mod`` there: its fastest correct form, since session 30; ``--flex-partial`` gives
+the all-partial mask of the registered implementation, which sessions 19-29 timed, at
+74.4 TFLOP/s on locality selections on the H100); q copied to a contiguous
+``[1, Hq, T, D]``. Flex's time EXCLUDES its compile
 time (a warm-up call first; ``compile_s`` records it), the paged-to-contiguous gather and
 dequantisation, and the BlockMask build: it is timed on K/V already gathered and a mask
 already built (said in every result's ``flex.excluded`` and in the report's notes). Flex
@@ -297,8 +301,12 @@ class FlexInputs:
     scale: float
 
 
-def flex_inputs(t: PrefillSet, kv_fmt: str, s: Shape = SHAPE) -> FlexInputs:
-    """flex_attention's inputs for a set, built with oracle/impl_flex.py (not timed)."""
+def flex_inputs(t: PrefillSet, kv_fmt: str, s: Shape = SHAPE,
+                full_blocks: bool = True) -> FlexInputs:
+    """flex_attention's inputs for a set, built with oracle/impl_flex.py (not timed);
+    full_blocks: the BlockMask's blocks where the mask holds everywhere marked "full" (flex
+    skips mask_mod there: the peer at its fastest; False: every block partial, as the
+    registered implementation the oracle checks, the benchmark's mask before session 30)."""
     from oracle import impl_flex
 
     seq = t.seq_lens.cpu().numpy().astype(np.int64)
@@ -313,7 +321,7 @@ def flex_inputs(t: PrefillSet, kv_fmt: str, s: Shape = SHAPE) -> FlexInputs:
                                t.q.dtype, impl_flex.seen_keys(sel, qend, s.page))
     dev = t.q.device
     bm = impl_flex.build_block_mask(torch.from_numpy(sel).to(dev), torch.from_numpy(qend).to(dev),
-                                    s.hq // s.hkv, s.page, k.shape[2])
+                                    s.hq // s.hkv, s.page, k.shape[2], full=full_blocks)
     q = t.q.permute(1, 0, 2).contiguous()[None]
     return FlexInputs(q, k, v, bm, 1.0 / math.sqrt(s.d))
 
@@ -384,10 +392,11 @@ def _finite(t: PrefillSet) -> bool:
 def bench_flex(sets, fmt: str, cache: str, min_bytes: int, args):
     """(flex's record, its output on the first set or None): inputs prepared, one warm-up
     call (compiles; ``compile_s``), then harness timing of the calls alone."""
-    extra = {"kernel_options": args.flex_knobs or {}, "excluded": FLEX_EXCLUDED}
+    extra = {"kernel_options": args.flex_knobs or {}, "excluded": FLEX_EXCLUDED,
+             "block_mask": "partial" if args.flex_partial else "full"}
     try:
         t0 = time.perf_counter()
-        prepared = [flex_inputs(st, fmt) for st in sets]
+        prepared = [flex_inputs(st, fmt, full_blocks=not args.flex_partial) for st in sets]
         torch.cuda.synchronize()
         prep_s = time.perf_counter() - t0
         calls = [flex_call(f, args.flex_knobs) for f in prepared]
@@ -463,6 +472,9 @@ def parse_args(argv):
     ap.add_argument("--flex-knobs", type=harness.parse_knobs, default={},
                     help="flex_attention kernel_options (k=v,..., integers; default: flex's)")
     ap.add_argument("--no-flex", action="store_true", help="do not time flex_attention")
+    ap.add_argument("--flex-partial", action="store_true",
+                    help="flex's BlockMask with every block partial (mask_mod everywhere), "
+                         "as the oracle's flex and this benchmark before session 30")
     harness.add_timing_args(ap, NAME)
     args = ap.parse_args(argv)
     if args.new_tokens < 1 or args.prefix < 0:
@@ -473,10 +485,12 @@ def parse_args(argv):
 def build_report(args) -> dict:
     doc = harness.report_base(render_bench.SCHEMA, "block-sparse GQA prefill attention "
                               "(issue 9)", args)
+    mask = ("every block of its BlockMask partial (mask_mod everywhere)" if args.flex_partial
+            else "the blocks where the mask holds everywhere marked full (no mask_mod there)")
     flex_note = ("flex: not timed (--no-flex)." if args.no_flex else
                  f"flex: torch.compile(flex_attention), kernel options "
-                 f"{args.flex_knobs or 'flex defaults'}, on the same selections; its "
-                 f"{FLEX_EXCLUDED}; it reads bf16 K/V whatever the cache.")
+                 f"{args.flex_knobs or 'flex defaults'}, on the same selections, {mask}; "
+                 f"its {FLEX_EXCLUDED}; it reads bf16 K/V whatever the cache.")
     doc.update(tokens=f"{args.new_tokens} new + {args.prefix} prefix",
                new_tokens=args.new_tokens, prefix=args.prefix, far_tile=FAR_TILE,
                locality_split=dict(zip(("recent", "far"), locality_split(SHAPE.topk))),

@@ -13,7 +13,9 @@ import torch
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 
-from oracle import impl_flex  # noqa: E402
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
+
+from oracle import impl_flex, rand  # noqa: E402
 from oracle.cases import Case  # noqa: E402
 from oracle.checks import run_check  # noqa: E402
 from oracle.impl_torch import HALF_DTYPES, _codes_in, device  # noqa: E402
@@ -177,6 +179,68 @@ def test_mask_mod_is_the_selection_with_the_causal_cut():
         union = np.flatnonzero(rows[:128].any(0))
         assert num[head, 0] == union.size
         assert np.array_equal(idx[head, 0, :union.size], union)
+
+
+def _synthetic_selection(t=300, nb=48, page=8, seed=5):
+    """A selection over ``nb`` key blocks for ``t`` rows at positions 160.. (2 KV heads):
+    each (row, block) selected with probability 7/8, and per KV head some blocks selected
+    by every row, so whole query blocks hold full and partial blocks alike."""
+    g = rand.generator(seed)
+    sel = rand.uniform(g, (2, t, nb)) < 0.875
+    sel[0, :, 3] = sel[1, :, 5:9] = True
+    sel[1, :, 30] = sel[0, :, 40] = True  # past query block 0's first row; 40 past all
+    qend = 160 + np.arange(t)
+    qend[290] = -1  # a row that sees nothing
+    return torch.from_numpy(sel), torch.from_numpy(qend), page
+
+
+def test_full_blocks_are_exactly_those_whose_mask_holds_everywhere():
+    """full_blocks marks (KV head, query block, key block) full iff the query block's 128
+    rows are all in the batch and mask_mod holds for every (row, key) of the pair (brute
+    force over the mask); the case has full and non-full pairs, and a row seeing nothing."""
+    sel, qend, page = _synthetic_selection()
+    got = impl_flex.full_blocks(sel, qend, page).numpy()
+    hkv, t, nb = sel.shape
+    q = impl_flex.Q_BLOCK
+    want = np.zeros((hkv, -(-t // q), nb), bool)
+    for g in range(hkv):
+        for qb in range(want.shape[1]):
+            rows = np.arange(qb * q, (qb + 1) * q)
+            if rows[-1] >= t:
+                continue
+            for kb in range(nb):
+                keys = np.arange(kb * page, (kb + 1) * page)
+                want[g, qb, kb] = bool((sel[g, rows, kb].numpy()[:, None]
+                                        & (keys[None, :] <= qend[rows].numpy()[:, None])).all())
+    assert np.array_equal(got, want)
+    assert want[1, 1, 30] and not want[1, 0, 30] and not want[0, :, 40].any()
+    assert want.sum() >= 10 and (~want[:, :2]).sum() > 0
+
+
+def test_full_block_mask_lists_partial_and_full_apart_with_the_same_attention():
+    """With full=True the BlockMask's partial and full lists are disjoint, ascending, and
+    together the unions of full=False; flex_attention (eager, fp32) gives the same output
+    with either mask (to fp32 rounding: the online order differs)."""
+    sel, qend, page = _synthetic_selection()
+    hkv, t, nb = sel.shape
+    group, num_keys = 2, nb * page
+    part = impl_flex.build_block_mask(sel, qend, group, page, num_keys)
+    full = impl_flex.build_block_mask(sel, qend, group, page, num_keys, full=True)
+    for h in range(hkv * group):
+        for qb in range(part.kv_num_blocks.shape[2]):
+            union = part.kv_indices[0, h, qb, :part.kv_num_blocks[0, h, qb]].tolist()
+            p_ids = full.kv_indices[0, h, qb, :full.kv_num_blocks[0, h, qb]].tolist()
+            f_ids = full.full_kv_indices[0, h, qb, :full.full_kv_num_blocks[0, h, qb]].tolist()
+            assert p_ids == sorted(p_ids) and f_ids == sorted(f_ids)
+            assert not set(p_ids) & set(f_ids) and sorted(p_ids + f_ids) == union
+    assert int(full.full_kv_num_blocks.sum()) > 0
+    g = rand.generator(9)
+    q, k, v = (torch.from_numpy(rand.normal(g, (1, n, length, 16)).astype(np.float32))
+               for n, length in ((hkv * group, t), (hkv, num_keys), (hkv, num_keys)))
+    a = flex_attention(q, k, v, block_mask=part, enable_gqa=True)
+    b = flex_attention(q, k, v, block_mask=full, enable_gqa=True)
+    live = qend.numpy() >= 0
+    torch.testing.assert_close(b[:, :, live], a[:, :, live], rtol=1e-5, atol=1e-6)
 
 
 def test_gather_dequantises_and_zeroes_what_no_row_sees():
