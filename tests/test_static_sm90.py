@@ -53,3 +53,27 @@ def test_launch_options_change_the_compile(tmp_path):
     two = _static(tmp_path, "kernels.reshape_and_cache", "--pick", "0", "--const", "num_warps=2")
     four = _static(tmp_path, "kernels.reshape_and_cache", "--pick", "0", "--const", "num_warps=4")
     assert total(four) < total(two)
+
+
+@pytest.mark.interp
+def test_three_stages_fit_the_wide_first_pass_not_its_repair_pass(tmp_path):
+    """sm_90, model shape, bf16 cache (kernels.attention_prefill's compile_signatures pick
+    5), 8 warps, 3 pipeline stages: the first pass fits the 232,448 B of shared memory per
+    block and waits at the top of each block with the next block's two load groups still
+    in flight (``DEPBAR.LE SB0, 0x2``: its loads a block ahead; at 2 stages ``0x0``: issued
+    at the end of the previous block); the repair pass does not fit: why the launcher fits
+    each pass's depth on its own (``_prefill_pass``)."""
+    def shared(out):
+        return int(re.search(r"shared (\d+) B", out).group(1))
+
+    limit = 232_448
+    base = ["kernels.attention_prefill", "--pick", "5", "--const", "num_warps=8",
+            "--const", "num_stages=3"]
+    sass = tmp_path / "first.sass"
+    first = _static(tmp_path, *base, "--const", "REPAIR=False", "--const", "LISTED=False",
+                    "--sass", str(sass))
+    assert all(f"'{k}': {v}" in first for k, v in
+               (("G_P", 16), ("D", 128), ("P", 128), ("BN", 128), ("FP8", False)))
+    assert shared(first) <= limit and "DEPBAR.LE SB0, 0x2" in sass.read_text()
+    repair = _static(tmp_path, *base, "--const", "REPAIR=True", "--const", "LISTED=True")
+    assert shared(repair) > limit
