@@ -728,6 +728,24 @@ def test_prefill_flex_inputs_compute_the_same_attention(fmt):
                                    rtol=2e-2)
 
 
+def test_prefill_flex_full_blocks_compute_the_same_attention():
+    """The peer's BlockMask with full blocks (the benchmark's default since session 30) on
+    256 new tokens, two query blocks of 128: locality selections give full blocks (each
+    query block's shared far block) and flex (eager, fp32) still computes the sparse
+    attention of the fp32 computation on the paged cache; random ones give none."""
+    from oracle import impl_flex
+
+    s, fmt = _PREFILL_TINY, "bfloat16"
+    for dist, has_full in (("locality", True), ("random", False)):
+        st = bap.make_set(fmt, dist, 6, new_tokens=256, prefix=128, s=s, dev=_dev())
+        f = bap.flex_inputs(st, fmt, s)
+        assert (int(f.block_mask.full_kv_num_blocks.sum()) > 0) == has_full
+        o = impl_flex.attend(f.q.float(), f.k.float(), f.v.float(), f.block_mask, f.scale,
+                             s.page, compiled=False)
+        torch.testing.assert_close(o[0].transpose(0, 1).float().cpu(),
+                                   _dense_prefill(st, fmt, s), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 def test_bench_attention_prefill_small_run(tmp_path):
     """bench_attention_prefill at 1024 new tokens on a 2048-token prefix, two knob sets,
