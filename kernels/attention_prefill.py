@@ -781,8 +781,8 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     ``items``, the list of handed wide slots ``_tier_kernel`` wrote: the narrow tier), then
     the repair pass, LISTED over the tiles the main pass appended to its repair list, whose
     count is ``count`` (one zero int32; module docstring; tiles of one token never need
-    it). fit_stages: each pass's num_stages is ``_num_stages``'s guess lowered until it
-    fits shared memory; else the first pass takes ``const["num_stages"]`` as given and the
+    it). fit_stages: num_stages is ``_num_stages``'s guess lowered until both passes fit
+    shared memory; else the first pass takes ``const["num_stages"]`` as given and the
     repair pass the deepest up to it that fits (a caller's ``num_stages=3`` at the model
     shape: 3 for the first pass, 2 for the repair pass)."""
     block_t = const["BLOCK_T"]
@@ -809,17 +809,21 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
 
     passes = [(False, items is not None)] + ([(True, True)] if block_t > 1 else [])
     pre = const.get("PRE", False)  # a 16-bit (predecoded) cache: its stage depth
-    deepest = const.pop("num_stages", None) or _num_stages(const["BN"], p.d, p.fp8 and not pre)
+    depth = const.pop("num_stages", None)
+    if fit_stages:  # the guess, lowered until both passes fit shared memory
+        depth = min(
+            fitting_stages(_prefill_kernel, args(r), {**const, "REPAIR": r, "LISTED": li},
+                           q.device, deepest=_num_stages(const["BN"], p.d, p.fp8 and not pre))
+            for r, li in passes)
     # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
     # their rows must not see are listed by the first and recomputed by the second.
     for repair, li in passes:
         kw = {**const, "REPAIR": repair, "LISTED": li}
-        # Each pass its own depth: the guess (or the caller's, kept for the first pass),
-        # lowered until it fits shared memory; the repair pass's guarded P @ V takes more
-        # (sm_90, model shape, bf16, 3 stages: first pass 229,408 B, repair 294,912).
+        # A caller's depth is the first pass's; the repair pass's guarded P @ V takes more
+        # shared memory (sm_90, model shape, bf16, 3 stages: first pass 229,408 B, repair
+        # 294,912), so it takes the deepest up to it that fits.
         kw["num_stages"] = (fitting_stages(_prefill_kernel, args(repair), kw, q.device,
-                                           deepest=deepest)
-                            if fit_stages or repair else deepest)
+                                           deepest=depth) if repair else depth)
         grid = slots
         if li:
             grid = (INTERPRETED_LISTED_PROGRAMS if INTERPRETED else
