@@ -7,7 +7,8 @@ skip the first launches of the kernel it profiles (``--launch-skip 1 --launch-co
         --knobs num_warps=8
 
 ``--bench``: insert (``--impl`` triton or cuda), indexer (the decode indexer), or
-attention_decode / attention_prefill (Triton; prefill on random selections). ``--cache``:
+attention_decode / attention_prefill (Triton; prefill on ``--dist`` selections, random by
+default). ``--cache``:
 the benchmark's cache names (bench_*.CACHES). ``--knobs``: the launcher's tuning keywords
 (``k=v,...``). The inputs are the benchmark's own (its ``make_set`` with seed 0).
 
@@ -39,11 +40,11 @@ BENCHES = ("insert", "indexer", "attention_decode", "attention_prefill")
 
 
 def call(bench: str, cache: str, impl: str, knobs: dict, ragged: bool = False,
-         hot_pages: int = 0):
+         hot_pages: int = 0, dist: str = "random"):
     """The benchmark's zero-argument kernel call on its first input set (``ragged``: the
     index decode's ragged contexts, ``bench_indexer --ragged``; ``hot_pages``: the decode
     attention's block tables folded onto that many pages, ``bench_attention_decode
-    --hot-pages``)."""
+    --hot-pages``; ``dist``: the prefill's selection distribution)."""
     if bench == "insert":
         from benchmarks import bench_insert as bi
         from benchmarks.tune_insert import launcher
@@ -66,7 +67,7 @@ def call(bench: str, cache: str, impl: str, knobs: dict, ragged: bool = False,
     from benchmarks import bench_attention_prefill as bap
 
     fmt = bap.CACHES[cache]
-    return bap.triton_prefill(fmt, knobs)(bap.make_set(fmt, "random", seed=0))
+    return bap.triton_prefill(fmt, knobs)(bap.make_set(fmt, dist, seed=0))
 
 
 def kernel_times(fn, reps: int) -> str:
@@ -145,7 +146,11 @@ def main(argv=None) -> int:
     ap.add_argument("--hot-pages", type=int, default=0, metavar="N",
                     help="attention_decode only: block tables folded onto N pages, the "
                          "blocks read from L2 (bench_attention_decode --hot-pages)")
+    ap.add_argument("--dist", default=None, choices=("locality", "random"),
+                    help="attention_prefill only: the selection distribution (default random)")
     args = ap.parse_args(argv)
+    if args.dist and args.bench != "attention_prefill":
+        ap.error("--dist applies to --bench attention_prefill only")
     if args.ragged and args.bench != "indexer":
         ap.error("--ragged applies to --bench indexer only")
     if args.hot_pages and args.bench != "attention_decode":
@@ -154,7 +159,8 @@ def main(argv=None) -> int:
         print(timeline(args.bench, args.cache, args.knobs, args.timeline, args.ragged,
                        args.hot_pages))
         return 0
-    fn = call(args.bench, args.cache, args.impl, args.knobs, args.ragged, args.hot_pages)
+    fn = call(args.bench, args.cache, args.impl, args.knobs, args.ragged, args.hot_pages,
+              args.dist or "random")
     if args.kernel_times:
         print(kernel_times(fn, args.kernel_times))
         return 0

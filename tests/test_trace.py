@@ -106,6 +106,16 @@ def test_profile_launch_hot_pages_is_for_the_decode_attention_only(capsys):
     assert e.value.code == 2 and "--hot-pages" in capsys.readouterr().err
 
 
+def test_profile_launch_dist_is_for_the_prefill_only(capsys):
+    """``--dist`` (the prefill's selection distribution) with another benchmark is a usage
+    error naming the flag, before anything runs on a GPU."""
+    from benchmarks.profile_launch import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--bench", "attention_decode", "--dist", "locality", "--kernel-times", "1"])
+    assert e.value.code == 2 and "--dist" in capsys.readouterr().err
+
+
 def test_summary_of_nothing_stamped():
     """A buffer no program wrote says so instead of dividing by zero."""
     assert summary(np.zeros((4, TRACE_SLOTS), np.int64), ("a", "b", "c")) == \
