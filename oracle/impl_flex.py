@@ -192,15 +192,20 @@ def full_blocks(sel: torch.Tensor, qend: torch.Tensor, page: int) -> torch.Tenso
     """``[Hkv, nqb, NB]`` bool: the (query block, key block) pairs where ``mask_mod`` holds
     for every (row, key): a query block of ``Q_BLOCK`` rows all in the batch, each of them
     selecting the key block, whose last key is at or before every row's position."""
-    hkv, t, nb = sel.shape
-    nqb = -(-t // Q_BLOCK)
-    rows = torch.zeros((hkv, nqb * Q_BLOCK, nb), dtype=torch.bool, device=sel.device)
-    rows[:, :t] = sel
-    last_seen = torch.full((nqb * Q_BLOCK,), -1, dtype=qend.dtype, device=qend.device)
-    last_seen[:t] = qend
+    nb = sel.shape[2]
+    last_seen = _query_blocks(qend, -1).min(-1).values  # [nqb]; padding rows see nothing
     block_end = torch.arange(1, nb + 1, device=sel.device) * page - 1
-    visible = block_end[None, :] <= last_seen.view(nqb, Q_BLOCK).min(1).values[:, None]
-    return rows.view(hkv, nqb, Q_BLOCK, nb).all(2) & visible[None]
+    visible = block_end[None, :] <= last_seen[:, None]
+    return _query_blocks(sel.transpose(1, 2), False).all(-1).transpose(1, 2) & visible[None]
+
+
+def _query_blocks(x: torch.Tensor, fill) -> torch.Tensor:
+    """``x [..., T]`` padded with ``fill`` to whole query blocks: ``[..., nqb, Q_BLOCK]``."""
+    t = x.shape[-1]
+    nqb = -(-t // Q_BLOCK)
+    padded = torch.full((*x.shape[:-1], nqb * Q_BLOCK), fill, dtype=x.dtype, device=x.device)
+    padded[..., :t] = x
+    return padded.view(*x.shape[:-1], nqb, Q_BLOCK)
 
 
 def _block_lists(blocks: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,11 +227,8 @@ def build_block_mask(sel: torch.Tensor, qend: torch.Tensor, group: int, page: in
     ``full_blocks`` are marked full, so flex skips ``mask_mod`` on them; flex's kernel then
     visits a query block's partial blocks first and its full ones after, each list
     ascending (a different online-softmax order, same attention)."""
-    hkv, t, nb = sel.shape
-    nqb = -(-t // Q_BLOCK)
-    padded = torch.zeros((hkv, nqb * Q_BLOCK, nb), dtype=torch.bool, device=sel.device)
-    padded[:, :t] = sel
-    union = padded.view(hkv, nqb, Q_BLOCK, nb).any(2)
+    t = sel.shape[1]
+    union = _query_blocks(sel.transpose(1, 2), False).any(-1).transpose(1, 2)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return sel[h // group, q_idx, kv_idx // page] & (kv_idx <= qend[q_idx])
