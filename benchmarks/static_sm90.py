@@ -67,7 +67,7 @@ def cuobjdump() -> str:
     return str(Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump")
 
 
-def report(compiled, top: int, sass_out: str | None) -> str:
+def report(compiled, top: int, sass_out: str | None, sequence: bool = False) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         Path(cubin).write_bytes(compiled.asm["cubin"])
@@ -85,7 +85,50 @@ def report(compiled, top: int, sass_out: str | None) -> str:
     lines = [f"registers {regs.group(1) if regs else '?'}, stack {stack.group(1) if stack else '?'}"
              f" B, shared {compiled.metadata.shared} B, SASS instructions {sum(ops.values())}"]
     lines += [f"  {n:6d} {op}" for op, n in ops.most_common(top)]
+    if sequence:
+        lines.append(loop_sequence(sass))
     return "\n".join(lines)
+
+
+#: Opcode classes the loop sequence shows (memory, barriers, tensor, conversion, exp).
+SEQUENCE_OPS = ("LDGSTS", "LDGDEPBAR", "DEPBAR", "LDG", "STG", "BAR.SYNC", "HGMMA", "HMMA",
+                "LDSM", "STSM", "LDS", "STS", "F2FP", "MUFU.EX2", "SHFL")
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of every SASS instruction of a cuobjdump listing."""
+    return [(int(a, 16), t.strip()) for a, t in
+            re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def loop_sequence(sass: str) -> str:
+    """The hot loop of the listing (the shortest backward-branch span holding the most
+    tensor-core instructions: the block loop, not an outer loop around it) as a run-length
+    sequence of SEQUENCE_OPS classes, e.g. ``LDG x33 | BAR.SYNC | LDSM x2``: where the
+    loads stand against the barriers and the products (a global load after a ``BAR.SYNC``
+    cannot be hoisted above it, so its latency does not overlap the loads before it)."""
+    ins = instructions(sass)
+    spans = [(int(m.group(1), 16), a) for a, t in ins
+             if (m := re.search(r"\bBRA\s+(?:\S+,\s*)?0x([0-9a-f]+)", t))
+             and int(m.group(1), 16) < a]
+    if not spans:
+        return "no loop"
+
+    def mmas(span):
+        return sum(lo <= a <= hi and "MMA" in t for lo, hi in [span] for a, t in ins)
+
+    lo, hi = min(spans, key=lambda s: (-mmas(s), s[1] - s[0]))
+    runs: list[list] = []
+    for a, t in ins:
+        op = t.split()[1] if t.startswith("@") else t.split()[0]
+        cls = next((c for c in SEQUENCE_OPS if op.startswith(c)), None)
+        if lo <= a <= hi and cls:
+            if runs and runs[-1][0] == cls:
+                runs[-1][1] += 1
+            else:
+                runs.append([cls, 1])
+    body = " | ".join(c if n == 1 else f"{c} x{n}" for c, n in runs)
+    return f"loop {lo:#x}..{hi:#x} ({(hi - lo) // 16 + 1} instructions): {body}"
 
 
 def main(argv=None) -> int:
@@ -96,6 +139,8 @@ def main(argv=None) -> int:
                     help="constexpr override or launch option (num_warps, num_stages, maxnreg)")
     ap.add_argument("--top", type=int, default=20, help="opcodes listed")
     ap.add_argument("--sass", help="also write the SASS listing here")
+    ap.add_argument("--sequence", action="store_true",
+                    help="also print the longest loop's memory/barrier/MMA sequence")
     ap.add_argument("--divisible", action="append", default=[], metavar="ARG",
                     help="an integer argument the launch would find 16-divisible")
     args = ap.parse_args(argv)
@@ -106,7 +151,7 @@ def main(argv=None) -> int:
                                         {k: _value(v) for k, v in overrides.items()},
                                         args.divisible)
     print(args.module, args.pick, opts, {k: v for k, v in const.items()})
-    print(report(compiled, args.top, args.sass))
+    print(report(compiled, args.top, args.sass, args.sequence))
     return 0
 
 

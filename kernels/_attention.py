@@ -119,8 +119,13 @@ def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
     ACT, a cache in ACT as loaded (SAME), the other 16-bit dtype rounded to ACT (exact
     widening, one RNE rounding). PRE: the cache at ``src`` holds a scalar-scale fp8 cache's
     exact values in ACT (``kernels.kv_predecode``): used as loaded."""
-    k_raw = tl.load(src, mask=kmask, other=0)
+    # V's load first: without a pipeline (num_stages=1: the fp8 narrow prefill tier)
+    # Triton converts K's codes to the dot layout through shared memory right after K's
+    # load, and a global load cannot be hoisted above that conversion's barriers, so a
+    # later V load waits for K's data: two L2 round trips per block instead of one
+    # (static sm_90, ``benchmarks.static_sm90 --sequence``; tests/test_static_sm90.py).
     v_raw = tl.load(src + D, mask=kmask, other=0)
+    k_raw = tl.load(src, mask=kmask, other=0)
     if PRE:
         k = k_raw
         v = v_raw

@@ -78,3 +78,55 @@ def test_three_stages_fit_the_wide_first_pass_not_its_repair_pass(tmp_path):
     assert shared(first) <= limit and "DEPBAR.LE SB0, 0x2" in sass.read_text()
     repair = _static(tmp_path, *base, "--const", "REPAIR=True", "--const", "LISTED=True")
     assert shared(repair) > limit
+
+
+def test_loop_sequence_finds_the_hot_loop_and_run_lengths():
+    """loop_sequence picks the shortest backward-branch span holding the most MMAs (the
+    inner loop, not the outer loop around it) and condenses its opcode classes into runs,
+    in address order; a listing without a backward branch has no loop."""
+    from benchmarks.static_sm90 import loop_sequence
+
+    def line(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;"
+
+    sass = "\n".join([
+        line(0x00, "MOV R1, c[0x0][0x28]"),
+        line(0x10, "LDG.E R2, desc[UR4][R4.64]"),      # outer loop head
+        line(0x20, "LDG.E.128 R8, desc[UR4][R6.64]"),  # inner loop head
+        line(0x30, "@P0 LDG.E.128 R12, desc[UR4][R6.64+0x80]"),
+        line(0x40, "BAR.SYNC.DEFER_BLOCKING 0x0"),
+        line(0x50, "HMMA.16816.F32 R16, R8, R12, R16"),
+        line(0x60, "HMMA.16816.F32 R20, R8, R12, R20"),
+        line(0x70, "@P1 BRA 0x20"),
+        line(0x80, "STG.E desc[UR4][R4.64], R16"),
+        line(0x90, "@P2 BRA 0x10"),
+        line(0xa0, "EXIT"),
+    ])
+    assert loop_sequence(sass) == ("loop 0x20..0x70 (6 instructions): LDG x2 | BAR.SYNC | "
+                                   "HMMA x2")
+    assert loop_sequence(sass.replace("BRA 0x20", "BRA 0xa0").replace("BRA 0x10", "BRA 0xa0")) \
+        == "no loop"
+
+
+@pytest.mark.interp
+def test_the_unpipelined_narrow_tier_issues_k_and_v_loads_together(tmp_path):
+    """sm_90, model shape, e4m3fn cache, the fp8 narrow prefill tier's launch (one token,
+    2 warps, 1 stage): every global load of the block loop (the page entry, K's and V's
+    codes) is issued before its first barrier, so a block costs one L2 round trip; with K
+    loaded first Triton converted K's codes through shared memory between the two loads
+    and V's 16 loads waited behind K's data (kernels._attention.kv_tiles)."""
+    from benchmarks.static_sm90 import loop_sequence
+
+    sass = tmp_path / "narrow.sass"
+    out = _static(tmp_path, "kernels.attention_prefill", "--pick", "0", "--const", "TIER=2",
+                  "--const", "BLOCK_T=1", "--const", "WIDE_T=8", "--const", "LISTED=True",
+                  "--const", "REPAIR=False", "--const", "num_warps=2", "--const",
+                  "num_stages=1", "--sass", str(sass))
+    assert all(f"'{k}': {v}" in out for k, v in
+               (("G_P", 16), ("D", 128), ("P", 128), ("BN", 128), ("FP8", True)))
+    runs = loop_sequence(sass.read_text()).split(": ", 1)[1].split(" | ")
+    first_bar = runs.index("BAR.SYNC")
+    loads = [(i, r) for i, r in enumerate(runs) if r.startswith("LDG")]
+    assert loads and all(i < first_bar for i, _ in loads), runs[:first_bar + 3]
+    count = sum(int(r.split(" x")[1]) if " x" in r else 1 for _, r in loads)
+    assert count >= 33, runs[:first_bar + 3]  # the page entry, 16 + 16 vector loads
