@@ -622,9 +622,13 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     are guarded in the kernel (never an illegal access; see the module docstring).
     block_rows: query rows (tokens x padded heads) per program of the wide tier, a power of
     two (default ``BLOCK_ROWS``); num_warps / num_stages: its Triton launch options (default
-    ``NUM_WARPS``, and ``_num_stages``); delegate_ratio: the tiers' switch (module
-    docstring, Tiers; default ``DELEGATE_RATIO``; 0: every tile in the wide tier; a huge
-    value: every tile with a selection in the narrow tier). The narrow tier runs
+    ``NUM_WARPS``, and ``_num_stages``; a given num_stages is the first pass's, the repair
+    pass taking the deepest up to it that fits: static sm_90, model shape, bf16, 3 stages
+    fit the first pass, 229,408 B, with the next block's loads issued a whole block ahead,
+    where 2 stages wait for them at the top of the very next block; to time);
+    delegate_ratio: the tiers' switch (module docstring, Tiers; default
+    ``DELEGATE_RATIO``; 0: every tile in the wide tier; a huge value: every tile with a
+    selection in the narrow tier). The narrow tier runs
     ``NARROW_ROWS`` rows per program when they are fewer than the wide tier's, with
     narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
     ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits);
@@ -777,8 +781,10 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     ``items``, the list of handed wide slots ``_tier_kernel`` wrote: the narrow tier), then
     the repair pass, LISTED over the tiles the main pass appended to its repair list, whose
     count is ``count`` (one zero int32; module docstring; tiles of one token never need
-    it). fit_stages: pick num_stages by ``_num_stages``, lowered until both passes fit
-    shared memory."""
+    it). fit_stages: num_stages is ``_num_stages``'s guess lowered until both passes fit
+    shared memory; else the first pass takes ``const["num_stages"]`` as given and the
+    repair pass the deepest up to it that fits (a caller's ``num_stages=3`` at the model
+    shape: 3 for the first pass, 2 for the repair pass)."""
     block_t = const["BLOCK_T"]
     wide_t = const["WIDE_T"] if const.get("TIER") == 2 else block_t  # the slots' tile
     slots = _grid(p, wide_t)
@@ -803,8 +809,9 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
 
     passes = [(False, items is not None)] + ([(True, True)] if block_t > 1 else [])
     pre = const.get("PRE", False)  # a 16-bit (predecoded) cache: its stage depth
+    depth = const.pop("num_stages", None)
     if fit_stages:  # the guess, lowered until both passes fit shared memory
-        const["num_stages"] = min(
+        depth = min(
             fitting_stages(_prefill_kernel, args(r), {**const, "REPAIR": r, "LISTED": li},
                            q.device, deepest=_num_stages(const["BN"], p.d, p.fp8 and not pre))
             for r, li in passes)
@@ -812,6 +819,11 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     # their rows must not see are listed by the first and recomputed by the second.
     for repair, li in passes:
         kw = {**const, "REPAIR": repair, "LISTED": li}
+        # A caller's depth is the first pass's; the repair pass's guarded P @ V takes more
+        # shared memory (sm_90, model shape, bf16, 3 stages: first pass 229,408 B, repair
+        # 294,912), so it takes the deepest up to it that fits.
+        kw["num_stages"] = (fitting_stages(_prefill_kernel, args(repair), kw, q.device,
+                                           deepest=depth) if repair else depth)
         grid = slots
         if li:
             grid = (INTERPRETED_LISTED_PROGRAMS if INTERPRETED else

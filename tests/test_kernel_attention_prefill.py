@@ -435,6 +435,50 @@ def test_narrow_launch_options_are_applied_and_admitted(cache, knobs, want):
             assert all(c[opt] == want[opt] for c in narrow)
 
 
+class _Launches:
+    """Stands in for ``_prefill_kernel``: records each launch's (TIER, REPAIR, num_stages)
+    and launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((kw["TIER"], kw["REPAIR"], kw["num_stages"]))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("knobs, first, repair", [
+    ({"num_stages": 3}, 3, 2),  # the caller's depth for the first pass, fitted for repair
+    ({"num_stages": 1}, 1, 1),
+    ({}, None, None),  # the guess (_num_stages), lowered until both passes fit
+])
+def test_a_given_pipeline_depth_is_the_first_pass_s(knobs, first, repair):
+    """The wide tier's (tiers off) first pass runs a caller's num_stages as given and its
+    repair pass the deepest up to it that fits (sm_90, model shape: 3 stages fit the first
+    pass, not the repair pass's guarded P @ V); without the knob both passes take the
+    guess lowered until both fit. Shared memory is stood in by a fit of at most 3 stages
+    for the first pass and 2 for the repair pass; the output is admitted either way."""
+    x = _mixed_tiles_case("bfloat16")
+    launches = _Launches(ap._prefill_kernel)
+
+    def fits(kernel, args, kw, device, deepest):
+        return min(deepest, 2 if kw["REPAIR"] else 3)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ap, "_prefill_kernel", launches)
+        mp.setattr(ap, "fitting_stages", fits)
+        _passes(x, 32, delegate_ratio=0, **knobs)
+    guess = ap._num_stages(x["kv_cache"].shape[2], x["q"].shape[2], False)
+    first = min(guess, 2) if first is None else first
+    repair = min(guess, 2) if repair is None else repair
+    assert launches.seen == [(0, False, first), (0, True, repair)]  # tiers off: TIER 0
+
+
 # ------------------------------------------------------------------ other properties
 
 

@@ -61,9 +61,8 @@ def test_three_stages_fit_the_wide_first_pass_not_its_repair_pass(tmp_path):
     5), 8 warps, 3 pipeline stages: the first pass fits the 232,448 B of shared memory per
     block and waits at the top of each block with the next block's two load groups still
     in flight (``DEPBAR.LE SB0, 0x2``: its loads a block ahead; at 2 stages ``0x0``: issued
-    at the end of the previous block); the repair pass does not fit, which is why the
-    launcher's ``num_stages=3`` (one depth for both passes) fails at the model shape
-    (README, session 30: the change that fits the repair pass on its own, to re-land)."""
+    at the end of the previous block); the repair pass does not fit: why a given depth is
+    the first pass's and the repair pass takes the deepest that fits (``_prefill_pass``)."""
     def shared(out):
         return int(re.search(r"shared (\d+) B", out).group(1))
 
