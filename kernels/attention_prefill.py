@@ -324,7 +324,8 @@ def _prefill_kernel(
         KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
         BN: tl.constexpr, TIER: tl.constexpr = 0,
-        WIDE_T: tl.constexpr = 1, PRE: tl.constexpr = False, LISTED: tl.constexpr = False):
+        WIDE_T: tl.constexpr = 1, PRE: tl.constexpr = False, LISTED: tl.constexpr = False,
+        BRANCHLESS: tl.constexpr = False):
     """One pass over tiles, each a (tile slot, KV head) item ``e = slot * SUBS + sub``
     (``slot = wide tile * num_heads + KV head``; ``sub``: the ``BLOCK_T``-token tile within
     a ``WIDE_T``-token wide tile, ``SUBS = WIDE_T // BLOCK_T`` of them in the narrow tier,
@@ -339,7 +340,8 @@ def _prefill_kernel(
     it flags for repair (module docstring, Masking) to the list at ``push_ptr``. TIER
     (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the tiles
     ``_tier_kernel`` marked at ``tier_ptr`` to 2, the narrow pass (``BLOCK_T`` tokens
-    nested in the wide tiles' ``WIDE_T``)."""
+    nested in the wide tiles' ``WIDE_T``). BRANCHLESS: one-token tiles mask without a
+    branch in the block loop (set with 3+ pipeline stages)."""
     NONE: tl.constexpr = NONE_ENTRY
     # The fp8 operand forms (q row-scaled, K/V decoded, their units): not on predecoded
     # pages, which hold the exact values in act and take the 16-bit path, scales outside.
@@ -432,8 +434,15 @@ def _prefill_kernel(
                 if BLOCK_T == 1:
                     # One token takes every union block and sees all of a block below its own:
                     # the mask is built only for its own block (or a bad page), in a uniform
-                    # branch (as the decode's one-row programs).
-                    if (blk * P + off + BN - 1 <= lim) & page_ok:
+                    # branch (as the decode's one-row programs); BRANCHLESS (a pipeline of 3+
+                    # stages) by where, since a branch in the loop keeps Triton's pipeliner
+                    # to one K/V buffer (static sm_90, model shape: shared memory unchanged
+                    # from 2 stages, the loads waited for at the top of the next block).
+                    if BRANCHLESS:
+                        whole = (blk * P + off + BN - 1 <= lim) & page_ok
+                        s2 = tl.where(whole | ((key[None, :] <= m_pos[:, None])
+                                               & kmask[None, :]), s_sc, float("-inf"))
+                    elif (blk * P + off + BN - 1 <= lim) & page_ok:
                         s2 = s_sc
                     else:
                         s2 = tl.where((key[None, :] <= m_pos[:, None]) & kmask[None, :], s_sc,
@@ -631,7 +640,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     selection in the narrow tier). The narrow tier runs
     ``NARROW_ROWS`` rows per program when they are fewer than the wide tier's, with
     narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
-    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits);
+    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits; with 3+
+    stages one-token tiles mask without a branch, ``BRANCHLESS``, so that K and V are
+    double-buffered: before session 31 a narrow tier at 3 stages ran single-buffered);
     narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
     choice: sm_90, model shape, e4m3fn, 254 registers, 4 programs per SM by registers;
     200 would fit 5 with 144 B of spills per thread, 168 spill 248 B: to time).
@@ -810,10 +821,13 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     passes = [(False, items is not None)] + ([(True, True)] if block_t > 1 else [])
     pre = const.get("PRE", False)  # a 16-bit (predecoded) cache: its stage depth
     depth = const.pop("num_stages", None)
+    deepest = _num_stages(const["BN"], p.d, p.fp8 and not pre) if fit_stages else depth
+    if block_t == 1 and deepest is not None and deepest >= 3:
+        const["BRANCHLESS"] = True  # else one K/V buffer whatever the depth (the kernel)
     if fit_stages:  # the guess, lowered until both passes fit shared memory
         depth = min(
             fitting_stages(_prefill_kernel, args(r), {**const, "REPAIR": r, "LISTED": li},
-                           q.device, deepest=_num_stages(const["BN"], p.d, p.fp8 and not pre))
+                           q.device, deepest=deepest)
             for r, li in passes)
     # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
     # their rows must not see are listed by the first and recomputed by the second.
@@ -858,7 +872,7 @@ def compile_signatures():
                      KP=topk_width(k), FP8=cache == "u8", FMT=fmt, HW=hw,
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, REPAIR=i % 3 == 1,
                      TIER=i % 3, WIDE_T=_block_t(None, g_p), BN=page // 2 if i == 1 else page,
-                     PRE=False)
+                     PRE=False, BRANCHLESS=False)
         if const["TIER"] == 2:
             const["BLOCK_T"] = _block_t(NARROW_ROWS, g_p)
         const["LISTED"] = const["TIER"] == 2 or const["REPAIR"]
@@ -871,10 +885,13 @@ def compile_signatures():
             out.append((_tier_kernel, tsig, dict(BLOCK_T=const["WIDE_T"], KP=const["KP"],
                                                  P=page)))
     # The wide tier on predecoded pages (``predecode``; the model combo with its scratch
-    # cache in act), and the predecode kernel itself (kernels.kv_predecode).
+    # cache in act), the narrow tier's one-token tiles masked without a branch (a launch of
+    # 3+ stages), and the predecode kernel itself (kernels.kv_predecode).
     kernel, sig, const = out[0]
     out.append((kernel, {**sig, "kv_ptr": sig["q_ptr"], "PRE": "constexpr"},
                 {**const, "TIER": 1, "PRE": True}))
+    out.append((kernel, sig, {**const, "TIER": 2, "BLOCK_T": 1, "WIDE_T": 8, "LISTED": True,
+                              "BRANCHLESS": True}))
     return out + kv_predecode.compile_signatures()
 
 

@@ -435,9 +435,34 @@ def test_narrow_launch_options_are_applied_and_admitted(cache, knobs, want):
             assert all(c[opt] == want[opt] for c in narrow)
 
 
+@pytest.mark.parametrize("cache, knobs, branchless", [
+    ("bfloat16", {"narrow_stages": 3}, True),
+    ("e4m3fn", {"narrow_stages": 4, "narrow_warps": 4}, True),
+    ("e4m3fn", {}, False),  # NARROW_FP8: one stage
+    ("bfloat16", {"narrow_stages": 2}, False),
+])
+def test_one_token_tiles_mask_without_a_branch_when_pipelined_deep(cache, knobs, branchless):
+    """A narrow tier of one-token tiles (G 16) launched with 3 or more pipeline stages
+    masks without a branch in its block loop (BRANCHLESS: a branch keeps Triton's
+    pipeliner to one K/V buffer, tests/test_static_sm90.py), with fewer stages in the
+    cheaper branch; the wide tier never takes it; either way the output on random
+    selections (the current block cut by the causal mask, a prefix not a multiple of P) is
+    admitted."""
+    x = make_inputs(cache, scales="none" if cache == "bfloat16" else "tensor", hkv=1,
+                    group=16, page=32, seq_lens=(75,), qlens=(11,), k=2, seed=5)
+    launches = _Launches(ap._prefill_kernel)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ap, "_prefill_kernel", launches)
+        mp.setattr(ap, "fitting_stages", lambda kernel, args, kw, device, deepest: deepest)
+        _passes(x, 32, delegate_ratio=ALL_NARROW, **knobs)
+    narrow = [b for tier, _, _, b in launches.seen if tier == 2]
+    assert narrow and all(b == branchless for b in narrow)
+    assert not any(b for tier, _, _, b in launches.seen if tier != 2)
+
+
 class _Launches:
-    """Stands in for ``_prefill_kernel``: records each launch's (TIER, REPAIR, num_stages)
-    and launches the real kernel."""
+    """Stands in for ``_prefill_kernel``: records each launch's (TIER, REPAIR, num_stages,
+    BRANCHLESS) and launches the real kernel."""
 
     def __init__(self, kernel):
         self.kernel, self.seen = kernel, []
@@ -447,7 +472,8 @@ class _Launches:
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            self.seen.append((kw["TIER"], kw["REPAIR"], kw["num_stages"]))
+            self.seen.append((kw["TIER"], kw["REPAIR"], kw["num_stages"],
+                              kw.get("BRANCHLESS", False)))
             return self.kernel[grid](*args, **kw)
         return launch
 
@@ -476,7 +502,8 @@ def test_a_given_pipeline_depth_is_the_first_pass_s(knobs, first, repair):
     guess = ap._num_stages(x["kv_cache"].shape[2], x["q"].shape[2], False)
     first = min(guess, 2) if first is None else first
     repair = min(guess, 2) if repair is None else repair
-    assert launches.seen == [(0, False, first), (0, True, repair)]  # tiers off: TIER 0
+    # tiers off: TIER 0
+    assert launches.seen == [(0, False, first, False), (0, True, repair, False)]
 
 
 # ------------------------------------------------------------------ other properties

@@ -129,3 +129,27 @@ def test_the_unpipelined_narrow_tier_issues_k_and_v_loads_together(tmp_path):
     assert loads and all(i < first_bar for i, _ in loads), runs[:first_bar + 3]
     count = sum(int(r.split(" x")[1]) if " x" in r else 1 for _, r in loads)
     assert count >= 33, runs[:first_bar + 3]  # the page entry, 16 + 16 vector loads
+
+
+@pytest.mark.interp
+def test_a_branch_in_the_one_token_loop_keeps_k_and_v_single_buffered(tmp_path):
+    """sm_90, model shape, e4m3fn, the narrow prefill tier (one token, G 16), 4 warps,
+    64-key tiles, 3 pipeline stages: with the one-token mask in a branch inside the block
+    loop, Triton's pipeliner keeps one K/V buffer (shared memory as at 2 stages; the page
+    entry alone goes a stage deeper, ``DEPBAR.LE SB0, 0x1``); masked without the branch
+    (BRANCHLESS, which the launcher sets for 3+ stages) the loads run a tile ahead
+    (``DEPBAR.LE SB0, 0x2``) in a second buffer."""
+    def shared(out):
+        return int(re.search(r"shared (\d+) B", out).group(1))
+
+    base = ["kernels.attention_prefill", "--pick", "0", "--const", "TIER=2", "--const",
+            "BLOCK_T=1", "--const", "WIDE_T=8", "--const", "LISTED=True", "--const",
+            "REPAIR=False", "--const", "BN=64", "--const", "num_warps=4"]
+    two = _static(tmp_path, *base, "--const", "num_stages=2")
+    branch_sass, free_sass = tmp_path / "branch.sass", tmp_path / "free.sass"
+    branch = _static(tmp_path, *base, "--const", "num_stages=3", "--sass", str(branch_sass))
+    free = _static(tmp_path, *base, "--const", "num_stages=3", "--const", "BRANCHLESS=True",
+                   "--sass", str(free_sass))
+    assert shared(branch) - shared(two) < 1024 < shared(free) - shared(two)
+    assert "DEPBAR.LE SB0, 0x2" not in branch_sass.read_text()
+    assert "DEPBAR.LE SB0, 0x2" in free_sass.read_text()
