@@ -26,7 +26,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kernels._triton import programs_per_sm
+
 OPTIONS = ("num_warps", "num_stages", "maxnreg")
+#: An sm_90 SM's registers and the shared memory per block the H100/H200 report
+#: (``max_num_regs``, ``max_shared_mem``), as kernels._triton.resident_programs reads them.
+SM90_LIMITS = (65536, 232448)
 
 
 def _value(text: str):
@@ -84,6 +89,11 @@ def report(compiled, top: int, sass_out: str | None, sequence: bool = False) -> 
         for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
     lines = [f"registers {regs.group(1) if regs else '?'}, stack {stack.group(1) if stack else '?'}"
              f" B, shared {compiled.metadata.shared} B, SASS instructions {sum(ops.values())}"]
+    if regs:
+        per_sm = programs_per_sm(int(regs.group(1)), compiled.metadata.shared,
+                                 compiled.metadata.num_warps, *SM90_LIMITS)
+        lines.append(f"programs per SM {per_sm} (sm_90: {SM90_LIMITS[0]} registers, "
+                     f"{SM90_LIMITS[1]} B shared)")
     lines += [f"  {n:6d} {op}" for op, n in ops.most_common(top)]
     if sequence:
         lines.append(loop_sequence(sass))

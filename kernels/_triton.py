@@ -57,11 +57,20 @@ def resident_programs(kernel, args, kwargs, device) -> int:
     key = _spec_key(kernel, args, kwargs)
     if key not in _RESIDENT:
         regs, smem, props = _resources(kernel, args, kwargs, device)
-        warps = kwargs.get("num_warps", 4)
-        per_sm = min(props["max_num_regs"] // max(regs * 32 * warps, 1),
-                     props["max_shared_mem"] // smem if smem else 32, 32, 64 // warps)
-        _RESIDENT[key] = max(per_sm, 1) * props["multiprocessor_count"]
+        per_sm = programs_per_sm(regs, smem, kwargs.get("num_warps", 4), props["max_num_regs"],
+                                 props["max_shared_mem"])
+        _RESIDENT[key] = per_sm * props["multiprocessor_count"]
     return _RESIDENT[key]
+
+
+def programs_per_sm(regs: int, smem: int, warps: int, max_regs: int, max_shared: int) -> int:
+    """Programs one SM holds at once (at least 1): the fewest of what its registers
+    (``max_regs`` per SM), its shared memory (``max_shared`` per SM as the device reports
+    it), its 64 warps and its 32 blocks allow; registers are allocated per warp in units
+    of 256 (8 per thread)."""
+    regs = -(-regs // 8) * 8
+    return max(1, min(max_regs // max(regs * 32 * warps, 1),
+                      max_shared // smem if smem else 32, 32, 64 // warps))
 
 
 def _resources(kernel, args, kwargs, device) -> tuple[int, int, dict]:

@@ -153,3 +153,20 @@ def test_a_branch_in_the_one_token_loop_keeps_k_and_v_single_buffered(tmp_path):
     assert shared(branch) - shared(two) < 1024 < shared(free) - shared(two)
     assert "DEPBAR.LE SB0, 0x2" not in branch_sass.read_text()
     assert "DEPBAR.LE SB0, 0x2" in free_sass.read_text()
+
+
+@pytest.mark.parametrize("regs, smem, warps, want", [
+    (250, 40960, 2, 4),     # the fp8 narrow tier: 256 x 64 registers a program -> 4
+    (200, 22528, 2, 5),     # 64-key tiles: registers allow 5
+    (140, 55296, 4, 3),     # 4 warps: 144 x 128 registers -> 3 (shared would allow 4)
+    (128, 139264, 4, 1),    # shared memory: one 136 KiB program
+    (32, 0, 1, 32),         # no shared memory: the 32-block limit
+    (32, 1024, 32, 2),      # 64 warps an SM
+])
+def test_programs_per_sm_takes_the_tightest_limit(regs, smem, warps, want):
+    """An SM holds the fewest programs its registers (allocated 8 per thread at a time),
+    shared memory, warps and blocks allow (sm_90's limits)."""
+    from benchmarks.static_sm90 import SM90_LIMITS
+    from kernels._triton import programs_per_sm
+
+    assert programs_per_sm(regs, smem, warps, *SM90_LIMITS) == want
