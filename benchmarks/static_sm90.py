@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=20, help="opcodes listed")
     ap.add_argument("--sass", help="also write the SASS listing here")
     ap.add_argument("--sequence", action="store_true",
-                    help="also print the longest loop's memory/barrier/MMA sequence")
+                    help="also print the hot loop's memory/barrier/MMA sequence (loop_sequence)")
     ap.add_argument("--divisible", action="append", default=[], metavar="ARG",
                     help="an integer argument the launch would find 16-divisible")
     args = ap.parse_args(argv)

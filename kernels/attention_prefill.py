@@ -644,8 +644,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     stages one-token tiles mask without a branch, ``BRANCHLESS``, so that K and V are
     double-buffered: before session 31 a narrow tier at 3 stages ran single-buffered);
     narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
-    choice: sm_90, model shape, e4m3fn, 254 registers, 4 programs per SM by registers;
-    200 would fit 5 with 144 B of spills per thread, 168 spill 248 B: to time).
+    choice: sm_90, model shape, e4m3fn, 250 registers since V's load comes first, 4
+    programs per SM by registers; 200 would fit 5 with 144 B of spills per thread, 168
+    spill 248 B: to time).
     block_keys: keys per online-softmax tile in both tiers, a power of two dividing P,
     >= 16 (default P: one tile per block; declared as ``Schedule.tile_keys`` through
     ``PrefillSchedule(block_keys=...)``); smaller tiles take less shared memory per
