@@ -170,6 +170,7 @@ from kernels._triton import (
 )
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 from kernels.kv_predecode import predecode_pages
+from reference.platforms import is_fp8
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
 #: H200, model shape, 8k new tokens on an 8k prefix (reports/bench_attention_prefill.json,
@@ -177,19 +178,22 @@ from kernels.kv_predecode import predecode_pages
 #: (bf16 locality 2.26 vs 4.20 ms, random 9.4 vs 11.2 ms); 16 rows (per token) was best on
 #: random selections (7.6 ms) but 3.5x slower on local ones.
 BLOCK_ROWS = 128
-#: The narrow tier (module docstring, Tiers): rows per program and warps. H200, model shape,
-#: random selections (session 19, reports/bench_attention_prefill_rows.md): 16 rows x 4
-#: warps 5.40 ms (98.6 TFLOP/s useful) against 6.69 with 2 warps, 7.76 with 8, 6.51 for 32
-#: rows x 4 warps and 9.31 for the 128-row tiles; and the same 5.38 ms on local selections,
-#: where the 128-row tiles take 2.27.
+#: The narrow tier (module docstring, Tiers): rows per program, and per cache kind its warps,
+#: stages (16-bit: ``_num_stages``'s guess, fitted) and the most keys per online-softmax
+#: tile (``NARROW_KEYS*``; fewer when the page or ``block_keys`` is smaller: ``narrow_keys``).
+#: H100, model shape, random selections (session 31, ``reports/bench_attention_prefill_
+#: narrow31_h100.md``), one warp: no cross-warp reduction or barrier in the block loop:
+#: e4m3fn with 64-key tiles, 1 stage 3827 us (139.2 TFLOP/s useful) against 4384 with the
+#: session-20 choice (2 warps, whole blocks, 1 stage); 1 warp with 32-key tiles 4417, whole
+#: blocks 7525, 64-key tiles at 2 / 3 stages 4635 / 7010, 2 warps with 64-key tiles 6755;
+#: bf16 with 16-key tiles, 3 stages 4461 us (119.4) against 5258 (4 warps, whole blocks, 2
+#: stages); 32-key tiles 5022, 64-key tiles 9444 (spills). Session 19 (H200) had 16 rows x
+#: 4 warps best of 2, 4 and 8 warps at whole blocks.
 NARROW_ROWS = 16
-NARROW_WARPS = 4
-#: The narrow tier's launch options with an fp8 cache. H200, model shape, e4m3fn (session
-#: 20, ``reports/bench_attention_prefill_narrow.md``): 2 warps and 1 stage 5.25 ms on random
-#: selections and 2.72 on local ones, against 5.87 / 2.76 with the 16-bit choice (4 warps,
-#: 2 stages), 6.58 with 1 stage alone, 8.59 with 8 warps; a bf16 cache with them: 7.52 ms
-#: against 5.32.
-NARROW_FP8 = {"num_warps": 2, "num_stages": 1}
+NARROW_WARPS = 1
+NARROW_KEYS = 16
+NARROW_FP8 = {"num_warps": 1, "num_stages": 1}
+NARROW_KEYS_FP8 = 64
 #: A wide tile is handed to the narrow tier when ``U * DELEGATE_RATIO`` exceeds its valid
 #: entries: one block iteration of the 128-row, 8-warp program cost ~32 ns of the H200
 #: (9.31 ms / (4,096 programs x ~70 union blocks) on random selections; ~29 on local ones),
@@ -340,8 +344,9 @@ def _prefill_kernel(
     it flags for repair (module docstring, Masking) to the list at ``push_ptr``. TIER
     (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the tiles
     ``_tier_kernel`` marked at ``tier_ptr`` to 2, the narrow pass (``BLOCK_T`` tokens
-    nested in the wide tiles' ``WIDE_T``). BRANCHLESS: one-token tiles mask without a
-    branch in the block loop (set with 3+ pipeline stages)."""
+    nested in the wide tiles' ``WIDE_T``). BRANCHLESS: no branch in the block loop (the
+    mask built for every tile, not only where some row does not see every key; set with
+    3+ pipeline stages)."""
     NONE: tl.constexpr = NONE_ENTRY
     # The fp8 operand forms (q row-scaled, K/V decoded, their units): not on predecoded
     # pages, which hold the exact values in act and take the 16-bit path, scales outside.
@@ -431,25 +436,26 @@ def _prefill_kernel(
                 # [ROWS, BN], fp32 accumulation
                 s = unit_back(tl.dot(q, tl.trans(k)), OPS, FMT, SCALAR, ASM)
                 s_sc = s * row_scale[:, None]
-                if BLOCK_T == 1:
-                    # One token takes every union block and sees all of a block below its own:
-                    # the mask is built only for its own block (or a bad page), in a uniform
-                    # branch (as the decode's one-row programs); BRANCHLESS (a pipeline of 3+
-                    # stages) by where, since a branch in the loop keeps Triton's pipeliner
-                    # to one K/V buffer (static sm_90, model shape: shared memory unchanged
-                    # from 2 stages, the loads waited for at the top of the next block).
-                    if BRANCHLESS:
-                        whole = (blk * P + off + BN - 1 <= lim) & page_ok
-                        s2 = tl.where(whole | ((key[None, :] <= m_pos[:, None])
-                                               & kmask[None, :]), s_sc, float("-inf"))
-                    elif (blk * P + off + BN - 1 <= lim) & page_ok:
+                # A row sees the tile's keys up to its own position when its token takes
+                # the block on a valid page: one compare per logit against a row threshold
+                # (m_pos <= lim for those rows, so kmask adds nothing).
+                last = tl.where(m_takes & page_ok, m_pos - (blk * P + off), -1)
+                vis = jj[None, :] <= last[:, None]
+                if BRANCHLESS:
+                    s2 = tl.where(vis, s_sc, float("-inf"))
+                else:
+                    # A tile every token of which takes the block and sees all its keys (most
+                    # blocks below the tile's own) needs no mask: a uniform branch (as the
+                    # decode's one-row programs), ~130 of ~890 loop instructions per thread
+                    # (static sm_90, wide tier, model shape). Not with 3+ stages
+                    # (BRANCHLESS): a branch in the loop keeps Triton's pipeliner to one K/V
+                    # buffer (shared memory as at 2 stages, the loads waited for at the top
+                    # of the next block).
+                    seen = (takes > 0) & (t_pos32 >= blk * P + off + BN - 1)
+                    if (tl.min((seen | (t_ok == 0)).to(tl.int32), axis=0) > 0) & page_ok:
                         s2 = s_sc
                     else:
-                        s2 = tl.where((key[None, :] <= m_pos[:, None]) & kmask[None, :], s_sc,
-                                      float("-inf"))
-                else:
-                    vis = m_takes[:, None] & (key[None, :] <= m_pos[:, None]) & kmask[None, :]
-                    s2 = tl.where(vis, s_sc, float("-inf"))
+                        s2 = tl.where(vis, s_sc, float("-inf"))
                 m_new, alpha, p_act, pv, l_i = softmax_step(s2, m_i, l_i, v, OPS, FMT, SCALAR)
                 if REPAIR and BLOCK_T > 1:
                     # Rows that do not all see the loaded keys: guard non-finite V (docstring).
@@ -486,7 +492,8 @@ class PrefillSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
     calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
     ``block_keys`` / ``narrow_block_keys``: the launch knobs' tiles (``Schedule.tile_keys``;
-    None or the page size: whole blocks; ``narrow_block_keys`` None: ``block_keys``)."""
+    None or the page size: whole blocks; ``narrow_block_keys`` None: ``narrow_tile_keys``,
+    the launcher's default)."""
 
     block_keys: int | None = None
     narrow_block_keys: int | None = None
@@ -506,8 +513,10 @@ class PrefillSchedule:
                         tile_keys=declared_tile_keys(self.block_keys, case))
         pre = replace(wide, p_dtype=model_dtype, q_dtype="given") if scales_outside(case) \
             else wide
-        narrow_keys = self.block_keys if self.narrow_block_keys is None \
-            else self.narrow_block_keys
+        narrow_keys = self.narrow_block_keys
+        if narrow_keys is None and case is not None:
+            narrow_keys = narrow_tile_keys(self.block_keys, case["kv_cache"].shape[2],
+                                           is_fp8(case["kv_fmt"]))
         narrow = replace(wide, tile_keys=declared_tile_keys(narrow_keys, case))
         return wide, pre, narrow
 
@@ -585,6 +594,14 @@ def plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_l
                        ks, ks_strides, vs, vs_strides, softmax_scale, out)
 
 
+def narrow_tile_keys(block_keys, page: int, fp8: bool) -> int:
+    """The narrow tier's keys per tile when ``narrow_block_keys`` is not given: the wide
+    tier's (``block_keys``, None: the page) capped at ``NARROW_KEYS_FP8`` (an fp8 cache) or
+    ``NARROW_KEYS``."""
+    return min(page if block_keys is None else block_keys,
+               NARROW_KEYS_FP8 if fp8 else NARROW_KEYS)
+
+
 def _block_t(block_rows, g_p: int) -> int:
     """Tokens per tile: ``block_rows // G_P`` (rows = tokens x padded heads), at least 16
     rows (tl.dot's minimum M)."""
@@ -641,7 +658,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     ``NARROW_ROWS`` rows per program when they are fewer than the wide tier's, with
     narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
     ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits; with 3+
-    stages one-token tiles mask without a branch, ``BRANCHLESS``, so that K and V are
+    stages either tier masks without a branch, ``BRANCHLESS``, so that K and V are
     double-buffered: before session 31 a narrow tier at 3 stages ran single-buffered);
     narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
     choice: sm_90, model shape, e4m3fn, 250 registers since V's load comes first, 4
@@ -661,8 +678,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     act (the module docstring's second schedule, ``PrefillSchedule``), where the fp8 path
     row-scales q to fp16 and rounds P to fp16; the narrow tier reads the fp8 codes on the
     fp8 path. None (default): True where ``default_predecode`` says so, else False.
-    narrow_block_keys: the narrow tier's own key tiles (default: ``block_keys``; declared
-    as ``PrefillSchedule(narrow_block_keys=...)``, the narrow rows' schedule).
+    narrow_block_keys: the narrow tier's own key tiles (default: ``narrow_tile_keys``, the
+    wide tier's capped at ``NARROW_KEYS_FP8`` / ``NARROW_KEYS``; declared as
+    ``PrefillSchedule(narrow_block_keys=...)``, the narrow rows' schedule).
     schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills
     (no sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
     schedules: 0 the wide tier on the cache, 1 on predecoded pages, 2 the narrow tier."""
@@ -688,8 +706,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     if narrow_max_registers is not None:
         narrow["maxnreg"] = check_int(narrow_max_registers, "narrow_max_registers", 24, 255)
     bn = check_block_keys(block_keys, p.page)
-    bn_narrow = bn if narrow_block_keys is None else check_block_keys(
-        narrow_block_keys, p.page, "narrow_block_keys")
+    bn_narrow = narrow_tile_keys(bn, p.page, p.fp8) if narrow_block_keys is None else \
+        check_block_keys(narrow_block_keys, p.page, "narrow_block_keys")
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
     const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
@@ -823,8 +841,8 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     pre = const.get("PRE", False)  # a 16-bit (predecoded) cache: its stage depth
     depth = const.pop("num_stages", None)
     deepest = _num_stages(const["BN"], p.d, p.fp8 and not pre) if fit_stages else depth
-    if block_t == 1 and deepest is not None and deepest >= 3:
-        const["BRANCHLESS"] = True  # else one K/V buffer whatever the depth (the kernel)
+    # A launch 3+ stages deep masks without a branch (else one K/V buffer, the kernel).
+    const["BRANCHLESS"] = deepest >= 3
     if fit_stages:  # the guess, lowered until both passes fit shared memory
         depth = min(
             fitting_stages(_prefill_kernel, args(r), {**const, "REPAIR": r, "LISTED": li},
@@ -839,6 +857,7 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
         # 294,912), so it takes the deepest up to it that fits.
         kw["num_stages"] = (fitting_stages(_prefill_kernel, args(repair), kw, q.device,
                                            deepest=depth) if repair else depth)
+        kw["BRANCHLESS"] = kw["num_stages"] >= 3
         grid = slots
         if li:
             grid = (INTERPRETED_LISTED_PROGRAMS if INTERPRETED else

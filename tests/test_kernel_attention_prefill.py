@@ -310,9 +310,9 @@ def test_key_tiles_match_reference_under_their_schedule(kv_fmt, group, block_key
     tiled = replace(impl, run=run, schedule=ap.PrefillSchedule(block_keys))
     res = run_check(_case(x), tiled, inputs=x)
     assert res.passed, res.summary()
-    if kv_fmt == "bfloat16":
-        assert not run_check(_case(x), replace(tiled, schedule=ap.PrefillSchedule()),
-                             inputs=x).passed
+    if kv_fmt == "bfloat16":  # whole blocks (P 64) in both tiers
+        whole = ap.PrefillSchedule(narrow_block_keys=64)
+        assert not run_check(_case(x), replace(tiled, schedule=whole), inputs=x).passed
 
 
 @pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fn"])
@@ -333,9 +333,9 @@ def test_narrow_key_tiles_are_declared_for_the_narrow_rows_only(kv_fmt):
     assert res.passed, res.summary()
     rows = run(x)["schedule_rows"]
     assert set(np.unique(rows)) == {0, 2}
-    if kv_fmt == "bfloat16":
-        assert not run_check(_case(x), replace(tiled, schedule=ap.PrefillSchedule()),
-                             inputs=x).passed
+    if kv_fmt == "bfloat16":  # whole blocks (P 64) in both tiers
+        whole = ap.PrefillSchedule(narrow_block_keys=64)
+        assert not run_check(_case(x), replace(tiled, schedule=whole), inputs=x).passed
 
 
 @pytest.mark.parametrize("block_keys", [8, 48, 128])
@@ -411,7 +411,8 @@ def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
     ("e4m3fn", {"narrow_warps": 8, "narrow_stages": 2}, {"num_warps": 8, "num_stages": 2}),
     ("bfloat16", {}, {"num_warps": ap.NARROW_WARPS}),
     ("bfloat16", {"narrow_warps": 2, "narrow_stages": 1}, {"num_warps": 2, "num_stages": 1}),
-    ("e4m3fn", {"narrow_max_registers": 200}, {"num_warps": 2, "maxnreg": 200}),
+    ("e4m3fn", {"narrow_max_registers": 200},
+     {"num_warps": ap.NARROW_FP8["num_warps"], "maxnreg": 200}),
 ])
 def test_narrow_launch_options_are_applied_and_admitted(cache, knobs, want):
     """The narrow tier's launch options (the per-cache defaults, or the knobs) reach its
@@ -435,29 +436,61 @@ def test_narrow_launch_options_are_applied_and_admitted(cache, knobs, want):
             assert all(c[opt] == want[opt] for c in narrow)
 
 
-@pytest.mark.parametrize("cache, knobs, branchless", [
-    ("bfloat16", {"narrow_stages": 3}, True),
-    ("e4m3fn", {"narrow_stages": 4, "narrow_warps": 4}, True),
-    ("e4m3fn", {}, False),  # NARROW_FP8: one stage
-    ("bfloat16", {"narrow_stages": 2}, False),
+@pytest.mark.parametrize("cache, page, knobs, want", [
+    ("bfloat16", 64, {}, ap.NARROW_KEYS),        # capped
+    ("e4m3fn", 128, {}, ap.NARROW_KEYS_FP8),      # capped
+    ("e4m3fn", 32, {}, 32),                       # the page is smaller
+    ("bfloat16", 64, {"block_keys": 32}, 16),     # the wide tier's tiles, capped
+    ("e4m3fn", 128, {"block_keys": 32}, 32),      # the wide tier's tiles
+    ("e4m3fn", 128, {"narrow_block_keys": 128}, 128),  # given: as given
 ])
-def test_one_token_tiles_mask_without_a_branch_when_pipelined_deep(cache, knobs, branchless):
-    """A narrow tier of one-token tiles (G 16) launched with 3 or more pipeline stages
+def test_narrow_tiles_default_to_the_capped_wide_tiles_and_are_declared(cache, page, knobs,
+                                                                         want):
+    """Without ``narrow_block_keys`` the narrow tier's key tiles are the wide tier's
+    (``block_keys``, else the page) capped per cache kind (``narrow_tile_keys``); the
+    launch uses them and the registered schedule declares them for the narrow rows (whole
+    blocks: ``tile_keys`` None)."""
+    seen = []
+    orig = ap._prefill_pass
+
+    def spy(*args):
+        seen.append(dict(args[-2]))
+        orig(*args)
+
+    x = make_inputs(cache, scales="none" if cache == "bfloat16" else "tensor", hkv=1,
+                    group=16, page=page, seq_lens=(2 * page + 5,), qlens=(3,), k=2, seed=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ap, "_prefill_pass", spy)
+        ap.run(x, delegate_ratio=ALL_NARROW, **knobs)
+    assert [c["BN"] for c in seen if c["TIER"] == 2] == [want]
+    schedule = ap.PrefillSchedule(knobs.get("block_keys"), knobs.get("narrow_block_keys"))
+    narrow = schedule("bfloat16", x)[2]
+    assert narrow.tile_keys == (None if want >= page else want)
+
+
+@pytest.mark.parametrize("cache, knobs", [
+    ("bfloat16", {"narrow_stages": 3, "num_stages": 2}),
+    ("e4m3fn", {"narrow_stages": 4, "narrow_warps": 4, "num_stages": 1}),
+    ("e4m3fn", {"num_stages": 3}),  # the narrow tier: NARROW_FP8's one stage
+    ("bfloat16", {"narrow_stages": 2, "num_stages": 3}),
+    ("bfloat16", {}),  # the guesses (3 at P 32, D 64)
+])
+def test_launches_three_stages_deep_mask_without_a_branch(cache, knobs):
+    """Every launch of either tier (first and repair passes) 3 or more pipeline stages deep
     masks without a branch in its block loop (BRANCHLESS: a branch keeps Triton's
-    pipeliner to one K/V buffer, tests/test_static_sm90.py), with fewer stages in the
-    cheaper branch; the wide tier never takes it; either way the output on random
-    selections (the current block cut by the causal mask, a prefix not a multiple of P) is
-    admitted."""
+    pipeliner to one K/V buffer, tests/test_static_sm90.py), shallower ones skip the mask
+    of fully seen tiles in a branch; either way the output on random selections (G 16,
+    wide tiles of 2 tokens, the current block cut by the causal mask, a prefix not a
+    multiple of P) is admitted. The fit is stood in (every depth fits)."""
     x = make_inputs(cache, scales="none" if cache == "bfloat16" else "tensor", hkv=1,
                     group=16, page=32, seq_lens=(75,), qlens=(11,), k=2, seed=5)
     launches = _Launches(ap._prefill_kernel)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ap, "_prefill_kernel", launches)
         mp.setattr(ap, "fitting_stages", lambda kernel, args, kw, device, deepest: deepest)
-        _passes(x, 32, delegate_ratio=ALL_NARROW, **knobs)
-    narrow = [b for tier, _, _, b in launches.seen if tier == 2]
-    assert narrow and all(b == branchless for b in narrow)
-    assert not any(b for tier, _, _, b in launches.seen if tier != 2)
+        _passes(x, 32, **knobs)
+    assert {tier for tier, _, _, _ in launches.seen} == {1, 2}
+    assert all(branchless == (depth >= 3) for _, _, depth, branchless in launches.seen)
 
 
 class _Launches:
@@ -502,8 +535,8 @@ def test_a_given_pipeline_depth_is_the_first_pass_s(knobs, first, repair):
     guess = ap._num_stages(x["kv_cache"].shape[2], x["q"].shape[2], False)
     first = min(guess, 2) if first is None else first
     repair = min(guess, 2) if repair is None else repair
-    # tiers off: TIER 0
-    assert launches.seen == [(0, False, first, False), (0, True, repair, False)]
+    # tiers off: TIER 0; 3+ stages deep without a branch
+    assert launches.seen == [(0, False, first, first >= 3), (0, True, repair, repair >= 3)]
 
 
 # ------------------------------------------------------------------ other properties

@@ -68,7 +68,7 @@ def test_three_stages_fit_the_wide_first_pass_not_its_repair_pass(tmp_path):
 
     limit = 232_448
     base = ["kernels.attention_prefill", "--pick", "5", "--const", "num_warps=8",
-            "--const", "num_stages=3"]
+            "--const", "num_stages=3", "--const", "BRANCHLESS=True"]  # as launched at 3
     sass = tmp_path / "first.sass"
     first = _static(tmp_path, *base, "--const", "REPAIR=False", "--const", "LISTED=False",
                     "--sass", str(sass))
