@@ -91,16 +91,27 @@ def p_operand(p, v, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr):
     return p.to(v.dtype)
 
 @triton.jit
-def softmax_step(s2, m_i, l_i, v, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr):
+def softmax_step(s2, m_i, l_i, v, FP8: tl.constexpr, FMT: tl.constexpr, SCALAR: tl.constexpr,
+                 scale=None):
     """One tile of the online softmax (both attention kernels' 2-D loops): logits ``s2``
     ``[M, N]`` in log2 units (-inf where a row does not see the key), the running max
     ``m_i`` and sum ``l_i`` ``[M]``, V ``[N, D]`` -> ``(m_new, alpha, P operand, P @ V,
     l_new)``; the caller rescales its accumulator by alpha. The sum takes the unrounded
-    fp32 P; a row with no key so far keeps max -inf and adds nothing."""
-    m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+    fp32 P; a row with no key so far keeps max -inf and adds nothing. ``scale`` (``[M]``,
+    positive): ``s2`` is unscaled and its log2 units are ``s2 * scale``; the max is taken
+    before the product (the same value: fp32 rounding is monotonic) and ``P = exp2(s2 *
+    scale - max)``, one fused multiply-add per logit where a product then a subtraction
+    took two (the logit no longer rounded on its own: an fp32 rounding fewer)."""
+    if scale is None:
+        m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s2, axis=1) * scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s2 - m_use[:, None])
+    if scale is None:
+        p = tl.exp2(s2 - m_use[:, None])
+    else:
+        p = tl.exp2(s2 * scale[:, None] - m_use[:, None])
     l_new = l_i * alpha + tl.sum(p, axis=1)
     p_act = p_operand(p, v, FP8, FMT, SCALAR)
     return m_new, alpha, p_act, tl.dot(p_act, v), l_new

@@ -435,14 +435,13 @@ def _prefill_kernel(
                                 FMT, HW, SCALAR, SAME, ASM, PRE)
                 # [ROWS, BN], fp32 accumulation
                 s = unit_back(tl.dot(q, tl.trans(k)), OPS, FMT, SCALAR, ASM)
-                s_sc = s * row_scale[:, None]
                 # A row sees the tile's keys up to its own position when its token takes
                 # the block on a valid page: one compare per logit against a row threshold
                 # (m_pos <= lim for those rows, so kmask adds nothing).
                 last = tl.where(m_takes & page_ok, m_pos - (blk * P + off), -1)
                 vis = jj[None, :] <= last[:, None]
                 if BRANCHLESS:
-                    s2 = tl.where(vis, s_sc, float("-inf"))
+                    s2 = tl.where(vis, s, float("-inf"))
                 else:
                     # A tile every token of which takes the block and sees all its keys (most
                     # blocks below the tile's own) needs no mask: a uniform branch (as the
@@ -453,10 +452,11 @@ def _prefill_kernel(
                     # of the next block).
                     seen = (takes > 0) & (t_pos32 >= blk * P + off + BN - 1)
                     if (tl.min((seen | (t_ok == 0)).to(tl.int32), axis=0) > 0) & page_ok:
-                        s2 = s_sc
+                        s2 = s
                     else:
-                        s2 = tl.where(vis, s_sc, float("-inf"))
-                m_new, alpha, p_act, pv, l_i = softmax_step(s2, m_i, l_i, v, OPS, FMT, SCALAR)
+                        s2 = tl.where(vis, s, float("-inf"))
+                m_new, alpha, p_act, pv, l_i = softmax_step(s2, m_i, l_i, v, OPS, FMT, SCALAR,
+                                                            row_scale)
                 if REPAIR and BLOCK_T > 1:
                     # Rows that do not all see the loaded keys: guard non-finite V (docstring).
                     last = tl.minimum(lim, blk64 * P + off + BN - 1)
