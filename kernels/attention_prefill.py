@@ -88,7 +88,10 @@ the model dtype = q's dtype), exactly what the kernel does:
   rows' bits differ from the fp8 path's (bf16 P instead of fp16 for a bf16 model): why,
   ``kernels.kv_predecode``.
 - ``S = q . K`` by ``tl.dot``, fp32 accumulation; logits in log2 units
-  ``S * fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
+  ``S * fp32(softmax_scale * log2(e))``, taken inside the softmax step: the running max is
+  the unscaled max times that factor (the same fp32 value) and ``P = exp2(S * factor -
+  max)`` one fused multiply-add (the logit is not rounded on its own; session 31: one
+  product per logit fewer); online softmax with ``exp2``, one tile per KV block
   in ascending block id (a row's own blocks in ascending order: ``p_max="running"``,
   ``blocks_per_tile=1``, ``order="ascending"``; blocks the row does not take part in leave
   its state unchanged); ``P @ V`` by ``tl.dot`` with fp32 accumulation, the row sum from
