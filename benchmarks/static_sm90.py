@@ -125,7 +125,7 @@ def loop_sequence(sass: str) -> str:
         return "no loop"
 
     def mmas(span):
-        return sum(lo <= a <= hi and "MMA" in t for lo, hi in [span] for a, t in ins)
+        return sum(span[0] <= a <= span[1] and "MMA" in t for a, t in ins)
 
     lo, hi = min(spans, key=lambda s: (-mmas(s), s[1] - s[0]))
     runs: list[list] = []

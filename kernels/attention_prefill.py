@@ -429,7 +429,8 @@ def _prefill_kernel(
                 page = tl.load(bt_ptr + r64 * bt_s0 + blk64 * bt_s1).to(tl.int64)
                 page_ok = (page >= 0) & (page < num_pages)
                 pg = tl.where(page_ok, page, 0)
-                key = blk * P + off + jj
+                first_key = blk * P + off
+                key = first_key + jj
                 kmask = (key <= lim) & page_ok
                 src = (kv_ptr + pg * kv_s0 + g64 * kv_s1 + (off + jj)[:, None].to(tl.int64) * kv_s2
                        + dd[None, :])
@@ -441,23 +442,23 @@ def _prefill_kernel(
                 # A row sees the tile's keys up to its own position when its token takes
                 # the block on a valid page: one compare per logit against a row threshold
                 # (m_pos <= lim for those rows, so kmask adds nothing).
-                last = tl.where(m_takes & page_ok, m_pos - (blk * P + off), -1)
+                last = tl.where(m_takes & page_ok, m_pos - first_key, -1)
                 vis = jj[None, :] <= last[:, None]
-                if BRANCHLESS:
-                    s2 = tl.where(vis, s, float("-inf"))
+                # A tile every token of which takes the block and sees all its keys (most
+                # blocks below the tile's own) needs no mask: a uniform branch (as the
+                # decode's one-row programs), ~130 of ~890 loop instructions per thread
+                # (static sm_90, wide tier, model shape). Not with 3+ stages (BRANCHLESS,
+                # ``whole`` a constexpr False): a branch in the loop keeps Triton's pipeliner
+                # to one K/V buffer (shared memory as at 2 stages, the loads waited for at
+                # the top of the next block).
+                whole = False
+                if not BRANCHLESS:
+                    seen = (takes > 0) & (t_pos32 >= first_key + BN - 1)
+                    whole = (tl.min((seen | (t_ok == 0)).to(tl.int32), axis=0) > 0) & page_ok
+                if whole:
+                    s2 = s
                 else:
-                    # A tile every token of which takes the block and sees all its keys (most
-                    # blocks below the tile's own) needs no mask: a uniform branch (as the
-                    # decode's one-row programs), ~130 of ~890 loop instructions per thread
-                    # (static sm_90, wide tier, model shape). Not with 3+ stages
-                    # (BRANCHLESS): a branch in the loop keeps Triton's pipeliner to one K/V
-                    # buffer (shared memory as at 2 stages, the loads waited for at the top
-                    # of the next block).
-                    seen = (takes > 0) & (t_pos32 >= blk * P + off + BN - 1)
-                    if (tl.min((seen | (t_ok == 0)).to(tl.int32), axis=0) > 0) & page_ok:
-                        s2 = s
-                    else:
-                        s2 = tl.where(vis, s, float("-inf"))
+                    s2 = tl.where(vis, s, float("-inf"))
                 m_new, alpha, p_act, pv, l_i = softmax_step(s2, m_i, l_i, v, OPS, FMT, SCALAR,
                                                             row_scale)
                 if REPAIR and BLOCK_T > 1:
@@ -664,9 +665,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     stages either tier masks without a branch, ``BRANCHLESS``, so that K and V are
     double-buffered: before session 31 a narrow tier at 3 stages ran single-buffered);
     narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
-    choice: sm_90, model shape, e4m3fn, 250 registers since V's load comes first, 4
-    programs per SM by registers; 200 would fit 5 with 144 B of spills per thread, 168
-    spill 248 B: to time).
+    choice; sm_90, model shape, e4m3fn, the one-warp default: 255 registers, 8 programs
+    per SM by registers; with session 30's two warps 64-key tiles at 168 were 1.04x
+    slower, ``reports/bench_attention_prefill_narrow31_h100.md``).
     block_keys: keys per online-softmax tile in both tiers, a power of two dividing P,
     >= 16 (default P: one tile per block; declared as ``Schedule.tile_keys`` through
     ``PrefillSchedule(block_keys=...)``); smaller tiles take less shared memory per

@@ -81,8 +81,8 @@ register(Mutant(
     "a block-sparse prefill masked keys only at block granularity (and the tile's load "
     "bound), so a new token saw the later new tokens of its own block",
     patch("kernels.attention_prefill",
-          ("                last = tl.where(m_takes & page_ok, m_pos - (blk * P + off), -1)\n",
-           "                last = tl.where(m_takes & page_ok, lim - (blk * P + off), -1)\n"))))
+          ("                last = tl.where(m_takes & page_ok, m_pos - first_key, -1)\n",
+           "                last = tl.where(m_takes & page_ok, lim - first_key, -1)\n"))))
 
 register(Mutant(
     "decode_full_pages", "attention_decode", "triton",
@@ -176,9 +176,9 @@ register(Mutant(
            "            m_hq = g64 * group + m_head\n"
            "            m_diag = tl.reshape(tl.broadcast_to(diag[:, None], (BLOCK_T, G_P)), "
            "(ROWS,))\n"),
-          ("                last = tl.where(m_takes & page_ok, m_pos - (blk * P + off), -1)\n",
+          ("                last = tl.where(m_takes & page_ok, m_pos - first_key, -1)\n",
            "                last = tl.where(m_takes & page_ok, tl.where(m_diag != blk, lim, m_pos) "
-           "- (blk * P + off), -1)\n"))))
+           "- first_key, -1)\n"))))
 
 
 # ------------------------------------------------------------------ split-K and empties
