@@ -415,18 +415,26 @@ def _prefill_kernel(
             if FP8 and SCALAR:  # the scales outside the products (_attention.scales_outside)
                 logit_scale = qk_scale * tl.load(ks_ptr)
             q, row_scale = q_operand(q, logit_scale, OPS and SCALAR, FMT)
-            cur = e * 0 - 1
-            blk = cur
+            # The union's next block and its page, one block ahead: the min-reduction over
+            # the entries and the block-table load then overlap the current block's work
+            # instead of heading its chain (K/V addresses wait for the page).
+            bt_row = bt_ptr + r64 * bt_s0
+            nb = tl.min(tl.min(tl.where(es > e * 0 - 1, es, NONE), axis=1), axis=0)
+            n_page = tl.load(bt_row + nb.to(tl.int64) * bt_s1, mask=nb < NONE, other=-1)
+            blk = nb
+            page = n_page.to(tl.int64)
             for it in range(n_union * SUB):
                 off = (it % SUB) * BN  # the tile's first key in its block
-                nxt = tl.min(tl.min(tl.where(es > cur, es, NONE), axis=1), axis=0)
-                blk = tl.where(off == 0, nxt, blk)  # the next union block at a block's first tile
-                cur = blk
-                takes = tl.max((es == blk).to(tl.int32), axis=1)  # [BLOCK_T]: 1 if selected
+                new_block = off == 0  # a block's first tile: the next union block
+                blk = tl.where(new_block, nb, blk)
+                page = tl.where(new_block, n_page.to(tl.int64), page)
+                if BLOCK_T == 1:  # the union is the token's own selection: it takes blk
+                    takes = tl.full((BLOCK_T,), 1, tl.int32)
+                else:
+                    takes = tl.max((es == blk).to(tl.int32), axis=1)  # [BLOCK_T]: 1 if selected
                 m_takes = tl.reshape(tl.broadcast_to(takes[:, None], (BLOCK_T, G_P)), (ROWS,)) > 0
                 lim = tl.max(tl.where(takes > 0, t_pos32, -1), axis=0)  # the last key any row sees
                 blk64 = blk.to(tl.int64)
-                page = tl.load(bt_ptr + r64 * bt_s0 + blk64 * bt_s1).to(tl.int64)
                 page_ok = (page >= 0) & (page < num_pages)
                 pg = tl.where(page_ok, page, 0)
                 first_key = blk * P + off
@@ -437,6 +445,9 @@ def _prefill_kernel(
                 k, v = kv_tiles(src, (pg * P + off + jj)[:, None], kmask[:, None], ks_ptr, ks_s0,
                                 ks_s1, vs_ptr, vs_s0, vs_s1, g64, q_ptr.dtype.element_ty, D, FP8,
                                 FMT, HW, SCALAR, SAME, ASM, PRE)
+                # The next block and its page (after K/V's loads are issued: off their path).
+                nb = tl.min(tl.min(tl.where(es > blk, es, NONE), axis=1), axis=0)
+                n_page = tl.load(bt_row + nb.to(tl.int64) * bt_s1, mask=nb < NONE, other=-1)
                 # [ROWS, BN], fp32 accumulation
                 s = unit_back(tl.dot(q, tl.trans(k)), OPS, FMT, SCALAR, ASM)
                 # A row sees the tile's keys up to its own position when its token takes
