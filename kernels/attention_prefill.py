@@ -387,7 +387,13 @@ def _prefill_kernel(
             t_ok, t_pos, valid, es = _tile_entries(local, cu0, qlen, prefix, g64, num_tokens,
                                                    tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols,
                                                    BLOCK_T, KP, P)
-            n_union = _union_size(es, e * 0 + NONE)
+            if BLOCK_T == 1:
+                # One token: its valid entries bound its union without the min-reduction
+                # chain (a repeated entry makes the walk's last trips find no block: they
+                # load nothing and change nothing).
+                n_union = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
+            else:
+                n_union = _union_size(es, e * 0 + NONE)
 
             # ---- the (token, head) rows: m = token * G_P + head.
             mm = tl.arange(0, ROWS)
