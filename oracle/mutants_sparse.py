@@ -166,12 +166,12 @@ register(Mutant(
     "query's own: the last valid entry of a selection list it assumed sorted ascending "
     "(the indexer emits score order)",
     patch("kernels.attention_prefill",
-          ("            n_union = _union_size(es, e * 0 + NONE)\n",
-           "            n_union = _union_size(es, e * 0 + NONE)\n"
+          ("            # ---- the (token, head) rows: m = token * G_P + head.\n",
            "            kk = tl.arange(0, KP)\n"
            "            last_k = tl.max(tl.where(valid, kk[None, :], -1), axis=1)\n"
            "            diag = tl.max(tl.where(kk[None, :] == last_k[:, None], es, -1), "
-           "axis=1)\n"),
+           "axis=1)\n"
+           "            # ---- the (token, head) rows: m = token * G_P + head.\n"),
           ("            m_hq = g64 * group + m_head\n",
            "            m_hq = g64 * group + m_head\n"
            "            m_diag = tl.reshape(tl.broadcast_to(diag[:, None], (BLOCK_T, G_P)), "
