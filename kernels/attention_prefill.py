@@ -289,13 +289,14 @@ def _union_size(es, cap):
     "num_tokens", "bt_cols", "num_reqs", "search_steps", "topk_k", "delegate_ratio"])
 def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tokens,
                  tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols, tier_ptr, delegate_ratio,
-                 list_ptr, count_ptr,
+                 list_ptr, count_ptr, wide_ptr,
                  BLOCK_T: tl.constexpr, KP: tl.constexpr, P: tl.constexpr):
     """The tiers' switch (module docstring, Tiers), one small program per (wide tile, KV
     head): 1 at the tile's slot of ``tier_ptr`` when its union U has ``U *
     delegate_ratio`` > its valid entries (counting stops there), else 0 (surplus programs
     too); a handed tile's slot is also appended to the narrow pass's list at ``list_ptr``
-    (``count_ptr[0]`` entries, in no particular order)."""
+    (``count_ptr[0]`` entries, in no particular order); a tile kept with a block in its
+    union sets ``wide_ptr[0]`` to 1 (the wide pass reads pages: a predecode is needed)."""
     tile = tl.program_id(0)
     g64 = tl.program_id(1).to(tl.int64)
     r64, cu0, qlen, local = _tile_request(tile, cu_ptr, cu_s0, num_reqs, search_steps,
@@ -307,7 +308,10 @@ def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tok
                                                tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols,
                                                BLOCK_T, KP, P)
         cap = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0) // delegate_ratio
-        handed = (_union_size(es, cap) > cap).to(tl.int32)
+        n = _union_size(es, cap)
+        handed = (n > cap).to(tl.int32)
+        if (n > 0) & (handed == 0):  # the wide pass will read pages: mark it
+            tl.store(wide_ptr, 1)
     slot = tile * tl.num_programs(1) + tl.program_id(1)
     tl.store(tier_ptr + slot, handed)
     if handed != 0:
@@ -737,8 +741,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
                  ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), BN=bn)
     tier = handed = None
-    # The lists' counts (handed wide tiles; flagged wide and narrow tiles): one fill.
-    counts = torch.zeros(3, dtype=torch.int32, device=q.device)
+    # The lists' counts (handed wide tiles; flagged wide and narrow tiles) and whether a
+    # wide tile reads pages (set by ``_tier_kernel``): one fill.
+    counts = torch.zeros(4, dtype=torch.int32, device=q.device)
     if tiers:
         tier = _program_slots(p, block_t, q.device)
         handed = _item_list(tier.numel(), counts[0:1])
@@ -746,7 +751,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         _tier_kernel[grid](cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0),
                            p.batch, max(1, p.batch.bit_length()), p.t,
                            topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
-                           block_table.shape[1], tier, ratio, *handed, BLOCK_T=block_t,
+                           block_table.shape[1], tier, ratio, *handed, counts[3:4],
+                           BLOCK_T=block_t,
                            KP=const["KP"], P=p.page,
                            num_warps=max(1, min(8, block_t * const["KP"]
                                                 // TIER_ENTRIES_PER_WARP)))
@@ -759,7 +765,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         if not (p.fp8 and const["SCALAR"]):
             fail("predecode", "needs an fp8 cache with scalar (or no) scales")
         wide_kv, wide_bt = predecode_pages(kv_cache, block_table, seq_lens, const["FMT"],
-                                           const["HW"], const["ASM"], q.dtype)
+                                           const["HW"], const["ASM"], q.dtype,
+                                           counts[3:4] if tiers else None)
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
@@ -921,7 +928,7 @@ def compile_signatures():
         out.append((_prefill_kernel, sig, const))
         if const["TIER"] == 1:
             tsig = {name: sig.get(name, "i32") for name in _tier_kernel.arg_names}
-            tsig.update(tier_ptr="*i32", delegate_ratio="i32", BLOCK_T="constexpr",
+            tsig.update(tier_ptr="*i32", wide_ptr="*i32", delegate_ratio="i32", BLOCK_T="constexpr",
                         KP="constexpr", P="constexpr")
             out.append((_tier_kernel, tsig, dict(BLOCK_T=const["WIDE_T"], KP=const["KP"],
                                                  P=page)))

@@ -33,8 +33,10 @@ from kernels.fp8 import decode_fp8_f16
 
 @triton.jit
 def _predecode_kernel(kv_ptr, kv_s0, kv_s1, kv_s2, num_pages, bt_ptr, bt_s0, bt_s1, width,
-                      seq_ptr, seq_s0, out_ptr, tab_ptr, FMT: tl.constexpr, HW: tl.constexpr,
-                      ASM: tl.constexpr, P: tl.constexpr, D2: tl.constexpr):
+                      seq_ptr, seq_s0, out_ptr, tab_ptr, need_ptr, FMT: tl.constexpr,
+                      HW: tl.constexpr, ASM: tl.constexpr, P: tl.constexpr, D2: tl.constexpr):
+    if tl.load(need_ptr) == 0:  # no wide tile reads pages (the prefill's tiers)
+        return
     rj = tl.program_id(0).to(tl.int64)  # r * width + j
     g = tl.program_id(1).to(tl.int64)
     r = rj // width
@@ -56,11 +58,13 @@ INTERPRETED = is_interpreted(_predecode_kernel)
 
 
 def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bool,
-                    dtype: torch.dtype):
+                    dtype: torch.dtype, need: torch.Tensor | None = None):
     """``(scratch cache [B * W, Hkv, P, 2D] of dtype, int32 table [B, W])`` for checked
     launcher arguments (``kernels.attention_prefill``: kv_cache uint8 codes of format code
     ``fmt``, block_table ``[B, W]``, seq_lens ``[B]``); ``dtype``: the scratch's, float16
-    or bfloat16 (the model dtype)."""
+    or bfloat16 (the model dtype). ``need``: an int32 ``[1]`` on the device; 0 there (the
+    prefill's tier switch found no wide tile that reads a page) skips the decoding and
+    leaves both outputs unwritten (None: always decode)."""
     b, width = block_table.shape
     num_pages, hkv, page, d2 = kv_cache.shape
     out = torch.empty((b * width, hkv, page, d2), dtype=dtype, device=kv_cache.device)
@@ -70,7 +74,9 @@ def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bo
         _predecode_kernel[(b * width, hkv)](
             kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), num_pages,
             block_table, block_table.stride(0), block_table.stride(1), width,
-            seq_lens, seq_lens.stride(0), out, table, FMT=fmt, HW=hw, ASM=asm, P=page,
+            seq_lens, seq_lens.stride(0), out, table,
+            torch.ones(1, dtype=torch.int32, device=kv_cache.device) if need is None else need,
+            FMT=fmt, HW=hw, ASM=asm, P=page,
             D2=d2, num_warps=4)
     return out, table
 
@@ -79,7 +85,8 @@ def compile_signatures():
     """(kernel, signature, constexprs) for the sm_90 compile check (tests/test_compile_sm90.py):
     e4m3fn in assembly to fp16 and e5m2fnuz in assembly to bf16, P 128, D 128."""
     sig = {name: "i64" for name in _predecode_kernel.arg_names}
-    sig.update(kv_ptr="*u8", bt_ptr="*i32", seq_ptr="*i32", tab_ptr="*i32", width="i32")
+    sig.update(kv_ptr="*u8", bt_ptr="*i32", seq_ptr="*i32", tab_ptr="*i32", need_ptr="*i32",
+               width="i32")
     out = []
     for fmt, hw, dtype in ((0, True, "*fp16"), (3, False, "*bf16")):
         const = dict(FMT=fmt, HW=hw, ASM=True, P=128, D2=256)

@@ -617,6 +617,39 @@ def test_predecoded_pages_are_admitted_under_their_own_schedule_and_guarded(kv_f
                           ap.run(dict(x, topk=sel), **knobs)["out"])
 
 
+def test_the_predecode_runs_only_when_a_wide_tile_reads_pages(monkeypatch):
+    """``_tier_kernel`` sets the need flag exactly when a tile it keeps wide has a block in
+    its union, and ``predecode_pages`` decodes only under that flag: with every tile handed
+    to the narrow tier (random-like selections spread over many blocks, a huge
+    delegate_ratio) the scratch table keeps its fill; with the tiers off (every tile wide)
+    it is the table of used pages. The outputs are the same either way (the narrow tier
+    reads the codes)."""
+    tables = []
+    real_empty, predecode_pages = torch.empty, ap.predecode_pages
+
+    def filled_empty(shape, dtype=None, device=None):
+        return real_empty(shape, dtype=dtype, device=device).fill_(
+            -7 if dtype == torch.int32 else float("nan"))
+
+    def spy(*args, **kwargs):  # the scratch and its table start filled, not empty
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", filled_empty)
+            out, table = predecode_pages(*args, **kwargs)
+        tables.append(table)
+        return out, table
+
+    monkeypatch.setattr(ap, "predecode_pages", spy)
+    x = make_inputs("e4m3fn", "bfloat16", scales="tensor", hkv=2, group=4, d=64, page=16,
+                    seq_lens=(70, 64), qlens=(9, 16), k=3, seed=23)
+    narrow = ap.run(x, block_rows=32, delegate_ratio=ap.ALL_NARROW, predecode=True)
+    assert len(tables) == 1 and (tables[0] == -7).all()
+    wide = ap.run(x, block_rows=32, delegate_ratio=0, predecode=True)
+    assert len(tables) == 2 and not (tables[1] == -7).any()
+    assert set(np.unique(narrow["schedule_rows"])) == {2}
+    assert set(np.unique(wide["schedule_rows"])) == {1}
+    _passes(x, block_rows=32, delegate_ratio=ap.ALL_NARROW, predecode=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_fmt", ["e4m3fn", "e5m2fnuz"])
 def test_default_predecode_on_a_long_ragged_batch_is_admitted(kv_fmt):
