@@ -278,16 +278,26 @@ def _tile_entries(local, cu0, qlen, prefix, g64, num_tokens, tk_ptr, tk_s0, tk_s
 
 
 @triton.jit
+def _next_entry(es, cur):
+    """The smallest entry of ``es`` above ``cur`` (NONE_ENTRY when there is none)."""
+    return tl.min(tl.min(tl.where(es > cur, es, NONE_ENTRY), axis=1), axis=0)
+
+
+@triton.jit
+def _table_entry(bt_row, bt_s1, blk):
+    """Block ``blk``'s block-table entry in the request's row (-1 for NONE_ENTRY)."""
+    return tl.load(bt_row + blk.to(tl.int64) * bt_s1, mask=blk < NONE_ENTRY, other=-1)
+
+
+@triton.jit
 def _union_size(es, cap):
     """The number of distinct entries of ``es`` below NONE_ENTRY, by the chain "next = min
     entry > current" (no loads); the count stops at ``cap + 1``."""
     n = cap * 0
-    cur = n - 1
-    nxt = tl.min(tl.min(tl.where(es > cur, es, NONE_ENTRY), axis=1), axis=0)
+    nxt = _next_entry(es, n - 1)
     while (nxt < NONE_ENTRY) & (n <= cap):
         n += 1
-        cur = nxt
-        nxt = tl.min(tl.min(tl.where(es > cur, es, NONE_ENTRY), axis=1), axis=0)
+        nxt = _next_entry(es, nxt)
     return n
 
 
@@ -435,8 +445,8 @@ def _prefill_kernel(
             # the entries and the block-table load then overlap the current block's work
             # instead of heading its chain (K/V addresses wait for the page).
             bt_row = bt_ptr + r64 * bt_s0
-            nb = tl.min(tl.min(tl.where(es > e * 0 - 1, es, NONE), axis=1), axis=0)
-            n_page = tl.load(bt_row + nb.to(tl.int64) * bt_s1, mask=nb < NONE, other=-1)
+            nb = _next_entry(es, e * 0 - 1)
+            n_page = _table_entry(bt_row, bt_s1, nb)
             blk = nb
             page = n_page.to(tl.int64)
             for it in range(n_union * SUB):
@@ -462,8 +472,8 @@ def _prefill_kernel(
                                 ks_s1, vs_ptr, vs_s0, vs_s1, g64, q_ptr.dtype.element_ty, D, FP8,
                                 FMT, HW, SCALAR, SAME, ASM, PRE)
                 # The next block and its page (after K/V's loads are issued: off their path).
-                nb = tl.min(tl.min(tl.where(es > blk, es, NONE), axis=1), axis=0)
-                n_page = tl.load(bt_row + nb.to(tl.int64) * bt_s1, mask=nb < NONE, other=-1)
+                nb = _next_entry(es, blk)
+                n_page = _table_entry(bt_row, bt_s1, nb)
                 # [ROWS, BN], fp32 accumulation
                 s = unit_back(tl.dot(q, tl.trans(k)), OPS, FMT, SCALAR, ASM)
                 # A row sees the tile's keys up to its own position when its token takes
