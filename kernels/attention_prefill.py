@@ -485,9 +485,10 @@ def _prefill_kernel(
                 # blocks below the tile's own) needs no mask: a uniform branch (as the
                 # decode's one-row programs), ~130 of ~890 loop instructions per thread
                 # (static sm_90, wide tier, model shape). Not with 3+ stages (BRANCHLESS,
-                # ``whole`` a constexpr False): a branch in the loop keeps Triton's pipeliner
-                # to one K/V buffer (shared memory as at 2 stages, the loads waited for at
-                # the top of the next block).
+                # ``whole`` a constexpr False), as timed in session 31: then, with the page
+                # loaded in its block's own iteration, the branch kept Triton's pipeliner
+                # to one K/V buffer; with the page a block ahead it no longer does (static
+                # sm_90, tests/test_static_sm90.py), so the branch at 3 stages is to time.
                 whole = False
                 if not BRANCHLESS:
                     seen = (takes > 0) & (t_pos32 >= first_key + BN - 1)
@@ -699,8 +700,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     ``NARROW_ROWS`` rows per program when they are fewer than the wide tier's, with
     narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
     ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits; with 3+
-    stages either tier masks without a branch, ``BRANCHLESS``, so that K and V are
-    double-buffered: before session 31 a narrow tier at 3 stages ran single-buffered);
+    stages either tier masks without a branch, ``BRANCHLESS``: before session 31 a narrow
+    tier at 3 stages ran single-buffered, the mask's branch costing the second buffer);
     narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
     choice; sm_90, model shape, e4m3fn, the one-warp default: 255 registers, 8 programs
     per SM by registers; with session 30's two warps 64-key tiles at 168 were 1.04x
@@ -885,7 +886,7 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     pre = const.get("PRE", False)  # a 16-bit (predecoded) cache: its stage depth
     depth = const.pop("num_stages", None)
     deepest = _num_stages(const["BN"], p.d, p.fp8 and not pre) if fit_stages else depth
-    # A launch 3+ stages deep masks without a branch (else one K/V buffer, the kernel).
+    # A launch 3+ stages deep masks without a branch (the kernel's comment at ``whole``).
     const["BRANCHLESS"] = deepest >= 3
     if fit_stages:  # the guess, lowered until both passes fit shared memory
         depth = min(
