@@ -194,18 +194,24 @@ def test_dense_selection_is_causal_attention():
 # -------------------------------------------------------------- selections are sets
 
 
-def test_selection_is_a_set():
+@pytest.mark.parametrize("ratio", [None, ap.ALL_NARROW])
+def test_selection_is_a_set(ratio):
     """The output depends only on each token's SET of blocks: permuting the entries (so they
     are unsorted), moving the -1 entries anywhere and (with validate=False) repeating an
-    entry give bit-identical outputs."""
+    entry give bit-identical outputs, in the default tiers and with every tile in the
+    narrow tier (whose one-token trip count is the valid entries: a repeat adds trips that
+    find no block)."""
     x = make_inputs("e5m2", "bfloat16", scales="tensor", seq_lens=(70, 33), qlens=(10, 6), k=6,
                     seed=9)
-    base = ap.run(x)["out"]
+    res = ap.run(x, delegate_ratio=ratio)
+    base = res["out"]
+    if ratio is not None:
+        assert (res["schedule_rows"] == 2).all()
     perm = dict(x, topk=shuffled_selections(x["topk"], 1))
-    assert np.array_equal(ap.run(perm)["out"], base)
+    assert np.array_equal(ap.run(perm, delegate_ratio=ratio)["out"], base)
     rep = dict(x, topk=shuffled_selections(x["topk"], 2, dup=True))
     assert (np.sort(rep["topk"], -1) != np.sort(x["topk"], -1)).any()
-    assert np.array_equal(ap.run(rep, validate=False)["out"], base)
+    assert np.array_equal(ap.run(rep, validate=False, delegate_ratio=ratio)["out"], base)
 
 
 # ----------------------------------------------------- content a row must not see
