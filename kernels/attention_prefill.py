@@ -176,7 +176,7 @@ from kernels._triton import (
     triton,
 )
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
-from kernels.kv_predecode import predecode_pages
+from kernels.kv_predecode import predecode_options, predecode_pages
 from reference.platforms import is_fp8
 
 #: Query rows (tokens x padded heads) per program by default; see the module docstring.
@@ -669,8 +669,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              validate=False, block_rows=None, num_warps=None,
                              num_stages=None, delegate_ratio=None, narrow_warps=None,
                              narrow_stages=None, narrow_max_registers=None, block_keys=None,
-                             narrow_block_keys=None, predecode=None,
-                             schedule_rows=None):
+                             narrow_block_keys=None, predecode=None, predecode_rows=None,
+                             predecode_warps=None, schedule_rows=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -720,6 +720,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     act (the module docstring's second schedule, ``PrefillSchedule``), where the fp8 path
     row-scales q to fp16 and rounds P to fp16; the narrow tier reads the fp8 codes on the
     fp8 path. None (default): True where ``default_predecode`` says so, else False.
+    predecode_rows / predecode_warps: the predecode's rows of a page per program (a power of
+    two dividing P) and warps per program (default ``kv_predecode.PREDECODE_ROWS``, the
+    whole page, and ``PREDECODE_WARPS``; checked whether or not the predecode runs).
     narrow_block_keys: the narrow tier's own key tiles (default: ``narrow_tile_keys``, the
     wide tier's capped at ``NARROW_KEYS_FP8`` / ``NARROW_KEYS``; declared as
     ``PrefillSchedule(narrow_block_keys=...)``, the narrow rows' schedule).
@@ -750,6 +753,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     bn = check_block_keys(block_keys, p.page)
     bn_narrow = narrow_tile_keys(bn, p.page, p.fp8) if narrow_block_keys is None else \
         check_block_keys(narrow_block_keys, p.page, "narrow_block_keys")
+    predecode_options(predecode_rows, predecode_warps, p.page)
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
     const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
@@ -783,7 +787,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
             fail("predecode", "needs an fp8 cache with scalar (or no) scales")
         wide_kv, wide_bt = predecode_pages(kv_cache, block_table, seq_lens, const["FMT"],
                                            const["HW"], const["ASM"], q.dtype,
-                                           counts[3:4] if tiers else None)
+                                           counts[3:4] if tiers else None, predecode_rows,
+                                           predecode_warps)
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels._host import check_int, fail
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
 from kernels.fp8 import decode_fp8_f16
 
@@ -34,19 +35,23 @@ from kernels.fp8 import decode_fp8_f16
 @triton.jit
 def _predecode_kernel(kv_ptr, kv_s0, kv_s1, kv_s2, num_pages, bt_ptr, bt_s0, bt_s1, width,
                       seq_ptr, seq_s0, out_ptr, tab_ptr, need_ptr, FMT: tl.constexpr,
-                      HW: tl.constexpr, ASM: tl.constexpr, P: tl.constexpr, D2: tl.constexpr):
+                      HW: tl.constexpr, ASM: tl.constexpr, P: tl.constexpr, D2: tl.constexpr,
+                      R: tl.constexpr):
+    """Program (r * width + j, g, c): rows ``[c * R, (c + 1) * R)`` of KV head g of request
+    r's block j; the (g, c) = (0, 0) program writes the table entry."""
     if tl.load(need_ptr) == 0:  # no wide tile reads pages (the prefill's tiers)
         return
     rj = tl.program_id(0).to(tl.int64)  # r * width + j
     g = tl.program_id(1).to(tl.int64)
+    c = tl.program_id(2)
     r = rj // width
     j = rj % width
     page = tl.load(bt_ptr + r * bt_s0 + j * bt_s1).to(tl.int64)
     used = (j * P < tl.load(seq_ptr + r * seq_s0)) & (page >= 0) & (page < num_pages)
-    if g == 0:
+    if (g == 0) & (c == 0):
         tl.store(tab_ptr + rj, tl.where(used, rj, -1).to(tl.int32))
     if used:
-        tt = tl.arange(0, P).to(tl.int64)
+        tt = (c * R + tl.arange(0, R)).to(tl.int64)
         cc = tl.arange(0, D2)
         codes = tl.load(kv_ptr + page * kv_s0 + g * kv_s1 + tt[:, None] * kv_s2 + cc[None, :])
         vals = decode_fp8_f16(codes, FMT, HW, ASM).to(out_ptr.dtype.element_ty)  # exact
@@ -57,27 +62,50 @@ def _predecode_kernel(kv_ptr, kv_s0, kv_s1, kv_s2, num_pages, bt_ptr, bt_s0, bt_
 INTERPRETED = is_interpreted(_predecode_kernel)
 
 
+#: Rows of a page per program (None: the whole page, one program per page and KV head) and
+#: warps per program; session 33: to time (``sparse_attention_prefill``'s
+#: ``predecode_rows`` / ``predecode_warps`` knobs), the defaults are session 25's.
+PREDECODE_ROWS = None
+PREDECODE_WARPS = 4
+
+
+def predecode_options(rows, num_warps, page: int) -> tuple[int, int]:
+    """(rows per program, warps per program) of the knobs ``predecode_rows`` /
+    ``predecode_warps`` (None: the defaults) for pages of ``page`` rows; errors name them."""
+    rows = rows if rows is not None else PREDECODE_ROWS
+    rows = page if rows is None else check_int(rows, "predecode_rows", 1, page)
+    if page % rows or rows & (rows - 1):
+        fail("predecode_rows", f"must be a power of two dividing the page size {page}, "
+             f"got {rows}")
+    return rows, check_int(PREDECODE_WARPS if num_warps is None else num_warps,
+                           "predecode_warps", 1, 16)
+
+
 def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bool,
-                    dtype: torch.dtype, need: torch.Tensor | None = None):
+                    dtype: torch.dtype, need: torch.Tensor | None = None, rows=None,
+                    num_warps=None):
     """``(scratch cache [B * W, Hkv, P, 2D] of dtype, int32 table [B, W])`` for checked
     launcher arguments (``kernels.attention_prefill``: kv_cache uint8 codes of format code
     ``fmt``, block_table ``[B, W]``, seq_lens ``[B]``); ``dtype``: the scratch's, float16
     or bfloat16 (the model dtype). ``need``: an int32 ``[1]`` on the device; 0 there (the
     prefill's tier switch found no wide tile that reads a page) skips the decoding and
-    leaves both outputs unwritten (None: always decode)."""
+    leaves both outputs unwritten (None: always decode). ``rows``: a page's rows per
+    program, a power of two dividing P (None: ``PREDECODE_ROWS``, else P); ``num_warps``:
+    per program (None: ``PREDECODE_WARPS``); errors name ``predecode_rows`` /
+    ``predecode_warps``, the prefill launcher's knobs."""
     b, width = block_table.shape
     num_pages, hkv, page, d2 = kv_cache.shape
+    rows, warps = predecode_options(rows, num_warps, page)
     out = torch.empty((b * width, hkv, page, d2), dtype=dtype, device=kv_cache.device)
     table = torch.empty((b, width), dtype=torch.int32, device=kv_cache.device)
     if b * width:
         ensure_ready(_predecode_kernel)
-        _predecode_kernel[(b * width, hkv)](
+        _predecode_kernel[(b * width, hkv, page // rows)](
             kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), num_pages,
             block_table, block_table.stride(0), block_table.stride(1), width,
             seq_lens, seq_lens.stride(0), out, table,
             torch.ones(1, dtype=torch.int32, device=kv_cache.device) if need is None else need,
-            FMT=fmt, HW=hw, ASM=asm, P=page,
-            D2=d2, num_warps=4)
+            FMT=fmt, HW=hw, ASM=asm, P=page, D2=d2, R=rows, num_warps=warps)
     return out, table
 
 
@@ -89,7 +117,7 @@ def compile_signatures():
                width="i32")
     out = []
     for fmt, hw, dtype in ((0, True, "*fp16"), (3, False, "*bf16")):
-        const = dict(FMT=fmt, HW=hw, ASM=True, P=128, D2=256)
+        const = dict(FMT=fmt, HW=hw, ASM=True, P=128, D2=256, R=128)
         out.append((_predecode_kernel, {**sig, "out_ptr": dtype,
                                         **dict.fromkeys(const, "constexpr")}, const))
     return out

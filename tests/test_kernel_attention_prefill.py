@@ -405,9 +405,11 @@ def test_tiers_agree_with_one_tier():
 
 @pytest.mark.parametrize("knob, value", [("delegate_ratio", -1), ("narrow_warps", 0),
                                          ("narrow_stages", 9), ("narrow_max_registers", 8),
-                                         ("narrow_block_keys", 48)])
+                                         ("narrow_block_keys", 48), ("predecode_rows", 0),
+                                         ("predecode_rows", 12), ("predecode_warps", 17)])
 def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
-    """A tier knob out of its range is rejected on the host, naming the argument."""
+    """A tier or predecode knob out of its range is rejected on the host, naming the
+    argument (the predecode's whether or not it would run)."""
     with pytest.raises(ValueError, match=knob):
         ap.sparse_attention_prefill(**_good_args("bfloat16"), **{knob: value})
 
@@ -621,6 +623,34 @@ def test_predecoded_pages_are_admitted_under_their_own_schedule_and_guarded(kv_f
     sel = np.where(mine[None, :, None] & (x["topk"] == 2), -1, x["topk"])
     assert np.array_equal(ap.run(dict(x, block_table=bt), validate=False, **knobs)["out"],
                           ap.run(dict(x, topk=sel), **knobs)["out"])
+
+
+@pytest.mark.parametrize("kv_fmt, md", [("e4m3fn", "bfloat16"), ("e5m2", "float16"),
+                                        ("e4m3fnuz", "float16"), ("e5m2fnuz", "bfloat16")])
+@pytest.mark.parametrize("rows, warps", [(None, None), (4, 1), (1, 2)])
+def test_predecode_writes_every_code_exactly_and_marks_unused_blocks(kv_fmt, md, rows, warps):
+    """``predecode_pages``, whatever its rows and warps per program: each used block's page
+    (inside seq_len, entry in the cache) holds its codes' exact values (the reference
+    codec's, all 256 codes with NaN and Inf, per KV head) in the model dtype at scratch page
+    ``r * W + j``, which the table names; blocks past seq_len or with an entry outside the
+    cache get -1."""
+    from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
+    from kernels.kv_predecode import INTERPRETED, predecode_pages
+
+    dev = device()
+    g = np.random.Generator(np.random.PCG64(31))
+    codes = np.stack([g.permutation(256).reshape(16, 16) for _ in range(5 * 2)])
+    codes = codes.reshape(5, 2, 16, 16).astype(np.uint8)  # [pages, Hkv, P, 2D]
+    table = np.array([[3, 0, 7], [1, -1, 4]], np.int32)  # 7: past the cache
+    seq_lens = np.array([40, 20], np.int32)  # request 1's block 2 past its seq_len
+    out, tab = predecode_pages(torch.from_numpy(codes).to(dev), torch.from_numpy(table).to(dev),
+                               torch.from_numpy(seq_lens).to(dev), fmt_code(kv_fmt),
+                               kv_fmt in HW_FORMATS, asm_f16(kv_fmt, INTERPRETED),
+                               getattr(torch, md), rows=rows, num_warps=warps)
+    assert tab.cpu().tolist() == [[0, 1, -1], [3, -1, -1]]
+    got = out.float().cpu().numpy()
+    for scratch, page in ((0, 3), (1, 0), (3, 1)):
+        assert np.array_equal(got[scratch], decode(codes[page], kv_fmt), equal_nan=True)
 
 
 def test_the_predecode_runs_only_when_a_wide_tile_reads_pages(monkeypatch):
