@@ -451,6 +451,11 @@ def bench_case(cache: str, dist: str, args, knob_sets) -> list[dict]:
             if flex_out is not None:
                 diff = flex_out[0].transpose(0, 1).float() - sets[0].out.float()
                 r["max_abs_diff_vs_flex"] = float(diff.abs().max())
+        if args.phases and r["median_us"] is not None:
+            try:
+                r["phases"] = harness.kernel_phases(calls)
+            except Exception as e:  # noqa: BLE001 - a diagnostic: keep the timing
+                r["phases_error"] = harness.error_text(e)
         r["flex"] = flex
         print(f"{cache} {dist} {knobs or ''}: {r['mode']} {r['median_us']} us", flush=True)
         out.append(r)
@@ -472,6 +477,9 @@ def parse_args(argv):
     ap.add_argument("--flex-knobs", type=harness.parse_knobs, default={},
                     help="flex_attention kernel_options (k=v,..., integers; default: flex's)")
     ap.add_argument("--no-flex", action="store_true", help="do not time flex_attention")
+    ap.add_argument("--phases", action="store_true",
+                    help="also each launch's device time per call (torch.profiler, eager; "
+                         "a breakdown beside the timing, not part of it)")
     ap.add_argument("--flex-partial", action="store_true",
                     help="flex's BlockMask with every block partial (mask_mod everywhere), "
                          "as the oracle's flex and this benchmark before session 30")
@@ -580,9 +588,27 @@ def sweep_lines(doc: dict) -> list[str]:
     return lines
 
 
+def phase_lines(doc: dict) -> list[str]:
+    """Each result's launches (``--phases``) as a Markdown table; nothing without them."""
+    rows = [r for r in (*doc.get("results", ()), *doc.get("sweep", ()))
+            if r.get("phases") or r.get("phases_error")]
+    if not rows:
+        return []
+    lines = ["", "Launches per call (torch.profiler, eager, median over the calls; the "
+                 "gaps between launches not counted):", "",
+             "| cache | selections | knobs | step | kernel | us |", "|---|---|---|---:|---|---:|"]
+    for r in rows:
+        where = f"| {r['cache']} | {r['dist']} | {r.get('knobs') or 'defaults'} |"
+        if r.get("phases_error"):
+            lines.append(f"{where} - | error: {r['phases_error'][:80]} | - |")
+        for p in r.get("phases") or ():
+            lines.append(f"{where} {p['step']} | {p['kernel'][:60]} | {p['us']:.1f} |")
+    return lines
+
+
 def markdown(doc: dict) -> str:
     """The header of render_bench, one row per (cache, distribution), the checks, the
-    issue's numbers for scale, then the knob sweep."""
+    issue's numbers for scale, the knob sweep, then the launches per call."""
     if doc.get("schema") != render_bench.SCHEMA:
         raise ValueError(f"schema must be {render_bench.SCHEMA!r}, got {doc.get('schema')!r}")
     lines = render_bench.header(doc)
@@ -601,6 +627,7 @@ def markdown(doc: dict) -> str:
         lines += [f"- {e['name']} ({e['cache']}, {e['dist']} selections): "
                   f"{e['useful_tflops']:.0f} TFLOP/s" for e in doc["for_scale"]]
     lines += sweep_lines(doc)
+    lines += phase_lines(doc)
     return "\n".join(lines) + "\n"
 
 

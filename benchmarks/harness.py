@@ -162,6 +162,47 @@ def time_calls(calls, warmup_ms: float = 25, rep_ms: float = 200,
     return Timing(us / len(calls), "eager", len(calls), note)
 
 
+def phase_rows(kernels, n_calls: int) -> list[dict]:
+    """Per step of a call's launch sequence, from ``kernels``: (name, device us) of every
+    kernel in launch order over ``n_calls`` calls that launch the same sequence (a
+    launcher whose launches do not depend on device data): ``{"step", "kernel", "us"}``,
+    the median over the calls. ValueError where the kernels do not split into such
+    calls."""
+    kernels = list(kernels)
+    if n_calls < 1 or not kernels or len(kernels) % n_calls:
+        raise ValueError(f"{len(kernels)} kernels do not split into {n_calls} calls")
+    per = len(kernels) // n_calls
+    rows = []
+    for i in range(per):
+        seq = kernels[i::per]
+        names = sorted({name for name, _ in seq})
+        if len(names) != 1:
+            raise ValueError(f"the calls launch different kernels at step {i}: {names}")
+        us = sorted(t for _, t in seq)
+        rows.append({"step": i, "kernel": names[0], "us": us[len(us) // 2]})
+    return rows
+
+
+def kernel_phases(calls, repeats: int = 2) -> list[dict]:
+    """``phase_rows`` of eager passes over ``calls`` under torch.profiler (after one
+    untimed pass): where a call's device time goes, kernel by kernel. Not the timing
+    method (graph replay): the steps' sum leaves out the gaps between launches."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    calls = list(calls)
+    _run_all(calls)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            _run_all(calls)
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    return phase_rows(((e.name, e.time_range.elapsed_us()) for e in events),
+                      repeats * len(calls))
+
+
 def copy_bandwidth(nbytes: int = COPY_BYTES, warmup_ms: float = 25,
                    rep_ms: float = 200) -> dict:
     """Eager device-to-device copy of nbytes: bytes read + bytes written per second."""

@@ -657,6 +657,38 @@ def test_prefill_markdown_rows(tmp_path):
     assert (tmp_path / "bench_attention_prefill.md").read_text() == md
 
 
+def test_phase_rows_split_the_launches_into_calls():
+    """harness.phase_rows: kernels in launch order over calls of one launch sequence give
+    one row per step with the median over the calls (three calls: the middle time); a
+    count that does not split into the calls, or calls that launch different kernels at a
+    step, are errors, never a misattributed table."""
+    seq = [("fill", 1.0), ("tier", 4.0), ("prefill", 1600.0)]
+    times = [(0.0, 0.0, 10.0), (1.0, -1.0, 5.0), (2.0, 1.0, -5.0)]
+    kernels = [(name, t + dt[i]) for dt in times for i, (name, t) in enumerate(seq)]
+    assert harness.phase_rows(kernels, 3) == [
+        {"step": 0, "kernel": "fill", "us": 2.0}, {"step": 1, "kernel": "tier", "us": 4.0},
+        {"step": 2, "kernel": "prefill", "us": 1605.0}]
+    with pytest.raises(ValueError, match="split"):
+        harness.phase_rows(kernels[:-1], 3)
+    with pytest.raises(ValueError, match="step 1"):
+        harness.phase_rows(kernels[:4] + [("predecode", 3.0)] + kernels[5:], 3)
+
+
+def test_prefill_markdown_lists_launches_when_asked():
+    """``--phases`` results add a launches-per-call table (step, kernel, us), with a
+    failed breakdown's error in its row; without them the report has no such table."""
+    doc = _fabricated_prefill_doc()
+    assert "Launches per call" not in bap.markdown(doc)
+    doc["results"][0]["phases"] = [{"step": 0, "kernel": "_tier_kernel", "us": 4.25},
+                                   {"step": 1, "kernel": "_prefill_kernel", "us": 1600.0}]
+    doc["results"][1]["phases_error"] = "profiler unavailable"
+    md = bap.markdown(doc)
+    assert "| bf16 | locality | defaults | 0 | _tier_kernel | 4.2 |" in md
+    assert "| bf16 | locality | defaults | 1 | _prefill_kernel | 1600.0 |" in md
+    assert "| bf16 | random | defaults | - | error: profiler unavailable | - |" in md
+    assert bap.parse_args(["--phases"]).phases and not bap.parse_args([]).phases
+
+
 def test_prefill_parser_quick_flags(tmp_path):
     """bench_attention_prefill's parser takes the quick-check flags and defaults to the
     issue's run: 8192 new tokens on an 8192-token prefix, both caches and distributions,
