@@ -80,7 +80,8 @@ else reports/bench_attention_prefill.json; ``--out``) and the Markdown table bes
 
 Run on the GPU machine: ``python -m benchmarks.bench_attention_prefill``; ``--new-tokens
 1024 --prefix 1024`` for a quick check; ``--knobs block_rows=32 block_rows=16`` sweeps the
-launcher's keywords (the first set makes the results); ``--no-flex`` skips the peer.
+launcher's keywords (the first set makes the results); ``--no-flex`` skips the peer;
+``--phases`` adds each launch's device time per call (``harness.kernel_phases``).
 """
 
 from __future__ import annotations
