@@ -90,8 +90,8 @@ def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bo
     or bfloat16 (the model dtype). ``need``: an int32 ``[1]`` on the device; 0 there (the
     prefill's tier switch found no wide tile that reads a page) skips the decoding and
     leaves both outputs unwritten (None: always decode). ``rows``: a page's rows per
-    program, a power of two dividing P (None: ``PREDECODE_ROWS``, else P); ``num_warps``:
-    per program (None: ``PREDECODE_WARPS``); errors name ``predecode_rows`` /
+    program, a power of two dividing P (None: ``PREDECODE_ROWS``, P where that is None);
+    ``num_warps``: per program (None: ``PREDECODE_WARPS``); errors name ``predecode_rows`` /
     ``predecode_warps``, the prefill launcher's knobs."""
     b, width = block_table.shape
     num_pages, hkv, page, d2 = kv_cache.shape
