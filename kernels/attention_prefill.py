@@ -278,6 +278,12 @@ def _tile_entries(local, cu0, qlen, prefix, g64, num_tokens, tk_ptr, tk_s0, tk_s
 
 
 @triton.jit
+def _valid_count(valid):
+    """The number of valid entries of a tile (``valid``: ``[BLOCK_T, KP]``)."""
+    return tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
 def _next_entry(es, cur):
     """The smallest entry of ``es`` above ``cur`` (NONE_ENTRY when there is none)."""
     return tl.min(tl.min(tl.where(es > cur, es, NONE_ENTRY), axis=1), axis=0)
@@ -323,7 +329,7 @@ def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tok
         t_ok, t_pos, valid, es = _tile_entries(local, cu0, qlen, prefix, g64, num_tokens,
                                                tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols,
                                                BLOCK_T, KP, P)
-        cap = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0) // delegate_ratio
+        cap = _valid_count(valid) // delegate_ratio
         n = _union_size(es, cap)
         handed = (n > cap).to(tl.int32)
         if (n > 0) & (handed == 0):  # the wide pass will read pages: mark it
@@ -411,7 +417,7 @@ def _prefill_kernel(
                 # One token: its valid entries bound its union without the min-reduction
                 # chain (a repeated entry makes the walk's last trips find no block: they
                 # load nothing and change nothing).
-                n_union = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
+                n_union = _valid_count(valid)
             else:
                 n_union = _union_size(es, e * 0 + NONE)
 
@@ -753,7 +759,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     bn = check_block_keys(block_keys, p.page)
     bn_narrow = narrow_tile_keys(bn, p.page, p.fp8) if narrow_block_keys is None else \
         check_block_keys(narrow_block_keys, p.page, "narrow_block_keys")
-    predecode_options(predecode_rows, predecode_warps, p.page)
+    pre_rows, pre_warps = predecode_options(predecode_rows, predecode_warps, p.page)
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
     const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
@@ -787,8 +793,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
             fail("predecode", "needs an fp8 cache with scalar (or no) scales")
         wide_kv, wide_bt = predecode_pages(kv_cache, block_table, seq_lens, const["FMT"],
                                            const["HW"], const["ASM"], q.dtype,
-                                           counts[3:4] if tiers else None, predecode_rows,
-                                           predecode_warps)
+                                           counts[3:4] if tiers else None, pre_rows,
+                                           pre_warps)
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
