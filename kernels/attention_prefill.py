@@ -168,9 +168,11 @@ from kernels._host import (
     fail,
 )
 from kernels._triton import (
+    await_previous_kernel,
     ensure_ready,
     fitting_stages,
     is_interpreted,
+    pdl_options,
     resident_programs,
     tl,
     triton,
@@ -312,13 +314,16 @@ def _union_size(es, cap):
 def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tokens,
                  tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols, tier_ptr, delegate_ratio,
                  list_ptr, count_ptr, wide_ptr,
-                 BLOCK_T: tl.constexpr, KP: tl.constexpr, P: tl.constexpr):
+                 BLOCK_T: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """The tiers' switch (module docstring, Tiers), one small program per (wide tile, KV
     head): 1 at the tile's slot of ``tier_ptr`` when its union U has ``U *
     delegate_ratio`` > its valid entries (counting stops there), else 0 (surplus programs
     too); a handed tile's slot is also appended to the narrow pass's list at ``list_ptr``
     (``count_ptr[0]`` entries, in no particular order); a tile kept with a block in its
-    union sets ``wide_ptr[0]`` to 1 (the wide pass reads pages: a predecode is needed)."""
+    union sets ``wide_ptr[0]`` to 1 (the wide pass reads pages: a predecode is needed).
+    PDL: ``kernels._triton.await_previous_kernel`` first (the launcher's ``pdl``)."""
+    await_previous_kernel(PDL)
     tile = tl.program_id(0)
     g64 = tl.program_id(1).to(tl.int64)
     r64, cu0, qlen, local = _tile_request(tile, cu_ptr, cu_s0, num_reqs, search_steps,
@@ -358,7 +363,7 @@ def _prefill_kernel(
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
         BN: tl.constexpr, TIER: tl.constexpr = 0,
         WIDE_T: tl.constexpr = 1, PRE: tl.constexpr = False, LISTED: tl.constexpr = False,
-        BRANCHLESS: tl.constexpr = False):
+        BRANCHLESS: tl.constexpr = False, PDL: tl.constexpr = False):
     """One pass over tiles, each a (tile slot, KV head) item ``e = slot * SUBS + sub``
     (``slot = wide tile * num_heads + KV head``; ``sub``: the ``BLOCK_T``-token tile within
     a ``WIDE_T``-token wide tile, ``SUBS = WIDE_T // BLOCK_T`` of them in the narrow tier,
@@ -375,7 +380,9 @@ def _prefill_kernel(
     ``_tier_kernel`` marked at ``tier_ptr`` to 2, the narrow pass (``BLOCK_T`` tokens
     nested in the wide tiles' ``WIDE_T``). BRANCHLESS: no branch in the block loop (the
     mask built for every tile, not only where some row does not see every key; set with
-    3+ pipeline stages)."""
+    3+ pipeline stages). PDL: ``kernels._triton.await_previous_kernel`` first (the
+    launcher's ``pdl``)."""
+    await_previous_kernel(PDL)
     NONE: tl.constexpr = NONE_ENTRY
     # The fp8 operand forms (q row-scaled, K/V decoded, their units): not on predecoded
     # pages, which hold the exact values in act and take the 16-bit path, scales outside.
@@ -676,7 +683,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              num_stages=None, delegate_ratio=None, narrow_warps=None,
                              narrow_stages=None, narrow_max_registers=None, block_keys=None,
                              narrow_block_keys=None, predecode=None, predecode_rows=None,
-                             predecode_warps=None, schedule_rows=None):
+                             predecode_warps=None, pdl=False, schedule_rows=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -729,6 +736,12 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     predecode_rows / predecode_warps: the predecode's rows of a page per program (a power of
     two dividing P) and warps per program (default ``kv_predecode.PREDECODE_ROWS``, the
     whole page, and ``PREDECODE_WARPS``; checked whether or not the predecode runs).
+    pdl: programmatic dependent launch of every kernel of the call (compiled, sm_90; a
+    no-op interpreted): each launch may be scheduled while the stream's previous kernel
+    finishes, its programs waiting for that kernel's completion before touching memory
+    (``kernels._triton.await_previous_kernel``), so the results are a plain launch's; what
+    it saves is the gaps between the call's 3-6 launches (tier switch, predecode, each
+    tier's two passes) and the next launch's set-up during a pass's last wave.
     narrow_block_keys: the narrow tier's own key tiles (default: ``narrow_tile_keys``, the
     wide tier's capped at ``NARROW_KEYS_FP8`` / ``NARROW_KEYS``; declared as
     ``PrefillSchedule(narrow_block_keys=...)``, the narrow rows' schedule).
@@ -760,6 +773,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     bn_narrow = narrow_tile_keys(bn, p.page, p.fp8) if narrow_block_keys is None else \
         check_block_keys(narrow_block_keys, p.page, "narrow_block_keys")
     pre_rows, pre_warps = predecode_options(predecode_rows, predecode_warps, p.page)
+    pdl_kw = pdl_options(pdl, INTERPRETED)
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
     const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
@@ -782,7 +796,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                            BLOCK_T=block_t,
                            KP=const["KP"], P=p.page,
                            num_warps=max(1, min(8, block_t * const["KP"]
-                                                // TIER_ENTRIES_PER_WARP)))
+                                                // TIER_ENTRIES_PER_WARP)), **pdl_kw)
     if predecode is None:
         predecode = default_predecode(p, const["SCALAR"], block_table.shape[1])
     if not isinstance(predecode, bool):
@@ -794,18 +808,18 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         wide_kv, wide_bt = predecode_pages(kv_cache, block_table, seq_lens, const["FMT"],
                                            const["HW"], const["ASM"], q.dtype,
                                            counts[3:4] if tiers else None, pre_rows,
-                                           pre_warps)
+                                           pre_warps, pdl=bool(pdl_kw))
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
                   tier, None, counts[1:2],
-                  {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts},
+                  {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts, **pdl_kw},
                   num_stages is None)
     if tiers:
         _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
                       tier, handed, counts[2:3], {**const, "BLOCK_T": narrow_t, "TIER": 2,
                                                   "WIDE_T": block_t, "BN": bn_narrow,
-                                                  **narrow},
+                                                  **narrow, **pdl_kw},
                       "num_stages" not in narrow)
     if schedule_rows is not None:
         schedule_rows.copy_(_row_schedules(p, cu_seqlens_q, tier, block_t, grp, predecode))
@@ -968,6 +982,10 @@ def compile_signatures():
                 {**const, "TIER": 1, "PRE": True}))
     out.append((kernel, sig, {**const, "TIER": 2, "BLOCK_T": 1, "WIDE_T": 8, "LISTED": True,
                               "BRANCHLESS": True}))
+    # Programmatic dependent launch (the ``pdl`` knob): the wide pass and the tier switch.
+    out.append((kernel, {**sig, "PDL": "constexpr"}, {**const, "TIER": 1, "PDL": True}))
+    tk, tsig, tconst = next(c for c in out if c[0] is _tier_kernel)
+    out.append((tk, {**tsig, "PDL": "constexpr"}, {**tconst, "PDL": True}))
     return out + kv_predecode.compile_signatures()
 
 

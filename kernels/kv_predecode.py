@@ -28,7 +28,14 @@ from __future__ import annotations
 import torch
 
 from kernels._host import check_int, fail
-from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from kernels._triton import (
+    await_previous_kernel,
+    ensure_ready,
+    is_interpreted,
+    pdl_options,
+    tl,
+    triton,
+)
 from kernels.fp8 import decode_fp8_f16
 
 
@@ -36,9 +43,11 @@ from kernels.fp8 import decode_fp8_f16
 def _predecode_kernel(kv_ptr, kv_s0, kv_s1, kv_s2, num_pages, bt_ptr, bt_s0, bt_s1, width,
                       seq_ptr, seq_s0, out_ptr, tab_ptr, need_ptr, FMT: tl.constexpr,
                       HW: tl.constexpr, ASM: tl.constexpr, P: tl.constexpr, D2: tl.constexpr,
-                      R: tl.constexpr):
+                      R: tl.constexpr, PDL: tl.constexpr = False):
     """Program (r * width + j, g, c): rows ``[c * R, (c + 1) * R)`` of KV head g of request
-    r's block j; the (g, c) = (0, 0) program writes the table entry."""
+    r's block j; the (g, c) = (0, 0) program writes the table entry. PDL:
+    ``kernels._triton.await_previous_kernel`` first."""
+    await_previous_kernel(PDL)
     if tl.load(need_ptr) == 0:  # no wide tile reads pages (the prefill's tiers)
         return
     rj = tl.program_id(0).to(tl.int64)  # r * width + j
@@ -83,7 +92,7 @@ def predecode_options(rows, num_warps, page: int) -> tuple[int, int]:
 
 def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bool,
                     dtype: torch.dtype, need: torch.Tensor | None = None, rows=None,
-                    num_warps=None):
+                    num_warps=None, pdl: bool = False):
     """``(scratch cache [B * W, Hkv, P, 2D] of dtype, int32 table [B, W])`` for checked
     launcher arguments (``kernels.attention_prefill``: kv_cache uint8 codes of format code
     ``fmt``, block_table ``[B, W]``, seq_lens ``[B]``); ``dtype``: the scratch's, float16
@@ -92,7 +101,8 @@ def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bo
     leaves both outputs unwritten (None: always decode). ``rows``: a page's rows per
     program, a power of two dividing P (None: ``PREDECODE_ROWS``, P where that is None);
     ``num_warps``: per program (None: ``PREDECODE_WARPS``); errors name ``predecode_rows`` /
-    ``predecode_warps``, the prefill launcher's knobs."""
+    ``predecode_warps``, the prefill launcher's knobs. ``pdl``: a programmatic dependent
+    launch (``kernels._triton.pdl_options``)."""
     b, width = block_table.shape
     num_pages, hkv, page, d2 = kv_cache.shape
     rows, warps = predecode_options(rows, num_warps, page)
@@ -105,7 +115,8 @@ def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bo
             block_table, block_table.stride(0), block_table.stride(1), width,
             seq_lens, seq_lens.stride(0), out, table,
             torch.ones(1, dtype=torch.int32, device=kv_cache.device) if need is None else need,
-            FMT=fmt, HW=hw, ASM=asm, P=page, D2=d2, R=rows, num_warps=warps)
+            FMT=fmt, HW=hw, ASM=asm, P=page, D2=d2, R=rows, num_warps=warps,
+            **pdl_options(pdl, INTERPRETED))
     return out, table
 
 

@@ -406,7 +406,8 @@ def test_tiers_agree_with_one_tier():
 @pytest.mark.parametrize("knob, value", [("delegate_ratio", -1), ("narrow_warps", 0),
                                          ("narrow_stages", 9), ("narrow_max_registers", 8),
                                          ("narrow_block_keys", 48), ("predecode_rows", 0),
-                                         ("predecode_rows", 12), ("predecode_warps", 17)])
+                                         ("predecode_rows", 12), ("predecode_warps", 17),
+                                         ("pdl", 1)])
 def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
     """A tier or predecode knob out of its range is rejected on the host, naming the
     argument (the predecode's whether or not it would run)."""
@@ -687,26 +688,32 @@ def test_the_predecode_runs_only_when_a_wide_tile_reads_pages(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("kv_fmt", ["e4m3fn", "e5m2fnuz"])
-def test_default_predecode_on_a_long_ragged_batch_is_admitted(kv_fmt):
+def test_default_predecode_on_a_long_ragged_batch_is_admitted(kv_fmt, pdl):
     """A batch large enough for ``default_predecode`` (1,324 new tokens, two requests on
     prefixes of 800 and 1,024 tokens, not multiples of P; the model's group of 16, D 128,
     P 128): the launcher predecodes without being asked, and the output, with the
     invisible content NaN-poisoned, is admitted by the oracle (the default path at the
-    benchmark's scale; the interpreter is too slow for it)."""
+    benchmark's scale; the interpreter is too slow for it). With ``pdl`` (every launch of
+    the call programmatically dependent on the one before: the tier switch, the
+    predecode, both tiers' passes) it is admitted too and bit-identical to plain launches:
+    each kernel still reads only what the previous ones finished writing."""
     x = make_inputs(kv_fmt, "bfloat16", scales="tensor", hkv=1, group=16, d=128, page=128,
                     seq_lens=(1100, 2048), qlens=(300, 1024), k=8, seed=28)
     calls = []
     predecode = ap.predecode_pages
 
     def spy(*args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs["pdl"])
         return predecode(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ap, "predecode_pages", spy)
-        _passes(x)
-    assert calls
+        _passes(x, pdl=pdl)
+    assert calls and all(c == pdl for c in calls)
+    if pdl:
+        assert np.array_equal(_out(x, pdl=True), _out(x), equal_nan=True)
 
 
 @pytest.mark.parametrize("kv_fmt, scales, value", [("e4m3fn", "slot", True),
