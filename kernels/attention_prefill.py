@@ -363,7 +363,7 @@ def _prefill_kernel(
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
         BN: tl.constexpr, TIER: tl.constexpr = 0,
         WIDE_T: tl.constexpr = 1, PRE: tl.constexpr = False, LISTED: tl.constexpr = False,
-        BRANCHLESS: tl.constexpr = False, PDL: tl.constexpr = False):
+        PDL: tl.constexpr = False):
     """One pass over tiles, each a (tile slot, KV head) item ``e = slot * SUBS + sub``
     (``slot = wide tile * num_heads + KV head``; ``sub``: the ``BLOCK_T``-token tile within
     a ``WIDE_T``-token wide tile, ``SUBS = WIDE_T // BLOCK_T`` of them in the narrow tier,
@@ -378,10 +378,8 @@ def _prefill_kernel(
     it flags for repair (module docstring, Masking) to the list at ``push_ptr``. TIER
     (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the tiles
     ``_tier_kernel`` marked at ``tier_ptr`` to 2, the narrow pass (``BLOCK_T`` tokens
-    nested in the wide tiles' ``WIDE_T``). BRANCHLESS: no branch in the block loop (the
-    mask built for every tile, not only where some row does not see every key; set with
-    3+ pipeline stages). PDL: ``kernels._triton.await_previous_kernel`` first (the
-    launcher's ``pdl``)."""
+    nested in the wide tiles' ``WIDE_T``). PDL: ``kernels._triton.await_previous_kernel``
+    first (the launcher's ``pdl``)."""
     await_previous_kernel(PDL)
     NONE: tl.constexpr = NONE_ENTRY
     # The fp8 operand forms (q row-scaled, K/V decoded, their units): not on predecoded
@@ -497,15 +495,15 @@ def _prefill_kernel(
                 # A tile every token of which takes the block and sees all its keys (most
                 # blocks below the tile's own) needs no mask: a uniform branch (as the
                 # decode's one-row programs), ~130 of ~890 loop instructions per thread
-                # (static sm_90, wide tier, model shape). Not with 3+ stages (BRANCHLESS,
-                # ``whole`` a constexpr False), as timed in session 31: then, with the page
-                # loaded in its block's own iteration, the branch kept Triton's pipeliner
-                # to one K/V buffer; with the page a block ahead it no longer does (static
-                # sm_90, tests/test_static_sm90.py), so the branch at 3 stages is to time.
-                whole = False
-                if not BRANCHLESS:
-                    seen = (takes > 0) & (t_pos32 >= first_key + BN - 1)
-                    whole = (tl.min((seen | (t_ok == 0)).to(tl.int32), axis=0) > 0) & page_ok
+                # (static sm_90, wide tier, model shape). At every pipeline depth: with the
+                # page loaded a block ahead the branch no longer keeps Triton's pipeliner to
+                # one K/V buffer at 3 stages (static sm_90, tests/test_static_sm90.py), and
+                # timed against a branchless loop at 3 stages (H100, session 34, A/B of two
+                # rounds, reports/ab-attention-prefill-branchless-h100.md) it was as fast on
+                # locality selections (0.998 / 1.002) and on random ones with an e4m3fn
+                # cache (1.002), 1.2% faster with bf16 (the narrow tier's 3 stages).
+                seen = (takes > 0) & (t_pos32 >= first_key + BN - 1)
+                whole = (tl.min((seen | (t_ok == 0)).to(tl.int32), axis=0) > 0) & page_ok
                 if whole:
                     s2 = s
                 else:
@@ -712,9 +710,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     selection in the narrow tier). The narrow tier runs
     ``NARROW_ROWS`` rows per program when they are fewer than the wide tier's, with
     narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
-    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits; with 3+
-    stages either tier masks without a branch, ``BRANCHLESS``: before session 31 a narrow
-    tier at 3 stages ran single-buffered, the mask's branch costing the second buffer);
+    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits);
     narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
     choice; sm_90, model shape, e4m3fn, the one-warp default: 255 registers, 8 programs
     per SM by registers; with session 30's two warps 64-key tiles at 168 were 1.04x
@@ -911,8 +907,6 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     pre = const.get("PRE", False)  # a 16-bit (predecoded) cache: its stage depth
     depth = const.pop("num_stages", None)
     deepest = _num_stages(const["BN"], p.d, p.fp8 and not pre) if fit_stages else depth
-    # A launch 3+ stages deep masks without a branch (the kernel's comment at ``whole``).
-    const["BRANCHLESS"] = deepest >= 3
     if fit_stages:  # the guess, lowered until both passes fit shared memory
         depth = min(
             fitting_stages(_prefill_kernel, args(r), {**const, "REPAIR": r, "LISTED": li},
@@ -927,7 +921,6 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
         # 294,912), so it takes the deepest up to it that fits.
         kw["num_stages"] = (fitting_stages(_prefill_kernel, args(repair), kw, q.device,
                                            deepest=depth) if repair else depth)
-        kw["BRANCHLESS"] = kw["num_stages"] >= 3
         grid = slots
         if li:
             grid = (INTERPRETED_LISTED_PROGRAMS if INTERPRETED else
@@ -962,7 +955,7 @@ def compile_signatures():
                      KP=topk_width(k), FP8=cache == "u8", FMT=fmt, HW=hw,
                      SCALAR=i % 2 == 0, SAME=cache == act, ASM=hw or fmt == 2, REPAIR=i % 3 == 1,
                      TIER=i % 3, WIDE_T=_block_t(None, g_p), BN=page // 2 if i == 1 else page,
-                     PRE=False, BRANCHLESS=False)
+                     PRE=False)
         if const["TIER"] == 2:
             const["BLOCK_T"] = _block_t(NARROW_ROWS, g_p)
         const["LISTED"] = const["TIER"] == 2 or const["REPAIR"]
@@ -975,13 +968,12 @@ def compile_signatures():
             out.append((_tier_kernel, tsig, dict(BLOCK_T=const["WIDE_T"], KP=const["KP"],
                                                  P=page)))
     # The wide tier on predecoded pages (``predecode``; the model combo with its scratch
-    # cache in act), the narrow tier's one-token tiles masked without a branch (a launch of
-    # 3+ stages), and the predecode kernel itself (kernels.kv_predecode).
+    # cache in act), the narrow tier's one-token tiles at the model's group, and the
+    # predecode kernel itself (kernels.kv_predecode).
     kernel, sig, const = out[0]
     out.append((kernel, {**sig, "kv_ptr": sig["q_ptr"], "PRE": "constexpr"},
                 {**const, "TIER": 1, "PRE": True}))
-    out.append((kernel, sig, {**const, "TIER": 2, "BLOCK_T": 1, "WIDE_T": 8, "LISTED": True,
-                              "BRANCHLESS": True}))
+    out.append((kernel, sig, {**const, "TIER": 2, "BLOCK_T": 1, "WIDE_T": 8, "LISTED": True}))
     # Programmatic dependent launch (the ``pdl`` knob): the wide pass and the tier switch.
     out.append((kernel, {**sig, "PDL": "constexpr"}, {**const, "TIER": 1, "PDL": True}))
     tk, tsig, tconst = next(c for c in out if c[0] is _tier_kernel)

@@ -477,20 +477,19 @@ def test_narrow_tiles_default_to_the_capped_wide_tiles_and_are_declared(cache, p
     assert narrow.tile_keys == (None if want >= page else want)
 
 
-@pytest.mark.parametrize("cache, knobs", [
-    ("bfloat16", {"narrow_stages": 3, "num_stages": 2}),
-    ("e4m3fn", {"narrow_stages": 4, "narrow_warps": 4, "num_stages": 1}),
-    ("e4m3fn", {"num_stages": 3}),  # the narrow tier: NARROW_FP8's one stage
-    ("bfloat16", {"narrow_stages": 2, "num_stages": 3}),
-    ("bfloat16", {}),  # the guesses (3 at P 32, D 64)
+@pytest.mark.parametrize("cache, knobs, wide, narrow", [
+    ("bfloat16", {"narrow_stages": 3, "num_stages": 2}, 2, 3),
+    ("e4m3fn", {"narrow_stages": 4, "narrow_warps": 4, "num_stages": 1}, 1, 4),
+    ("e4m3fn", {"num_stages": 3}, 3, ap.NARROW_FP8["num_stages"]),
+    ("bfloat16", {"narrow_stages": 2, "num_stages": 3}, 3, 2),
 ])
-def test_launches_three_stages_deep_mask_without_a_branch(cache, knobs):
-    """Every launch of either tier (first and repair passes) 3 or more pipeline stages deep
-    masks without a branch in its block loop (BRANCHLESS: a branch keeps Triton's
-    pipeliner to one K/V buffer, tests/test_static_sm90.py), shallower ones skip the mask
-    of fully seen tiles in a branch; either way the output on random selections (G 16,
-    wide tiles of 2 tokens, the current block cut by the causal mask, a prefix not a
-    multiple of P) is admitted. The fit is stood in (every depth fits)."""
+def test_each_tier_s_first_pass_runs_its_given_depth(cache, knobs, wide, narrow):
+    """A given depth reaches its tier's first pass (``num_stages`` the wide tier's,
+    ``narrow_stages`` the narrow tier's; the fp8 narrow tier's default NARROW_FP8's), and at
+    every depth, 3+ stages included, the fully seen tiles skip the mask in a branch: the
+    output on random selections (G 16, wide tiles of 2 tokens, the current block cut by
+    the causal mask, a prefix not a multiple of P) is admitted. The fit is stood in (every
+    depth fits)."""
     x = make_inputs(cache, scales="none" if cache == "bfloat16" else "tensor", hkv=1,
                     group=16, page=32, seq_lens=(75,), qlens=(11,), k=2, seed=5)
     launches = _Launches(ap._prefill_kernel)
@@ -498,13 +497,13 @@ def test_launches_three_stages_deep_mask_without_a_branch(cache, knobs):
         mp.setattr(ap, "_prefill_kernel", launches)
         mp.setattr(ap, "fitting_stages", lambda kernel, args, kw, device, deepest: deepest)
         _passes(x, 32, **knobs)
-    assert {tier for tier, _, _, _ in launches.seen} == {1, 2}
-    assert all(branchless == (depth >= 3) for _, _, depth, branchless in launches.seen)
+    firsts = {tier: depth for tier, repair, depth in launches.seen if not repair}
+    assert firsts == {1: wide, 2: narrow}
 
 
 class _Launches:
-    """Stands in for ``_prefill_kernel``: records each launch's (TIER, REPAIR, num_stages,
-    BRANCHLESS) and launches the real kernel."""
+    """Stands in for ``_prefill_kernel``: records each launch's (TIER, REPAIR, num_stages)
+    and launches the real kernel."""
 
     def __init__(self, kernel):
         self.kernel, self.seen = kernel, []
@@ -514,8 +513,7 @@ class _Launches:
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            self.seen.append((kw["TIER"], kw["REPAIR"], kw["num_stages"],
-                              kw.get("BRANCHLESS", False)))
+            self.seen.append((kw["TIER"], kw["REPAIR"], kw["num_stages"]))
             return self.kernel[grid](*args, **kw)
         return launch
 
@@ -544,8 +542,7 @@ def test_a_given_pipeline_depth_is_the_first_pass_s(knobs, first, repair):
     guess = ap._num_stages(x["kv_cache"].shape[2], x["q"].shape[2], False)
     first = min(guess, 2) if first is None else first
     repair = min(guess, 2) if repair is None else repair
-    # tiers off: TIER 0; 3+ stages deep without a branch
-    assert launches.seen == [(0, False, first, first >= 3), (0, True, repair, repair >= 3)]
+    assert launches.seen == [(0, False, first), (0, True, repair)]  # tiers off: TIER 0
 
 
 # ------------------------------------------------------------------ other properties
