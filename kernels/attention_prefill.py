@@ -730,8 +730,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     row-scales q to fp16 and rounds P to fp16; the narrow tier reads the fp8 codes on the
     fp8 path. None (default): True where ``default_predecode`` says so, else False.
     predecode_rows / predecode_warps: the predecode's rows of a page per program (a power of
-    two dividing P) and warps per program (default ``kv_predecode.PREDECODE_ROWS``, the
-    whole page, and ``PREDECODE_WARPS``; checked whether or not the predecode runs).
+    two dividing P) and warps per program (default ``kv_predecode.PREDECODE_ROWS``, 16,
+    and ``PREDECODE_WARPS``, 1; checked whether or not the predecode runs).
     pdl: programmatic dependent launch of every kernel of the call (compiled, sm_90; a
     no-op interpreted): each launch may be scheduled while the stream's previous kernel
     finishes, its programs waiting for that kernel's completion before touching memory

@@ -72,10 +72,14 @@ INTERPRETED = is_interpreted(_predecode_kernel)
 
 
 #: Rows of a page per program (None: the whole page, one program per page and KV head) and
-#: warps per program; session 33: to time (``sparse_attention_prefill``'s
-#: ``predecode_rows`` / ``predecode_warps`` knobs), the defaults are session 25's.
-PREDECODE_ROWS = None
-PREDECODE_WARPS = 4
+#: warps per program (``sparse_attention_prefill``'s ``predecode_rows`` /
+#: ``predecode_warps`` knobs). H100, model shape, locality selections, e4m3fn (session 34,
+#: ``reports/bench_attention_prefill_predecode34_h100.md``, torch.profiler per launch):
+#: whole pages with 4 warps 17.9 us (161 registers, 3 programs per SM: 1.3 waves of 512),
+#: 32 rows / 4 warps 16.6, 32 rows / 2 warps 15.8, 16 rows / 1 warp 15.7 us: 16.8 MB read
+#: and 33.5 MB written at 3.2 TB/s, the copy bandwidth (3.04 TB/s measured).
+PREDECODE_ROWS = 16
+PREDECODE_WARPS = 1
 
 
 def predecode_options(rows, num_warps, page: int) -> tuple[int, int]:
@@ -122,13 +126,14 @@ def predecode_pages(kv_cache, block_table, seq_lens, fmt: int, hw: bool, asm: bo
 
 def compile_signatures():
     """(kernel, signature, constexprs) for the sm_90 compile check (tests/test_compile_sm90.py):
-    e4m3fn in assembly to fp16 and e5m2fnuz in assembly to bf16, P 128, D 128."""
+    e4m3fn in assembly to fp16 (the default rows per program) and e5m2fnuz in assembly to
+    bf16 (whole pages), P 128, D 128."""
     sig = {name: "i64" for name in _predecode_kernel.arg_names}
     sig.update(kv_ptr="*u8", bt_ptr="*i32", seq_ptr="*i32", tab_ptr="*i32", need_ptr="*i32",
                width="i32")
     out = []
-    for fmt, hw, dtype in ((0, True, "*fp16"), (3, False, "*bf16")):
-        const = dict(FMT=fmt, HW=hw, ASM=True, P=128, D2=256, R=128)
+    for fmt, hw, dtype, rows in ((0, True, "*fp16", PREDECODE_ROWS), (3, False, "*bf16", 128)):
+        const = dict(FMT=fmt, HW=hw, ASM=True, P=128, D2=256, R=rows)
         out.append((_predecode_kernel, {**sig, "out_ptr": dtype,
                                         **dict.fromkeys(const, "constexpr")}, const))
     return out
