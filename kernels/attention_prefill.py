@@ -655,12 +655,12 @@ def narrow_tile_keys(block_keys, page: int, fp8: bool) -> int:
                NARROW_KEYS_FP8 if fp8 else NARROW_KEYS)
 
 
-def _block_t(block_rows, g_p: int) -> int:
+def _block_t(block_rows, g_p: int, name: str = "block_rows") -> int:
     """Tokens per tile: ``block_rows // G_P`` (rows = tokens x padded heads), at least 16
-    rows (tl.dot's minimum M)."""
-    rows = BLOCK_ROWS if block_rows is None else check_int(block_rows, "block_rows", 1, 1024)
+    rows (tl.dot's minimum M); errors name the knob ``name``."""
+    rows = BLOCK_ROWS if block_rows is None else check_int(block_rows, name, 1, 1024)
     if rows & (rows - 1):
-        fail("block_rows", f"must be a power of two, got {rows}")
+        fail(name, f"must be a power of two, got {rows}")
     return max(1, rows // g_p, 16 // g_p)
 
 
@@ -681,7 +681,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              num_stages=None, delegate_ratio=None, narrow_warps=None,
                              narrow_stages=None, narrow_max_registers=None, block_keys=None,
                              narrow_block_keys=None, predecode=None, predecode_rows=None,
-                             predecode_warps=None, pdl=False, schedule_rows=None):
+                             predecode_warps=None, pdl=False, narrow_rows=None,
+                             schedule_rows=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -707,8 +708,10 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     where 2 stages wait for them at the top of the very next block; to time);
     delegate_ratio: the tiers' switch (module docstring, Tiers; default
     ``DELEGATE_RATIO``; 0: every tile in the wide tier; a huge value: every tile with a
-    selection in the narrow tier). The narrow tier runs
-    ``NARROW_ROWS`` rows per program when they are fewer than the wide tier's, with
+    selection in the narrow tier). The narrow tier runs narrow_rows (a power of two,
+    default ``NARROW_ROWS``: one token at G 16; more rows walk the union of a few tokens'
+    selections, reading a block once for the tokens that share it) rows per program when
+    they are fewer than the wide tier's (else the tiers are off), with
     narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
     ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits);
     narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
@@ -751,7 +754,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     grp = p.hq // p.hkv
     g_p = triton.next_power_of_2(grp)
     block_t = _block_t(block_rows, g_p)
-    narrow_t = _block_t(NARROW_ROWS, g_p)
+    narrow_t = _block_t(NARROW_ROWS if narrow_rows is None else narrow_rows, g_p,
+                        "narrow_rows")
     ratio = DELEGATE_RATIO if delegate_ratio is None else check_int(
         delegate_ratio, "delegate_ratio", 0, 2**20)
     opts = {} if num_stages is None else {"num_stages": check_int(num_stages, "num_stages",

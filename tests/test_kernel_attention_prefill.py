@@ -297,6 +297,28 @@ def test_either_tier_alone_matches_reference(kv_fmt, group, ratio):
     _passes(x, delegate_ratio=ratio)
 
 
+@pytest.mark.parametrize("kv_fmt, narrow_rows, tokens", [
+    ("bfloat16", 32, 2), ("e4m3fn", 64, 4), ("bfloat16", 128, None)])
+def test_narrow_rows_sets_the_narrow_tiles_tokens(kv_fmt, narrow_rows, tokens):
+    """``narrow_rows`` (G 16): every tile handed to the narrow tier, which runs tiles of
+    ``narrow_rows / 16`` tokens walking the union of their selections (the repair pass
+    after it: more than one token), on a ragged batch with tiles starting mid-request:
+    the output is admitted, each row under the narrow schedule; as many rows as the wide
+    tiles' turn the tiers off (every row the wide tier's)."""
+    x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, "tensor" if kv_fmt[0] == "e" else "none",
+                    hkv=1, group=16, seq_lens=(61, 23, 90), qlens=(19, 3, 37), k=3, seed=9)
+    launches = _Launches(ap._prefill_kernel)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ap, "_prefill_kernel", launches)
+        mp.setattr(ap, "fitting_stages", lambda kernel, args, kw, device, deepest: deepest)
+        _passes(x, 128, delegate_ratio=ALL_NARROW, narrow_rows=narrow_rows)
+    narrow = {(repair, block_t) for tier, repair, _, block_t in launches.seen if tier == 2}
+    assert narrow == ({(False, tokens), (True, tokens)} if tokens else set())
+    rows = ap.run(x, block_rows=128, delegate_ratio=ALL_NARROW,
+                  narrow_rows=narrow_rows)["schedule_rows"]
+    assert set(np.unique(rows)) == ({2} if tokens else {0})
+
+
 @pytest.mark.parametrize("ratio", [0, ALL_NARROW])
 @pytest.mark.parametrize("kv_fmt, group, block_keys, scales", [
     ("e4m3fn", 2, 16, "tensor"),
@@ -407,7 +429,8 @@ def test_tiers_agree_with_one_tier():
                                          ("narrow_stages", 9), ("narrow_max_registers", 8),
                                          ("narrow_block_keys", 48), ("predecode_rows", 0),
                                          ("predecode_rows", 12), ("predecode_warps", 17),
-                                         ("pdl", 1)])
+                                         ("pdl", 1), ("narrow_rows", 24),
+                                         ("narrow_rows", 0)])
 def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
     """A tier or predecode knob out of its range is rejected on the host, naming the
     argument (the predecode's whether or not it would run)."""
@@ -497,13 +520,13 @@ def test_each_tier_s_first_pass_runs_its_given_depth(cache, knobs, wide, narrow)
         mp.setattr(ap, "_prefill_kernel", launches)
         mp.setattr(ap, "fitting_stages", lambda kernel, args, kw, device, deepest: deepest)
         _passes(x, 32, **knobs)
-    firsts = {tier: depth for tier, repair, depth in launches.seen if not repair}
+    firsts = {tier: depth for tier, repair, depth, _ in launches.seen if not repair}
     assert firsts == {1: wide, 2: narrow}
 
 
 class _Launches:
-    """Stands in for ``_prefill_kernel``: records each launch's (TIER, REPAIR, num_stages)
-    and launches the real kernel."""
+    """Stands in for ``_prefill_kernel``: records each launch's (TIER, REPAIR, num_stages,
+    BLOCK_T) and launches the real kernel."""
 
     def __init__(self, kernel):
         self.kernel, self.seen = kernel, []
@@ -513,7 +536,7 @@ class _Launches:
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            self.seen.append((kw["TIER"], kw["REPAIR"], kw["num_stages"]))
+            self.seen.append((kw["TIER"], kw["REPAIR"], kw["num_stages"], kw["BLOCK_T"]))
             return self.kernel[grid](*args, **kw)
         return launch
 
@@ -542,7 +565,8 @@ def test_a_given_pipeline_depth_is_the_first_pass_s(knobs, first, repair):
     guess = ap._num_stages(x["kv_cache"].shape[2], x["q"].shape[2], False)
     first = min(guess, 2) if first is None else first
     repair = min(guess, 2) if repair is None else repair
-    assert launches.seen == [(0, False, first), (0, True, repair)]  # tiers off: TIER 0
+    seen = [launch[:3] for launch in launches.seen]
+    assert seen == [(0, False, first), (0, True, repair)]  # tiers off: TIER 0
 
 
 # ------------------------------------------------------------------ other properties
