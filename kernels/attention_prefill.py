@@ -757,10 +757,10 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     tail_programs: with the tiers on, how many of the wide pass's last programs (in the
     order the GPU dispatches them: the last KV head's last tiles) hand their tiles to the
     narrow tier instead, whose one-token programs run side by side where the wide pass's
-    short last wave would run a whole program's time on a few SMs; None (default):
-    ``tail_count``'s choice (compiled only: the last wave's programs when each of their
-    narrow items gets an SM; 0 interpreted), 0: none. The handed rows take the narrow
-    schedule (``schedule_rows`` 2).
+    short last wave would run a whole program's time on a few SMs; "auto": ``tail_count``'s
+    choice (compiled only: the last wave's programs when each of their narrow items gets
+    an SM; 0 interpreted); None (default): ``TAIL_PROGRAMS``. The handed rows take the
+    narrow schedule (``schedule_rows`` 2).
     schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills
     (no sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
     schedules: 0 the wide tier on the cache, 1 on predecoded pages, 2 the narrow tier."""
@@ -790,8 +790,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     bn_narrow = narrow_tile_keys(bn, p.page, p.fp8) if narrow_block_keys is None else \
         check_block_keys(narrow_block_keys, p.page, "narrow_block_keys")
     pre_rows, pre_warps = predecode_options(predecode_rows, predecode_warps, p.page)
-    tail = None if tail_programs is None else check_int(tail_programs, "tail_programs", 0,
-                                                        2**20)
+    tail = TAIL_PROGRAMS if tail_programs is None else tail_programs
+    tail = None if tail == "auto" else check_int(tail, "tail_programs", 0, 2**20)
     pdl_kw = pdl_options(pdl, INTERPRETED)
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
@@ -906,8 +906,8 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     repair pass the deepest up to it that fits (a caller's ``num_stages=3`` at the model
     shape: 3 for the first pass, 2 for the repair pass). hand: the wide pass with the tiers
     on, ``(list, count, subs, tail_programs)``: the narrow pass's list, to which the wide
-    pass appends the tiles of its last programs (the launcher's ``tail_programs``, None:
-    ``tail_count``'s choice), each ``subs`` narrow items."""
+    pass appends the tiles of its last programs (the launcher's ``tail_programs``, None for
+    "auto": ``tail_count``'s choice), each ``subs`` narrow items."""
     block_t = const["BLOCK_T"]
     wide_t = const["WIDE_T"] if const.get("TIER") == 2 else block_t  # the slots' tile
     slots = _grid(p, wide_t)
@@ -956,7 +956,7 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
                     resident_programs(_prefill_kernel, args(repair), kw, q.device),)
         elif hand is not None:
             n = hand[3]
-            if n is None:  # the wide pass's waves (compiled)
+            if n is None:  # "auto": the wide pass's waves (compiled)
                 n = 0 if INTERPRETED else tail_count(
                     -(-p.t // block_t) * p.hkv,
                     resident_programs(_prefill_kernel, args(repair), kw, q.device),
@@ -967,6 +967,9 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
 
 #: ``tail_from`` of the launches that hand no tail over (int32's largest).
 NO_TAIL = 2**31 - 1
+#: ``tail_programs``'s default: 0 (none) until "auto" is timed against it (session 34
+#: built it after its lease; ``bench_attention_prefill --knobs '' tail_programs=auto``).
+TAIL_PROGRAMS = 0
 
 
 def tail_count(work: int, resident: int, sms: int, subs: int) -> int:

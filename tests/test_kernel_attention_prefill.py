@@ -333,20 +333,56 @@ def test_tail_count_hands_over_a_short_last_wave(work, resident, subs, want):
     assert ap.tail_count(work, resident, 132, subs) == want
 
 
-@pytest.mark.parametrize("kv_fmt, tail", [("bfloat16", 2), ("e4m3fn", 3), ("bfloat16", 0)])
+@pytest.mark.parametrize("kv_fmt, tail", [("bfloat16", 2), ("e4m3fn", 3), ("bfloat16", 0),
+                                          ("bfloat16", "auto")])
 def test_tail_programs_hand_the_last_tiles_to_the_narrow_tier(kv_fmt, tail):
     """``tail_programs`` n (every tile kept wide by the tier switch: delegate_ratio 1): the
     wide pass's last n programs in dispatch order, the last KV head's last n tiles of 8
     tokens (one request of 37 new tokens: tiles of tokens 0-7, ..., 32-36), run in the
     narrow tier: exactly their rows report the narrow schedule, and the output is
-    admitted."""
+    admitted. "auto" hands none over here: 10 wide programs fill no wave of the GPU (none
+    interpreted)."""
     x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, "tensor" if kv_fmt[0] == "e" else "none",
                     hkv=2, group=4, seq_lens=(70,), qlens=(37,), k=3, seed=4)
     knobs = dict(block_rows=32, delegate_ratio=1, tail_programs=tail)
     _passes(x, **knobs)
     rows = ap.run(x, **knobs)["schedule_rows"]
     want = np.zeros_like(rows, dtype=bool)
-    want[37 - 5 - 8 * (tail - 1) if tail else 37:, 4:] = True  # KV head 1: heads 4-7
+    n = 0 if tail == "auto" else tail
+    want[37 - 5 - 8 * (n - 1) if n else 37:, 4:] = True  # KV head 1: heads 4-7
+    assert np.array_equal(rows == 2, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fn"])
+def test_auto_tail_hands_over_a_short_last_wave(kv_fmt):
+    """``tail_programs="auto"`` compiled, at the model's group, D and P (one KV head, every
+    tile kept wide: delegate_ratio 1): with as many 8-token tiles as the wide pass's
+    resident programs plus 3, ``tail_count`` hands the last 3 over, exactly the last 24
+    tokens' rows report the narrow schedule, and the output is admitted."""
+    calls = []
+    count = ap.tail_count
+
+    def spy(*args):
+        calls.append((args, count(*args)))
+        return calls[-1][1]
+
+    def case(t):
+        return make_inputs(kv_fmt, "bfloat16", scales="tensor" if kv_fmt[0] == "e" else "none",
+                           hkv=1, group=16, d=128, page=128, seq_lens=(t + 300,), qlens=(t,),
+                           k=8, seed=29)
+
+    knobs = dict(delegate_ratio=1, tail_programs="auto")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ap, "tail_count", spy)
+        ap.run(case(16), **knobs)  # the wide pass's residency (the same compiled kernel)
+        resident = calls[-1][0][1]
+        x = case(8 * (resident + 3))
+        _passes(x, **knobs)
+        rows = ap.run(x, **knobs)["schedule_rows"]
+    assert calls[-1][1] == 3
+    want = np.zeros_like(rows, dtype=bool)
+    want[-24:] = True
     assert np.array_equal(rows == 2, want)
 
 
@@ -461,7 +497,8 @@ def test_tiers_agree_with_one_tier():
                                          ("narrow_block_keys", 48), ("predecode_rows", 0),
                                          ("predecode_rows", 12), ("predecode_warps", 17),
                                          ("pdl", 1), ("narrow_rows", 24),
-                                         ("narrow_rows", 0), ("tail_programs", -1)])
+                                         ("narrow_rows", 0), ("tail_programs", -1),
+                                         ("tail_programs", "all")])
 def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
     """A tier or predecode knob out of its range is rejected on the host, naming the
     argument (the predecode's whether or not it would run)."""
