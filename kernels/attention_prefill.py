@@ -791,7 +791,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         check_block_keys(narrow_block_keys, p.page, "narrow_block_keys")
     pre_rows, pre_warps = predecode_options(predecode_rows, predecode_warps, p.page)
     tail = TAIL_PROGRAMS if tail_programs is None else tail_programs
-    tail = None if tail == "auto" else check_int(tail, "tail_programs", 0, 2**20)
+    tail = tail if tail == "auto" else check_int(tail, "tail_programs", 0, 2**20)
     pdl_kw = pdl_options(pdl, INTERPRETED)
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
@@ -906,8 +906,8 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     repair pass the deepest up to it that fits (a caller's ``num_stages=3`` at the model
     shape: 3 for the first pass, 2 for the repair pass). hand: the wide pass with the tiers
     on, ``(list, count, subs, tail_programs)``: the narrow pass's list, to which the wide
-    pass appends the tiles of its last programs (the launcher's ``tail_programs``, None for
-    "auto": ``tail_count``'s choice), each ``subs`` narrow items."""
+    pass appends the tiles of its last programs (the launcher's ``tail_programs``: a count,
+    or "auto", ``tail_count``'s choice), each ``subs`` narrow items."""
     block_t = const["BLOCK_T"]
     wide_t = const["WIDE_T"] if const.get("TIER") == 2 else block_t  # the slots' tile
     slots = _grid(p, wide_t)
@@ -956,9 +956,9 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
                     resident_programs(_prefill_kernel, args(repair), kw, q.device),)
         elif hand is not None:
             n = hand[3]
-            if n is None:  # "auto": the wide pass's waves (compiled)
+            if n == "auto":  # the wide pass's waves (compiled)
                 n = 0 if INTERPRETED else tail_count(
-                    -(-p.t // block_t) * p.hkv,
+                    _tiles_with_tokens(p, block_t) * p.hkv,
                     resident_programs(_prefill_kernel, args(repair), kw, q.device),
                     torch.cuda.get_device_properties(q.device).multi_processor_count, hand[2])
             tail_from = _tail_from(p, block_t, n)
@@ -993,7 +993,13 @@ def _tail_from(p, block_t: int, n: int) -> int:
     for several), or NO_TAIL for none."""
     if n == 0:
         return NO_TAIL
-    return max(0, (p.hkv - 1) * _grid(p, block_t)[0] + -(-p.t // block_t) - n)
+    return max(0, (p.hkv - 1) * _grid(p, block_t)[0] + _tiles_with_tokens(p, block_t) - n)
+
+
+def _tiles_with_tokens(p: PrefillPlan, block_t: int) -> int:
+    """Tiles of ``block_t`` tokens that hold tokens, per KV head, counted as if the batch
+    were one request (exact for one; a request boundary inside a tile adds one)."""
+    return -(-p.t // block_t)
 
 
 def compile_signatures():
