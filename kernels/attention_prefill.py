@@ -723,7 +723,8 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     selections, reading a block once for the tokens that share it) rows per program when
     they are fewer than the wide tier's (else the tiers are off), with
     narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
-    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits);
+    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits; at
+    least a warp per ``NARROW_ROWS`` rows);
     narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
     choice; sm_90, model shape, e4m3fn, the one-warp default: 255 registers, 8 programs
     per SM by registers; with session 30's two warps 64-key tiles at 168 were 1.04x
@@ -780,6 +781,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     opts["num_warps"] = NUM_WARPS if num_warps is None else check_int(num_warps, "num_warps",
                                                                       1, 16)
     narrow = dict(NARROW_FP8) if p.fp8 else {"num_warps": NARROW_WARPS}
+    # Wider narrow tiles (``narrow_rows``): at least a warp per 16 rows, as the default's
+    # one-token tiles have (static sm_90, model shape: two tokens on one warp spill).
+    narrow["num_warps"] = max(narrow["num_warps"], narrow_t * g_p // NARROW_ROWS)
     if narrow_warps is not None:
         narrow["num_warps"] = check_int(narrow_warps, "narrow_warps", 1, 16)
     if narrow_stages is not None:

@@ -302,7 +302,8 @@ def test_either_tier_alone_matches_reference(kv_fmt, group, ratio):
 def test_narrow_rows_sets_the_narrow_tiles_tokens(kv_fmt, narrow_rows, tokens):
     """``narrow_rows`` (G 16): every tile handed to the narrow tier, which runs tiles of
     ``narrow_rows / 16`` tokens walking the union of their selections (the repair pass
-    after it: more than one token), on a ragged batch with tiles starting mid-request:
+    after it: more than one token) on as many warps (a warp per 16 rows by default), on a
+    ragged batch with tiles starting mid-request:
     the output is admitted, each row under the narrow schedule; as many rows as the wide
     tiles' turn the tiers off (every row the wide tier's)."""
     x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, "tensor" if kv_fmt[0] == "e" else "none",
@@ -312,8 +313,9 @@ def test_narrow_rows_sets_the_narrow_tiles_tokens(kv_fmt, narrow_rows, tokens):
         mp.setattr(ap, "_prefill_kernel", launches)
         mp.setattr(ap, "fitting_stages", lambda kernel, args, kw, device, deepest: deepest)
         _passes(x, 128, delegate_ratio=ALL_NARROW, narrow_rows=narrow_rows)
-    narrow = {(repair, block_t) for tier, repair, _, block_t in launches.seen if tier == 2}
-    assert narrow == ({(False, tokens), (True, tokens)} if tokens else set())
+    narrow = {(repair, block_t, warps) for tier, repair, _, block_t, warps in launches.seen
+              if tier == 2}
+    assert narrow == ({(False, tokens, tokens), (True, tokens, tokens)} if tokens else set())
     rows = ap.run(x, block_rows=128, delegate_ratio=ALL_NARROW,
                   narrow_rows=narrow_rows)["schedule_rows"]
     assert set(np.unique(rows)) == ({2} if tokens else {0})
@@ -588,13 +590,13 @@ def test_each_tier_s_first_pass_runs_its_given_depth(cache, knobs, wide, narrow)
         mp.setattr(ap, "_prefill_kernel", launches)
         mp.setattr(ap, "fitting_stages", lambda kernel, args, kw, device, deepest: deepest)
         _passes(x, 32, **knobs)
-    firsts = {tier: depth for tier, repair, depth, _ in launches.seen if not repair}
+    firsts = {tier: depth for tier, repair, depth, *_ in launches.seen if not repair}
     assert firsts == {1: wide, 2: narrow}
 
 
 class _Launches:
     """Stands in for ``_prefill_kernel``: records each launch's (TIER, REPAIR, num_stages,
-    BLOCK_T) and launches the real kernel."""
+    BLOCK_T, num_warps) and launches the real kernel."""
 
     def __init__(self, kernel):
         self.kernel, self.seen = kernel, []
@@ -604,7 +606,8 @@ class _Launches:
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            self.seen.append((kw["TIER"], kw["REPAIR"], kw["num_stages"], kw["BLOCK_T"]))
+            self.seen.append((kw["TIER"], kw["REPAIR"], kw["num_stages"], kw["BLOCK_T"],
+                              kw["num_warps"]))
             return self.kernel[grid](*args, **kw)
         return launch
 
