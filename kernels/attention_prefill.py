@@ -759,9 +759,12 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     order the GPU dispatches them: the last KV head's last tiles) hand their tiles to the
     narrow tier instead, whose one-token programs run side by side where the wide pass's
     short last wave would run a whole program's time on a few SMs; "auto": ``tail_count``'s
-    choice (compiled only: the last wave's programs when each of their narrow items gets
-    an SM; 0 interpreted); None (default): ``TAIL_PROGRAMS``. The handed rows take the
-    narrow schedule (``schedule_rows`` 2).
+    choice for a batch of one request (compiled only: the last wave's programs when each
+    of their narrow items gets an SM; 0 interpreted or for several requests, whose tiles
+    per request the host does not know without a sync); None (default): ``TAIL_PROGRAMS``.
+    The last n tiles with tokens are counted as if the batch were one request: exact for
+    one, up to n + B - 1 for B requests (each request boundary inside the count adds a
+    tile). The handed rows take the narrow schedule (``schedule_rows`` 2).
     schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills
     (no sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
     schedules: 0 the wide tier on the cache, 1 on predecoded pages, 2 the narrow tier."""
@@ -960,8 +963,8 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
                     resident_programs(_prefill_kernel, args(repair), kw, q.device),)
         elif hand is not None:
             n = hand[3]
-            if n == "auto":  # the wide pass's waves (compiled)
-                n = 0 if INTERPRETED else tail_count(
+            if n == "auto":  # the wide pass's waves (compiled; one request: counted exactly)
+                n = 0 if INTERPRETED or p.batch > 1 else tail_count(
                     _tiles_with_tokens(p, block_t) * p.hkv,
                     resident_programs(_prefill_kernel, args(repair), kw, q.device),
                     torch.cuda.get_device_properties(q.device).multi_processor_count, hand[2])

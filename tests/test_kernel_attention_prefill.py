@@ -355,6 +355,25 @@ def test_tail_programs_hand_the_last_tiles_to_the_narrow_tier(kv_fmt, tail):
     assert np.array_equal(rows == 2, want)
 
 
+@pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fn"])
+def test_tail_programs_on_a_ragged_batch_are_admitted(kv_fmt):
+    """``tail_programs`` on three requests (tiles never straddle requests, so the tiles
+    with tokens outnumber the one-request count the launcher takes): the handed programs
+    are the last KV head's, at most 4 + 3 - 1 of them, with all their rows in the narrow
+    tier, and the output is admitted (no row computed twice or left out)."""
+    x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, "tensor" if kv_fmt[0] == "e" else "none",
+                    hkv=2, group=4, seq_lens=(61, 23, 90), qlens=(19, 3, 37), k=3, seed=6)
+    knobs = dict(block_rows=32, delegate_ratio=1, tail_programs=4)
+    _passes(x, **knobs)
+    narrow = ap.run(x, **knobs)["schedule_rows"] == 2
+    assert narrow.any() and not narrow[:, :4].any()
+    tokens = np.flatnonzero(narrow[:, 4:].any(1))
+    assert narrow[tokens, 4:].all()
+    cu = np.array([0, 19, 22, 59])
+    tiles = {(r, (t - cu[r]) // 8) for t in tokens for r in [np.searchsorted(cu, t, "right") - 1]}
+    assert 4 <= len(tiles) <= 6
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fn"])
 def test_auto_tail_hands_over_a_short_last_wave(kv_fmt):
