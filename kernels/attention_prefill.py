@@ -134,6 +134,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -841,7 +842,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                   tier, None, counts[1:2],
                   {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts, **pdl_kw},
                   num_stages is None,
-                  hand=(*handed, block_t // narrow_t, tail) if tiers else None)
+                  hand=Handoff(*handed, block_t // narrow_t, tail) if tiers else None)
     if tiers:
         _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
                       tier, handed, counts[2:3], {**const, "BLOCK_T": narrow_t, "TIER": 2,
@@ -912,16 +913,15 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     shared memory; else the first pass takes ``const["num_stages"]`` as given and the
     repair pass the deepest up to it that fits (a caller's ``num_stages=3`` at the model
     shape: 3 for the first pass, 2 for the repair pass). hand: the wide pass with the tiers
-    on, ``(list, count, subs, tail_programs)``: the narrow pass's list, to which the wide
-    pass appends the tiles of its last programs (the launcher's ``tail_programs``: a count,
-    or "auto", ``tail_count``'s choice), each ``subs`` narrow items."""
+    on, a ``Handoff``."""
     block_t = const["BLOCK_T"]
     wide_t = const["WIDE_T"] if const.get("TIER") == 2 else block_t  # the slots' tile
     slots = _grid(p, wide_t)
     flagged = _item_list(slots[0] * slots[1] * (wide_t // block_t), count)
     # The first pass's list (the wide pass's: the narrow pass's list it appends its tail to,
     # else any buffer, never read).
-    listed = items if items is not None else hand[:2] if hand is not None else flagged
+    listed = (items if items is not None else (hand.items, hand.count) if hand is not None
+              else flagged)
 
     def args(repair: bool, tail_from: int = NO_TAIL):
         entries, n_entries = flagged if repair else listed
@@ -962,14 +962,26 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
             grid = (INTERPRETED_LISTED_PROGRAMS if INTERPRETED else
                     resident_programs(_prefill_kernel, args(repair), kw, q.device),)
         elif hand is not None:
-            n = hand[3]
+            n = hand.tail
             if n == "auto":  # the wide pass's waves (compiled; one request: counted exactly)
                 n = 0 if INTERPRETED or p.batch > 1 else tail_count(
                     _tiles_with_tokens(p, block_t) * p.hkv,
                     resident_programs(_prefill_kernel, args(repair), kw, q.device),
-                    torch.cuda.get_device_properties(q.device).multi_processor_count, hand[2])
+                    torch.cuda.get_device_properties(q.device).multi_processor_count,
+                    hand.subs)
             tail_from = _tail_from(p, block_t, n)
         _prefill_kernel[grid](*args(repair, tail_from), **kw)
+
+
+class Handoff(NamedTuple):
+    """What the wide pass (tiers on) hands its last programs' tiles to: the narrow pass's
+    list (``items``, int32, and its one-int32 ``count``), each tile ``subs`` narrow items;
+    ``tail``: the launcher's ``tail_programs``, a count or "auto" (``tail_count``)."""
+
+    items: torch.Tensor
+    count: torch.Tensor
+    subs: int
+    tail: int | str
 
 
 #: ``tail_from`` of the launches that hand no tail over (int32's largest).
