@@ -134,7 +134,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -349,7 +348,7 @@ def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tok
 # Counts and sizes vary from call to call: not specialised (one compile for every shape).
 @triton.jit(do_not_specialize=[
     "num_tokens", "num_pages", "bt_cols", "num_reqs", "search_steps", "topk_k", "group",
-    "num_heads", "tail_from"])
+    "num_heads"])
 def _prefill_kernel(
         q_ptr, q_s0, q_s1, num_tokens,
         kv_ptr, kv_s0, kv_s1, kv_s2, num_pages,
@@ -358,7 +357,7 @@ def _prefill_kernel(
         tk_ptr, tk_s0, tk_s1, tk_s2, topk_k,
         ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1,
         out_ptr, out_s0, out_s1, qk_scale, group,
-        tier_ptr, list_ptr, count_ptr, push_ptr, push_count_ptr, num_heads, tail_from,
+        tier_ptr, list_ptr, count_ptr, push_ptr, push_count_ptr, num_heads,
         BLOCK_T: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
         KP: tl.constexpr, FP8: tl.constexpr, FMT: tl.constexpr, HW: tl.constexpr,
         SCALAR: tl.constexpr, SAME: tl.constexpr, ASM: tl.constexpr, REPAIR: tl.constexpr,
@@ -379,10 +378,8 @@ def _prefill_kernel(
     it flags for repair (module docstring, Masking) to the list at ``push_ptr``. TIER
     (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the tiles
     ``_tier_kernel`` marked at ``tier_ptr`` to 2, the narrow pass (``BLOCK_T`` tokens
-    nested in the wide tiles' ``WIDE_T``), and hands over those of its programs whose
-    linear id (dispatch order) is ``tail_from`` or more too, marking them at ``tier_ptr``
-    and appending them to the narrow pass's list at ``list_ptr`` (``_tail_from``).
-    PDL: ``kernels._triton.await_previous_kernel`` first (the launcher's ``pdl``)."""
+    nested in the wide tiles' ``WIDE_T``). PDL: ``kernels._triton.await_previous_kernel``
+    first (the launcher's ``pdl``)."""
     await_previous_kernel(PDL)
     NONE: tl.constexpr = NONE_ENTRY
     # The fp8 operand forms (q row-scaled, K/V decoded, their units): not on predecoded
@@ -411,14 +408,6 @@ def _prefill_kernel(
         work = local < qlen
         if TIER == 1:  # not the tiles handed to the narrow pass
             work = work & (tl.load(tier_ptr + slot) == 0)
-            if not LISTED:
-                # The last programs in dispatch order (linear id from ``tail_from`` on) hand
-                # their tiles over too, appending them to the list at ``list_ptr``.
-                lin = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-                if work & (lin >= tail_from):
-                    tl.store(tier_ptr + slot, 1)
-                    tl.store(list_ptr + tl.atomic_add(count_ptr, 1), slot)
-                work = work & (lin < tail_from)
         needs_repair = e * 0
         if work:
             seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
@@ -693,7 +682,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              narrow_stages=None, narrow_max_registers=None, block_keys=None,
                              narrow_block_keys=None, predecode=None, predecode_rows=None,
                              predecode_warps=None, pdl=False, narrow_rows=None,
-                             tail_programs=None, schedule_rows=None):
+                             schedule_rows=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -756,16 +745,6 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     narrow_block_keys: the narrow tier's own key tiles (default: ``narrow_tile_keys``, the
     wide tier's capped at ``NARROW_KEYS_FP8`` / ``NARROW_KEYS``; declared as
     ``PrefillSchedule(narrow_block_keys=...)``, the narrow rows' schedule).
-    tail_programs: with the tiers on, how many of the wide pass's last programs (in the
-    order the GPU dispatches them: the last KV head's last tiles) hand their tiles to the
-    narrow tier instead, whose one-token programs run side by side where the wide pass's
-    short last wave would run a whole program's time on a few SMs; "auto": ``tail_count``'s
-    choice for a batch of one request (compiled only: the last wave's programs when each
-    of their narrow items gets an SM; 0 interpreted or for several requests, whose tiles
-    per request the host does not know without a sync); None (default): ``TAIL_PROGRAMS``.
-    The last n tiles with tokens are counted as if the batch were one request: exact for
-    one, up to n + B - 1 for B requests (each request boundary inside the count adds a
-    tile). The handed rows take the narrow schedule (``schedule_rows`` 2).
     schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills
     (no sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
     schedules: 0 the wide tier on the cache, 1 on predecoded pages, 2 the narrow tier."""
@@ -798,8 +777,6 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     bn_narrow = narrow_tile_keys(bn, p.page, p.fp8) if narrow_block_keys is None else \
         check_block_keys(narrow_block_keys, p.page, "narrow_block_keys")
     pre_rows, pre_warps = predecode_options(predecode_rows, predecode_warps, p.page)
-    tail = TAIL_PROGRAMS if tail_programs is None else tail_programs
-    tail = tail if tail == "auto" else check_int(tail, "tail_programs", 0, 2**20)
     pdl_kw = pdl_options(pdl, INTERPRETED)
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
@@ -841,8 +818,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
                   tier, None, counts[1:2],
                   {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts, **pdl_kw},
-                  num_stages is None,
-                  hand=Handoff(*handed, block_t // narrow_t, tail) if tiers else None)
+                  num_stages is None)
     if tiers:
         _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
                       tier, handed, counts[2:3], {**const, "BLOCK_T": narrow_t, "TIER": 2,
@@ -904,7 +880,7 @@ INTERPRETED_LISTED_PROGRAMS = 3
 
 
 def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, tier,
-                  items, count, const, fit_stages, hand=None):
+                  items, count, const, fit_stages):
     """One tier's launches: the main pass (over the grid of wide tiles, or LISTED over
     ``items``, the list of handed wide slots ``_tier_kernel`` wrote: the narrow tier), then
     the repair pass, LISTED over the tiles the main pass appended to its repair list, whose
@@ -912,18 +888,15 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     it). fit_stages: num_stages is ``_num_stages``'s guess lowered until both passes fit
     shared memory; else the first pass takes ``const["num_stages"]`` as given and the
     repair pass the deepest up to it that fits (a caller's ``num_stages=3`` at the model
-    shape: 3 for the first pass, 2 for the repair pass). hand: the wide pass with the tiers
-    on, a ``Handoff``."""
+    shape: 3 for the first pass, 2 for the repair pass)."""
     block_t = const["BLOCK_T"]
     wide_t = const["WIDE_T"] if const.get("TIER") == 2 else block_t  # the slots' tile
     slots = _grid(p, wide_t)
     flagged = _item_list(slots[0] * slots[1] * (wide_t // block_t), count)
-    # The first pass's list (the wide pass's: the narrow pass's list it appends its tail to,
-    # else any buffer, never read).
-    listed = (items if items is not None else (hand.items, hand.count) if hand is not None
-              else flagged)
+    # The first pass's list (the wide pass has none: any buffer, never read).
+    listed = flagged if items is None else items
 
-    def args(repair: bool, tail_from: int = NO_TAIL):
+    def args(repair: bool):
         entries, n_entries = flagged if repair else listed
         return (q, q.stride(0), q.stride(1), p.t,
                 kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -936,8 +909,7 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
                 p.ks, *p.ks_strides, p.vs, *p.vs_strides,
                 p.out, p.out.stride(0), p.out.stride(1),
                 float(np.float32(p.softmax_scale * LOG2E)), grp,
-                flagged[0] if tier is None else tier, entries, n_entries, *flagged, p.hkv,
-                tail_from)
+                flagged[0] if tier is None else tier, entries, n_entries, *flagged, p.hkv)
 
     passes = [(False, items is not None)] + ([(True, True)] if block_t > 1 else [])
     pre = const.get("PRE", False)  # a 16-bit (predecoded) cache: its stage depth
@@ -957,68 +929,11 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
         # 294,912), so it takes the deepest up to it that fits.
         kw["num_stages"] = (fitting_stages(_prefill_kernel, args(repair), kw, q.device,
                                            deepest=depth) if repair else depth)
-        grid, tail_from = slots, NO_TAIL
+        grid = slots
         if li:
             grid = (INTERPRETED_LISTED_PROGRAMS if INTERPRETED else
                     resident_programs(_prefill_kernel, args(repair), kw, q.device),)
-        elif hand is not None:
-            n = hand.tail
-            if n == "auto":  # the wide pass's waves (compiled; one request: counted exactly)
-                n = 0 if INTERPRETED or p.batch > 1 else tail_count(
-                    _tiles_with_tokens(p, block_t) * p.hkv,
-                    resident_programs(_prefill_kernel, args(repair), kw, q.device),
-                    torch.cuda.get_device_properties(q.device).multi_processor_count,
-                    hand.subs)
-            tail_from = _tail_from(p, block_t, n)
-        _prefill_kernel[grid](*args(repair, tail_from), **kw)
-
-
-class Handoff(NamedTuple):
-    """What the wide pass (tiers on) hands its last programs' tiles to: the narrow pass's
-    list (``items``, int32, and its one-int32 ``count``), each tile ``subs`` narrow items;
-    ``tail``: the launcher's ``tail_programs``, a count or "auto" (``tail_count``)."""
-
-    items: torch.Tensor
-    count: torch.Tensor
-    subs: int
-    tail: int | str
-
-
-#: ``tail_from`` of the launches that hand no tail over (int32's largest).
-NO_TAIL = 2**31 - 1
-#: ``tail_programs``'s default: 0 (none) until "auto" is timed against it (session 34
-#: built it after its lease; ``bench_attention_prefill --knobs '' tail_programs=auto``).
-TAIL_PROGRAMS = 0
-
-
-def tail_count(work: int, resident: int, sms: int, subs: int) -> int:
-    """How many of the wide pass's last programs (``work`` of them with tokens, ``resident``
-    at once on the GPU, ``sms`` SMs) to hand to the narrow tier, whose programs split each
-    into ``subs`` items: the last wave's, when the wide pass fills at least one wave and
-    its last one is short enough for each of its items to have an SM of its own; else 0.
-    Why: the wide tiles are equal under local selections, so a last wave of r programs
-    runs one whole program's time on r SMs while the others idle (H100, model shape, 8,192
-    new tokens: 4,096 programs, 31.03 waves on 132 SMs, ~40 us of ~1,660; session 34,
-    ``reports/bench_attention_prefill_waves_nt*_h100.md``); its tiles as one-token
-    programs run side by side."""
-    last = work % resident
-    return last if work >= resident and last * subs <= sms else 0
-
-
-def _tail_from(p, block_t: int, n: int) -> int:
-    """The wide pass's first program (linear id, the order the GPU dispatches them: x, the
-    tile, fastest) handed to the narrow tier for the last ``n`` with tokens of the last KV
-    head's (the tiles with tokens counted as one request's: exact for one request, a guess
-    for several), or NO_TAIL for none."""
-    if n == 0:
-        return NO_TAIL
-    return max(0, (p.hkv - 1) * _grid(p, block_t)[0] + _tiles_with_tokens(p, block_t) - n)
-
-
-def _tiles_with_tokens(p: PrefillPlan, block_t: int) -> int:
-    """Tiles of ``block_t`` tokens that hold tokens, per KV head, counted as if the batch
-    were one request (exact for one; a request boundary inside a tile adds one)."""
-    return -(-p.t // block_t)
+        _prefill_kernel[grid](*args(repair), **kw)
 
 
 def compile_signatures():
@@ -1042,7 +957,7 @@ def compile_signatures():
                    push_ptr="*i32", push_count_ptr="*i32", num_heads="i32", qk_scale="fp32",
                    group="i32", topk_k="i32",
                    bt_cols="i32", num_reqs="i32", search_steps="i32", num_tokens="i64",
-                   num_pages="i64", tail_from="i32")
+                   num_pages="i64")
         g_p = triton.next_power_of_2(grp)
         const = dict(BLOCK_T=_block_t(None, g_p), G_P=g_p, D=d, P=page,
                      KP=topk_width(k), FP8=cache == "u8", FMT=fmt, HW=hw,

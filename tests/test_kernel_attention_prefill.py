@@ -321,92 +321,6 @@ def test_narrow_rows_sets_the_narrow_tiles_tokens(kv_fmt, narrow_rows, tokens):
     assert set(np.unique(rows)) == ({2} if tokens else {0})
 
 
-@pytest.mark.parametrize("work, resident, subs, want", [
-    (4096, 132, 8, 4),     # the benchmark: 31.03 waves, the last 4 programs' 32 tokens
-    (4080, 132, 8, 0),     # 30.9 waves: the last wave's 120 x 8 items outnumber the SMs
-    (280, 132, 8, 16),     # 2.1 waves: 16 x 8 = 128 items
-    (100, 132, 8, 0),      # under one wave: nothing idles behind it
-    (264, 132, 8, 0),      # whole waves
-])
-def test_tail_count_hands_over_a_short_last_wave(work, resident, subs, want):
-    """``tail_count`` (132 SMs, one wide program each): the last wave's programs go to the
-    narrow tier when the wide pass fills a wave and their narrow items (``subs`` each) fit
-    one per SM, else none."""
-    assert ap.tail_count(work, resident, 132, subs) == want
-
-
-@pytest.mark.parametrize("kv_fmt, tail", [("bfloat16", 2), ("e4m3fn", 3), ("bfloat16", 0),
-                                          ("bfloat16", "auto")])
-def test_tail_programs_hand_the_last_tiles_to_the_narrow_tier(kv_fmt, tail):
-    """``tail_programs`` n (every tile kept wide by the tier switch: delegate_ratio 1): the
-    wide pass's last n programs in dispatch order, the last KV head's last n tiles of 8
-    tokens (one request of 37 new tokens: tiles of tokens 0-7, ..., 32-36), run in the
-    narrow tier: exactly their rows report the narrow schedule, and the output is
-    admitted. "auto" hands none over here: 10 wide programs fill no wave of the GPU (none
-    interpreted)."""
-    x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, "tensor" if kv_fmt[0] == "e" else "none",
-                    hkv=2, group=4, seq_lens=(70,), qlens=(37,), k=3, seed=4)
-    knobs = dict(block_rows=32, delegate_ratio=1, tail_programs=tail)
-    _passes(x, **knobs)
-    rows = ap.run(x, **knobs)["schedule_rows"]
-    want = np.zeros_like(rows, dtype=bool)
-    n = 0 if tail == "auto" else tail
-    want[37 - 5 - 8 * (n - 1) if n else 37:, 4:] = True  # KV head 1: heads 4-7
-    assert np.array_equal(rows == 2, want)
-
-
-@pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fn"])
-def test_tail_programs_on_a_ragged_batch_are_admitted(kv_fmt):
-    """``tail_programs`` on three requests (tiles never straddle requests, so the tiles
-    with tokens outnumber the one-request count the launcher takes): the handed programs
-    are the last KV head's, at most 4 + 3 - 1 of them, with all their rows in the narrow
-    tier, and the output is admitted (no row computed twice or left out)."""
-    x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, "tensor" if kv_fmt[0] == "e" else "none",
-                    hkv=2, group=4, seq_lens=(61, 23, 90), qlens=(19, 3, 37), k=3, seed=6)
-    knobs = dict(block_rows=32, delegate_ratio=1, tail_programs=4)
-    _passes(x, **knobs)
-    narrow = ap.run(x, **knobs)["schedule_rows"] == 2
-    assert narrow.any() and not narrow[:, :4].any()
-    tokens = np.flatnonzero(narrow[:, 4:].any(1))
-    assert narrow[tokens, 4:].all()
-    cu = np.array([0, 19, 22, 59])
-    tiles = {(r, (t - cu[r]) // 8) for t in tokens for r in [np.searchsorted(cu, t, "right") - 1]}
-    assert 4 <= len(tiles) <= 6
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv_fmt", ["bfloat16", "e4m3fn"])
-def test_auto_tail_hands_over_a_short_last_wave(kv_fmt):
-    """``tail_programs="auto"`` compiled, at the model's group, D and P (one KV head, every
-    tile kept wide: delegate_ratio 1): with as many 8-token tiles as the wide pass's
-    resident programs plus 3, ``tail_count`` hands the last 3 over, exactly the last 24
-    tokens' rows report the narrow schedule, and the output is admitted."""
-    calls = []
-    count = ap.tail_count
-
-    def spy(*args):
-        calls.append((args, count(*args)))
-        return calls[-1][1]
-
-    def case(t):
-        return make_inputs(kv_fmt, "bfloat16", scales="tensor" if kv_fmt[0] == "e" else "none",
-                           hkv=1, group=16, d=128, page=128, seq_lens=(t + 300,), qlens=(t,),
-                           k=8, seed=29)
-
-    knobs = dict(delegate_ratio=1, tail_programs="auto")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ap, "tail_count", spy)
-        ap.run(case(16), **knobs)  # the wide pass's residency (the same compiled kernel)
-        resident = calls[-1][0][1]
-        x = case(8 * (resident + 3))
-        _passes(x, **knobs)
-        rows = ap.run(x, **knobs)["schedule_rows"]
-    assert calls[-1][1] == 3
-    want = np.zeros_like(rows, dtype=bool)
-    want[-24:] = True
-    assert np.array_equal(rows == 2, want)
-
-
 @pytest.mark.parametrize("ratio", [0, ALL_NARROW])
 @pytest.mark.parametrize("kv_fmt, group, block_keys, scales", [
     ("e4m3fn", 2, 16, "tensor"),
@@ -486,8 +400,8 @@ def test_each_wide_tile_picks_its_tier_by_its_union(monkeypatch):
     seen = []
     orig = ap._prefill_pass
 
-    def spy(*args, **kwargs):
-        orig(*args, **kwargs)
+    def spy(*args):
+        orig(*args)
         seen.append((args[-2]["TIER"], args[8]))
 
     monkeypatch.setattr(ap, "_prefill_pass", spy)
@@ -518,8 +432,7 @@ def test_tiers_agree_with_one_tier():
                                          ("narrow_block_keys", 48), ("predecode_rows", 0),
                                          ("predecode_rows", 12), ("predecode_warps", 17),
                                          ("pdl", 1), ("narrow_rows", 24),
-                                         ("narrow_rows", 0), ("tail_programs", -1),
-                                         ("tail_programs", "all")])
+                                         ("narrow_rows", 0)])
 def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
     """A tier or predecode knob out of its range is rejected on the host, naming the
     argument (the predecode's whether or not it would run)."""
@@ -542,9 +455,9 @@ def test_narrow_launch_options_are_applied_and_admitted(cache, knobs, want):
     seen = []
     orig = ap._prefill_pass
 
-    def spy(*args, **kwargs):
+    def spy(*args):
         seen.append(dict(args[-2]))
-        orig(*args, **kwargs)
+        orig(*args)
 
     x = _mixed_tiles_case(cache)
     with pytest.MonkeyPatch.context() as mp:
@@ -574,9 +487,9 @@ def test_narrow_tiles_default_to_the_capped_wide_tiles_and_are_declared(cache, p
     seen = []
     orig = ap._prefill_pass
 
-    def spy(*args, **kwargs):
+    def spy(*args):
         seen.append(dict(args[-2]))
-        orig(*args, **kwargs)
+        orig(*args)
 
     x = make_inputs(cache, scales="none" if cache == "bfloat16" else "tensor", hkv=1,
                     group=16, page=page, seq_lens=(2 * page + 5,), qlens=(3,), k=2, seed=3)
