@@ -63,6 +63,11 @@ Timing: harness.py (CUDA-graph replay over rotating input sets touching > 2 x L2
 at the model shape; a call that cannot be captured is timed eagerly and says so in its
 ``mode``/``note``), for both the kernel and flex; the copy bandwidth measured in the same
 run. Each result records whether the first set's output is finite (``finite_output``).
+``--rounds N`` times every configuration N times in turn (round-robin) and merges them
+(``merge_rounds``): medians over the rounds, and each check the median of its per-round
+values, so that a ratio compares two times of one round. Why: the wide pass's run-to-run
+spread (~2.5% on the H100, session 34) exceeds the e4m3fn / bf16 gap at locality, and
+a slow round slows both caches alike (session 35: 0.99-1.00x over four one-round calls).
 
 Targets and checks (``checks``):
 - locality selections at least as fast as flex_attention (``vs_flex`` >= 1), each cache;
@@ -484,10 +489,17 @@ def parse_args(argv):
     ap.add_argument("--flex-partial", action="store_true",
                     help="flex's BlockMask with every block partial (mask_mod everywhere), "
                          "as the oracle's flex and this benchmark before session 30")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every (cache, distribution, knob set) this many times, one "
+                         "after the other in turn (round-robin): the medians are over the "
+                         "rounds and each check is the median of its per-round values, "
+                         "ratios paired within a round (merge_rounds)")
     harness.add_timing_args(ap, NAME)
     args = ap.parse_args(argv)
     if args.new_tokens < 1 or args.prefix < 0:
         ap.error("--new-tokens must be >= 1 and --prefix >= 0")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     return args
 
 
@@ -515,16 +527,69 @@ def build_report(args) -> dict:
                       "here."],
                for_scale=FOR_SCALE, results=[])
     knob_sets = args.knobs or [{}]
+    rounds = []
     doc["sweep"] = []
-    for cache in args.caches:
-        for dist in args.dists:
-            rs = bench_case(cache, dist, args, knob_sets)
-            doc["results"].append(rs[0])
-            doc["sweep"] += rs[1:]
-    for r in doc["sweep"]:
-        r.update(derive(r))
-    doc["checks"] = checks(doc["results"])
+    for i in range(args.rounds):
+        # The first round's lists are the tracked report's: a run stopped later still
+        # writes them (harness.main).
+        results, sweep = (doc["results"], doc["sweep"]) if i == 0 else ([], [])
+        for cache in args.caches:
+            for dist in args.dists:
+                rs = bench_case(cache, dist, args, knob_sets)
+                results.append(rs[0])
+                sweep.extend(rs[1:])
+        rounds.append((results, sweep))
+    if args.rounds > 1:
+        doc["notes"].append(f"{args.rounds} rounds, every configuration once per round in "
+                            "turn: each median (us) is the median of the rounds' medians; "
+                            "each check the median of its per-round values (a ratio within "
+                            "one round); the other fields are the first round's.")
+    doc["results"], doc["sweep"], doc["checks"] = merge_rounds(rounds)
     return doc
+
+
+def merge_rounds(rounds: list[tuple[list[dict], list[dict]]]):
+    """``(results, sweep, checks)`` from each round's ``(results, sweep)`` (the same
+    configurations in the same order): a configuration's record is its first round's with
+    ``median_us`` (and flex's) the median over the rounds and ``round_medians_us`` beside
+    it (None where a round has none); a check's value is the median of its values in the
+    rounds (``checks`` per round: ``vs_bf16`` and ``vs_flex`` pair times of one round),
+    ``round_values`` beside it, None where a round has none (never a pass)."""
+    per_round = [checks(results) for results, _ in rounds]
+    results = [_merged(rs) for rs in zip(*(r for r, _ in rounds))]
+    sweep = [_merged(rs) for rs in zip(*(w for _, w in rounds))]
+    for r in sweep:
+        r.update(derive(r))
+    if len(rounds) == 1:
+        return results, sweep, per_round[0]
+    merged = []
+    for cs in zip(*per_round):
+        vals = [c["value"] for c in cs]
+        value = _median(vals)
+        merged.append({**cs[0], "value": value, "round_values": vals,
+                       "passed": None if value is None else bool(value >= cs[0]["limit"])})
+    return results, sweep, merged
+
+
+def _median(values):
+    return None if any(v is None for v in values) else float(np.median(values))
+
+
+def _merged(rs: tuple[dict, ...]) -> dict:
+    """One configuration's record over the rounds (``merge_rounds``)."""
+    if len(rs) == 1:
+        return rs[0]
+    out = dict(rs[0])
+    us = [r.get("median_us") for r in rs]
+    out.update(median_us=_median(us), round_medians_us=us)
+    if out.get("flex"):
+        fl = [(r.get("flex") or {}).get("median_us") for r in rs]
+        out["flex"] = {**out["flex"], "median_us": _median(fl), "round_medians_us": fl}
+    out.update(derive(out))
+    for key in ("vs_flex", "vs_bf16"):  # paired within each round (``checks``)
+        if any(key in r for r in rs):
+            out[key] = _median([r.get(key) for r in rs])
+    return out
 
 
 # -------------------------------------------------------------------------- markdown
@@ -549,7 +614,8 @@ def _checks_met(doc: dict, r: dict):
 
 
 def table_row(doc: dict, r: dict) -> str:
-    """One row, its numbers derived here from the raw fields (``derive``)."""
+    """One row, its numbers derived here from the raw fields (``derive``), but for a merge
+    of rounds' its ratios, the medians of the per-round ones (``merge_rounds``)."""
     f = render_bench._fmt
     d = derive(r)
     gbps = None if d["gathered_bytes_per_s"] is None else d["gathered_bytes_per_s"] / 1e9
@@ -561,6 +627,8 @@ def table_row(doc: dict, r: dict) -> str:
     base = harness.median_of(doc["results"], cache="bf16", dist=r["dist"]) \
         if r["cache"] != "bf16" else None
     vs_bf16 = None if base is None or r.get("median_us") is None else base / r["median_us"]
+    if "round_medians_us" in r:  # rounds: the ratios paired within a round (merge_rounds)
+        d["vs_flex"], vs_bf16 = r.get("vs_flex"), r.get("vs_bf16")
     scale = (f"{f(_for_scale(doc, 'vllm', r['cache'], r['dist']), '.0f')} / "
              f"{f(_for_scale(doc, 'flex', r['cache'], r['dist']), '.0f')}")
     cells = (r["cache"], r["dist"], mode, f(r.get("median_us"), ".1f"),
@@ -620,8 +688,10 @@ def markdown(doc: dict) -> str:
     lines += ["", "Checks:", ""]
     for c in doc.get("checks", ()):
         val = "-" if c["value"] is None else f"{c['value']:.3f}"
-        lines.append(f"- {c['dist']} {c['cache']}: {c['check']} = {val} (limit {c['limit']}): "
-                     f"{render_bench._yes_no(c['passed'])}")
+        rounds = "" if not c.get("round_values") else " (rounds: " + ", ".join(
+            "-" if v is None else f"{v:.3f}" for v in c["round_values"]) + ")"
+        lines.append(f"- {c['dist']} {c['cache']}: {c['check']} = {val}{rounds} (limit "
+                     f"{c['limit']}): {render_bench._yes_no(c['passed'])}")
     if doc.get("for_scale"):
         lines += ["", "For scale (the issue's numbers on the H200 at this shape, not measured "
                       "here):", ""]

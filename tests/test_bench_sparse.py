@@ -633,6 +633,53 @@ def test_prefill_checks():
                                 "cache": "bf16", "value": None, "limit": 1.0, "passed": None}]
 
 
+def _round(bf16_loc, e4m3_loc, flex_loc=1800.0):
+    return ([_prefill_result("bf16", "locality", bf16_loc, flex_loc),
+             _prefill_result("e4m3fn", "locality", e4m3_loc, flex_loc)], [])
+
+
+def test_prefill_rounds_pair_ratios_within_a_round():
+    """``merge_rounds`` over three rounds (bf16 / e4m3fn locality 1700 / 1710, 1600 / 1590,
+    1800 / 1790 us; flex 1800): each median is the median of the rounds' (1700, 1710), and
+    ``e4m3 >= bf16`` is the median of the per-round ratios (0.994, 1.006, 1.006: met)
+    where the ratio of the medians (1700 / 1710 = 0.994) would miss it: a slow round
+    slows both caches alike. A round without a time gives None, never a pass; one round
+    is ``checks`` as it was (no round values)."""
+    rounds = [_round(1700.0, 1710.0), _round(1600.0, 1590.0), _round(1800.0, 1790.0)]
+    results, sweep, checks = bap.merge_rounds(rounds)
+    assert [r["median_us"] for r in results] == [1700.0, 1710.0]
+    assert results[1]["round_medians_us"] == [1710.0, 1590.0, 1790.0]
+    assert results[0]["flex"]["round_medians_us"] == [1800.0] * 3 and sweep == []
+    got = {(c["check"], c["cache"]): c for c in checks}
+    ratio = got[("e4m3 at least as fast as bf16", "e4m3fn")]
+    assert ratio["round_values"] == pytest.approx([1700 / 1710, 1600 / 1590, 1800 / 1790])
+    assert ratio["value"] == pytest.approx(1800 / 1790) and ratio["passed"] is True
+    assert results[1]["vs_bf16"] == pytest.approx(1800 / 1790)
+    assert got[("locality vs flex", "bf16")]["value"] == pytest.approx(1800 / 1700)
+    failed = bap.merge_rounds([_round(1700.0, 1710.0), _round(1600.0, None)])[2]
+    assert [c["passed"] for c in failed if c["cache"] == "e4m3fn"] == [None, None]
+    one = bap.merge_rounds([_round(1700.0, 1710.0)])
+    assert one[2] == bap.checks(_round(1700.0, 1710.0)[0])
+    assert "round_values" not in one[2][0] and "round_medians_us" not in one[0][0]
+
+
+def test_prefill_markdown_lists_round_values_and_parser_takes_rounds():
+    """A merged check's line lists its per-round values, and the table's ratios are the
+    paired ones (x vs bf16 1.01x, the median round's, not 1700 / 1710 = 0.99x of the
+    medians; x vs flex 1.05x); ``--rounds`` defaults to 1 and must be at least 1."""
+    rounds = [_round(1700.0, 1710.0), _round(1600.0, 1590.0), _round(1800.0, 1790.0)]
+    doc = _prefill_doc([])
+    doc["results"], doc["sweep"], doc["checks"] = bap.merge_rounds(rounds)
+    md = bap.markdown(doc)
+    assert ("- locality e4m3fn: e4m3 at least as fast as bf16 = 1.006 (rounds: 0.994, "
+            "1.006, 1.006) (limit 1.0): yes") in md
+    row = next(line for line in md.splitlines() if line.startswith("| e4m3fn | locality"))
+    assert row.split("|")[9:11] == [" 1.05x ", " 1.01x "]  # x vs bf16 of the medians: 0.99x
+    assert bap.parse_args([]).rounds == 1 and bap.parse_args(["--rounds", "5"]).rounds == 5
+    with pytest.raises(SystemExit):
+        bap.parse_args(["--rounds", "0"])
+
+
 def test_prefill_markdown_rows(tmp_path):
     """The table has one row per (cache, distribution) with useful TFLOP/s, gathered GB/s,
     flex's time and TFLOP/s, the ratios, the issue's vLLM / flex numbers for scale and
@@ -797,6 +844,24 @@ def test_bench_attention_prefill_small_run(tmp_path):
         assert r["max_abs_diff_vs_flex"] < 5e-2 and r["vs_flex"] > 0
     assert len(doc["checks"]) == 6 and all(c["passed"] is not None for c in doc["checks"])
     assert doc["for_scale"] == bap.FOR_SCALE and (tmp_path / "bench_attention_prefill.md").exists()
+
+
+@pytest.mark.gpu
+def test_bench_attention_prefill_rounds_run(tmp_path):
+    """``--rounds 2`` (1024 new tokens on a 2048-token prefix, locality, no flex): both
+    caches timed in each round, their medians over the two rounds, the e4m3 >= bf16 check
+    decided from its two per-round ratios, and the note saying so."""
+    out = tmp_path / "bench_attention_prefill.json"
+    assert bap.main(["--new-tokens", "1024", "--prefix", "2048", "--out", str(out),
+                     "--dists", "locality", "--no-flex", "--rounds", "2", "--copy-mib",
+                     "256", "--warmup-ms", "5", "--rep-ms", "30"]) == 0
+    doc = json.loads(out.read_text())
+    for r in doc["results"]:
+        assert len(r["round_medians_us"]) == 2 and all(t > 0 for t in r["round_medians_us"])
+        assert r["median_us"] == pytest.approx(sum(r["round_medians_us"]) / 2)
+    ratio = next(c for c in doc["checks"] if c["check"] == "e4m3 at least as fast as bf16")
+    assert len(ratio["round_values"]) == 2 and ratio["passed"] is not None
+    assert any("2 rounds" in n for n in doc["notes"])
 
 
 @pytest.mark.gpu
