@@ -566,6 +566,7 @@ def merge_rounds(rounds: list[tuple[list[dict], list[dict]]]):
     for cs in zip(*per_round):
         vals = [c["value"] for c in cs]
         value = _median(vals)
+        # Every check of ``checks`` holds when its value is at least its limit.
         merged.append({**cs[0], "value": value, "round_values": vals,
                        "passed": None if value is None else bool(value >= cs[0]["limit"])})
     return results, sweep, merged
