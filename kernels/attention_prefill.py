@@ -233,8 +233,6 @@ NUM_WARPS = 8
 #: predecode kernel decodes only if ``_tier_kernel`` kept a wide tile with a block (a
 #: device flag; random selections, every tile narrow: ~20 us saved on the H100).
 PREDECODE_MIN_TOKENS = 1024
-#: ``wide_listed=None``: whether the wide pass strides over a list of the kept tiles.
-WIDE_LISTED = False
 PREDECODE_TABLE_RATIO = 4
 LOG2E = 1.4426950408889634
 
@@ -315,17 +313,15 @@ def _union_size(es, cap):
     "num_tokens", "bt_cols", "num_reqs", "search_steps", "topk_k", "delegate_ratio"])
 def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tokens,
                  tk_ptr, tk_s0, tk_s1, tk_s2, topk_k, bt_cols, tier_ptr, delegate_ratio,
-                 list_ptr, count_ptr, wide_ptr, wlist_ptr, wcount_ptr,
+                 list_ptr, count_ptr, wide_ptr,
                  BLOCK_T: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
-                 PDL: tl.constexpr = False, WLIST: tl.constexpr = False):
+                 PDL: tl.constexpr = False):
     """The tiers' switch (module docstring, Tiers), one small program per (wide tile, KV
     head): 1 at the tile's slot of ``tier_ptr`` when its union U has ``U *
     delegate_ratio`` > its valid entries (counting stops there), else 0 (surplus programs
     too); a handed tile's slot is also appended to the narrow pass's list at ``list_ptr``
     (``count_ptr[0]`` entries, in no particular order); a tile kept with a block in its
     union sets ``wide_ptr[0]`` to 1 (the wide pass reads pages: a predecode is needed).
-    WLIST (the launcher's ``wide_listed``): each kept tile of the request's range is
-    appended to the wide pass's list at ``wlist_ptr`` (``wcount_ptr[0]`` entries).
     PDL: ``kernels._triton.await_previous_kernel`` first (the launcher's ``pdl``)."""
     await_previous_kernel(PDL)
     tile = tl.program_id(0)
@@ -333,7 +329,6 @@ def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tok
     r64, cu0, qlen, local = _tile_request(tile, cu_ptr, cu_s0, num_reqs, search_steps,
                                           BLOCK_T)
     handed = tile * 0
-    kept = tile * 0
     if local < qlen:
         prefix = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64) - qlen
         t_ok, t_pos, valid, es = _tile_entries(local, cu0, qlen, prefix, g64, num_tokens,
@@ -342,16 +337,12 @@ def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tok
         cap = _valid_count(valid) // delegate_ratio
         n = _union_size(es, cap)
         handed = (n > cap).to(tl.int32)
-        kept = 1 - handed
         if (n > 0) & (handed == 0):  # the wide pass will read pages: mark it
             tl.store(wide_ptr, 1)
     slot = tile * tl.num_programs(1) + tl.program_id(1)
     tl.store(tier_ptr + slot, handed)
     if handed != 0:
         tl.store(list_ptr + tl.atomic_add(count_ptr, 1), slot)
-    if WLIST:
-        if kept != 0:
-            tl.store(wlist_ptr + tl.atomic_add(wcount_ptr, 1), slot)
 
 
 # Counts and sizes vary from call to call: not specialised (one compile for every shape).
@@ -691,7 +682,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                              narrow_stages=None, narrow_max_registers=None, block_keys=None,
                              narrow_block_keys=None, predecode=None, predecode_rows=None,
                              predecode_warps=None, pdl=False, narrow_rows=None,
-                             schedule_rows=None, wide_listed=None):
+                             schedule_rows=None):
     """Block-sparse GQA prefill attention; returns ``out`` ``[T, Hq, D]`` (model dtype).
 
     q: bf16/fp16 ``[T, Hq, D]`` (D in 64/128/256; any token/head strides, last dim
@@ -751,13 +742,6 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     (``kernels._triton.await_previous_kernel``), so the results are a plain launch's; what
     it saves is the gaps between the call's 3-6 launches (tier switch, predecode, each
     tier's two passes) and the next launch's set-up during a pass's last wave.
-    wide_listed: with the tiers, the wide pass runs LISTED (one wave of programs striding
-    over the tiles ``_tier_kernel`` kept, as the narrow pass does over the handed ones)
-    instead of over a grid of every wide tile: with every tile handed over (random
-    selections) the grid is ~31 waves of programs that each reserve 229 KB of shared
-    memory to return at once (H100, session 36, ``--phases``: ~20 us of ~3,560 for
-    e4m3fn), the list one wave reading a zero count. Same tiles, same bits. None
-    (default): ``WIDE_LISTED``.
     narrow_block_keys: the narrow tier's own key tiles (default: ``narrow_tile_keys``, the
     wide tier's capped at ``NARROW_KEYS_FP8`` / ``NARROW_KEYS``; declared as
     ``PrefillSchedule(narrow_block_keys=...)``, the narrow rows' schedule).
@@ -794,9 +778,6 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         check_block_keys(narrow_block_keys, p.page, "narrow_block_keys")
     pre_rows, pre_warps = predecode_options(predecode_rows, predecode_warps, p.page)
     pdl_kw = pdl_options(pdl, INTERPRETED)
-    wide_listed = WIDE_LISTED if wide_listed is None else wide_listed
-    if not isinstance(wide_listed, bool):
-        fail("wide_listed", f"must be True, False or None, got {wide_listed!r}")
     ensure_ready(_prefill_kernel)
     tiers = ratio > 0 and narrow_t < block_t
     const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
@@ -804,21 +785,20 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                  SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
                  SAME=not p.fp8 and kv_cache.dtype == q.dtype,
                  ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), BN=bn)
-    tier = handed = kept = None
-    # The lists' counts (handed wide tiles; flagged wide and narrow tiles; kept wide tiles)
-    # and whether a wide tile reads pages (set by ``_tier_kernel``): one fill.
-    counts = torch.zeros(5, dtype=torch.int32, device=q.device)
+    tier = handed = None
+    # The lists' counts (handed wide tiles; flagged wide and narrow tiles) and whether a
+    # wide tile reads pages (set by ``_tier_kernel``): one fill.
+    counts = torch.zeros(4, dtype=torch.int32, device=q.device)
     if tiers:
         tier = _program_slots(p, block_t, q.device)
         handed = _item_list(tier.numel(), counts[0:1])
-        kept = _item_list(tier.numel(), counts[4:5]) if wide_listed else None
         grid = _grid(p, block_t)
         _tier_kernel[grid](cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0),
                            p.batch, max(1, p.batch.bit_length()), p.t,
                            topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
                            block_table.shape[1], tier, ratio, *handed, counts[3:4],
-                           *(kept or handed), BLOCK_T=block_t,
-                           KP=const["KP"], P=p.page, WLIST=kept is not None,
+                           BLOCK_T=block_t,
+                           KP=const["KP"], P=p.page,
                            num_warps=max(1, min(8, block_t * const["KP"]
                                                 // TIER_ENTRIES_PER_WARP)), **pdl_kw)
     if predecode is None:
@@ -836,7 +816,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
     _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
-                  tier, kept, counts[1:2],
+                  tier, None, counts[1:2],
                   {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts, **pdl_kw},
                   num_stages is None)
     if tiers:
@@ -902,8 +882,7 @@ INTERPRETED_LISTED_PROGRAMS = 3
 def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp, tier,
                   items, count, const, fit_stages):
     """One tier's launches: the main pass (over the grid of wide tiles, or LISTED over
-    ``items``, the list of wide slots ``_tier_kernel`` wrote: the handed ones for the
-    narrow tier, the kept ones for a ``wide_listed`` wide pass), then
+    ``items``, the list of handed wide slots ``_tier_kernel`` wrote: the narrow tier), then
     the repair pass, LISTED over the tiles the main pass appended to its repair list, whose
     count is ``count`` (one zero int32; module docstring; tiles of one token never need
     it). fit_stages: num_stages is ``_num_stages``'s guess lowered until both passes fit
@@ -992,8 +971,7 @@ def compile_signatures():
         out.append((_prefill_kernel, sig, const))
         if const["TIER"] == 1:
             tsig = {name: sig.get(name, "i32") for name in _tier_kernel.arg_names}
-            tsig.update(tier_ptr="*i32", wide_ptr="*i32", wlist_ptr="*i32", wcount_ptr="*i32",
-                        delegate_ratio="i32", BLOCK_T="constexpr",
+            tsig.update(tier_ptr="*i32", wide_ptr="*i32", delegate_ratio="i32", BLOCK_T="constexpr",
                         KP="constexpr", P="constexpr")
             out.append((_tier_kernel, tsig, dict(BLOCK_T=const["WIDE_T"], KP=const["KP"],
                                                  P=page)))
@@ -1008,9 +986,6 @@ def compile_signatures():
     out.append((kernel, {**sig, "PDL": "constexpr"}, {**const, "TIER": 1, "PDL": True}))
     tk, tsig, tconst = next(c for c in out if c[0] is _tier_kernel)
     out.append((tk, {**tsig, "PDL": "constexpr"}, {**tconst, "PDL": True}))
-    # ``wide_listed``: the tier switch writing the kept list, the wide pass LISTED over it.
-    out.append((tk, {**tsig, "WLIST": "constexpr"}, {**tconst, "WLIST": True}))
-    out.append((kernel, sig, {**const, "TIER": 1, "LISTED": True}))
     return out + kv_predecode.compile_signatures()
 
 

@@ -416,33 +416,6 @@ def test_each_wide_tile_picks_its_tier_by_its_union(monkeypatch):
         assert np.array_equal(rows, np.where(second, 2, wide) + 0 * rows)
 
 
-@pytest.mark.parametrize("cache, ratio", [("e4m3fn", None), ("bfloat16", None),
-                                          ("bfloat16", ALL_NARROW)])
-def test_wide_listed_pass_is_the_grid_pass(monkeypatch, cache, ratio):
-    """wide_listed=True: the wide pass strides over the list of kept tiles the tier switch
-    wrote (its items are that list, its count the kept tiles: 1 of the mixed case's 2, 0
-    with every tile handed over) and gives the grid pass's bits, admitted by the oracle
-    with the same schedule rows."""
-    seen = []
-    orig = ap._prefill_pass
-
-    def spy(*args):
-        orig(*args)
-        if args[-2]["TIER"] == 1:
-            seen.append(args[9])
-
-    monkeypatch.setattr(ap, "_prefill_pass", spy)
-    x = _mixed_tiles_case(cache)
-    base = ap.run(x, block_rows=32, delegate_ratio=ratio)
-    assert seen == [None]
-    _passes(x, 32, delegate_ratio=ratio, wide_listed=True)
-    listed = ap.run(x, block_rows=32, delegate_ratio=ratio, wide_listed=True)
-    items, count = seen[-1]
-    assert int(count) == (0 if ratio else 1) and (ratio or items[0] == 0)
-    assert np.array_equal(listed["out"], base["out"])
-    assert np.array_equal(listed["schedule_rows"], base["schedule_rows"])
-
-
 def test_tiers_agree_with_one_tier():
     """The mixed case's output with the tiers is admitted, and so is each of its tiles
     computed by one tier alone; the wide tile's tokens are bit-identical with and without
@@ -459,7 +432,7 @@ def test_tiers_agree_with_one_tier():
                                          ("narrow_block_keys", 48), ("predecode_rows", 0),
                                          ("predecode_rows", 12), ("predecode_warps", 17),
                                          ("pdl", 1), ("narrow_rows", 24),
-                                         ("narrow_rows", 0), ("wide_listed", 1)])
+                                         ("narrow_rows", 0)])
 def test_bad_tier_knob_raises_value_error_naming_it(knob, value):
     """A tier or predecode knob out of its range is rejected on the host, naming the
     argument (the predecode's whether or not it would run)."""
