@@ -416,6 +416,21 @@ def test_each_wide_tile_picks_its_tier_by_its_union(monkeypatch):
         assert np.array_equal(rows, np.where(second, 2, wide) + 0 * rows)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 4, 5])
+def test_each_tile_finds_its_request_in_the_fewest_search_steps(batch):
+    """The tiles' binary search over cu_seqlens_q takes ceil(log2(B)) steps (none for one
+    request): ragged batches of 1, 2, 4 and 5 requests, in 16-token wide tiles (G 2) and
+    8-token narrow ones, give outputs the oracle admits in either tier, so every tile found
+    its own request."""
+    assert ap.binary_search_steps(batch) == int(np.ceil(np.log2(batch)))
+    qlens = (5, 13, 1, 9, 7)[:batch]
+    seqs = (40, 13, 30, 64, 21)[:batch]
+    x = make_inputs("bfloat16", "bfloat16", hkv=2, group=2, seq_lens=seqs, qlens=qlens, k=3,
+                    seed=batch)
+    _passes(x, 32, delegate_ratio=0)
+    _passes(x, 32, delegate_ratio=ALL_NARROW)
+
+
 def test_tiers_agree_with_one_tier():
     """The mixed case's output with the tiers is admitted, and so is each of its tiles
     computed by one tier alone; the wide tile's tokens are bit-identical with and without
