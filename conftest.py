@@ -6,14 +6,14 @@
 - Tests marked ``gpu`` are skipped with a reason when no CUDA device is present. On a CUDA
   machine the ``interp`` tests run compiled and count as ``gpu`` tests too: ``pytest -m
   gpu`` there runs every kernel test on the GPU.
-- ``ORACLE_GPUS=N pytest -m gpu -n N``: each xdist worker on its own GPU (oracle/gpus.py).
+- ``ORACLE_GPUS=N pytest -m gpu -n N``: each xdist worker on its own GPU (oracle/tools/gpus.py).
 - Hypothesis profiles: ``ci`` (derandomized, bounded, chosen when CI=true), ``dev``
   (the default), ``nightly`` (long). Pick one with ``--hypothesis-profile``.
 """
 
 import os
 
-from oracle.gpus import pin_worker_gpu
+from oracle.tools.gpus import pin_worker_gpu
 
 # ORACLE_GPUS=N with pytest-xdist: one GPU per worker, chosen before CUDA is initialised.
 pin_worker_gpu()
@@ -61,7 +61,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--suite-report",
         metavar="PATH",
-        help="write the run's JSON report there (oracle/suite.py: the differential checks as "
+        help="write the run's JSON report there (oracle/tools/suite.py: the differential checks as "
              "an oracle report, every test's outcome and seconds)",
     )
 
@@ -74,7 +74,7 @@ def pytest_configure(config):
     # The controller alone writes the report (xdist workers send it their test reports).
     path = config.getoption("suite_report")
     if path and not hasattr(config, "workerinput"):
-        from oracle.suite import SuiteRecorder
+        from oracle.tools.suite import SuiteRecorder
 
         config.pluginmanager.register(SuiteRecorder(path), "suite_recorder")
 

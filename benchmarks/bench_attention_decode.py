@@ -133,7 +133,7 @@ def random_selections(positions: torch.Tensor, heads: int, g: torch.Generator,
                       s: Shape = SHAPE) -> torch.Tensor:
     """Token-major ``[T, heads, K]`` int32: per row and head the row's own block and
     min(K, visible) - 1 distinct random earlier blocks, in random order, -1 padding (the
-    device twin of oracle.cases.random_selections with one local block)."""
+    device twin of oracle.core.cases.random_selections with one local block)."""
     dev = positions.device
     visible = (positions // s.page + 1)[:, None, None]
     width = int(visible.max())

@@ -44,7 +44,7 @@ Work counted (``key_counts``, exactly, from the selections, on the device; the N
 
 Peer: flex_attention (``torch.compile(flex_attention)``, static shapes; flex's own kernel
 options unless ``--flex-knobs``) on the same selections, its inputs built with
-oracle/impl_flex.py: ``gather_kv`` (the request's pages dequantised to bf16 into
+oracle/impls/flex.py: ``gather_kv`` (the request's pages dequantised to bf16 into
 contiguous K, V ``[1, Hkv, S, D]``, keys no token sees zeroed), ``selection_mask`` and
 ``build_block_mask`` (query blocks of 128 tokens, key blocks of P; ``mask_mod`` = selection
 & causal; the blocks where it holds for every row and key marked "full", so flex skips
@@ -309,11 +309,11 @@ class FlexInputs:
 
 def flex_inputs(t: PrefillSet, kv_fmt: str, s: Shape = SHAPE,
                 full_blocks: bool = True) -> FlexInputs:
-    """flex_attention's inputs for a set, built with oracle/impl_flex.py (not timed);
+    """flex_attention's inputs for a set, built with oracle/impls/flex.py (not timed);
     full_blocks: the BlockMask's blocks where the mask holds everywhere marked "full" (flex
     skips mask_mod there: the peer at its fastest; False: every block partial, as the
     registered implementation the oracle checks, the benchmark's mask before session 30)."""
-    from oracle import impl_flex
+    from oracle.impls import flex as impl_flex
 
     seq = t.seq_lens.cpu().numpy().astype(np.int64)
     pos = t.positions.cpu().numpy()
@@ -334,10 +334,10 @@ def flex_inputs(t: PrefillSet, kv_fmt: str, s: Shape = SHAPE,
 
 def compiled_flex():
     """``torch.compile(flex_attention)`` with static shapes (the benchmark's are fixed),
-    the one the oracle's flex implementation uses (oracle.impl_flex.compiled_flex: dynamo's
+    the one the oracle's flex implementation uses (oracle.impls.flex.compiled_flex: dynamo's
     recompile limit raised, since every BlockMask brings a new mask_mod closure and past the
     limit torch would silently run flex eagerly)."""
-    from oracle.impl_flex import compiled_flex as flex
+    from oracle.impls.flex import compiled_flex as flex
 
     return flex()
 

@@ -11,7 +11,7 @@ at all is this bandwidth, measured here on the chip.
 
 What: ``_gather_xor_kernel``, one program per visit, reads one chunk (``CHUNK`` int32
 words, contiguous, chosen by an index array) and stores their XOR, so no load can be
-dropped; chunk indices uniform on the working set (``oracle.rand``, seeded). Timed
+dropped; chunk indices uniform on the working set (``oracle.core.rand``, seeded). Timed
 by ``triton.testing.do_bench`` (median; its L2 flush before each call costs the first touch
 of the working set, under 1% of the reads here); bytes = visits x chunk bytes (the index
 and output words, 8 bytes per visit, left out). Working sets from 8 MiB (in L2) to 1 GiB
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import harness  # noqa: E402
 from kernels._triton import tl, triton  # noqa: E402
-from oracle import rand  # noqa: E402
+from oracle.core import rand  # noqa: E402
 
 WORKING_SETS_MIB = (8, 16, 24, 32, 40, 1024)
 CHUNKS_KIB = (32, 64)

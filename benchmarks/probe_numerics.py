@@ -23,7 +23,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oracle import conformance, rand  # noqa: E402
+from oracle.core import rand
+from oracle.tools import conformance  # noqa: E402
 from reference.codec import POLICIES, encode  # noqa: E402
 
 BLOCK = 1024

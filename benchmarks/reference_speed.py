@@ -9,7 +9,7 @@ L_init 0. Two parts, each timed as the best of ``--repeat`` (default 3) wall tim
    each token selects 16 of its 49..64 visible blocks): ``indexer_prefill``, then
    ``sparse_attention_prefill`` on its selections. Target: <= 30 s together.
 
-Inputs (oracle/rand.py raw bits, no distribution methods):
+Inputs (oracle/core/rand.py raw bits, no distribution methods):
 - Caches hold valid codes drawn directly (random sign and mantissa, a biased exponent in
   an 8-value band: magnitudes in [2^-6, 4)), never NaN/Inf, in any format.
 - Decode index cache: every page of every request (64 x 256 pages, 537 MB in bf16), pages
@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oracle import rand  # noqa: E402
+from oracle.core import rand  # noqa: E402
 from reference import attention  # noqa: E402
 from reference.codec import FORMATS, decode, encode, round_to  # noqa: E402
 from reference.domain import MODEL  # noqa: E402

@@ -4,7 +4,7 @@ launches a set of drawn cases makes, counted on the CPU without running the kern
 A Triton kernel compiles once per key: its constexprs, its tensors' dtypes and 16-byte
 alignment, and each integer argument not in ``do_not_specialize`` classed as 1, a multiple
 of 16 or other (Triton 3.6's specialisation). This tool runs the Triton implementation of
-an op on ``--cases`` cases drawn as the false-alarm run draws them (``oracle.falsealarm.
+an op on ``--cases`` cases drawn as the false-alarm run draws them (``oracle.tools.falsealarm.
 draw_cases``, ``--configs`` as there) with the interpreter's launch replaced by a recorder
 (nothing executes, so a launcher that reads a kernel's output gets zeros: the count is
 exact for single-launch paths and a lower bound elsewhere), and prints, per kernel, the
@@ -59,16 +59,16 @@ def count_keys(op: str, cases: int, shape_classes=("small",), seed: int = 11,
     """(curve, varied): distinct keys per kernel after each fifth of the cases, and per
     kernel the arguments whose class took more than one value. ``configs``: the cases'
     shapes from that many shape configs (``Case.config``; 0: each case its own);
-    ``pin_formats``: their format fields too (``oracle.cases.config_formats``)."""
+    ``pin_formats``: their format fields too (``oracle.core.cases.config_formats``)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("count_keys records the Triton interpreter's launches: run it with "
                            "TRITON_INTERPRET=1 (kernels compiled for a GPU never reach the "
                            "recorder)")
-    from oracle.cases import make_inputs
-    from oracle.falsealarm import draw_cases
-    from oracle.registry import implementations
+    from oracle.core.cases import make_inputs
+    from oracle.core.registry import implementations
+    from oracle.tools.falsealarm import draw_cases
 
     keys: dict = defaultdict(set)
 
@@ -107,7 +107,7 @@ def count_keys(op: str, cases: int, shape_classes=("small",), seed: int = 11,
 
 
 def main(argv=None) -> int:
-    from oracle.cases import OPS
+    from oracle.core.cases import OPS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("ops", nargs="+", choices=list(OPS))

@@ -470,7 +470,7 @@ def adapter_tensors(x: dict):
     buffer, the block table as int32, the scales, and a zeroed output seen token-major
     through a head-major buffer. Returns ``(q, kv, topk, block_table, k_scale, v_scale,
     out, dev)``."""
-    from oracle.impl_torch import HALF_DTYPES, _values, device
+    from oracle.impls.torch_peer import HALF_DTYPES, _values, device
 
     dev = device()
     act = HALF_DTYPES[x["model_dtype"]]

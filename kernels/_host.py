@@ -138,7 +138,7 @@ def validate_slots(slots: torch.Tensor, name: str, num_slots: int) -> None:
 def strided_codes_in(codes: np.ndarray, dev, torch_dtype=None) -> torch.Tensor:
     """A COPY of a code array on the device with the same element strides (so HND, NHD and
     padded layouts reach the kernel as they are), viewed as ``torch_dtype`` if given."""
-    from oracle.impl_torch import _codes_in
+    from oracle.impls.torch_peer import _codes_in
 
     c = np.asarray(codes)
     item = c.itemsize
@@ -162,7 +162,7 @@ def scale_in(s, dev):
 
 def codes_of(t: torch.Tensor) -> np.ndarray:
     """A device tensor's codes as numpy (uint8, or uint16 bits of bf16/fp16)."""
-    from oracle.impl_torch import _codes_out
+    from oracle.impls.torch_peer import _codes_out
 
     return _codes_out(t if t.dtype == torch.uint8 else t.view(torch.int16))
 
@@ -366,7 +366,7 @@ def insert_adapter(launch):
     place otherwise, so the differential cases exercise both."""
 
     def run(inputs: dict, validate: bool = True) -> dict:
-        from oracle.impl_torch import HALF_DTYPES, _ints, _values, device
+        from oracle.impls.torch_peer import HALF_DTYPES, _ints, _values, device
 
         x = inputs
         dev = device()

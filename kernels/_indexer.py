@@ -757,7 +757,7 @@ def validate_block_table(block_table, seq_lens, page, num_pages):
 def index_q_in(values: np.ndarray, fmt: str, dev) -> torch.Tensor:
     """index_q values (float64, exactly representable in fmt) as the kernels take them:
     uint8 fp8 codes, or the bf16/fp16 tensor; rows arrive with a padded head stride."""
-    from oracle.impl_torch import _values
+    from oracle.impls.torch_peer import _values
     from reference.codec import encode
 
     t, hi, d = values.shape
@@ -786,7 +786,7 @@ def adapter(launch, decode: bool):
 
     def run(inputs: dict, validate: bool = True) -> dict:
         from kernels._host import strided_codes_in
-        from oracle.impl_torch import device
+        from oracle.impls.torch_peer import device
 
         x = inputs
         dev = device()

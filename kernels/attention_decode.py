@@ -896,7 +896,7 @@ def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
     keep it), the block table as int32 and the output through a padded strided view;
     ``workspace`` as ``sparse_attention_decode``'s."""
-    from oracle.impl_torch import _ints
+    from oracle.impls.torch_peer import _ints
 
     q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
     sparse_attention_decode(q, kv, inputs["kv_fmt"], bt, _ints(inputs["seq_lens"], dev), topk,
@@ -911,8 +911,8 @@ SCHEDULE = DecodeSchedule()
 
 
 def _register():
-    from oracle.bounds import TENSOR_CORE_DOT_REL
-    from oracle.registry import Implementation, register
+    from oracle.core.bounds import TENSOR_CORE_DOT_REL
+    from oracle.core.registry import Implementation, register
 
     # Interpreted (CPU), model shapes take too long: they are left to CUDA.
     classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")

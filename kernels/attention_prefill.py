@@ -553,7 +553,7 @@ class PrefillSchedule:
 
     def __call__(self, model_dtype: str, case: dict | None = None):
         """The schedules of the three kinds of rows, indexed as the adapter's
-        ``schedule_rows`` names them (``oracle.registry``): 0 the wide tier on the cache,
+        ``schedule_rows`` names them (``oracle.core.registry``): 0 the wide tier on the cache,
         1 the wide tier on predecoded pages (fp8 with scalar scales: K/V exact, q as given,
         P in act), 2 the narrow tier (its own key tiles); equal where they agree (the
         oracle runs the reference once per distinct schedule)."""
@@ -1007,7 +1007,7 @@ def run(inputs: dict, validate: bool = True, **knobs) -> dict:
     keep it), the block table and cu_seqlens_q as int32, seq_lens as int64, and the output
     through a head-major buffer seen token-major. knobs: the launcher's tuning keywords
     (block_rows, delegate_ratio, ...)."""
-    from oracle.impl_torch import _ints
+    from oracle.impls.torch_peer import _ints
 
     q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
     cu = torch.from_numpy(np.ascontiguousarray(inputs["cu_seqlens_q"], np.int32)).to(dev)
@@ -1019,8 +1019,8 @@ def run(inputs: dict, validate: bool = True, **knobs) -> dict:
 
 
 def _register():
-    from oracle.bounds import TENSOR_CORE_DOT_REL
-    from oracle.registry import Implementation, register
+    from oracle.core.bounds import TENSOR_CORE_DOT_REL
+    from oracle.core.registry import Implementation, register
 
     # Interpreted (CPU): tiny shapes only (the small class costs seconds per case in the
     # interpreter and the float64 checker); model shapes are left to CUDA.

@@ -421,7 +421,7 @@ run = insert_adapter(norm_rope_insert)
 
 
 def _register():
-    from oracle.registry import Implementation, register
+    from oracle.core.registry import Implementation, register
 
     if not available():
         return

@@ -90,7 +90,7 @@ from kernels._triton import (
     triton,
 )
 from kernels.fp8 import HW_FORMATS
-from oracle.bounds import TENSOR_CORE_DOT_REL
+from oracle.core.bounds import TENSOR_CORE_DOT_REL
 from reference.domain import DECODE_ROWS_RANGE
 
 
@@ -210,7 +210,7 @@ MMA_STAGES = 3
 MAX_PROGRAMS_PER_SM = 4
 #: Declared score error of the MMA scan beyond an IEEE fp32 sum (``score_rel``, relative to
 #: sum |q_i k_i|): the tensor cores' truncating accumulation of 16-bit products
-#: (``oracle.bounds.TENSOR_CORE_DOT_REL``, D <= 256).
+#: (``oracle.core.bounds.TENSOR_CORE_DOT_REL``, D <= 256).
 MMA_SCORE_REL = TENSOR_CORE_DOT_REL
 #: The same for the fp8 tensor-core products of the hardware formats (``fp8_mma``): Triton's
 #: default fp8 ``wgmma`` accumulates in about 14 bits (DeepSeek-V3 measured ~14 on the
@@ -705,7 +705,7 @@ run_workspace = ix.adapter(functools.partial(indexer_decode, workspace=ORACLE_WO
 
 
 def _register():
-    from oracle.registry import Implementation, register
+    from oracle.core.registry import Implementation, register
 
     classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")
     register(Implementation(

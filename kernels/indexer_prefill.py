@@ -177,7 +177,7 @@ run = ix.adapter(indexer_prefill, decode=False)
 
 
 def _register():
-    from oracle.registry import Implementation, register
+    from oracle.core.registry import Implementation, register
 
     classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")
     register(Implementation(

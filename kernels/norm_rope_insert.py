@@ -467,7 +467,7 @@ run = insert_adapter(norm_rope_insert)
 
 
 def _register():
-    from oracle.registry import Implementation, register
+    from oracle.core.registry import Implementation, register
 
     # Interpreted (CPU), a small case takes a few seconds: model shapes are left to CUDA.
     classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "sweep")

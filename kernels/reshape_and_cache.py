@@ -190,7 +190,7 @@ def compile_signatures():
 def _strided_heads(values, act, dev, transposed):
     """K or V on the device with non-trivial strides, as servers pass them: a head-major
     buffer seen token-major (``transposed``), or heads padded by 8 elements."""
-    from oracle.impl_torch import _values
+    from oracle.impls.torch_peer import _values
 
     n, hkv, d = values.shape
     t = _values(values, act, dev)
@@ -206,7 +206,7 @@ def run(inputs: dict, validate: bool = True) -> dict:
     """Oracle adapter (op ``reshape_and_cache``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. K has padded head strides; V is
     head-major when N is odd, padded otherwise, so the differential cases exercise both."""
-    from oracle.impl_torch import HALF_DTYPES, _ints, device
+    from oracle.impls.torch_peer import HALF_DTYPES, _ints, device
 
     x = inputs
     dev = device()
@@ -222,7 +222,7 @@ def run(inputs: dict, validate: bool = True) -> dict:
 
 
 def _register():
-    from oracle.registry import Implementation, register
+    from oracle.core.registry import Implementation, register
 
     # Interpreted (CPU), model shapes take too long: they are left to CUDA.
     classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "sweep")

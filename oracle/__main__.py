@@ -1,3 +1,3 @@
-from oracle.cli import main
+from oracle.tools.cli import main
 
 raise SystemExit(main())

@@ -47,13 +47,13 @@ def compile_env(tmp_path) -> dict:
 def paged_attention_inputs(positions_of, kv_fmt="bfloat16", md="bfloat16", layout="HND",
                            pad=0, scales="none", hkv=2, group=2, d=64, page=16,
                            seq_lens=(37,), k=2, seed=0) -> dict:
-    """The op-independent part of a hand-built attention input set (oracle.cases' keys):
+    """The op-independent part of a hand-built attention input set (oracle.core.cases' keys):
     requests' keys on shuffled pages, everything else (other pages, the tail of the last
     page) the format's NaN code; random float32 scales (never powers of two, k != v);
-    queries at ``positions_of(seq_lens)``, selections from oracle.cases.random_selections
+    queries at ``positions_of(seq_lens)``, selections from oracle.core.cases.random_selections
     (random sets, the query's own block always in, -1 anywhere, random order)."""
-    from oracle import rand
-    from oracle.cases import _scale_rows, poison_code, random_selections
+    from oracle.core import rand
+    from oracle.core.cases import _scale_rows, poison_code, random_selections
     from reference.codec import round_to
     from reference.kv_cache import empty_cache, quantize
 
@@ -124,7 +124,7 @@ def poison_unselected(x, spans):
     """A copy of attention inputs ``x`` in which every block that no row of a request
     selected (through that KV head) holds NaN codes; ``spans[r]`` = (first, end) of request
     r's rows in ``topk``."""
-    from oracle.cases import poison_code
+    from oracle.core.cases import poison_code
 
     x = dict(x, kv_cache=np.array(x["kv_cache"], copy=True))
     cache, page = x["kv_cache"], x["kv_cache"].shape[2]
@@ -225,7 +225,7 @@ def register_broken_attention(monkeypatch, name: str = "broken_torch") -> str:
     every row's first selected block: an implementation the oracle must fail."""
     import dataclasses
 
-    from oracle import registry
+    from oracle.core import registry
 
     (torch_impl,) = registry.implementations("attention_decode", ["torch"])
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from benchmarks import bench_insert, harness, render_bench
-from oracle import rand
-from oracle.impl_torch import _Flags, _fused
+from oracle.core import rand
+from oracle.impls.torch_peer import _Flags, _fused
 
 N = 16_384
 
@@ -48,7 +48,7 @@ def _codes(t: torch.Tensor) -> np.ndarray:
 
 
 def _oracle_inputs(st: bench_insert.InsertSet, kv_fmt: str, index_fmt: str) -> dict:
-    """The benchmark's input set in oracle.cases' numpy conventions."""
+    """The benchmark's input set in oracle.core.cases' numpy conventions."""
     s = bench_insert.SHAPE
 
     def vals(t):
@@ -67,7 +67,7 @@ def _oracle_inputs(st: bench_insert.InsertSet, kv_fmt: str, index_fmt: str) -> d
 def test_composition_computes_the_op(cache):
     """The benchmark's eager torch composition (the speed baseline) produces, on the CPU at
     the model shape, the same codes as the oracle's registered torch baseline
-    (oracle.impl_torch), which the oracle checks against the float64 reference: the
+    (oracle.impls.torch_peer), which the oracle checks against the float64 reference: the
     baseline does all the work of the op, so speedups over it are meaningful."""
     kv_fmt, index_fmt = bench_insert.CACHES[cache]
     n, s = 6, bench_insert.SHAPE

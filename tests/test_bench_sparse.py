@@ -793,7 +793,7 @@ def test_prefill_flex_inputs_compute_the_same_attention(fmt):
     contiguous K/V, the BlockMask of the selections; run eagerly in fp32 here) computes the
     same sparse attention as an fp32 computation on the paged cache, for both distributions:
     the peer is timed on the same work."""
-    from oracle import impl_flex
+    from oracle.impls import flex as impl_flex
 
     s = _PREFILL_TINY
     for dist in bap.DISTS:
@@ -812,7 +812,7 @@ def test_prefill_flex_full_blocks_compute_the_same_attention():
     256 new tokens, two query blocks of 128: locality selections give full blocks (each
     query block's shared far block) and flex (eager, fp32) still computes the sparse
     attention of the fp32 computation on the paged cache; random ones give none."""
-    from oracle import impl_flex
+    from oracle.impls import flex as impl_flex
 
     s, fmt = _PREFILL_TINY, "bfloat16"
     for dist, has_full in (("locality", True), ("random", False)):

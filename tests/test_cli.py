@@ -80,7 +80,7 @@ def test_malformed_report_file_is_a_clear_error(tmp_path):
 def test_xdist_workers_get_one_gpu_each():
     """ORACLE_GPUS=N: worker gwK gets GPU K mod N through CUDA_VISIBLE_DEVICES; not a
     worker, one GPU, or a user's CUDA_VISIBLE_DEVICES: nothing is set."""
-    from oracle.gpus import pin_worker_gpu, worker_gpu
+    from oracle.tools.gpus import pin_worker_gpu, worker_gpu
 
     assert [worker_gpu(f"gw{k}", 2) for k in range(4)] == [0, 1, 0, 1]
     assert worker_gpu(None, 4) is None and worker_gpu("gw3", 1) is None
@@ -97,8 +97,8 @@ def test_pool_workers_get_one_gpu_each(monkeypatch):
     on two GPUs (each process sees the variable before anything touches CUDA)."""
     import multiprocessing
 
-    from oracle.falsealarm import _pin_worker
-    from oracle.gpus import pin_gpu
+    from oracle.tools.falsealarm import _pin_worker
+    from oracle.tools.gpus import pin_gpu
 
     env = {}
     assert pin_gpu(3, 2, env) == 1 and env["CUDA_VISIBLE_DEVICES"] == "1"

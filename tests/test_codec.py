@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from oracle import conformance
+from oracle.tools import conformance
 from reference.codec import FORMATS, FP8_FORMATS, POLICIES, decode, encode, round_to
 
 # The format definitions written out independently of reference.codec (OCP FP8 spec v1.0

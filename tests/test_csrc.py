@@ -1,6 +1,6 @@
 """csrc/ on the CPU and the GPU (issue 6): the CUDA sources compile for sm_90, the build is
 cached, the conversions of csrc/fp8_convert.h agree bit for bit with reference/codec.py on
-every 16-bit pattern and the float32 sets of oracle/conformance.py (host build with g++;
+every 16-bit pattern and the float32 sets of oracle/tools/conformance.py (host build with g++;
 the device build under the ``gpu`` marker), the ctypes binding matches the C struct and
 turns CUDA errors into RuntimeError with CUDA's text, and the CUDA launcher shares the
 Triton launcher's signature and host checks. The fused kernel's numerics are judged by the
@@ -37,7 +37,7 @@ import torch
 from kernels import cuda_build
 from kernels import cuda_norm_rope_insert as cnri
 from kernels._host import insert_adapter
-from oracle import conformance
+from oracle.tools import conformance
 from reference.codec import FP8_FORMATS, POLICIES, decode, encode, round_dtype
 from tests.helpers import same_float
 
@@ -560,7 +560,7 @@ def _sim_impl(sim, variant, grid=SIM_GRID, row_pad=0, row_shift=0, **knobs):
     """An oracle implementation running ``variant`` (1, 2, 3 or 4) through the CUDA
     launcher's own host checks and parameters (``launch_params``) on CPU tensors, then the
     simulated kernel (variants 3 and 4 over ``grid`` blocks)."""
-    from oracle.registry import Implementation
+    from oracle.core.registry import Implementation
 
     def launch(*args, **kwargs):
         out, p = cnri.launch_params(*args, device_type="cpu", **kwargs)
@@ -598,7 +598,7 @@ def test_vec_kernels_on_the_cpu_match_reference(sim, variant, d, r):
     128 / 256 x every R/2 % 8 (odd R/2, R = D), bf16 / fp16 rows, bf16 / fp16 / e4m3fn /
     e5m2fnuz caches, HND / NHD / padded layouts, indexed and dense rows, q in place and to
     a strided q_out, none / tensor / per-slot scales: admitted by the oracle."""
-    from oracle.checks import run_check
+    from oracle.core.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case, make_case_inputs
 
     impl = _sim_impl(sim, variant)
@@ -631,7 +631,7 @@ def test_vec_kernel_launch_shapes_on_the_cpu_give_identical_bits(sim, d, r):
     pipelining every token, 2, 3, and more blocks than tokens) give identical outputs and
     caches (22 heads per token: Hq 15, Hkv 3, Hi 3, index_k, so blocks and passes are partly
     filled); the first run is admitted by the oracle."""
-    from oracle.checks import run_check
+    from oracle.core.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case, make_case_inputs
 
     x = make_case_inputs(d=d, r=r, kv_fmt="e4m3fn", scales="slot", n=7, hkv=3, group=5,
@@ -659,7 +659,7 @@ def test_vec_kernels_on_the_cpu_guard_slots_and_positions(sim, variant):
     """CPU simulation of variants 1-5: slots past the cache or negative write nothing
     (either cache), positions outside the table read no row, the valid tokens are admitted
     by the oracle."""
-    from oracle.checks import run_check
+    from oracle.core.checks import run_check
     from tests.test_kernel_norm_rope_insert import MAX_POS, _case, make_case_inputs
 
     impl = _sim_impl(sim, variant)
@@ -795,7 +795,7 @@ def test_vec_kernels_on_the_cpu_at_the_model_head_layout(sim, variant):
     """CPU simulation at the model's head layout (Hq 64, Hkv 4, Hi 4 + index_k, D 128,
     R 64, P 128), 16 tokens, e4m3fn cache with per-slot scales, three launch shapes:
     admitted by the oracle."""
-    from oracle.checks import run_check
+    from oracle.core.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case, make_case_inputs
 
     x = make_case_inputs(d=128, r=64, kv_fmt="e4m3fn", scales="slot", n=16, hkv=4, group=16,
@@ -911,7 +911,7 @@ def test_split_variant_on_the_cpu_tracks_variant_4(sim, case):
     STREAM_CASES with R != D / 2; at R = D / 2 (where it runs every head in its split lanes)
     codes within one of variant 4's, and outputs admitted by the oracle (the cases with
     valid slots and positions)."""
-    from oracle.checks import run_check
+    from oracle.core.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case
 
     md, kv_fmt, d, r, n, row_pad, row_shift, cache_pad, dense, bad = case
@@ -1045,7 +1045,7 @@ def test_cpu_tensors_are_rejected():
 def test_registered_only_with_cuda_and_nvcc():
     """Implementation "cuda" of norm_rope_insert exists exactly when a CUDA device and nvcc
     are present; it runs on CUDA only and quantises K from its fp32 value."""
-    from oracle.registry import implementations
+    from oracle.core.registry import implementations
 
     impls = {i.name: i for i in implementations("norm_rope_insert")}
     assert ("cuda" in impls) == cnri.available()
@@ -1142,7 +1142,7 @@ def test_device_half_rounding_equals_reference(lib, sets, fmt):
 
 
 def _cuda_impl():
-    from oracle.registry import implementations
+    from oracle.core.registry import implementations
 
     (impl,) = implementations("norm_rope_insert", ["cuda"])
     return impl
@@ -1163,7 +1163,7 @@ def test_cuda_any_even_rotary_dim_matches_reference(r, d, kv_fmt, layout, pad, s
     """Rotary dims whose half is odd or not a power of two, full R = D, D = 64/128/256, every
     cache format, HND/NHD/padded, none/tensor/per-slot scales, indexed and dense rows: the
     CUDA kernel's outputs and cache writes are admitted by the oracle."""
-    from oracle.checks import run_check
+    from oracle.core.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case, make_case_inputs
 
     md = "float16" if kv_fmt == "float16" else "bfloat16"
@@ -1265,7 +1265,7 @@ def test_cuda_variants_match_reference(variant, d, r, md, kv_fmt):
     R = D) x bf16/fp16 rows x bf16/fp16/e4m3fn/e5m2fnuz caches x HND / NHD / padded layouts
     (indexed and dense rows, q in place and to a strided q_out, none / tensor / per-slot
     scales): outputs and cache writes are admitted by the oracle."""
-    from oracle.checks import run_check
+    from oracle.core.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case, make_case_inputs
 
     impl = _variant_impl(variant)
@@ -1296,7 +1296,7 @@ def test_cuda_launch_knobs_give_identical_bits(d, r):
     and grid order and variant 5 under every shape of variant 4; 22 heads per token (Hq 15,
     Hkv 3, Hi 3, index_k) leave partial blocks. One run of each variant is judged by the
     oracle."""
-    from oracle.checks import run_check
+    from oracle.core.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case, make_case_inputs
 
     x = make_case_inputs(d=d, r=r, kv_fmt="e4m3fn", scales="slot", n=9, hkv=3, group=5,
@@ -1356,7 +1356,7 @@ def test_cuda_variants_at_the_model_shape(variant):
     """The model's head layout (Hq 64, Hkv 4, Hi 4 + index_k, D 128, R 64, P 128 pages),
     1,024 tokens, e4m3fn cache with per-slot scales, the default, smallest and largest
     launch shapes (_model_shapes): admitted by the oracle."""
-    from oracle.checks import run_check
+    from oracle.core.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case, make_case_inputs
 
     x = make_case_inputs(d=128, r=64, kv_fmt="e4m3fn", scales="slot", n=1024, hkv=4,
@@ -1402,7 +1402,7 @@ def test_cuda_split_variant_tracks_variant_4(case):
     outputs and cache bytes for every row of STREAM_CASES with R != D / 2; at R = D / 2
     codes within one of variant 4's and outputs admitted by the oracle (valid slots and
     positions)."""
-    from oracle.checks import run_check
+    from oracle.core.checks import run_check
     from tests.test_kernel_norm_rope_insert import _case
 
     md, kv_fmt, d, r, n, row_pad, row_shift, cache_pad, dense, bad = case

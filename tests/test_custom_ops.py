@@ -9,7 +9,7 @@ import torch
 
 from kernels import norm_rope_insert as nri
 from kernels import ops
-from oracle.impl_torch import device
+from oracle.impls.torch_peer import device
 from tests.test_kernel_norm_rope_insert import _good_args
 
 pytestmark = pytest.mark.interp

@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from oracle.cases import OPS, Case, make_inputs
-from oracle.checks import run_check
-from oracle.registry import implementations
-from oracle.report import differential_cases
-from oracle.suite import SuiteRecorder
+from oracle.core.cases import OPS, Case, make_inputs
+from oracle.core.checks import run_check
+from oracle.core.registry import implementations
+from oracle.core.report import differential_cases
+from oracle.tools.suite import SuiteRecorder
 
 # A different seed offset per run explores new shapes; CI and replays use 0.
 SEED0 = int(os.environ.get("ORACLE_SEED", "0"))

@@ -1,4 +1,4 @@
-"""End-to-end accuracy cost of the KV cache formats (oracle/e2e.py): that the exact step and
+"""End-to-end accuracy cost of the KV cache formats (oracle/tools/e2e.py): that the exact step and
 the cached runs compute what they claim, and the properties the report is read by, checked
 on the output of ``python -m oracle e2e --quick``.
 
@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from oracle import e2e
+from oracle.tools import e2e
 from reference.codec import FORMATS, decode
 from reference.domain import MODEL
 from reference.fused import fused_qknorm_rope_insert
@@ -359,7 +359,7 @@ def test_resolve_impls_names_what_does_not_run_here(monkeypatch):
     op with no implementation of the name, or one that needs another device."""
     from dataclasses import replace
 
-    from oracle import registry
+    from oracle.core import registry
 
     registry.load_all()
     fake = replace(registry.REGISTRY["attention_decode"]["reference"], name="gpu-only",

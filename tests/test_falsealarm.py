@@ -1,4 +1,4 @@
-"""The false-alarm run (oracle/falsealarm.py)."""
+"""The false-alarm run (oracle/tools/falsealarm.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from oracle import falsealarm
-from oracle.cli import main
+from oracle.tools import falsealarm
+from oracle.tools.cli import main
 from tests.helpers import register_broken_attention
 
 
@@ -78,9 +78,9 @@ def test_nan_is_admitted_only_where_the_exact_output_is_infinite():
     (fp32 softmax: the P of far-below-max keys underflows to 0, 0 x -Inf = NaN) gives NaN.
     NaN is admitted where the exact value is +-Inf (and counted); NaN where it is finite
     is still a violation."""
-    from oracle.cases import Case
-    from oracle.checks import _nan_admitted_for_inf, run_check
-    from oracle.registry import implementations
+    from oracle.core.cases import Case
+    from oracle.core.checks import _nan_admitted_for_inf, run_check
+    from oracle.core.registry import implementations
     from reference.codec import encode
 
     case = Case.from_id(
@@ -126,8 +126,8 @@ def test_false_alarm_cases_can_share_shape_configs():
     """``--configs N``: every drawn case takes one of the N configs of the seed's pool, the
     draw stays a pure function of its arguments, and without configs no case has one;
     ``pin_formats``: each case's format fields are its config's."""
-    from oracle.cases import config_formats
-    from oracle.fuzz import config_pool
+    from oracle.core.cases import config_formats
+    from oracle.tools.fuzz import config_pool
 
     a = falsealarm.draw_cases("attention_decode", 40, seed=2, configs=3)
     assert {c.config for c in a} <= set(config_pool(3, 2)) and len({c.config for c in a}) > 1

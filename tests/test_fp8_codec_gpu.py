@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels import fp8
-from oracle import conformance
+from oracle.tools import conformance
 from reference.codec import FP8_FORMATS, decode, encode
 from tests.helpers import same_float
 

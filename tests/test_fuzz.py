@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 
-from oracle import fuzz
-from oracle.cases import Case
-from oracle.impl_torch import make_torch_impl
-from oracle.registry import REGISTRY, implementations, load_all
+from oracle.core.cases import Case
+from oracle.core.registry import REGISTRY, implementations, load_all
+from oracle.impls.torch_peer import make_torch_impl
+from oracle.tools import fuzz
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def _fuzz_report(tmp_path, *extra):
     """Run ``python -m oracle fuzz`` on reshape_and_cache/torch with a report; (rc, doc)."""
     import json
 
-    from oracle.cli import main
+    from oracle.tools.cli import main
 
     path = tmp_path / "fuzz.json"
     rc = main(["fuzz", "--ops", "reshape_and_cache", "--impls", "torch", "--db",
@@ -129,7 +129,7 @@ def test_fuzz_report_has_the_schema_counts_that_add_up_and_the_throughput(tmp_pa
 def test_fuzz_report_default_warmup_is_a_fifth_of_the_budget(tmp_path):
     """Without ``--warmup`` the warm-up is 20% of the budget; a bad shape class or a
     warm-up not shorter than the budget is a usage error (exit 2), before any fuzzing."""
-    from oracle.cli import main
+    from oracle.tools.cli import main
 
     assert main(["fuzz", "--seconds", "1", "--shape-classes", "huge", "--db", "none"]) == 2
     assert main(["fuzz", "--seconds", "1", "--warmup", "1", "--db", "none"]) == 2
@@ -209,7 +209,7 @@ def test_no_shrink_reports_the_failure_as_drawn(tmp_path, monkeypatch):
 def test_cuda_fuzz_leaves_out_the_per_shape_compiled_baseline():
     """On CUDA a fuzz run without --impls checks every implementation but the flex
     baseline (compiled anew for every random shape); on the CPU it checks all."""
-    from oracle.registry import known_names
+    from oracle.core.registry import known_names
 
     assert fuzz.default_impls("cpu") is None
     names = fuzz.default_impls("cuda")
@@ -297,7 +297,7 @@ def test_pinned_formats_give_each_config_one_format_combination():
     distribution and seed stay free; the pool still spans several combinations."""
     from hypothesis import HealthCheck, given, settings
 
-    from oracle.cases import FORMAT_FIELDS, config_formats
+    from oracle.core.cases import FORMAT_FIELDS, config_formats
 
     pool = fuzz.config_pool(6, 1)
     seen = []
@@ -322,7 +322,7 @@ def test_pinned_formats_give_each_config_one_format_combination():
 def test_fuzz_cli_runs_on_the_salted_config_pool(tmp_path, capsys):
     """``fuzz --configs 2 --config-salt 5``: the run prints and reports its pool (configs
     10 and 11) and checks cases; a negative pool size is a usage error."""
-    from oracle.cli import main
+    from oracle.tools.cli import main
 
     rc, doc = _fuzz_report(tmp_path, "--seconds", "2", "--configs", "2", "--config-salt", "5")
     assert rc == 0 and doc["configs"] == [10, 11] and doc["cases"] > 0

@@ -1,4 +1,4 @@
-"""oracle/impl_flex.py: PyTorch's flex_attention as a peer implementation of the sparse
+"""oracle/impls/flex.py: PyTorch's flex_attention as a peer implementation of the sparse
 attention ops, judged by the same oracle as the kernels (formats, scales, ragged batches,
 decode rows and padding, selections as sets, NaN content no row may see), and the pieces
 it is made of (the gather, the selection mask, the BlockMask). On the CPU flex_attention
@@ -15,11 +15,12 @@ pytest.importorskip("torch.nn.attention.flex_attention")
 
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
-from oracle import impl_flex, rand  # noqa: E402
-from oracle.cases import Case  # noqa: E402
-from oracle.checks import run_check  # noqa: E402
-from oracle.impl_torch import HALF_DTYPES, _codes_in, device  # noqa: E402
-from oracle.registry import implementations  # noqa: E402
+from oracle.core import rand
+from oracle.core.cases import Case  # noqa: E402
+from oracle.core.checks import run_check  # noqa: E402
+from oracle.core.registry import implementations  # noqa: E402
+from oracle.impls import flex as impl_flex  # noqa: E402
+from oracle.impls.torch_peer import HALF_DTYPES, _codes_in, device  # noqa: E402
 from reference.attention import prefill_positions  # noqa: E402
 from reference.codec import decode  # noqa: E402
 from tests.helpers import (  # noqa: E402
@@ -247,7 +248,7 @@ def test_gather_dequantises_and_zeroes_what_no_row_sees():
     """The gathered K/V hold act(fp32(decode(code) * scale)) for every key some row sees
     and exact zeros elsewhere (keys past seq_len, blocks nobody selected, keys past the
     last position of the rows selecting their block), whatever the cache holds there."""
-    from oracle.attention_bound import scheduled_kv
+    from oracle.core.attention_bound import scheduled_kv
 
     x = make_inputs("e4m3fn", "bfloat16", "NHD", 8, "slot", hkv=2, seq_lens=(40, 70),
                     qlens=(3, 5), k=2, seed=3)
@@ -284,7 +285,7 @@ def test_compiled_options_keep_the_schedule_and_shrink_large_tiles(page, d, smal
     attention template, ``BLOCK_N = P``) and, where flex's default tiles asked for more
     shared memory than the H200 has (P x D >= 128 x 128: 228 KiB on 2026-11-30), take
     64-row query tiles and fewer stages (1 past 128 x 128)."""
-    from oracle.impl_flex import default_kernel_options
+    from oracle.impls.flex import default_kernel_options
 
     opts = default_kernel_options(page, d)
     assert opts["FORCE_USE_FLEX_ATTENTION"] is True and opts["BLOCK_N"] == page

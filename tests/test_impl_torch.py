@@ -1,11 +1,11 @@
-"""The plain torch baseline (oracle/impl_torch.py) against the float64 reference, on the CPU.
+"""The plain torch baseline (oracle/impls/torch_peer.py) against the float64 reference, on the CPU.
 
 Seeded cases of every op over the shape classes tiny and small, the formats auto/bf16,
 fp8 and fp8_e5m2 on the platforms cuda and rocm-fnuz (OCP and fnuz codes), scales
 none/tensor/slot and the distributions normal/outliers/near_overflow/tiny (ties for the
-indexer). Simple criteria, not the oracle's final checks (oracle/checks.py):
+indexer). Simple criteria, not the oracle's final checks (oracle/core/checks.py):
 - rounded outputs and written cache codes lie in the rounding interval of the exact value
-  widened by a rigorous fp32 error bound (``oracle.intervals.classify``);
+  widened by a rigorous fp32 error bound (``oracle.core.intervals.classify``);
 - topk selections are admissible against the exact scores with an fp32 accumulation bound
   (``reference.indexer.selection_admissible``: equal as sets up to near-ties);
 - attention outputs are within 2 model-dtype ulps (+1e-6) of the reference run with the
@@ -20,23 +20,23 @@ import functools
 import numpy as np
 import pytest
 
-from oracle.bounds import F64_REL, Fp32Arith, U, gamma, norm_rope_bound
-from oracle.cases import OPS, Case, input_hash, make_inputs
-from oracle.impl_reference import (
+from oracle.core.bounds import F64_REL, Fp32Arith, U, gamma, norm_rope_bound
+from oracle.core.cases import OPS, Case, input_hash, make_inputs
+from oracle.core.intervals import classify, ordinal
+from oracle.core.reference_run import (
     attention_call,
     indexer_decode,
     indexer_prefill,
     layout_of,
     weights_of,
 )
-from oracle.intervals import classify, ordinal
-from oracle.registry import REGISTRY, implementations, schedule_for
+from oracle.core.registry import REGISTRY, implementations, schedule_for
 from reference import fused
 from reference.codec import decode, encode
 from reference.platforms import is_fp8
 
 torch = pytest.importorskip("torch")
-impl_torch = pytest.importorskip("oracle.impl_torch")
+impl_torch = pytest.importorskip("oracle.impls.torch_peer")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,6 +1,6 @@
 """The patched Triton CPU interpreter (kernels/interpreter.py) against reference.codec.
 
-Sets: every bf16 and fp16 pattern, the 2M float32 conformance set (oracle/conformance.py),
+Sets: every bf16 and fp16 pattern, the 2M float32 conformance set (oracle/tools/conformance.py),
 every fp8 code. One launch over a large 1-D tensor per check (the interpreter is fast on
 large blocks and slow per program). TRITON_INTERPRET=1 comes from conftest.py (no CUDA
 device) or the environment; the module skips itself when kernels were built for a GPU.
@@ -16,7 +16,7 @@ import torch
 from kernels import _triton
 from kernels import interpreter as interp
 from kernels._triton import tl, triton
-from oracle import conformance
+from oracle.tools import conformance
 from reference.codec import decode, encode
 from tests.helpers import same_float
 

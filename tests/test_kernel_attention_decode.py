@@ -1,6 +1,6 @@
 """kernels/attention_decode.py: every cache format, layouts, scales, GQA groups, rows per
 request, splits, padded requests, selections as sets, NaN/Inf content a row must not see,
-guarded bad contents and host validation, judged by the oracle (oracle.checks.run_check)
+guarded bad contents and host validation, judged by the oracle (oracle.core.checks.run_check)
 against the reference run with the kernel's declared schedule. Runs the kernel in the
 (patched) CPU interpreter when no CUDA device is present (conftest.py sets
 TRITON_INTERPRET=1), compiled on a GPU otherwise.
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kernels import attention_decode as ad
-from oracle.cases import Case
-from oracle.checks import Tally, run_check
-from oracle.impl_torch import HALF_DTYPES, device
-from oracle.registry import implementations, schedule_for
+from oracle.core.cases import Case
+from oracle.core.checks import Tally, run_check
+from oracle.core.registry import implementations, schedule_for
+from oracle.impls.torch_peer import HALF_DTYPES, device
 from reference import attention
 from reference.codec import FORMATS, decode, round_dtype
 from tests.helpers import (
@@ -41,10 +41,10 @@ _KV_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "e4m3fn": "fp8",
 
 def make_inputs(kv_fmt="bfloat16", md="bfloat16", layout="HND", pad=0, scales="none", hkv=2,
                 group=2, d=64, page=16, rows=1, seq_lens=(37,), k=2, seed=0):
-    """An oracle input set of op attention_decode (oracle.cases' keys), built by hand so the
+    """An oracle input set of op attention_decode (oracle.core.cases' keys), built by hand so the
     format, layout, scales, shape, rows per request and sequence lengths can be chosen.
     Everything but the keys of the requests (other pages, the tail of the last page) holds
-    the format's NaN code; selections come from oracle.cases.random_selections (random
+    the format's NaN code; selections come from oracle.core.cases.random_selections (random
     sets, the last visible block always in, -1 entries scattered anywhere, random order).
     Scales: random float32 (never powers of two), k_scale != v_scale."""
     def positions_of(seq):
@@ -377,7 +377,7 @@ def test_batch_invariance():
 def test_softmax_scale_is_applied():
     """An explicit softmax_scale (here 0.3, not 1/sqrt(D)) is the one used: the output is
     admitted by the schedule's reference and bound computed with that scale."""
-    from oracle.attention_bound import attention_bound
+    from oracle.core.attention_bound import attention_bound
 
     x = make_inputs("e4m3fn", "float16", scales="slot", rows=2, seq_lens=(50, 21), k=3, seed=6)
     dev = device()
@@ -588,7 +588,7 @@ def test_wide_q_rows_follow_the_fp16_q_schedule():
 def test_fp16_p_bound_rejects_bf16_rounded_p():
     """The fp16-P schedule has teeth: an output computed with P rounded to bf16 (3 bits
     fewer) violates the bound of the scalar-scale schedule on a random case."""
-    from oracle.attention_bound import attention_bound
+    from oracle.core.attention_bound import attention_bound
 
     x = make_inputs("e4m3fn", scales="tensor", hkv=1, group=4, d=64, page=16,
                     seq_lens=(60,), k=4, seed=5)
@@ -609,7 +609,7 @@ def test_scalar_scale_bound_rejects_act_rounded_dequantisation():
     """The exact-K/V schedule has teeth: an output computed with K/V dequantised and
     rounded to bf16 (the per-slot path's arithmetic) violates the bound of the scalar-scale
     schedule on a case with random scales (the bound itself finite: no key is hidden)."""
-    from oracle.attention_bound import attention_bound
+    from oracle.core.attention_bound import attention_bound
 
     x = make_inputs("e4m3fn", scales="tensor", hkv=1, group=4, d=64, page=16,
                     seq_lens=(60,), k=4, seed=5)
@@ -682,7 +682,7 @@ def _launch_options(monkeypatch, x, **knobs):
     """The launch options the first pass gets for input set ``x`` and launcher ``knobs``
     (the kernel replaced by a recorder: nothing runs)."""
     from kernels._attention import adapter_tensors
-    from oracle.impl_torch import _ints
+    from oracle.impls.torch_peer import _ints
 
     seen = []
 

@@ -1,7 +1,7 @@
 """kernels/attention_prefill.py: every cache format, layouts, scales, GQA groups, ragged
 multi-request batches with prefixes that are not multiples of P, tiles of several tokens,
 selections as sets, NaN/Inf content a row must not see, guarded bad contents and host
-validation, judged by the oracle (oracle.checks.run_check) against the reference run with
+validation, judged by the oracle (oracle.core.checks.run_check) against the reference run with
 the kernel's declared schedule. Runs the kernel in the (patched) CPU interpreter when no
 CUDA device is present (conftest.py sets TRITON_INTERPRET=1), compiled on a GPU otherwise.
 """
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kernels import attention_prefill as ap
-from oracle.cases import Case
-from oracle.checks import Tally, run_check
-from oracle.impl_torch import HALF_DTYPES, device
-from oracle.registry import implementations
+from oracle.core.cases import Case
+from oracle.core.checks import Tally, run_check
+from oracle.core.registry import implementations
+from oracle.impls.torch_peer import HALF_DTYPES, device
 from reference import attention
 from reference.codec import FORMATS, decode
 from tests.helpers import (
@@ -41,10 +41,10 @@ _KV_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "e4m3fn": "fp8",
 
 def make_inputs(kv_fmt="bfloat16", md="bfloat16", layout="HND", pad=0, scales="none", hkv=2,
                 group=2, d=64, page=16, seq_lens=(37,), qlens=(5,), k=2, seed=0):
-    """An oracle input set of op attention_prefill (oracle.cases' keys), built by hand so
+    """An oracle input set of op attention_prefill (oracle.core.cases' keys), built by hand so
     the format, layout, scales, shape and the ragged batch (seq_lens, query lengths) can be
     chosen. Everything but the keys of the requests (other pages, the tail of the last
-    page) holds the format's NaN code; selections come from oracle.cases.random_selections
+    page) holds the format's NaN code; selections come from oracle.core.cases.random_selections
     (random sets, the token's own block always in, -1 entries scattered anywhere, random
     order). Scales: random float32 (never powers of two), k_scale != v_scale."""
     seq = np.asarray(seq_lens, np.int64)
@@ -607,7 +607,7 @@ def test_batch_invariance():
 def test_softmax_scale_is_applied():
     """An explicit softmax_scale (here 0.3, not 1/sqrt(D)) is the one used: the output is
     admitted by the schedule's reference and bound computed with that scale."""
-    from oracle.attention_bound import attention_bound
+    from oracle.core.attention_bound import attention_bound
 
     x = make_inputs("e4m3fn", "float16", scales="slot", seq_lens=(50, 21), qlens=(4, 5), k=3,
                     seed=6)

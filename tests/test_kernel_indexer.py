@@ -3,7 +3,7 @@ near ties, ragged lengths not multiples of P, forced blocks, K past the visible 
 padded decode rows, token-major output buffers, split-and-merge, prefill/decode agreement,
 both merge strategies, the decode kernel's FMA scan (its compiled default) and its knobs,
 guarded and validated bad inputs, judged by the oracle
-(oracle.checks.run_check, tie-aware) against the reference or compared exactly with it
+(oracle.core.checks.run_check, tie-aware) against the reference or compared exactly with it
 where fp32 scores are exact. Runs the kernels in the (patched) CPU interpreter when no CUDA
 device is present, compiled on a GPU otherwise.
 
@@ -24,11 +24,11 @@ import torch
 from kernels import _indexer as ix
 from kernels import indexer_decode as idd
 from kernels import indexer_prefill as ipf
-from oracle import impl_reference as ref
-from oracle.cases import Case, poison_code
-from oracle.checks import run_check
-from oracle.impl_torch import HALF_DTYPES, device
-from oracle.registry import implementations
+from oracle.core import reference_run as ref
+from oracle.core.cases import Case, poison_code
+from oracle.core.checks import run_check
+from oracle.core.registry import implementations
+from oracle.impls.torch_peer import HALF_DTYPES, device
 from reference.codec import decode, round_to
 from reference.kv_cache import empty_index_cache, quantize
 
@@ -511,7 +511,7 @@ def test_a_reused_workspace_stays_exact_across_calls(grid):
     the reference's selection, and the ticket counters all zero after every call (the
     last ticket of a request resets its counter: the next call's merge depends on it)."""
     from kernels._host import Workspace
-    from oracle.impl_torch import device
+    from oracle.impls.torch_peer import device
 
     ws = Workspace()
     knobs = {} if grid == "split" else {"grid": grid, "num_programs": 5}
@@ -898,7 +898,7 @@ def test_registered_for_cpu_and_cuda(op):
     interpreted decode kernel ("dot" scan); compiled, the decode kernel's MMA scan declares
     its tensor-core accumulation, the fp8 one (hardware formats) wider than the 16-bit one
     (fnuz formats decoded to fp16, bf16 / fp16 caches)."""
-    from oracle.registry import score_rel_for
+    from oracle.core.registry import score_rel_for
 
     impl = _impl(op)
     assert impl.devices == ("cpu", "cuda")

@@ -1,5 +1,5 @@
 """kernels/norm_rope_insert.py: host validation, rotary dims whose half is odd, layouts,
-scales, guarded slots and N = 0, judged by the oracle (oracle.checks.run_check) against the
+scales, guarded slots and N = 0, judged by the oracle (oracle.core.checks.run_check) against the
 reference. Runs the kernel in the (patched) CPU interpreter when no CUDA device is present
 (conftest.py sets TRITON_INTERPRET=1), compiled on a GPU otherwise.
 """
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kernels import norm_rope_insert as nri
-from oracle.cases import Case, poison_code
-from oracle.checks import run_check
-from oracle.impl_torch import HALF_DTYPES, device
-from oracle.registry import implementations
+from oracle.core.cases import Case, poison_code
+from oracle.core.checks import run_check
+from oracle.core.registry import implementations
+from oracle.impls.torch_peer import HALF_DTYPES, device
 from reference.codec import round_to
 from reference.domain import MODEL
 from reference.kv_cache import empty_cache, empty_index_cache
@@ -33,7 +33,7 @@ def _round(values, md):
 def make_case_inputs(d=64, r=64, kv_fmt="bfloat16", layout="HND", pad=0, scales="none",
                      dense=False, n=5, hkv=2, group=2, page=16, md="bfloat16", seed=0,
                      slots=None):
-    """An oracle input set of op norm_rope_insert (oracle.cases' keys), built by hand so D,
+    """An oracle input set of op norm_rope_insert (oracle.core.cases' keys), built by hand so D,
     R, the cache layout and the scales can be chosen."""
     bg = np.random.default_rng(seed)
     hi = 0 if dense else hkv

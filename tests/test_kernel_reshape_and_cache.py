@@ -1,5 +1,5 @@
 """kernels/reshape_and_cache.py: every cache format, layouts, scales, special values,
-guarded slots, N = 0 and host validation, judged by the oracle (oracle.checks.run_check)
+guarded slots, N = 0 and host validation, judged by the oracle (oracle.core.checks.run_check)
 against the reference. Runs the kernel in the (patched) CPU interpreter when no CUDA device
 is present (conftest.py sets TRITON_INTERPRET=1), compiled on a GPU otherwise.
 """
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from kernels import reshape_and_cache as rc
-from oracle.cases import Case, poison_code
-from oracle.checks import run_check
-from oracle.impl_torch import HALF_DTYPES, device
-from oracle.registry import implementations
+from oracle.core.cases import Case, poison_code
+from oracle.core.checks import run_check
+from oracle.core.registry import implementations
+from oracle.impls.torch_peer import HALF_DTYPES, device
 from reference.codec import round_to
 from reference.kv_cache import empty_cache
 from tests.helpers import bad_args
@@ -28,7 +28,7 @@ SPECIALS = (-0.0, np.inf, -np.inf, np.nan)
 
 def make_rc_inputs(kv_fmt="bfloat16", layout="HND", pad=0, scales="none", md="bfloat16",
                    n=6, hkv=2, d=64, page=16, seed=0, slots=None, specials=True):
-    """An oracle input set of op reshape_and_cache (oracle.cases' keys), built by hand so the
+    """An oracle input set of op reshape_and_cache (oracle.core.cases' keys), built by hand so the
     cache layout, the scales and special values in K and V can be chosen. Every third token
     is padding (slot -1); with ``specials`` K and V hold -0, +-Inf and NaN."""
     bg = np.random.default_rng(seed)

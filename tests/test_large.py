@@ -1,4 +1,4 @@
-"""oracle/large.py: an implementation judged with its caches past a large prefix."""
+"""oracle/tools/large.py: an implementation judged with its caches past a large prefix."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from oracle.cases import Case, make_inputs
-from oracle.checks import run_check
-from oracle.large import MOVES, behind_large_prefix, moved_op_inputs
-from oracle.registry import REGISTRY
+from oracle.core.cases import Case, make_inputs
+from oracle.core.checks import run_check
+from oracle.core.registry import REGISTRY
+from oracle.tools.large import MOVES, behind_large_prefix, moved_op_inputs
 
 CASES = ["norm_rope_insert:tiny:normal:cuda:fp8:bfloat16:slot:3",
          "reshape_and_cache:tiny:outliers:rocm-fnuz:fp8:bfloat16:slot:4",

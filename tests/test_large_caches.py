@@ -18,8 +18,8 @@ import os
 import numpy as np
 import pytest
 
-from oracle.cases import Case, make_inputs
-from oracle.large import LARGE_CACHE_ELEMENTS, moved_op_inputs
+from oracle.core.cases import Case, make_inputs
+from oracle.tools.large import LARGE_CACHE_ELEMENTS, moved_op_inputs
 
 ELEMENTS = int(os.environ.get("LARGE_CACHE_ELEMENTS", LARGE_CACHE_ELEMENTS))
 # GPU-sized by default; with the size lowered they are interpreter tests of the logic.

@@ -1,4 +1,4 @@
-"""The mutant machinery (oracle/mutants.py) and the catalog: every mutant builds on the
+"""The mutant machinery (oracle/tools/mutants.py) and the catalog: every mutant builds on the
 real kernel it names, and the CPU part of the standard budget kills every mutant that is
 not marked as showing only on CUDA."""
 
@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from oracle import mutants
-from oracle.cases import Case, make_inputs
-from oracle.checks import run_check
-from oracle.cli import main
-from oracle.registry import REGISTRY, implementations
+from oracle.core.cases import Case, make_inputs
+from oracle.core.checks import run_check
+from oracle.core.registry import REGISTRY, implementations
+from oracle.tools import mutants
+from oracle.tools.cli import main
 
 CATALOG = mutants.catalog()
 

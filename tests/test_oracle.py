@@ -6,14 +6,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from oracle import diff, report
-from oracle.bounds import norm_rope_bound
-from oracle.cases import OPS, Case, input_hash, make_inputs
-from oracle.checks import run_check
-from oracle.impl_reference import attention_call
-from oracle.intervals import admissible_range, classify, joint_value_exists, round_codes
-from oracle.registry import Implementation, implementations
-from oracle.soundness import (
+from oracle.core import diff, report
+from oracle.core.bounds import norm_rope_bound
+from oracle.core.cases import OPS, Case, input_hash, make_inputs
+from oracle.core.checks import run_check
+from oracle.core.intervals import admissible_range, classify, joint_value_exists, round_codes
+from oracle.core.reference_run import attention_call
+from oracle.core.registry import Implementation, implementations
+from oracle.tools.soundness import (
     indexer_power,
     indexer_soundness,
     norm_rope_power,
@@ -130,7 +130,7 @@ def _worse_norm_rope(impl):
 
     def run(x):
         out = impl.run(x)
-        from oracle.impl_reference import layout_of, weights_of
+        from oracle.core.reference_run import layout_of, weights_of
         from reference.norm_rope import apply_rope_neox, rms_norm_gemma
 
         q = layout_of(x).split(x["rows"])["q"]
@@ -212,7 +212,7 @@ def test_attention_bound_is_sound_on_10000_adversarial_rows():
     fp32 value, split-K partials rounded to bf16/fp16) under three schedules, every format
     and distribution: every rounded output is admissible, and no pre-rounding value lies
     beyond its bound."""
-    from oracle.soundness import attention_soundness
+    from oracle.tools.soundness import attention_soundness
 
     r = attention_soundness(10_000)
     assert r["cases"] >= 10_000 and r["violations"] == 0, r
@@ -237,7 +237,7 @@ def test_attention_bound_is_sound_with_key_streams():
     slice of every block (Schedule.key_streams: P rounded relative to the stream's running
     max, the streams merged in fp32 with exp2 at the edge of its error), with and without
     split-K: every rounded output is admissible and no value lies beyond its bound."""
-    from oracle.soundness import attention_soundness
+    from oracle.tools.soundness import attention_soundness
 
     r = attention_soundness(600, seed=7, schedules=[
         key_streams_schedule("bfloat16", None), key_streams_schedule("float16", 2),
@@ -252,8 +252,8 @@ def test_attention_bound_with_tensor_cores_is_sound():
     the largest term and truncated, no guard bits), judged by the bound with the declared
     ``TENSOR_CORE_DOT_REL``: every rounded output is admissible (the first four seeded
     cases, 14,764 rows; a small case's long dots are where the declared error is tested)."""
-    from oracle.bounds import TENSOR_CORE_DOT_REL
-    from oracle.soundness import attention_soundness
+    from oracle.core.bounds import TENSOR_CORE_DOT_REL
+    from oracle.tools.soundness import attention_soundness
 
     r = attention_soundness(3_000, seed=5, dot_rel=TENSOR_CORE_DOT_REL)
     assert r["cases"] >= 3_000 and r["violations"] == 0, r
@@ -264,9 +264,9 @@ def test_tensor_core_sum_truncates_within_the_declared_error():
     """The emulated tensor-core sum of positive terms never exceeds the exact sum (its cuts
     are toward zero), differs from it (it is not an IEEE sum), and errs by less than the
     declared ``tensor_core_rel`` of the terms' magnitude; mixed signs likewise within it."""
-    from oracle import rand
-    from oracle.bounds import TENSOR_CORE_DOT_REL, tensor_core_rel
-    from oracle.emulate import tensor_core_sum
+    from oracle.core import rand
+    from oracle.core.bounds import TENSOR_CORE_DOT_REL, tensor_core_rel
+    from oracle.tools.emulate import tensor_core_sum
 
     bg = rand.generator(11)
     for n in (16, 128, 256, 2048):
@@ -284,9 +284,9 @@ def test_tensor_core_sum_truncates_within_the_declared_error():
 def test_declared_dot_error_widens_the_attention_bound():
     """An implementation's declared dot error (``score_rel``) enters the attention bound:
     with it every element's bound is at least the IEEE one and some are larger."""
-    from oracle.attention_bound import attention_bound
-    from oracle.bounds import TENSOR_CORE_DOT_REL, Fp32Arith
-    from oracle.cases import Case, make_inputs
+    from oracle.core.attention_bound import attention_bound
+    from oracle.core.bounds import TENSOR_CORE_DOT_REL, Fp32Arith
+    from oracle.core.cases import Case, make_inputs
     from reference.attention import vllm_schedule
 
     x = make_inputs(Case("attention_decode", "tiny", "normal", "cuda", "auto", "bfloat16",
@@ -313,7 +313,7 @@ BROKEN_CASES = {  # (shape class, dist, platform, kv_cache_dtype, model dtype, s
 
 
 def _broken_params():
-    from oracle.impl_torch import BUGS
+    from oracle.impls.torch_peer import BUGS
 
     for bug, spec in BUGS.items():
         for op in spec.ops:
@@ -325,7 +325,7 @@ def test_oracle_rejects_broken_baselines_and_accepts_the_correct_one(bug, op):
     """A realistic bug in the torch baseline (interleaved RoPE, w for 1+w, fnuz read as fn,
     no causal mask in the block, scales ignored, K quantised from bf16) fails the oracle's
     check on at least one seeded case of its op, while the correct baseline passes all."""
-    from oracle.impl_torch import make_torch_impl
+    from oracle.impls.torch_peer import make_torch_impl
 
     (good,) = implementations(op, ["torch"])
     broken = make_torch_impl(op, bug)
@@ -372,8 +372,13 @@ def test_long_cases_reach_long_contexts_within_the_cap(decode):
     prefill prefixes past 32k, at most 128k / 64k, never a multiple of any P for decode,
     their total times the KV heads within LONG_TOKEN_HEADS (which keeps the float64 check
     at seconds), new prefill tokens 1..128 after the prefix."""
-    from oracle import rand
-    from oracle.cases import LONG_DECODE_TOKENS, LONG_PREFIX_TOKENS, LONG_TOKEN_HEADS, _requests
+    from oracle.core import rand
+    from oracle.core.cases import (
+        LONG_DECODE_TOKENS,
+        LONG_PREFIX_TOKENS,
+        LONG_TOKEN_HEADS,
+        _requests,
+    )
 
     longest = 0
     for seed in range(200):
@@ -397,7 +402,7 @@ def test_long_class_is_for_the_sparse_ops_only():
 
 
 def test_rows_are_judged_under_the_schedule_their_implementation_reports():
-    """An implementation declaring two schedules (``oracle.registry``: a tuple) and naming
+    """An implementation declaring two schedules (``oracle.core.registry``: a tuple) and naming
     each (token, head) row's in ``schedule_rows`` is judged row by row: outputs computed
     under the exact schedule for even tokens and vLLM's act-rounding one for odd tokens
     pass when reported so, fail when every row is reported under the exact one, and a

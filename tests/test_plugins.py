@@ -1,4 +1,4 @@
-"""External implementations through ``$ORACLE_PLUGINS`` (oracle/registry.py): a module the
+"""External implementations through ``$ORACLE_PLUGINS`` (oracle/core/registry.py): a module the
 user names registers its kernels and the oracle judges them like the project's own."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import textwrap
 
 import pytest
 
-from oracle import registry
-from oracle.cases import Case
-from oracle.checks import run_check
+from oracle.core import registry
+from oracle.core.cases import Case
+from oracle.core.checks import run_check
 
 # A user's module: an "external kernel" for attention_decode (here the reference's float64
 # attention rounded to the model dtype, or a broken copy that drops the last selected block)
 # with the schedule it declares.
 PLUGIN = textwrap.dedent("""
     import numpy as np
-    from oracle.impl_reference import attention_call, model_codes
-    from oracle.registry import Implementation, register
+    from oracle.core.reference_run import attention_call, model_codes
+    from oracle.core.registry import Implementation, register
     from reference.attention import exact
 
     def run(x):
@@ -44,6 +44,7 @@ def plugin_registry(tmp_path, monkeypatch):
     (tmp_path / "my_kernels.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv(registry.PLUGINS_ENV, " my_kernels , ")
+    registry.load_all()  # the project's implementations first: restored as they are
     saved = {op: dict(impls) for op, impls in registry.REGISTRY.items()}
     monkeypatch.setattr(registry, "_LOADED", False)
     yield registry

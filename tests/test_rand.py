@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from oracle import rand
+from oracle.core import rand
 
 
 def test_same_seed_same_bits_different_seed_different_bits():

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oracle import rand
+from oracle.core import rand
 from reference import attention as attn
 from reference.attention import (
     EXACT,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from oracle import rand
+from oracle.core import rand
 from reference.codec import FP8_FORMATS, decode, encode, round_to
 from reference.fused import fused_qknorm_rope_insert, reshape_and_cache
 from reference.kv_cache import empty_cache, empty_index_cache, insert_index_k, insert_kv

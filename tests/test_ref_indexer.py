@@ -6,7 +6,7 @@ products), keys fetched one by one through the block table and decoded by the co
 selection is the forced blocks followed by a Python sort. It shares no code with the fast
 block-centric form in reference/indexer.py beyond the codec.
 
-Random inputs come from oracle/rand.py (raw bits through the project's transforms). Two
+Random inputs come from oracle/core/rand.py (raw bits through the project's transforms). Two
 value kinds: "grid" (small integers times powers of two: every float64 sum is exact, so
 both forms give bit-identical scores and ties are frequent) and "normal" (normals rounded
 to the format: generic values).
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oracle import rand
+from oracle.core import rand
 from reference.codec import FORMATS, FP8_FORMATS, decode, encode
 from reference.domain import PAGE_SIZES
 from reference.indexer import (

@@ -4,7 +4,7 @@ encoding, scales, gather (SPEC.md s.4)."""
 import numpy as np
 import pytest
 
-from oracle import rand
+from oracle.core import rand
 from reference.codec import FORMATS, FP8_FORMATS, decode, encode, round_to
 from reference.kv_cache import (
     empty_cache,

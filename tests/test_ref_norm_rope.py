@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oracle import rand
+from oracle.core import rand
 from reference.codec import FORMATS, encode, round_to
 from reference.norm_rope import (
     KINDS,

@@ -5,7 +5,7 @@ Cases: a few requests with prefixes already cached (written by an earlier fused 
 prefix positions), new tokens as packed bf16 rows, KV and index caches in shuffled pages
 (the index cache with its own block table), every slot no step writes filled with the
 format's NaN code, so content a row must not see would show up as NaN. fp8 KV caches carry
-random per-(head, slot) scales. Inputs come from oracle/rand.py.
+random per-(head, slot) scales. Inputs come from oracle/core/rand.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from oracle import rand
+from oracle.core import rand
 from reference.attention import (
     sparse_attention_decode,
     sparse_attention_prefill,

@@ -1,4 +1,4 @@
-"""The suite's JSON report (``pytest --suite-report PATH``, oracle/suite.py)."""
+"""The suite's JSON report (``pytest --suite-report PATH``, oracle/tools/suite.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from oracle.render import markdown
-from oracle.report import load
-from oracle.suite import SuiteRecorder
+from oracle.core.render import markdown
+from oracle.core.report import load
+from oracle.tools.suite import SuiteRecorder
 from tests.test_plugins import PLUGIN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,8 +87,8 @@ def test_scaleout_report_divides_the_one_gpu_wall_time(tmp_path, capsys):
     a report without the baseline, or misnamed, is refused."""
     import json
 
-    from oracle import suite
-    from oracle.cli import main
+    from oracle.tools import suite
+    from oracle.tools.cli import main
 
     def run(name, wall):
         p = tmp_path / name
@@ -112,14 +112,14 @@ def test_scaleout_report_divides_the_one_gpu_wall_time(tmp_path, capsys):
 
 def test_parts_of_a_run_merge_into_the_report_of_the_whole_run(tmp_path):
     """A suite split over device calls (``.ci/gpu suite`` with SUITE_PART) is joined by
-    ``oracle.suite.merge``: the parts' tests, outcomes, failures and differential cells
+    ``oracle.tools.suite.merge``: the parts' tests, outcomes, failures and differential cells
     (one cell split over both parts: counts summed, maxima kept, every case kept) equal
     the report a single recorder of all their tests writes; the seconds are the parts'
     sums; parts sharing a test are refused."""
-    from oracle.cases import Case
-    from oracle.checks import run_check
-    from oracle.registry import implementations
-    from oracle.suite import merge
+    from oracle.core.cases import Case
+    from oracle.core.checks import run_check
+    from oracle.core.registry import implementations
+    from oracle.tools.suite import merge
 
     (impl,) = implementations("norm_rope_insert", ["torch"])
     checks = [run_check(Case("norm_rope_insert", "tiny", "normal", "cuda", "fp8", "bfloat16",

@@ -3,7 +3,7 @@ overflow between 2.11 and 2.13, which is why torch is never the reference)."""
 
 import pytest
 
-from oracle import conformance
+from oracle.tools import conformance
 
 torch = pytest.importorskip("torch")
 

@@ -1,6 +1,6 @@
 """Soundness and power of the tolerance models, measured.
 
-Soundness: an adversarial fp32 emulation of an op (``oracle.emulate``: random summation
+Soundness: an adversarial fp32 emulation of an op (``oracle.tools.emulate``: random summation
 order, FMA on or off, special functions at the edge of their declared error) must always
 be admitted. Power: of the outputs one step (one code) away from the nearest rounding of
 the exact value, the share the model rejects; 1.0 means the model accepts nothing but the
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle import rand
-from oracle.bounds import Fp32Arith, gamma, norm_rope_bound
-from oracle.emulate import indexer_scores_fp32, norm_rope_fp32
-from oracle.intervals import classify, ordinal, round_codes
+from oracle.core import rand
+from oracle.core.bounds import Fp32Arith, gamma, norm_rope_bound
+from oracle.core.intervals import classify, ordinal, round_codes
+from oracle.tools.emulate import indexer_scores_fp32, norm_rope_fp32
 from reference.codec import get_format, round_to
 from reference.norm_rope import apply_rope_neox, rms_norm_gemma, rope_table
 
@@ -105,8 +105,8 @@ def indexer_soundness(cases: int = 10_000, seed: int = 0) -> dict:
     """Selections made from adversarial fp32 block scores (random summation order per dot
     product) of seeded small indexer prefill cases (``ties`` and ``normal``, every index
     format) must all be admissible under the fp32 score bound; ``cases`` counts rows."""
-    from oracle.cases import Case, make_inputs
-    from oracle.impl_reference import indexer_prefill
+    from oracle.core.cases import Case, make_inputs
+    from oracle.core.reference_run import indexer_prefill
     from reference.indexer import select_blocks
     from reference.kv_cache import gather_index_keys
 
@@ -146,8 +146,8 @@ def indexer_power(cases: int = 2_000, seed: int = 1) -> dict:
     swapped for the strongest unselected visible one) the tie-aware model rejects, over
     seeded small indexer prefill cases (normal and ties); rows with no possible swap are
     skipped."""
-    from oracle.cases import Case, make_inputs
-    from oracle.impl_reference import indexer_prefill
+    from oracle.core.cases import Case, make_inputs
+    from oracle.core.reference_run import indexer_prefill
     from reference.indexer import required_blocks
 
     rejected = total = i = 0
@@ -191,17 +191,17 @@ def _admits_row(res, sel, bound, h, row):
 
 def attention_soundness(cases: int = 10_000, seed: int = 0, schedules=None,
                         dot_rel: float = 0.0) -> dict:
-    """Adversarial fp32 evaluations (``oracle.emulate.attention_row_fp32``) of seeded tiny
+    """Adversarial fp32 evaluations (``oracle.tools.emulate.attention_row_fp32``) of seeded tiny
     and small attention cases under several schedules (exact, vLLM-like with running tiles,
     split-K with bf16 partials; ``schedules`` to choose, a callable taking the case's page
     size and returning one): every rounded output must be admissible. ``cases`` counts
     (row, query head) pairs. ``dot_rel`` > 0: both products on emulated tensor cores
     (``tensor_core_sum``), judged by the bound with that declared ``score_rel``; the
     schedules then keep K/V in the model dtype (16-bit MMA operands)."""
-    from oracle.attention_bound import _row_keys, attention_bound
-    from oracle.cases import Case, make_inputs
-    from oracle.emulate import attention_row_fp32
-    from oracle.impl_reference import attention_call
+    from oracle.core.attention_bound import _row_keys, attention_bound
+    from oracle.core.cases import Case, make_inputs
+    from oracle.core.reference_run import attention_call
+    from oracle.tools.emulate import attention_row_fp32
     from reference import attention as att
     from reference.attention import decode_positions, prefill_positions, scheduled_q
 
@@ -258,9 +258,9 @@ def attention_power(cases: int = 2_000, seed: int = 2) -> dict:
     """One-step power of the attention model (against the torch baseline's declared
     schedule and the vLLM schedule), over seeded tiny and small cases; ``cases`` counts
     output elements / D."""
-    from oracle.attention_bound import attention_bound
-    from oracle.cases import Case, make_inputs
-    from oracle.impl_reference import attention_call
+    from oracle.core.attention_bound import attention_bound
+    from oracle.core.cases import Case, make_inputs
+    from oracle.core.reference_run import attention_call
     from reference import attention as att
 
     arith = Fp32Arith()

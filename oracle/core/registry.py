@@ -2,7 +2,7 @@
 its declared numerics. Tests and reports iterate over the registry; they never name kernels.
 
 An implementation is a function ``run(inputs) -> outputs`` over the numpy input set of a case
-(``oracle.cases.make_inputs``); it moves data to its device itself and returns numpy.
+(``oracle.core.cases.make_inputs``); it moves data to its device itself and returns numpy.
 Outputs, per op (rounded outputs as *codes* of their format, so comparisons are exact):
 
   norm_rope_insert   q [N,Hq,D], k [N,Hkv,D], index_k [N,D] (model-dtype codes), index_q
@@ -12,16 +12,16 @@ Outputs, per op (rounded outputs as *codes* of their format, so comparisons are 
   indexer_*          topk int32 [Hi,T,K]
   attention_*        out [T,Hq,D] (model-dtype codes)
 
-Declared numerics: ``arith`` (fp32 special-function errors, ``oracle.bounds.Fp32Arith``);
+Declared numerics: ``arith`` (fp32 special-function errors, ``oracle.core.bounds.Fp32Arith``);
 ``schedule`` (attention: where it rounds, a ``reference.attention.Schedule``, or a callable
 ``(model_dtype, case)`` returning one, ``case`` being the case's inputs or None: an
 implementation whose rounding depends on the cache format or the kind of scales says so
 there; ``schedule_for``; or a tuple of them, one per kind of row the implementation computes
 differently, its outputs then naming each (token, head) row's in ``schedule_rows``, int
-``[T, Hq]`` indices into the tuple, absent: all 0: ``oracle.checks.scheduled_reference``);
+``[T, Hq]`` indices into the tuple, absent: all 0: ``oracle.core.checks.scheduled_reference``);
 ``score_rel``
 (relative error of its dot products beyond IEEE fp32 summation, relative to the sum of the
-terms' magnitudes: tensor-core accumulation, ``oracle.bounds.TENSOR_CORE_DOT_REL`` for
+terms' magnitudes: tensor-core accumulation, ``oracle.core.bounds.TENSOR_CORE_DOT_REL`` for
 16-bit operands, more for fp8 MMA; the indexer's block scores, attention's ``q . K`` and
 (per tile of keys) ``P @ V``; a float, or a callable ``(case) -> float`` where it depends
 on the index format: ``score_rel_for``).
@@ -33,7 +33,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from oracle.bounds import Fp32Arith
+from oracle.core.bounds import Fp32Arith
 from reference.platforms import PLATFORMS
 
 
@@ -131,10 +131,10 @@ def load_all() -> None:
     if _LOADED:
         return
     _LOADED = True
-    from oracle import impl_reference  # noqa: F401
+    from oracle.impls import reference  # noqa: F401
 
     try:
-        from oracle import impl_torch  # noqa: F401
+        from oracle.impls import torch_peer as impl_torch  # noqa: F401
     except ImportError:  # torch not installed: the reference alone
         pass
     for name in KERNEL_MODULES:
@@ -143,7 +143,7 @@ def load_all() -> None:
         except ImportError:  # triton or torch not installed
             pass
     try:  # PyTorch's flex_attention as a peer (needs torch.nn.attention.flex_attention)
-        from oracle import impl_flex  # noqa: F401
+        from oracle.impls import flex as impl_flex  # noqa: F401
     except ImportError:
         pass
     try:  # the CUDA kernels (ctypes): registered only with a CUDA device and nvcc

@@ -1,6 +1,6 @@
 """Cases: an op, a shape class, a value distribution, a platform, a cache dtype, scales and a
 seed; the inputs are a pure function of these, made on the CPU from raw bit-generator
-output (``oracle.rand``), so a case id replays bit for bit on any machine.
+output (``oracle.core.rand``), so a case id replays bit for bit on any machine.
 
 A case id reads ``op:shape_class:dist:platform:kv_cache_dtype:model_dtype:scales:seed``
 (``Case.id`` / ``Case.from_id``); ``python -m oracle replay ID`` re-runs it. Every input set
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from oracle import rand
+from oracle.core import rand
 from reference.codec import FORMATS, encode
 from reference.domain import MODEL, check_choice
 from reference.kv_cache import empty_cache, empty_index_cache, quantize

@@ -20,9 +20,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from oracle.cases import Case
-from oracle.checks import CheckResult
-from oracle.report import SCHEMA, add_result, finished_cells, json_safe, machine_info, write_json
+from oracle.core.cases import Case
+from oracle.core.checks import CheckResult
+from oracle.core.report import (
+    SCHEMA,
+    add_result,
+    finished_cells,
+    json_safe,
+    machine_info,
+    write_json,
+)
 
 CHECK_PROPERTY = "check"  # the user property holding a differential test's CheckResult
 
@@ -151,7 +158,7 @@ def merge(docs: list[dict]) -> dict:
 
 
 def _merged_cell(a: dict, b: dict) -> dict:
-    """Two parts' statistics of one differential cell as one (``oracle.report``'s cell)."""
+    """Two parts' statistics of one differential cell as one (``oracle.core.report``'s cell)."""
     c = dict(a)
     for name in ("cases", "passed", "elements", "exact", "within_one",
                  "admissible_not_nearest", "violations", "width_1", "width_2", "width_more",

@@ -35,7 +35,7 @@ With ``kv_dtype="float64"`` the kernel multiplies the exact decoded codes and ap
 k_scale is one more fp32 rounding (4u instead of 3u in 1.), and the output (each split's
 partial) times v_scale one more (u added to the division's relative error in 4.).
 
-The output's final rounding is left to the rounding-interval oracle (``oracle.intervals``),
+The output's final rounding is left to the rounding-interval oracle (``oracle.core.intervals``),
 which rounds ``e +- bound``.
 """
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.bounds import Fp32Arith, U, gamma, tensor_core_rel
+from oracle.core.bounds import Fp32Arith, U, gamma, tensor_core_rel
 from reference.attention import decode_positions, prefill_positions, scheduled_q
 from reference.codec import FORMATS, round_dtype
 from reference.kv_cache import scale_at

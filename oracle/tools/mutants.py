@@ -42,9 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from oracle.cases import SHAPE_CLASSES, make_inputs
-from oracle.checks import run_check
-from oracle.registry import Implementation, implementations
+from oracle.core.cases import SHAPE_CLASSES, make_inputs
+from oracle.core.checks import run_check
+from oracle.core.registry import Implementation, implementations
 
 CPU_CLASSES = ("tiny", "small")
 GPU_CLASSES = ("large", "model", "sweep", "long")  # cheapest first: large is 3 tiny cases
@@ -151,7 +151,7 @@ def patched_module(module: str, replacements: tuple[tuple[str, str], ...],
 
 #: Every mutant, by name (``register``; the catalog modules fill it on import).
 CATALOG: dict[str, Mutant] = {}
-CATALOG_MODULES = ("oracle.mutants_insert", "oracle.mutants_sparse")
+CATALOG_MODULES = ("oracle.tools.mutants_insert", "oracle.tools.mutants_sparse")
 
 
 def register(m: Mutant) -> Mutant:
@@ -174,7 +174,7 @@ def catalog() -> dict[str, Mutant]:
 def class_cases(op: str, test_class: str, gpu: bool) -> list:
     """The standard budget's cases of ``op`` in one shape class (the differential test's);
     ``large``: the first tiny ones, run with the caches past 2^31 elements."""
-    from oracle.report import differential_cases
+    from oracle.core.report import differential_cases
 
     shape_class = "tiny" if test_class == "large" else test_class
     cases = [c for c in differential_cases(op, gpu=gpu) if c.shape_class == shape_class]
@@ -202,9 +202,10 @@ def first_kill(impl: Implementation, cases, limit_s: float | None = None) -> dic
 
 def fuzz_kill(impl: Implementation, seconds: float, shape_classes=CPU_CLASSES,
               device: str = "cpu") -> dict:
-    """A hypothesis search of the mutant's op (``oracle.fuzz``), the mutant registered as
+    """A hypothesis search of the mutant's op (``oracle.tools.fuzz``), the mutant registered as
     the only implementation checked, for at most ``seconds``."""
-    from oracle import fuzz, registry
+    from oracle.core import registry
+    from oracle.tools import fuzz
 
     t0 = time.perf_counter()
     registry.register(impl)
@@ -230,12 +231,12 @@ def kill_matrix(mutants, gpu: bool = False, fuzz_seconds: float = 60.0,
     ``GPU_CLASSES``, then ``fuzz``), each class run to its first kill; a mutant stops at
     its first killing class unless ``full``; ``partial(doc)`` receives the report after
     each mutant (a run cut short still leaves its rows). The ``large`` class (CUDA) runs
-    the tiny cases with every cache behind a prefix past 2^31 elements (``oracle.large``),
+    the tiny cases with every cache behind a prefix past 2^31 elements (``oracle.tools.large``),
     where 32-bit offsets wrap. The mutants that only CUDA shows run last (a wrapped offset
     may fault and leave the process's CUDA context unusable), ``GPU_CLASSES`` first: their
     bug cannot show in the CPU classes, which on CUDA cost a compile per case."""
-    from oracle.large import behind_large_prefix
-    from oracle.report import machine_info
+    from oracle.core.report import machine_info
+    from oracle.tools.large import behind_large_prefix
 
     machine = machine_info()
     mutants = sorted(mutants, key=lambda m: m.gpu_only)

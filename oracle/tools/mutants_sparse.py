@@ -1,11 +1,11 @@
-"""Mutants of the indexer and attention kernels (``oracle.mutants``): each a bug class of
+"""Mutants of the indexer and attention kernels (``oracle.tools.mutants``): each a bug class of
 shared/SPEC.md section 8 on the project's Triton kernels, with the incident it models."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from oracle.mutants import Mutant, patch, patched_module, register, wrap_inputs
+from oracle.tools.mutants import Mutant, patch, patched_module, register, wrap_inputs
 
 register(Mutant(
     "decode_gqa_modulo", "attention_decode", "triton",

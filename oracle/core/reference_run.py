@@ -1,14 +1,12 @@
-"""The float64 reference registered as an implementation of every op (CPU).
-
-It is the contract, so checking it against itself is exact by construction; it is
-registered so that reports show the reference's own rows and the CLI can run any case on
-a machine without torch. Inputs are never modified: caches are copied first."""
+"""The float64 reference run on a case's input set: one function per op, in the registry's
+calling convention (``run(inputs) -> outputs``, rounded outputs as codes). The checks call
+these for the exact values; oracle.impls.reference registers them. Inputs are never
+modified: caches are copied first."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from oracle.registry import Implementation, register
 from reference import attention, fused, indexer
 from reference.codec import encode
 from reference.norm_rope import QKVLayout
@@ -83,21 +81,3 @@ def attention_call(x: dict, schedule=None, return_details=False, topk=None):
     return attention.sparse_attention_prefill(
         x["q"], x["kv_cache"], x["kv_fmt"], x["block_table"], x["cu_seqlens_q"],
         x["seq_lens"], sel, **common)
-
-
-def _attention(x: dict) -> dict:
-    out = attention_call(x, schedule=attention.exact(x["model_dtype"]))
-    return {"out": model_codes(out, x["model_dtype"])}
-
-
-for _op, _run in {
-    "norm_rope_insert": norm_rope_insert,
-    "reshape_and_cache": reshape_and_cache,
-    "indexer_prefill": lambda x: {"topk": indexer_prefill(x)},
-    "indexer_decode": lambda x: {"topk": indexer_decode(x)},
-    "attention_prefill": _attention,
-    "attention_decode": _attention,
-}.items():
-    register(Implementation("reference", _op, _run, devices=("cpu",),
-                            schedule=attention.exact() if _op.startswith("attention") else None,
-                            notes="float64 NumPy; the contract"))

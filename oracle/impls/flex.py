@@ -64,8 +64,9 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from oracle.bounds import TENSOR_CORE_DOT_REL
-from oracle.impl_torch import (
+from oracle.core.bounds import TENSOR_CORE_DOT_REL
+from oracle.core.registry import Implementation, register
+from oracle.impls.torch_peer import (
     HALF_DTYPES,
     _codes_in,
     _codes_out,
@@ -75,7 +76,6 @@ from oracle.impl_torch import (
     decode,
     device,
 )
-from oracle.registry import Implementation, register
 from reference.attention import Schedule
 from reference.platforms import is_fp8
 

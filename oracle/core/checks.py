@@ -3,14 +3,15 @@ the op's tolerance model, summarised as a ``CheckResult``.
 
 Only rigorous models decide pass/fail (``passed``):
 - rounded outputs (bf16/fp16 values, fp8 codes): the rounding-interval oracle
-  (``oracle.intervals``) with the fp32 error bound of ``oracle.bounds``; the fused insert's
+  (``oracle.core.intervals``) with the fp32 error bound of ``oracle.core.bounds``; the fused
+  insert's
   model-dtype K and fp8 K code jointly (one fp32 value must explain both);
 - caches: every slot the op must not write is bit-identical to its input (the inputs are
   poisoned with NaN codes, so a stray write or a skipped slot shows);
 - selections: set equality up to near-ties within the score-error bound
   (``reference.indexer.selection_admissible``);
 - attention: the reference run with the implementation's own rounding schedule plus a
-  rigorous bound on what is left (``oracle.attention_bound``).
+  rigorous bound on what is left (``oracle.core.attention_bound``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from oracle import impl_reference as ref_impl
-from oracle.bounds import gamma, norm_rope_bound
-from oracle.cases import Case, input_hash, make_inputs
-from oracle.intervals import classify, joint_value_exists, preimage
-from oracle.registry import implementations, schedule_for, score_rel_for
+from oracle.core import reference_run as ref_impl
+from oracle.core.bounds import gamma, norm_rope_bound
+from oracle.core.cases import Case, input_hash, make_inputs
+from oracle.core.intervals import classify, joint_value_exists, preimage
+from oracle.core.registry import implementations, schedule_for, score_rel_for
 from reference import norm_rope
 from reference.codec import decode, encode, get_format
 from reference.kv_cache import scale_at
@@ -320,12 +321,12 @@ def check_attention(x, out, impl) -> tuple[Tally, list, dict]:
 def scheduled_reference(x, impl, out) -> tuple[np.ndarray, np.ndarray]:
     """The reference's unrounded output ``[T, Hq, D]`` under the implementation's declared
     schedule, and the bound on the implementation's distance from it
-    (``oracle.attention_bound``). An implementation declaring a tuple of schedules (one per
-    kind of row its kernels compute differently; ``oracle.registry``) reports in
+    (``oracle.core.attention_bound``). An implementation declaring a tuple of schedules (one per
+    kind of row its kernels compute differently; ``oracle.core.registry``) reports in
     ``out["schedule_rows"]`` (int ``[T, Hq]``, default all 0) which one each (token, head)
     row followed: each row is judged against its own, the reference run once per distinct
     schedule in use. A malformed report is a ValueError (a failed check)."""
-    from oracle.attention_bound import attention_bound
+    from oracle.core.attention_bound import attention_bound
 
     declared = schedule_for(impl, x["model_dtype"], x)
     scheds = declared if isinstance(declared, tuple) else (declared,)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle import rand
-from oracle.bounds import ULP_REL, Fp32Arith
+from oracle.core import rand
+from oracle.core.bounds import ULP_REL, Fp32Arith
 
 F32 = np.float32
 
@@ -57,7 +57,7 @@ def tensor_core_sum(terms: np.ndarray, k: int = 16) -> np.ndarray:
     operands), in steps of ``k`` terms: each step aligns the accumulator and its k terms to
     the largest of them, cuts every one to 24 bits below that exponent (toward zero, no
     guard bits), adds them exactly and cuts the result to fp32 toward zero (Fasi et al.,
-    2021: the worst of the behaviours measured). ``oracle.bounds.TENSOR_CORE_DOT_REL``
+    2021: the worst of the behaviours measured). ``oracle.core.bounds.TENSOR_CORE_DOT_REL``
     must cover it."""
     t = np.asarray(terms, np.float64)
     acc = np.zeros(t.shape[:-1])

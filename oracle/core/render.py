@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from oracle.checks import ULP_BINS
+from oracle.core.checks import ULP_BINS
 
 
 def _pct(n, d) -> str:
@@ -17,7 +17,7 @@ def _cell(text: str) -> str:
 
 
 def _suite_lines(suite: dict | None) -> list[str]:
-    """A test run's summary (``pytest --suite-report``: oracle/suite.py), when present."""
+    """A test run's summary (``pytest --suite-report``: oracle/tools/suite.py), when present."""
     if not suite:
         return []
     outcomes = ", ".join(f"{n} {k}" for k, n in sorted(suite["outcomes"].items()))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from oracle import rand
+from oracle.core import rand
 from reference.codec import FORMATS, FP8_FORMATS, POLICIES, decode, encode
 
 ML_DTYPES = {name: getattr(ml_dtypes, "float8_" + name) for name in FP8_FORMATS}

@@ -5,9 +5,9 @@ Cases (``draw_cases``): per op, ``n`` cases whose fields are drawn uniformly fro
 domain (shape classes given, every distribution the op takes, platform, cache dtype, model
 dtype, scales where the format has them) with seeds from a seeded generator, so a run is a
 pure function of (op, n, seed, shape classes). Each case runs through every implementation
-that claims it (``oracle.checks.run_check``), the reference included.
+that claims it (``oracle.core.checks.run_check``), the reference included.
 
-Calibration of the reported, non-gating statistics (``oracle.checks.reported_attention_stats``
+Calibration of the reported, non-gating statistics (``oracle.core.checks.reported_attention_stats``
 and the indexer's ``needed_bound``): per op and implementation the distribution of each
 statistic over the clean cases (max, 99.9th and 99th percentiles). A gate "statistic <=
 multiplier" raises no false alarm on this run when the multiplier is at least the max;
@@ -26,9 +26,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from oracle import rand
-from oracle.cases import DISTRIBUTIONS, SCALES, Case, config_formats, pick
-from oracle.checks import check_claimants
+from oracle.core import rand
+from oracle.core.cases import DISTRIBUTIONS, SCALES, Case, config_formats, pick
+from oracle.core.checks import check_claimants
 from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
 
 MARGIN = 1.5  # the calibrated multiplier: the clean run's max times this
@@ -39,9 +39,9 @@ def draw_cases(op: str, n: int, seed: int = 0, shape_classes=("tiny", "small"),
                configs: int = 0, pin_formats: bool = False) -> list[Case]:
     """``n`` valid cases of ``op`` with uniformly drawn fields (module docstring);
     ``configs`` > 0: each case's shapes from one of that many shape configs
-    (``oracle.fuzz.config_pool(configs, seed)``), so the cases share compiled kernels;
-    ``pin_formats``: its format fields too (``oracle.cases.config_formats``)."""
-    from oracle.fuzz import config_pool
+    (``oracle.tools.fuzz.config_pool(configs, seed)``), so the cases share compiled kernels;
+    ``pin_formats``: its format fields too (``oracle.core.cases.config_formats``)."""
+    from oracle.tools.fuzz import config_pool
 
     pool = config_pool(configs, seed)
     bg = rand.generator(rand.seed_of(f"falsealarm:{op}:{seed}"))
@@ -92,7 +92,7 @@ def _worker(args):
 def _pin_worker(counter, gpus: int) -> None:
     """Pool initializer: the i-th worker started runs on GPU i mod ``gpus`` alone (set
     before it touches CUDA), as ``oracle fuzz`` pins its workers."""
-    from oracle.gpus import pin_gpu
+    from oracle.tools.gpus import pin_gpu
 
     with counter.get_lock():
         index = counter.value
@@ -111,7 +111,7 @@ def run(ops, n: int, seed: int = 0, shape_classes=("tiny", "small"), impl_names=
     """The clean run over ``n`` cases per op and its calibration (module docstring); with
     ``seconds``, cases not started within that budget are left out and the report says
     how many each op got (``cases_run``). ``gpus`` > 1: worker i on GPU i mod gpus."""
-    from oracle.report import machine_info
+    from oracle.core.report import machine_info
 
     t0 = time.perf_counter()
     deadline = None if seconds is None else time.time() + seconds

@@ -33,7 +33,7 @@ F64_REL = 2.0**-50
 #: a sign, so they reach the worst case that random IEEE roundings do not (~2 gamma(n) in
 #: all: 2^-15 at n = 256); declared with a factor 2 margin at n = 256. The attention bound
 #: carries it to other lengths linearly (``tensor_core_rel``); the indexer applies it as is
-#: (D <= 256). Implementations declare it as ``score_rel`` (oracle.registry).
+#: (D <= 256). Implementations declare it as ``score_rel`` (oracle.core.registry).
 TENSOR_CORE_DOT_REL = 2.0**-14
 TENSOR_CORE_LENGTH = 256
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle import rand
+from oracle.core import rand
 
 BOOTSTRAP = 2000
 #: Relative RMSE changes per case at most this are noise, not change (see the docstring;

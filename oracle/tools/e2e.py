@@ -15,10 +15,10 @@ Choices (each one deliberate; the JSON records the configuration):
 
 - Inputs. Per (mode, distribution, seed) one input set, shared by every cache
   configuration, so the rows of one (mode, distribution) compare formats on identical
-  data. Its generator is ``oracle.rand.generator(case_seed(mode, dist, seed))`` (sha256 of
-  ``"e2e:MODE:DIST:SEED"``, as ``oracle.cases`` derives its seeds), and all values come
-  from ``oracle.cases.draw_values`` rounded to bf16: a seed gives the same bits on any
-  machine up to the rare last-ulp differences of libm (``oracle.rand``) and of NumPy's
+  data. Its generator is ``oracle.core.rand.generator(case_seed(mode, dist, seed))`` (sha256 of
+  ``"e2e:MODE:DIST:SEED"``, as ``oracle.core.cases`` derives its seeds), and all values come
+  from ``oracle.core.cases.draw_values`` rounded to bf16: a seed gives the same bits on any
+  machine up to the rare last-ulp differences of libm (``oracle.core.rand``) and of NumPy's
   float32 cos/sin in the RoPE table (``reference.norm_rope.rope_table``), and float64
   summation order (BLAS) moves the last digits and may flip a near-tie selection: the
   H200 machine's reference columns differ from this CPU's in the last digits and, in a
@@ -30,7 +30,7 @@ Choices (each one deliberate; the JSON records the configuration):
   ``normal`` N(0, 1); ``outliers`` N(0, 1) plus N(0, 10^2) on 0.1% of entries (no Inf/NaN:
   an output error is meaningless with them); ``near_overflow`` +-448 x U(0.85, 1.15) (around
   e4m3fn's max, so above e4m3fnuz's 240 and far below e5m2's 57344) with norm weights
-  4 N(0, 1) instead of 0.3 N(0, 1) (large post-norm K, as in ``oracle.cases``); ``tiny``
+  4 N(0, 1) instead of 0.3 N(0, 1) (large post-norm K, as in ``oracle.core.cases``); ``tiny``
   +-2^-9 x 2^U(-2, 4) (around e4m3fn's min subnormal). q, k and the index parts go through
   RMSNorm, which removes their overall magnitude; V is stored as drawn, so the magnitude
   distributions act mostly on V (and the outliers on K's shape as well).
@@ -82,16 +82,16 @@ Choices (each one deliberate; the JSON records the configuration):
   implementation's ``norm_rope_insert`` of the step's rows, its ``indexer_{mode}`` on the
   index cache and the index_q it wrote, and its ``attention_{mode}`` of the q it returned
   on the KV cache it wrote with the selection its indexer made. Each op gets the input
-  dict ``oracle.cases.make_inputs`` builds for it (same keys and conventions:
+  dict ``oracle.core.cases.make_inputs`` builds for it (same keys and conventions:
   ``insert_inputs``, ``indexer_inputs``, ``attention_inputs``) and returns what
-  ``oracle.registry`` describes; outputs in codes are decoded. The registered insert op
+  ``oracle.core.registry`` describes; outputs in codes are decoded. The registered insert op
   takes one slot mapping for both caches while the case gives the index cache its own
   block table: the insert gets the index cache with its pages relabelled in the KV
   cache's page order (``kv_to_index_pages``), and the pages go back afterwards (the keys
   land where ``index_block_table`` says; every byte as in ``sparse_step``, tested).
 - Which implementations run: ``resolve_impls`` takes the name's implementation of each of
   the step's three ops that runs on this machine (a CPU one runs anywhere). Each row's
-  three ops are judged by ``Implementation.supports`` on the nearest ``oracle.cases.Case``
+  three ops are judged by ``Implementation.supports`` on the nearest ``oracle.core.cases.Case``
   (``nearest_case``: the row's op, platform, kv_cache_dtype, model dtype, distribution,
   seed, scales ``tensor`` for amax and ``none`` for unit, and ``nearest_shape_class``: the
   smallest class whose per-request context and new tokens cover the step: ``TINY`` is
@@ -128,8 +128,8 @@ from pathlib import Path
 
 import numpy as np
 
-from oracle import rand
-from oracle.cases import Case, draw_values, poison_code, to_model
+from oracle.core import rand
+from oracle.core.cases import Case, draw_values, poison_code, to_model
 from reference.attention import (
     decode_positions,
     prefill_positions,
@@ -437,7 +437,7 @@ def selection_change_fraction(topk, ref_topk) -> float:
 
 
 #: (largest context, largest new tokens per request) of each shape class of
-#: ``oracle.cases`` (tiny: 4 pages of 16, up to 24 new tokens; small: 24 pages of up to 128,
+#: ``oracle.core.cases`` (tiny: 4 pages of 16, up to 24 new tokens; small: 24 pages of up to 128,
 #: up to 96; model: 64 pages of 128, up to 256), smallest first; beyond them: ``long``
 #: (``sweep`` for the insert op, its class for compiled kernels).
 SHAPE_LIMITS = (("tiny", 64, 24), ("small", 24 * 128, 96), ("model", 64 * 128, 256))
@@ -449,7 +449,7 @@ def pipeline_ops(mode: str) -> tuple[str, str, str]:
 
 
 def nearest_shape_class(cfg: Config, mode: str, op: str = "attention_decode") -> str:
-    """The shape class of the nearest ``oracle.cases.Case`` to a configuration's step: the
+    """The shape class of the nearest ``oracle.core.cases.Case`` to a configuration's step: the
     smallest class (``SHAPE_LIMITS``) whose largest context and new tokens per request
     cover the step's (decode: its rows per request), the same for the step's three ops
     (``long`` becomes ``sweep`` for the insert op). Requests, heads, D and P do not enter:
@@ -480,8 +480,8 @@ def resolve_impls(name: str, modes=MODES, device: str = "cpu") -> dict:
     runs on this machine (``device`` among its devices, or a CPU implementation: those run
     on any machine), or a string saying why there is none (reported as a skip).
     ValueError if no op has an implementation of that name
-    (``oracle.registry.implementations``)."""
-    from oracle.registry import implementations
+    (``oracle.core.registry.implementations``)."""
+    from oracle.core.registry import implementations
 
     found = {}
     for op in dict.fromkeys(op for m in modes for op in pipeline_ops(m)):
@@ -535,7 +535,7 @@ def _step_args(case) -> dict:
 
 
 def insert_inputs(case, kv, kv_fmt, index_cache, index_fmt, k_scale, v_scale) -> dict:
-    """The ``norm_rope_insert`` input dict (``oracle.cases``' keys) of the step's rows: KV
+    """The ``norm_rope_insert`` input dict (``oracle.core.cases``' keys) of the step's rows: KV
     slots from ``block_table`` (``new_token_slots``), ``index_cache`` already in the KV
     cache's page order (``kv_to_index_pages``)."""
     cfg, layout, w = case["cfg"], case["layout"], case["weights"]
@@ -677,7 +677,7 @@ def exact_step(case) -> dict:
 
 
 def _device() -> str:
-    from oracle.cli import _device as device
+    from oracle.tools.cli import _device as device
 
     return device()
 
@@ -761,7 +761,7 @@ def run(quick=False, seed=0, modes=MODES, dists=DISTS, progress=True, impl=None,
                initial_blocks=INITIAL_BLOCKS, seconds=round(time.perf_counter() - t0, 1),
                numpy=np.__version__, python=_platform.python_version(), rows=rows)
     if with_kernels:
-        from oracle.report import machine_info
+        from oracle.core.report import machine_info
 
         doc.update(impl=name, device=device, machine=machine_info(),
                    config_name=next((k for k, v in CONFIGS.items() if v == cfg), "custom"),
@@ -810,7 +810,7 @@ def markdown(doc) -> str:
         "",
         f"One sparse-attention step (fused norm + RoPE + insert -> indexer -> block-sparse "
         f"attention, exact schedule) against the same step without quantisation "
-        f"(oracle/e2e.py). {_config_line(doc)}",
+        f"(oracle/tools/e2e.py). {_config_line(doc)}",
         "",
         "rel RMSE = ||out - exact|| / ||exact||; max err = max |out - exact| / max |exact|; "
         "top-k changed = fraction of (row, head) selections whose block set differs from "
@@ -843,7 +843,7 @@ def _markdown_both(doc) -> str:
         f"`{name}` implementations ({where})",
         "",
         f"One sparse-attention step (fused norm + RoPE + insert -> indexer -> block-sparse "
-        f"attention) against the same step without quantisation (oracle/e2e.py), twice "
+        f"attention) against the same step without quantisation (oracle/tools/e2e.py), twice "
         f"per row on the same inputs: the float64 reference pipeline (exact schedule, "
         f"unrounded output: the cache's cost alone) and the registered `{name}` "
         f"implementations of the three ops (insert of the step's rows, indexer, attention; "
@@ -898,7 +898,7 @@ def _markdown_both(doc) -> str:
 
 def write(doc, out) -> tuple[Path, Path]:
     """OUT.json and OUT.md beside it."""
-    from oracle.report import write_json
+    from oracle.core.report import write_json
 
     out = write_json(doc, Path(out).with_suffix(".json"))
     md = out.with_suffix(".md")

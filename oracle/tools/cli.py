@@ -50,7 +50,7 @@ def _check_names(kind, values, valid):
 def cmd_conformance(args) -> int:
     import torch
 
-    from oracle import conformance
+    from oracle.tools import conformance
 
     t0 = time.perf_counter()
     sets = {s: conformance.source_set(s) for s in conformance.SOURCE_DTYPES}
@@ -75,9 +75,9 @@ def cmd_conformance(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from oracle import render, report
-    from oracle.cases import OPS, SHAPE_CLASSES
-    from oracle.registry import known_names
+    from oracle.core import render, report
+    from oracle.core.cases import OPS, SHAPE_CLASSES
+    from oracle.core.registry import known_names
     from reference.platforms import PLATFORMS
 
     ops = _check_names("ops", _split(args.ops), OPS) or list(OPS)
@@ -119,15 +119,15 @@ def _summary_table(doc) -> str:
 
 
 #: The run reports other than the tolerance report: schema -> module with ``markdown``.
-RUN_REPORTS = {"fuzz/1": "oracle.fuzz", "mutants/1": "oracle.mutants",
-               "false-alarms/1": "oracle.falsealarm", "scaleout/1": "oracle.suite"}
+RUN_REPORTS = {"fuzz/1": "oracle.tools.fuzz", "mutants/1": "oracle.tools.mutants",
+               "false-alarms/1": "oracle.tools.falsealarm", "scaleout/1": "oracle.tools.suite"}
 
 
 def cmd_render(args) -> int:
     import importlib
     import json
 
-    from oracle import render, report
+    from oracle.core import render, report
 
     out = Path(args.out) if args.out else Path(args.report).with_suffix("")
     try:  # a GPU run's fuzz / mutants / false-alarm JSON: its Markdown beside it
@@ -146,7 +146,7 @@ def cmd_render(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from oracle import diff, report
+    from oracle.core import diff, report
 
     text, worse = diff.diff_reports(report.load(args.old), report.load(args.new))
     print(text)
@@ -154,9 +154,9 @@ def cmd_diff(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from oracle.cases import Case, input_hash, make_inputs
-    from oracle.checks import run_check
-    from oracle.registry import implementations
+    from oracle.core.cases import Case, input_hash, make_inputs
+    from oracle.core.checks import run_check
+    from oracle.core.registry import implementations
 
     case = Case.from_id(args.case)
     x = make_inputs(case)
@@ -181,9 +181,9 @@ def cmd_replay(args) -> int:
 
 
 def cmd_fuzz(args) -> int:
-    from oracle import fuzz
-    from oracle.cases import OPS, SHAPE_CLASSES
-    from oracle.registry import implementations, known_names
+    from oracle.core.cases import OPS, SHAPE_CLASSES
+    from oracle.core.registry import implementations, known_names
+    from oracle.tools import fuzz
 
     seconds = args.seconds if args.minutes is None else 60.0 * args.minutes
     ops = _check_names("ops", _split(args.ops), OPS) or list(OPS)
@@ -226,7 +226,7 @@ def cmd_fuzz(args) -> int:
 
 
 def _mutant(name: str):
-    from oracle.mutants import catalog
+    from oracle.tools.mutants import catalog
 
     known = catalog()
     if name not in known:
@@ -237,8 +237,8 @@ def _mutant(name: str):
 def cmd_mutants(args) -> int:
     import json
 
-    from oracle import mutants
-    from oracle.report import write_json
+    from oracle.core.report import write_json
+    from oracle.tools import mutants
 
     known = mutants.catalog()
     if args.list:
@@ -272,9 +272,9 @@ def cmd_mutants(args) -> int:
 def cmd_falsealarm(args) -> int:
     import json
 
-    from oracle import falsealarm
-    from oracle.cases import OPS, SHAPE_CLASSES
-    from oracle.registry import known_names
+    from oracle.core.cases import OPS, SHAPE_CLASSES
+    from oracle.core.registry import known_names
+    from oracle.tools import falsealarm
 
     if args.merge:
         doc = falsealarm.merge([json.loads(Path(p).read_text()) for p in args.merge])
@@ -288,7 +288,7 @@ def cmd_falsealarm(args) -> int:
     device = _device()
     if args.seconds is not None and args.seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {args.seconds}")
-    from oracle.fuzz import default_impls
+    from oracle.tools.fuzz import default_impls
 
     # As a fuzz run: random shapes, so on CUDA the per-shape compiled flex baseline is
     # left out unless named.
@@ -300,8 +300,8 @@ def cmd_falsealarm(args) -> int:
 
 
 def _write_falsealarm(doc: dict, out: Path) -> int:
-    from oracle import falsealarm
-    from oracle.report import write_json
+    from oracle.core.report import write_json
+    from oracle.tools import falsealarm
 
     write_json(doc, out)
     text = falsealarm.markdown(doc)
@@ -312,8 +312,8 @@ def _write_falsealarm(doc: dict, out: Path) -> int:
 
 
 def cmd_scaleout(args) -> int:
-    from oracle import suite
-    from oracle.report import write_json
+    from oracle.core.report import write_json
+    from oracle.tools import suite
 
     doc = suite.scaleout(args.runs, args.subset, args.warm)
     path = write_json(doc, args.out)
@@ -324,8 +324,8 @@ def cmd_scaleout(args) -> int:
 
 
 def cmd_suite_merge(args) -> int:
-    from oracle import suite
-    from oracle.report import load, write_json
+    from oracle.core.report import load, write_json
+    from oracle.tools import suite
 
     doc = suite.merge([load(p) for p in args.parts])
     path = write_json(doc, args.out)
@@ -335,7 +335,7 @@ def cmd_suite_merge(args) -> int:
 
 
 def cmd_e2e(args) -> int:
-    from oracle import e2e
+    from oracle.tools import e2e
 
     if args.seed < 0:
         raise ValueError(f"seed must be >= 0, got {args.seed}")
@@ -411,12 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--configs", type=int, help="shape configs per run: every case takes "
                    "its shapes from one of N configs (Case.config), so cases share compiled "
                    "kernels; 0: every case its own shapes (default: 0 on the CPU; on CUDA "
-                   "oracle.fuzz.CUDA_CONFIGS with --pin-formats, a new pool each run)")
+                   "oracle.tools.fuzz.CUDA_CONFIGS with --pin-formats, a new pool each run)")
     s.add_argument("--config-salt", type=int, help="picks the run's configs (default: "
                    "random, printed)")
     s.add_argument("--pin-formats", action="store_true", help="with --configs: each config "
                    "fixes the platform, cache dtype, model dtype and scale kind too "
-                   "(oracle.cases.config_formats), so a warm-up compiles every variant the "
+                   "(oracle.core.cases.config_formats), so a warm-up compiles every variant the "
                    "run meets; values, distributions and seeds stay free")
     s.add_argument("--out", default="fuzz-failures", help="folder for shrunk failing cases")
     s.add_argument("--no-shrink", action="store_true", help="report a failing case as "

@@ -1,4 +1,4 @@
-"""Mutants of the KV insert kernels (``oracle.mutants``): the fused Gemma RMSNorm + partial
+"""Mutants of the KV insert kernels (``oracle.tools.mutants``): the fused Gemma RMSNorm + partial
 NeoX RoPE + paged insert (``kernels.norm_rope_insert``, op ``norm_rope_insert``) and the
 separate insert (``kernels.reshape_and_cache``, op ``reshape_and_cache``), both Triton, and
 the fp8 codec they share (``kernels.fp8``). Each is a bug class of shared/SPEC.md section 8
@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from oracle.mutants import Mutant, patch, register, wrap_inputs
+from oracle.tools.mutants import Mutant, patch, register, wrap_inputs
 from reference.domain import MODEL
 
 FUSED = "kernels.norm_rope_insert"

@@ -1,9 +1,9 @@
 """The plain torch baseline of every op: what a user would write with stock torch ops, in
 the model dtype, on ``cuda`` when available, else on the CPU.
 
-Registered as implementation ``"torch"`` of each op in ``oracle.cases.OPS``. ``run(inputs)``
-takes the numpy input set of a case (``oracle.cases.make_inputs``) and returns numpy
-outputs in exactly ``oracle.impl_reference``'s format: rounded outputs as codes (uint16
+Registered as implementation ``"torch"`` of each op in ``oracle.core.cases.OPS``. ``run(inputs)``
+takes the numpy input set of a case (``oracle.core.cases.make_inputs``) and returns numpy
+outputs in exactly ``oracle.core.reference_run``'s format: rounded outputs as codes (uint16
 bf16/fp16 bit patterns, uint8 fp8 codes), caches as full logical arrays after the call
 (copies: the inputs are never modified), topk as int32 ``[Hi, T, K]``.
 
@@ -28,7 +28,7 @@ Numerics (what the oracle judges it by):
   output rounded to act. The declared schedule is therefore
   ``Schedule(kv_dtype=act, out_dtype=act)`` where act is the case's model dtype. Because a
   registry entry serves both model dtypes, the entry's ``schedule`` is a ``PerModelDtype``:
-  call it with the model dtype (``oracle.registry.schedule_for(impl, model_dtype)`` does
+  call it with the model dtype (``oracle.core.registry.schedule_for(impl, model_dtype)`` does
   that and also accepts plain ``Schedule`` entries). Content a row must not see is zeroed with
   ``torch.where`` before any matmul and masked out of the logits (0 * NaN = NaN otherwise).
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from oracle.registry import Implementation, register
+from oracle.core.registry import Implementation, register
 from reference.attention import Schedule
 from reference.codec import FORMATS
 from reference.platforms import is_fp8

@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, Phase, given, settings, target
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from oracle.cases import DISTRIBUTIONS, OPS, SCALES, Case, config_formats
-from oracle.checks import check_claimants
+from oracle.core.cases import DISTRIBUTIONS, OPS, SCALES, Case, config_formats
+from oracle.core.checks import check_claimants
 from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
 
 
@@ -44,7 +44,7 @@ def case_strategy(ops=OPS, shape_classes=("tiny", "small"), configs=None,
                   pin_formats: bool = False) -> st.SearchStrategy[Case]:
     """Cases over the domain; ``configs`` (a sequence of ints): each case's shapes come
     from one of these shape configs (``Case.config``), so cases share compiled kernels;
-    ``pin_formats``: its format fields too (``oracle.cases.config_formats``: one compiled
+    ``pin_formats``: its format fields too (``oracle.core.cases.config_formats``: one compiled
     variant per kernel and config; the values, distribution and seed stay free)."""
     fields = st.fixed_dictionaries({
         "op": st.sampled_from(list(ops)),
@@ -100,7 +100,7 @@ def check_case(case: Case, impl_names=None, device: str = "cpu",
 DEFAULT_SHAPE_CLASSES = ("tiny", "small")
 
 #: Left out of a CUDA fuzz run unless named with ``--impls``: the compiled flex baseline is
-#: compiled by Inductor for every new shape (``dynamic=False``, oracle/impl_flex.py), seconds
+#: compiled by Inductor for every new shape (``dynamic=False``, oracle/impls/flex.py), seconds
 #: per case, which the suite's fixed case set amortises and a random-shape search does not
 #: (H200, 14 workers: a quarter of the gaps between cases were over 3 s).
 CUDA_FUZZ_SKIPS = ("flex",)
@@ -137,7 +137,7 @@ def default_configs(device: str, configs: int | None, pin_formats: bool
 def default_impls(device: str) -> list[str] | None:
     """The implementations a fuzz run checks when none are named: all (None) on the CPU,
     all but ``CUDA_FUZZ_SKIPS`` on CUDA."""
-    from oracle.registry import known_names
+    from oracle.core.registry import known_names
 
     if device != "cuda":
         return None
@@ -183,7 +183,7 @@ def run_workers(workers: int, seconds: float, ops=None, impls=None,
 
 def _worker(index, gpus, seconds, ops, impls, out_dir, device, db, shape_classes,
             shrink=True, configs=None, pin_formats=False) -> dict:
-    from oracle.gpus import pin_gpu
+    from oracle.tools.gpus import pin_gpu
 
     pin_gpu(index, gpus)
     stats = run_stats(seconds, ops, impls, out_dir, device, db, progress=index == 0,
@@ -318,7 +318,7 @@ def report(stats: list[dict], *, seconds: float, warmup: float, ops, impls, shap
     summed over the workers' own rates: ``after_warmup`` counts the cases each finished
     after ``warmup`` seconds from its start over its time after that; ``overall`` each
     one's cases over its whole search."""
-    from oracle.report import machine_info
+    from oracle.core.report import machine_info
 
     per_op: Counter = Counter()
     per_class: Counter = Counter()

@@ -3,8 +3,8 @@ the check results per cell, write one JSON (schema ``oracle-report/1``).
 
 A cell is (op, implementation, platform, storage format, shape class, distribution). Each
 cell keeps its per-case rows (case id, input hash, pass, exact rate, max error/bound, RMSE)
-so that ``oracle.diff`` can pair cases across two reports of the same case set.
-Markdown and PNG are rendered from the JSON by ``oracle.render`` (a GPU run only needs to
+so that ``oracle.core.diff`` can pair cases across two reports of the same case set.
+Markdown and PNG are rendered from the JSON by ``oracle.core.render`` (a GPU run only needs to
 bring back the JSON and a log).
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from oracle.cases import OPS, Case
-from oracle.checks import ULP_BINS, CheckResult, run_check
-from oracle.registry import implementations
+from oracle.core.cases import OPS, Case
+from oracle.core.checks import ULP_BINS, CheckResult, run_check
+from oracle.core.registry import implementations
 from reference.platforms import KV_CACHE_DTYPES, PLATFORMS, kv_cache_format
 
 SCHEMA = "oracle-report/1"
@@ -184,7 +184,7 @@ def run_report(cases: list[Case], impl_names=None, device: str | None = None,
                 skipped[f"{impl.name}: {why}"] += 1
                 continue
             if inputs is None:
-                from oracle.cases import make_inputs
+                from oracle.core.cases import make_inputs
 
                 inputs = make_inputs(case)
             r = run_check(case, impl, inputs)
