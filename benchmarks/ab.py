@@ -1,8 +1,7 @@
 """A/B timing: one benchmark run on a git revision's tree and on the working tree, in the
 same GPU call, so a kernel change is judged against its base on the same machine, clocks
-and copy bandwidth (H200 medians drift by a few percent between calls; the same-call
-comparison is what decided this project's kernel changes, e.g. e4m3fnuz decode 78.0 us
-against 96.0 with K staged, reports/bench_attention_decode_fnuz_staged_k.md).
+and copy bandwidth (medians drift by a few percent between calls; within one call they
+do not).
 
 1. CPU: ``python -m benchmarks.ab prepare REV`` writes REV's tree (reports/ left out) to
    ``.ab-base/`` (gitignored) and its commit to ``.ab-base/AB_REV``.

@@ -8,10 +8,9 @@ an op on ``--cases`` cases drawn as the false-alarm run draws them (``oracle.too
 draw_cases``, ``--configs`` as there) with the interpreter's launch replaced by a recorder
 (nothing executes, so a launcher that reads a kernel's output gets zeros: the count is
 exact for single-launch paths and a lower bound elsewhere), and prints, per kernel, the
-distinct keys after every fifth of the cases and the arguments whose class varied. On the
-H200 a fuzz or false-alarm case that meets a new key pays a compile (about 1.5 s with 14
-workers compiling at once, ``reports/fuzz-h200.md``), so keys per case near 1 mean a
-compile-bound run.
+distinct keys after every fifth of the cases and the arguments whose class varied. On a GPU
+a fuzz or false-alarm case that meets a new key pays a compile (seconds with many workers
+compiling at once), so keys per case near 1 mean a compile-bound run.
 
 Run: ``TRITON_INTERPRET=1 .venv/bin/python -m benchmarks.spec_variants attention_decode
 --cases 150 [--shape-classes small]``.
