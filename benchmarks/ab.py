@@ -65,7 +65,7 @@ def medians(doc: dict) -> dict[str, float | None]:
 def check_build(tree: Path) -> None:
     """Build ``tree``'s csrc/ library with its own kernels/cuda_build.py (on the CPU: nvcc
     compiles sm_90 here), so that a tree that does not build is found before a device call
-    spends minutes on it (session 15 lost one to a duplicate symbol at link time)."""
+    spends minutes on it (a duplicate symbol at link time, for one)."""
     res = subprocess.run([sys.executable, "-m", "kernels.cuda_build"], cwd=tree,
                          env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True,
                          text=True)

@@ -1,4 +1,4 @@
-"""Speed of the block-sparse GQA decode attention (issue 8):
+"""Speed of the block-sparse GQA decode attention:
 kernels.attention_decode.sparse_attention_decode at the model shape.
 
 Shape: Hq 64, Hkv 4 (G 16), D 128, P 128, K 16 selected blocks per (request, KV head)
@@ -33,10 +33,10 @@ Targets and checks (``checks``; each result carries the ones that concern it):
 - batch 64: e4m3fn >= 70% of the copy bandwidth, bf16 >= 85% (result ``targets``);
 - every fp8 cache faster than bf16 at every batch (``vs_bf16`` = bf16 median / this > 1);
 - each fnuz format's overhead over e4m3fn below 15% (``fnuz_overhead`` = fnuz / e4m3fn -
-  1; the issue: "the fnuz formats' software decode costing under 15% against e4m3fn").
-For scale (the issue's vLLM numbers, NOT measured here; ``for_scale`` in the JSON and a
+  1).
+For scale (vLLM's published numbers, NOT measured here; ``for_scale`` in the JSON and a
 column of the table): batch 64 86.9 us e4m3, 83.8 us bf16; batch 8 22.6 us e4m3.
-No torch baseline is timed (the issue's targets are against the copy bandwidth and between
+No torch baseline is timed (the targets are against the copy bandwidth and between
 caches; vLLM's numbers are quoted for scale instead).
 
 Writes a ``bench/1`` JSON (default ``$OUT/bench_attention_decode.json`` when OUT is set,
@@ -67,13 +67,13 @@ BATCHES = (1, 8, 64, 256)
 SEQ_LEN = 32_768
 CACHES = {"bf16": "bfloat16", "e4m3fn": "e4m3fn", "e4m3fnuz": "e4m3fnuz", "e5m2": "e5m2",
           "e5m2fnuz": "e5m2fnuz"}
-#: Every cache by default (e5m2fnuz since its assembly decode, session 12).
+#: Every cache by default.
 DEFAULT_CACHES = tuple(CACHES)
 FNUZ_CACHES = ("e4m3fnuz", "e5m2fnuz")
 TARGET_BATCH = 64
 TARGETS = {"bf16": {"copy_fraction": 0.85}, "e4m3fn": {"copy_fraction": 0.70}}
 FNUZ_OVERHEAD_MAX = 0.15
-FOR_SCALE = [  # issue 8's vLLM numbers, not measured by this benchmark
+FOR_SCALE = [  # vLLM's published numbers, not measured by this benchmark
     {"name": "vllm", "cache": "e4m3fn", "batch": 64, "median_us": 86.9},
     {"name": "vllm", "cache": "bf16", "batch": 64, "median_us": 83.8},
     {"name": "vllm", "cache": "e4m3fn", "batch": 8, "median_us": 22.6},
@@ -153,7 +153,7 @@ def make_set(batch: int, kv_fmt: str, seed: int, seq_len: int = SEQ_LEN, s: Shap
              dev: str = "cuda", hot_pages: int = 0) -> DecodeSet:
     """Random q and cache (N(0, 1)), every request seq_len tokens on its own shuffled pages
     of a pool twice the size needed, random selections with the own block in.
-    ``hot_pages`` > 0 (a diagnostic, not the issue's measure): every block-table entry
+    ``hot_pages`` > 0 (a diagnostic, not the target's measure): every block-table entry
     taken modulo hot_pages, so all requests read the same few pages and the blocks come
     from L2 after their first touch: the kernel's time without DRAM latency and bandwidth
     (what is left is its own instruction and dependency chain)."""
@@ -265,8 +265,8 @@ def parse_args(argv):
 
 
 def build_report(args) -> dict:
-    doc = harness.report_base(render_bench.SCHEMA, "block-sparse GQA decode attention "
-                              "(issue 8)", args)
+    doc = harness.report_base(render_bench.SCHEMA, "block-sparse GQA decode attention",
+                              args)
     doc.update(tokens=f"B x {args.seq_len}", batches=list(args.batches),
                seq_len=args.seq_len, rows_per_request=1,
                shape={**asdict(SHAPE), "model_dtype": "bfloat16", "layout": "HND"},
@@ -274,7 +274,7 @@ def build_report(args) -> dict:
                       "the own block always in; scalar fp8 scale 1.0.",
                       "triton: one workspace kept across the calls (knob workspace=none: "
                       "fresh buffers and a counter fill per call).",
-                      "vLLM column: the issue's numbers, for scale, not measured here."]
+                      "vLLM column: the published numbers, for scale, not measured here."]
                + ([f"DIAGNOSTIC --hot-pages {args.hot_pages}: block-table entries modulo "
                    f"{args.hot_pages}, blocks read from L2; bandwidth columns are not DRAM "
                    "numbers and no target is judged."] if args.hot_pages else []),

@@ -1,4 +1,4 @@
-"""Speed of the block-sparse GQA prefill attention (issue 9):
+"""Speed of the block-sparse GQA prefill attention:
 kernels.attention_prefill.sparse_attention_prefill at the model shape, against compiled
 flex_attention on the same selections.
 
@@ -48,9 +48,8 @@ oracle/impls/flex.py: ``gather_kv`` (the request's pages dequantised to bf16 int
 contiguous K, V ``[1, Hkv, S, D]``, keys no token sees zeroed), ``selection_mask`` and
 ``build_block_mask`` (query blocks of 128 tokens, key blocks of P; ``mask_mod`` = selection
 & causal; the blocks where it holds for every row and key marked "full", so flex skips
-``mask_mod`` there: its fastest correct form, since session 30; ``--flex-partial`` gives
-the all-partial mask of the registered implementation, which sessions 19-29 timed, at
-74.4 TFLOP/s on locality selections on the H100); q copied to a contiguous
+``mask_mod`` there: its fastest correct form; ``--flex-partial`` gives the all-partial
+mask of the registered implementation, much slower); q copied to a contiguous
 ``[1, Hq, T, D]``. Flex's time EXCLUDES its compile
 time (a warm-up call first; ``compile_s`` records it), the paged-to-contiguous gather and
 dequantisation, and the BlockMask build: it is timed on K/V already gathered and a mask
@@ -66,15 +65,15 @@ run. Each result records whether the first set's output is finite (``finite_outp
 ``--rounds N`` times every configuration N times in turn (round-robin) and merges them
 (``merge_rounds``): medians over the rounds, and each check the median of its per-round
 values, so that a ratio compares two times of one round. Why: the wide pass's run-to-run
-spread (~2.5% on the H100, session 34) exceeds the e4m3fn / bf16 gap at locality, and
-a slow round slows both caches alike (session 35: 0.99-1.00x over four one-round calls).
+spread (a few percent) exceeds the e4m3fn / bf16 gap at locality, and a slow round
+slows both caches alike.
 
 Targets and checks (``checks``):
 - locality selections at least as fast as flex_attention (``vs_flex`` >= 1), each cache;
 - random selections at least 150 TFLOP/s useful, each cache;
 - e4m3fn at least as fast as bf16 on both distributions (``vs_bf16`` = bf16 median / e4m3
   median >= 1).
-For scale (the issue's numbers on this H200 at this shape, NOT measured here; ``for_scale``
+For scale (the published numbers on the H200 at this shape, NOT measured here; ``for_scale``
 in the JSON and a column of the table): vLLM 0.33's per-token Triton prefill 123 TFLOP/s
 useful with bf16 and 67 with e4m3, whatever the selections; compiled flex_attention 296 on
 locality selections, 13 on random ones; the bf16 matmul rate about 700 TFLOP/s.
@@ -119,7 +118,7 @@ LOCALITY_VS_FLEX_MIN = 1.0
 FLEX_EXCLUDED = ("compile time (a warm-up call first), the paged-to-contiguous gather and "
                  "dequantisation of K/V, and the BlockMask build are excluded: timed on K/V "
                  "already gathered to contiguous [1, Hkv, S, D] bf16 and a prebuilt BlockMask")
-FOR_SCALE = [  # issue 9's numbers on the H200 at this shape, not measured by this benchmark
+FOR_SCALE = [  # published numbers on the H200 at this shape, not measured by this benchmark
     {"name": "vllm", "cache": "bf16", "dist": "any", "useful_tflops": 123.0},
     {"name": "vllm", "cache": "e4m3fn", "dist": "any", "useful_tflops": 67.0},
     {"name": "flex", "cache": "any", "dist": "locality", "useful_tflops": 296.0},
@@ -312,7 +311,7 @@ def flex_inputs(t: PrefillSet, kv_fmt: str, s: Shape = SHAPE,
     """flex_attention's inputs for a set, built with oracle/impls/flex.py (not timed);
     full_blocks: the BlockMask's blocks where the mask holds everywhere marked "full" (flex
     skips mask_mod there: the peer at its fastest; False: every block partial, as the
-    registered implementation the oracle checks, the benchmark's mask before session 30)."""
+    registered implementation the oracle checks)."""
     from oracle.impls import flex as impl_flex
 
     seq = t.seq_lens.cpu().numpy().astype(np.int64)
@@ -366,7 +365,7 @@ def derive(r: dict) -> dict:
 
 
 def checks(results: list[dict]) -> list[dict]:
-    """The issue's targets (None where a median is missing, never a pass), and each
+    """The targets (None where a median is missing, never a pass), and each
     result's derived numbers (``derive``, ``vs_bf16`` for fp8 caches) set on it."""
     out = []
     for r in results:
@@ -488,7 +487,7 @@ def parse_args(argv):
                          "a breakdown beside the timing, not part of it)")
     ap.add_argument("--flex-partial", action="store_true",
                     help="flex's BlockMask with every block partial (mask_mod everywhere), "
-                         "as the oracle's flex and this benchmark before session 30")
+                         "as the oracle's flex")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every (cache, distribution, knob set) this many times, one "
                          "after the other in turn (round-robin): the medians are over the "
@@ -504,8 +503,8 @@ def parse_args(argv):
 
 
 def build_report(args) -> dict:
-    doc = harness.report_base(render_bench.SCHEMA, "block-sparse GQA prefill attention "
-                              "(issue 9)", args)
+    doc = harness.report_base(render_bench.SCHEMA, "block-sparse GQA prefill attention",
+                              args)
     mask = ("every block of its BlockMask partial (mask_mod everywhere)" if args.flex_partial
             else "the blocks where the mask holds everywhere marked full (no mask_mod there)")
     flex_note = ("flex: not timed (--no-flex)." if args.no_flex else
@@ -523,7 +522,7 @@ def build_report(args) -> dict:
                       "heads) / median; gathered GB/s = keys attended (summed over tokens and "
                       "KV heads) x 2D x element bytes / median.",
                       flex_note,
-                      "for scale: the issue's numbers (vLLM / flex TFLOP/s), not measured "
+                      "for scale: the published numbers (vLLM / flex TFLOP/s), not measured "
                       "here."],
                for_scale=FOR_SCALE, results=[])
     knob_sets = args.knobs or [{}]
@@ -678,7 +677,7 @@ def phase_lines(doc: dict) -> list[str]:
 
 def markdown(doc: dict) -> str:
     """The header of render_bench, one row per (cache, distribution), the checks, the
-    issue's numbers for scale, the knob sweep, then the launches per call."""
+    published numbers for scale, the knob sweep, then the launches per call."""
     if doc.get("schema") != render_bench.SCHEMA:
         raise ValueError(f"schema must be {render_bench.SCHEMA!r}, got {doc.get('schema')!r}")
     lines = render_bench.header(doc)
@@ -694,7 +693,7 @@ def markdown(doc: dict) -> str:
         lines.append(f"- {c['dist']} {c['cache']}: {c['check']} = {val}{rounds} (limit "
                      f"{c['limit']}): {render_bench._yes_no(c['passed'])}")
     if doc.get("for_scale"):
-        lines += ["", "For scale (the issue's numbers on the H200 at this shape, not measured "
+        lines += ["", "For scale (the published numbers on the H200 at this shape, not measured "
                       "here):", ""]
         lines += [f"- {e['name']} ({e['cache']}, {e['dist']} selections): "
                   f"{e['useful_tflops']:.0f} TFLOP/s" for e in doc["for_scale"]]

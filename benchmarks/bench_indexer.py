@@ -1,4 +1,4 @@
-"""Speed of the decode indexer (issue 7): block scores and top-k block selection of
+"""Speed of the decode indexer: block scores and top-k block selection of
 kernels.indexer_decode.indexer_decode at the model shape.
 
 Shape: Hi 4 index heads, D 128, P 128, topk K 16, local_blocks 1 and initial_blocks 0
@@ -32,7 +32,7 @@ shape: bf16 536,870,912 + 65,536 + 65,536 + 256 + 16,384 = 537,018,624 B; e4m3
 checks both.
 
 Target (triton rows): >= 90% of the copy bandwidth measured in the same run. For scale (the
-issue's numbers, NOT measured here; ``for_scale`` in the JSON): vLLM 0.33's Triton index
+published numbers, NOT measured here; ``for_scale`` in the JSON): vLLM 0.33's Triton index
 decode, 144.5 us bf16 = 86% of copy bandwidth, 85.2 us e4m3 = 73%.
 
 Writes a ``bench/1`` JSON (default ``$OUT/bench_indexer.json`` when OUT is set, else
@@ -68,11 +68,11 @@ IMPLS = ("triton", "torch_eager")
 TARGETS = {"copy_fraction": 0.90}
 BASELINES = ("torch_eager",)
 CHECK_BATCH = 8
-FOR_SCALE = [  # issue 7's numbers, not measured by this benchmark
+FOR_SCALE = [  # vLLM's published numbers, not measured by this benchmark
     {"name": "vllm_0.33_triton", "cache": "bf16", "median_us": 144.5, "copy_fraction": 0.86,
-     "source": "issue 7 (not measured here)"},
+     "source": "published vLLM figure (not measured here)"},
     {"name": "vllm_0.33_triton", "cache": "e4m3", "median_us": 85.2, "copy_fraction": 0.73,
-     "source": "issue 7 (not measured here)"},
+     "source": "published vLLM figure (not measured here)"},
 ]
 
 
@@ -328,7 +328,7 @@ def parse_args(argv):
 
 def build_report(args) -> dict:
     doc = harness.report_base(render_bench.SCHEMA, "decode indexer: block scores + top-k "
-                              "block selection (issue 7)", args)
+                              "block selection", args)
     lens = context_lengths(args.batch, args.seq_len, args.ragged)
     tokens = (f"{args.batch} x {args.seq_len}" if not args.ragged else
               f"{args.batch} requests of {min(lens)}..{max(lens)} tokens (ragged, mean "
@@ -340,7 +340,7 @@ def build_report(args) -> dict:
                       "buffers and a counter fill per call).",
                       "torch_eager: plain torch ops (fp32 scores) replayed from a graph "
                       "(no launch overhead counted).",
-                      "for_scale: vLLM 0.33 Triton index decode, the issue's numbers, "
+                      "for_scale: vLLM 0.33 Triton index decode, the published numbers, "
                       "not measured here."],
                for_scale=FOR_SCALE, results=[], agreement={}, sweep=[])
     for cache in args.caches:

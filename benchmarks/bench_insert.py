@@ -1,4 +1,4 @@
-"""Speed of the fused norm + RoPE + KV/index-cache insert at the model shape (issue 5).
+"""Speed of the fused norm + RoPE + KV/index-cache insert at the model shape.
 
 Shape: Hq 64, Hkv 4, Hi 4 with index_k, D 128, R 64, P 128, bf16 model dtype, 16,384
 tokens (one prefill batch: positions 0..N-1, slots in shuffled pages of a pool twice the
@@ -16,7 +16,7 @@ Implementations, all on the same input sets (harness.py: graph replay, rotating 
   from a graph, so host launch overhead is not counted: a conservative baseline. It
   assumes every slot is valid (no skip logic), which also flatters it.
 - ``torch_compiled``: ``torch.compile(compose)``, also replayed from a graph.
-- ``cuda``: kernels.cuda_norm_rope_insert (csrc/, issue 6), same calls, when that module
+- ``cuda``: kernels.cuda_norm_rope_insert (csrc/), same calls, when that module
   exists and can be built (nvcc present); skipped otherwise.
 - ``reshape_and_cache``: kernels.reshape_and_cache (K/V insert only, no norm/RoPE/index)
   when that module exists: what the unfused insert alone costs. Its own minimal bytes.
@@ -29,8 +29,8 @@ per token: read the row (Hq + 2 Hkv + Hi + 1) D x 2 = 19,712 B, position and slo
 16 B, one RoPE table row R x 2 = 128 B; write q Hq D x 2 = 16,384, k Hkv D x 2 = 1,024,
 K/V 2 Hkv D x c = 2,048 (bf16) / 1,024 (e4m3), index_q Hi D x c = 1,024 / 512, index_k
 D x 2 = 256, index cache D x c = 256 / 128; plus the four norm weights once (1 KiB).
-bf16: 40,848 B/token -> 669.3 MB at 16,384 tokens (the issue: ~669 MB). e4m3: 39,184
-B/token -> 642.0 MB. The issue's ~650 MB (650.4) counts index_q at 2 B (bf16); SPEC.md s.4
+bf16: 40,848 B/token -> 669.3 MB at 16,384 tokens (the commonly quoted ~669 MB). e4m3: 39,184
+B/token -> 642.0 MB. The commonly quoted ~650 MB (650.4) counts index_q at 2 B (bf16); SPEC.md s.4
 and the kernel emit e4m3 index_q codes (1 B), so 8.4 MB fewer must move; 642.0 MB is the
 figure used (the lower count makes the bandwidth fraction conservative).
 tests/test_bench.py checks both counts.
@@ -60,11 +60,11 @@ from benchmarks import harness, render_bench  # noqa: E402
 from reference.domain import MODEL  # noqa: E402
 
 TOKENS = 16_384
-ISSUE_MB = {"bf16": 669, "e4m3": 650}  # the issue's counts (e4m3: index_q at 2 B)
+ISSUE_MB = {"bf16": 669, "e4m3": 650}  # the commonly quoted counts (e4m3: index_q at 2 B)
 CACHES = {"bf16": ("bfloat16", "bfloat16"), "e4m3": ("e4m3fn", "e4m3fn")}  # kv, index fmt
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-#: Each fused kernel's issue targets: the Triton kernel (issue 5) 80% of the copy bandwidth,
-#: the CUDA kernel (issue 6) 85%; both at least 5x the torch.compile composition.
+#: Each fused kernel's targets: the Triton kernel 80% of the copy bandwidth,
+#: the CUDA kernel 85%; both at least 5x the torch.compile composition.
 TARGETS = {"triton": {"copy_fraction": 0.80, "torch_compiled": 5.0},
            "cuda": {"copy_fraction": 0.85, "torch_compiled": 5.0}}
 BASELINES = ("torch_compiled", "torch_eager")
@@ -399,7 +399,7 @@ def build_report(args) -> dict:
                      "torch_eager/compiled: the composition's kernels replayed from a "
                      "graph (no launch overhead counted).",
                      "e4m3 minimal bytes count index_q as e4m3 (642 MB at 16k tokens; the "
-                     "issue's 650 MB counts it as bf16)."],
+                     "650 MB often quoted counts it as bf16)."],
            "results": [], "agreement": {}})
     for cache in args.caches:
         results, agree = bench_cache(cache, args.tokens, args)

@@ -14,8 +14,8 @@ Method (NOTES.md "Timing"; .library METHOD.md):
   left dirty: ~10 us on the H200, below) is shared by the calls of a replay, as by the
   back-to-back kernels of a serving step's graph, and stays under ~1% of it, as in the
   2 GiB copy that gives the roofline. Where the rotation was repeated, the Timing also
-  carries ``one_call_us``: a replay of one call alone (the method of sessions 1-19 for
-  calls over 2 x L2, and of the issues' for-scale numbers).
+  carries ``one_call_us``: a replay of one call alone (the method behind the published
+  for-scale numbers).
 - Every callable is first run eagerly (compilation, autotuning, lazy initialisation stay
   out of capture and out of the numbers). A callable that cannot be captured (a host
   sync, a host-to-device copy, a recompilation) is timed eagerly by do_bench over the same
@@ -41,13 +41,11 @@ from triton.testing import do_bench
 L2_FALLBACK_BYTES = 50 * 2**20  # H100/H200 L2, when the device properties lack it
 COPY_BYTES = 2 * 2**30
 #: A replay holding ONE call also times the graph's launch and the write-back of the L2
-#: lines do_bench's flush left dirty: ~10 us on the H200 (session 20: index decode, e4m3,
-#: batch 64 x 32k, 83.4 us per one-call replay against 71.7 us of kernel time in
-#: torch.profiler and 73.3 us in Nsight Compute; bf16 139.4 against 129.3). The copy
+#: lines do_bench's flush left dirty (~10 us on the H200). The copy
 #: ceiling (2 GiB, ~1 ms, eager) carries ~1% of such costs, so replays last as long.
 MIN_REPLAY_US = 1000.0
 #: Replays timed at most to size one (the first estimate from a one-rotation replay, then
-#: from the repeated replay itself; a ~2 us call needed three on the H200, session 21).
+#: from the repeated replay itself; a ~2 us call needs three).
 REPLAY_ESTIMATES = 4
 #: Input sets at least: with one set, each call would re-read what the previous call left
 #: in L2.
@@ -391,8 +389,7 @@ def main(name: str, argv, parse_args, build_report, markdown) -> int:
     one), write the JSON and its Markdown (``markdown(doc)``) and print the Markdown.
     Stopped by SIGTERM (a ``timeout``) while measuring: the tracked report as it stands,
     marked ``partial``, and exit 124 (what ``timeout`` itself returns), so a run cut by a
-    time limit still brings back every result it finished (session 24 lost a sweep's JSON
-    that way: only its log came back)."""
+    time limit still brings back every result it finished."""
     import sys
 
     args = parse_args(argv)

@@ -1,9 +1,9 @@
 """Gathered-read bandwidth from L2 and from HBM: the ceiling of a kernel that re-reads K/V
 blocks chosen at random from a working set, one whole block per visit.
 
-Why (issue 9, random selections): the prefill's narrow tier reads each (token, KV head)'s
+Why (prefill with random selections): the prefill's narrow tier reads each (token, KV head)'s
 K selected blocks itself, ``K x P x 2D`` bytes per visit (model shape: 16 x 32 KiB with an
-fp8 cache, 16 x 64 KiB with bf16), and the issue's 8k-on-8k batch makes 8192 x 4 x 16
+fp8 cache, 16 x 64 KiB with bf16), and the benchmark's 8k-on-8k batch makes 8192 x 4 x 16
 visits over a cache of 16.8 MB (fp8) / 33.5 MB (bf16), which fits the 50 MB L2. At the
 150 TFLOP/s target (3.66 ms for the batch's 549 useful GFLOP) that is 4.6 TB/s (fp8) or
 9.2 TB/s (bf16) of block reads: whether a design that reads per token can reach the target

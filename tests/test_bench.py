@@ -18,10 +18,10 @@ N = 16_384
 
 
 def test_minimal_bytes_match_the_issue():
-    """At the model shape and 16,384 tokens the analytic count is the issue's ~669 MB (bf16
-    caches) and, counting index_q at 2 B as the issue does, ~650 MB (e4m3 caches), each
-    within 1%; the count used for e4m3 (index_q as e4m3 codes, SPEC.md s.4) is exactly
-    Hi * D bytes per token below the issue's convention."""
+    """At the model shape and 16,384 tokens the analytic count is the commonly quoted ~669 MB
+    (bf16 caches) and, counting index_q at 2 B as that figure does, ~650 MB (e4m3 caches),
+    each within 1%; the count used for e4m3 (index_q as e4m3 codes, SPEC.md s.4) is exactly
+    Hi * D bytes per token below that convention."""
     bf16 = bench_insert.minimal_bytes(N, "bfloat16", "bfloat16")
     e4m3_issue = bench_insert.minimal_bytes(N, "e4m3fn", "e4m3fn", index_q_bytes=2)
     e4m3 = bench_insert.minimal_bytes(N, "e4m3fn", "e4m3fn")
@@ -273,8 +273,8 @@ def test_a_failed_rows_note_keeps_the_errors_start_and_end():
 
 
 def test_each_fused_kernel_is_judged_by_its_own_issue_target():
-    """The insert benchmark's kernel rows carry their own issue's copy-bandwidth target (the
-    Triton kernel issue 5's 80%, the CUDA kernel issue 6's 85%): at 83% of the copy
+    """The insert benchmark's kernel rows carry their own copy-bandwidth target (the
+    Triton kernel's 80%, the CUDA kernel's 85%): at 83% of the copy
     bandwidth and 6x torch.compile the Triton row meets its targets and the CUDA row does
     not."""
     assert set(bench_insert.FUSED_KERNELS) == {"triton", "cuda"}

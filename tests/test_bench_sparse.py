@@ -61,7 +61,7 @@ def test_indexer_bytes_rows_and_partial_pages():
 
 
 def test_indexer_for_scale_matches_the_issue():
-    """The for_scale entries are the issue's vLLM numbers, and they are consistent with our
+    """The for_scale entries are vLLM's published numbers, and they are consistent with our
     byte count: each implies a copy bandwidth of 4.32 TB/s (within 1%) at the model shape."""
     fs = {e["cache"]: e for e in bix.FOR_SCALE}
     assert (fs["bf16"]["median_us"], fs["e4m3"]["median_us"]) == (144.5, 85.2)
@@ -268,7 +268,7 @@ def test_decode_checks():
 
 def test_decode_markdown_rows():
     """The table has one row per (batch, cache) with the derived numbers, the vLLM numbers
-    for scale where the issue gives them, the error of a failed row, and the checks."""
+    for scale where published, the error of a failed row, and the checks."""
     doc = _decode_doc({("bf16", 64): 72.0, ("e4m3fn", 64): 50.0, ("e4m3fnuz", 64): 56.0,
                        ("e4m3fn", 8): None})
     md = bad.markdown(doc)
@@ -300,7 +300,7 @@ def test_decode_markdown_sweep_table():
 
 
 def test_indexer_markdown_lists_for_scale():
-    """The indexer's Markdown lists the issue's numbers for scale, marked not measured."""
+    """The indexer's Markdown lists the published numbers for scale, marked not measured."""
     text = bix.for_scale_lines({"for_scale": bix.FOR_SCALE})
     assert "144.5 us = 86%" in text and "85.2 us = 73%" in text
     assert "not measured here" in text
@@ -485,7 +485,7 @@ def test_prefill_key_counts_agree_with_reference():
 
 @pytest.mark.parametrize("dist", bap.DISTS)
 def test_prefill_useful_work_at_model_shape(dist):
-    """At the issue's shape (8192 new tokens on an 8192-token prefix, K 16, P 128) every
+    """At the benchmark's shape (8192 new tokens on an 8192-token prefix, K 16, P 128) every
     (token, KV head) of both distributions attends K - 1 full blocks and its own block up to
     itself: 4 x (8192 x 15 x 128 + 64 x (1 + ... + 128)) = 65,028,096 keys, 532,710,162,432
     useful FLOPs (G 16, D 128); random selections read every key of every KV head once
@@ -682,7 +682,7 @@ def test_prefill_markdown_lists_round_values_and_parser_takes_rounds():
 
 def test_prefill_markdown_rows(tmp_path):
     """The table has one row per (cache, distribution) with useful TFLOP/s, gathered GB/s,
-    flex's time and TFLOP/s, the ratios, the issue's vLLM / flex numbers for scale and
+    flex's time and TFLOP/s, the ratios, the published vLLM / flex numbers for scale and
     whether its checks held; a failed row shows its error; the checks, the for-scale list
     (matmul included) follow. render_bench's CLI renders the same table from the JSON."""
     doc = _fabricated_prefill_doc()
@@ -738,7 +738,7 @@ def test_prefill_markdown_lists_launches_when_asked():
 
 def test_prefill_parser_quick_flags(tmp_path):
     """bench_attention_prefill's parser takes the quick-check flags and defaults to the
-    issue's run: 8192 new tokens on an 8192-token prefix, both caches and distributions,
+    target run: 8192 new tokens on an 8192-token prefix, both caches and distributions,
     flex timed with its own kernel options."""
     a = bap.parse_args(["--new-tokens", "1024", "--prefix", "2048", "--caches", "e4m3fn",
                         "--dists", "random", "--knobs", "block_rows=32", "block_rows=16",
@@ -808,7 +808,7 @@ def test_prefill_flex_inputs_compute_the_same_attention(fmt):
 
 
 def test_prefill_flex_full_blocks_compute_the_same_attention():
-    """The peer's BlockMask with full blocks (the benchmark's default since session 30) on
+    """The peer's BlockMask with full blocks (the benchmark's default) on
     256 new tokens, two query blocks of 128: locality selections give full blocks (each
     query block's shared far block) and flex (eager, fp32) still computes the sparse
     attention of the fp32 computation on the paged cache; random ones give none."""

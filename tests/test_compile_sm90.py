@@ -10,8 +10,7 @@ ptxas's log (TRITON_DUMP_PTXAS_LOG) is read too: a kernel whose tensor-core dots
 serialises (C7510, "wgmma.mma_async instructions are serialized": each wgmma waits for the
 one before it, e.g. across a call to a ``noinline`` function) fails the test unless its
 module declares that case in ``SERIALISED_WGMMA`` ((kernel name, constexpr subset) pairs,
-with the reason beside them): session 23 found the proportional index decode ~6% slower
-than the split grid on the same partition for this reason alone."""
+with the reason beside them): serialised wgmma alone can cost a kernel several percent."""
 
 from __future__ import annotations
 

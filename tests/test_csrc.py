@@ -1,4 +1,4 @@
-"""csrc/ on the CPU and the GPU (issue 6): the CUDA sources compile for sm_90, the build is
+"""csrc/ on the CPU and the GPU: the CUDA sources compile for sm_90, the build is
 cached, the conversions of csrc/fp8_convert.h agree bit for bit with reference/codec.py on
 every 16-bit pattern and the float32 sets of oracle/tools/conformance.py (host build with g++;
 the device build under the ``gpu`` marker), the ctypes binding matches the C struct and
@@ -119,7 +119,8 @@ def test_build_is_cached_by_content(tmp_path, monkeypatch):
 
 def test_cold_build_timer_builds_into_an_empty_cache_then_finds_it(monkeypatch, capsys):
     """``python -m kernels.cuda_build --cold`` times a build into a fresh cache directory
-    and then the cached lookup of the same directory (the two numbers issue 6 bounds)."""
+    and then the cached lookup of the same directory (the two numbers the build target
+    bounds)."""
     dirs = []
 
     def fake_build(cache_dir=None):

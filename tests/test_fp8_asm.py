@@ -53,7 +53,7 @@ OPS = {
 
 def _e4m3x2_to_f16x2(a: int) -> int:
     """``cvt.rn.f16x2.e4m3x2``: the low byte to the low half, by the reference codec's
-    e4m3fn decode (the hardware conversion equals it on every code: issue 5's exhaustive
+    e4m3fn decode (the hardware conversion equals it on every code: an exhaustive
     H200 run, and tests/test_fp8_codec_gpu.py), NaN as fp16's canonical 0x7FFF."""
     v = decode(np.array([a & 0xFF, (a >> 8) & 0xFF], np.uint8), "e4m3fn").astype(np.float16)
     bits = np.where(np.isnan(v), np.uint16(0x7FFF), v.view(np.uint16))
@@ -63,7 +63,7 @@ def _e4m3x2_to_f16x2(a: int) -> int:
 def _f32x2_to_fp8x2(fmt: str, nan_code: int):
     """``cvt.rn.satfinite.{fmt}x2.f32 d, a, b``: b (fp32 bits) to the low byte and a to the
     high byte by the reference codec's satfinite encode (the hardware cast equals it on
-    every non-NaN input: issue 5's exhaustive H200 run), NaN as ``nan_code`` (the encode
+    every non-NaN input: an exhaustive H200 run), NaN as ``nan_code`` (the encode
     test tries each code the hardware might write)."""
     def cvt(a: int, b: int) -> int:
         x = np.array([b, a], np.uint32).view(np.float32)

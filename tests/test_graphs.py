@@ -1,5 +1,5 @@
 """One decode step of a sparse layer through the Triton kernels -- fused insert -> index
-decode -> sparse attention decode -- as a server runs it (issue 10): captured once in a
+decode -> sparse attention decode -- as a server runs it: captured once in a
 CUDA graph and replayed with changing inputs, bit-identical to eager launches; with
 ``validate=False`` the launch path makes no host synchronisation; run to run, the same
 inputs give the same bits.

@@ -767,7 +767,7 @@ def test_predecode_needs_scalar_scale_fp8(kv_fmt, scales, value):
 
 
 @pytest.mark.parametrize("fp8, scalar, t, batch, width, want", [
-    (True, True, 8192, 1, 128, True),  # the shape: 8k new tokens, 16k-token table
+    (True, True, 8192, 1, 128, True),  # the benchmark's shape: 8k new tokens, 16k-token table
     (True, True, 1024, 2, 16, True),  # at both limits
     (True, True, 1023, 1, 8, False),  # too few new tokens
     (True, True, 8192, 4, 128, False),  # a table wider than 4x the new tokens

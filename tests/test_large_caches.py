@@ -1,4 +1,4 @@
-"""Caches of more than 2^31 elements (issue 10): every offset into them is 64-bit. Each
+"""Caches of more than 2^31 elements: every offset into them is 64-bit. Each
 test runs a kernel (through its oracle adapter) on a case, then on the same case with its
 caches moved to the end of caches ``extra`` pages larger (block tables and slots shifted,
 per-slot scales padded): the outputs must be identical bit for bit, the moved content

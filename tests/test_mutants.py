@@ -19,7 +19,7 @@ CATALOG = mutants.catalog()
 
 
 def test_catalog_has_at_least_25_mutants_with_their_incidents():
-    """Issue 11's catalog: at least 25 mutants, each with a bug class and an incident."""
+    """The catalog: at least 25 mutants, each with a bug class and an incident."""
     assert len(CATALOG) >= 25, sorted(CATALOG)
     assert all(m.bug and m.incident and m.op and m.base for m in CATALOG.values())
 

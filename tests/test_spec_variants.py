@@ -31,8 +31,8 @@ def test_launch_key_classes_integers_and_tensors_as_triton_specialises():
 
 def test_importing_the_tool_leaves_the_interpreter_switch_alone():
     """Importing the module does not set TRITON_INTERPRET: on a GPU that would make every
-    later torch.compile kernel of the process interpreted (the H200 suite of session 11:
-    168 flex checks raised 'Cannot call @triton.jit'd outside of the scope of a kernel')."""
+    later torch.compile kernel of the process interpreted (on the H200 the flex
+    checks raised 'Cannot call @triton.jit'd outside of the scope of a kernel')."""
     import subprocess
     import sys
 

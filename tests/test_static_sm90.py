@@ -112,9 +112,9 @@ def test_the_unpipelined_narrow_tier_heads_its_block_loop_with_k_and_v_loads(tmp
     """sm_90, model shape, e4m3fn cache, the fp8 narrow prefill tier as launched (one
     token, 1 warp, 64-key tiles, 1 stage): the block loop starts with all of K's and V's
     loads (32 vector loads, before the first barrier), nothing ahead of them: the next
-    union block and its block-table entry are found one block ahead, after them (session
-    32; before, each block's chain began with the entries' min-reduction and the page load
-    that K/V's addresses waited for), and with K loaded first Triton converted K's codes
+    union block and its block-table entry are found one block ahead, after them (otherwise
+    each block's chain begins with the entries' min-reduction and the page load that K/V's
+    addresses wait for), and with K loaded first Triton converted K's codes
     through shared memory between the two loads, V's loads waiting behind K's data
     (kernels._attention.kv_tiles)."""
     from benchmarks.static_sm90 import loop_sequence
@@ -144,10 +144,8 @@ def test_three_stages_double_buffer_k_and_v_with_the_masks_branch(tmp_path):
     (a loop-carried value), Triton's pipeliner runs K/V's loads a tile ahead in a second
     buffer (``DEPBAR.LE SB0, 0x2``, shared memory above 2 stages') with the one-token mask
     in a branch inside the block loop (the fully seen tiles skip it). With the page loaded
-    in the block's own iteration (before session 32) the branch kept one K/V buffer, shared
-    memory as at 2 stages, only the page entry a stage deeper (``DEPBAR.LE SB0, 0x1``):
-    every 3-stage narrow timing before session 31 ran so, and sessions 31-33 masked
-    without a branch at 3+ stages."""
+    in the block's own iteration the branch would keep one K/V buffer, shared memory as at
+    2 stages, only the page entry a stage deeper (``DEPBAR.LE SB0, 0x1``)."""
     def shared(out):
         return int(re.search(r"shared (\d+) B", out).group(1))
 

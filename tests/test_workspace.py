@@ -68,9 +68,9 @@ def test_check_counters_names_the_workspace_when_a_counter_is_left_set():
 def test_held_finds_a_cuda_buffer_by_the_bare_device_name(monkeypatch):
     """A launcher keys its buffers by its tensors' device ("cuda:0"); a caller asking
     ``held`` for "cuda" (what ``torch.device("cuda")`` names: the current device) gets that
-    buffer, and a buffer taken for "cuda" is the one a launch on "cuda:0" reuses (the
-    H200 ran the reuse tests compiled for the first time in session 29: ``held`` with
-    "cuda" returned None). Checked without a GPU: the buffer is placed by hand."""
+    buffer, and a buffer taken for "cuda" is the one a launch on "cuda:0" reuses (compiled on
+    a GPU, ``held`` with "cuda" once returned None). Checked without a GPU: the buffer is
+    placed by hand."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     ws = Workspace()
     buf = torch.zeros(4, dtype=torch.int32)

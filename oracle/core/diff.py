@@ -12,7 +12,7 @@ hashes are compared) and any change in the numbers is real. A cell got worse whe
   difference excludes zero, or, with fewer than 3 cases, when every case moved the same
   way.
 Cases whose inputs differ between the reports (the input generator or a reference table
-changed, e.g. session 21's correctly rounded RoPE table) are not compared case by case:
+changed, e.g. a correctly rounded RoPE table) are not compared case by case:
 their cell is judged on its unchanged cases alone (plus violations, failures and max
 error/bound, which do not pair cases), and listed apart with its count of changed cases,
 so a regeneration of inputs does not read as hundreds of regressions. Cells present in
@@ -27,8 +27,7 @@ from oracle.core import rand
 
 BOOTSTRAP = 2000
 #: Relative RMSE changes per case at most this are noise, not change (see the docstring;
-#: session 21: 99% of a CPU report's 1,103 per-case RMSEs moved < 3e-6 relative between
-#: two machines, the median 0, the 90th percentile 1.6e-14).
+#: per-case RMSEs move by ~1e-14 relative between machines).
 RMSE_REL = 1e-9
 #: Cells with changed inputs named in the diff at most (the rest counted).
 SHOWN = 30

@@ -1,4 +1,4 @@
-"""One GPU per pytest-xdist worker (issue 10): ``ORACLE_GPUS=N pytest -m gpu -n N`` gives
+"""One GPU per pytest-xdist worker: ``ORACLE_GPUS=N pytest -m gpu -n N`` gives
 worker ``gwK`` the GPU ``K mod N`` alone, by setting ``CUDA_VISIBLE_DEVICES`` before anything
 initialises CUDA (conftest.py calls ``pin_worker_gpu`` first thing). Unset, or N <= 1, or a
 ``CUDA_VISIBLE_DEVICES`` the user set: nothing changes (every worker shares the visible
