@@ -17,6 +17,7 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tarfile
@@ -118,19 +119,44 @@ def run_stage(stage: Stage, out: Path) -> int:
 
 
 def _run_logged(stage: Stage, f) -> int:
-    """The stage's command with stdout and stderr to ``f``; 124 when it ran out of time."""
+    """The stage's command with stdout and stderr to ``f``; 124 when it ran out of time,
+    128 + N when signal N ended it (as a shell reports it). Each stage is a process group
+    of its own, so its workers end with it."""
     proc = subprocess.Popen(stage.argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, **stage.env}, start_new_session=True)
+    LIVE.add(proc)
     try:
-        return proc.wait(timeout=max(stage.limit, 1))
+        rc = proc.wait(timeout=max(stage.limit, 1))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 15)
+        _end_group(proc)
+        rc = 124
+    finally:
+        LIVE.discard(proc)
+    return 128 - rc if rc < 0 else rc
+
+
+LIVE: set[subprocess.Popen] = set()  # the stages running now, ended with the driver
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the stage's process group, SIGKILL 10 s later if it is still there."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
         try:
-            proc.wait(timeout=10)
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        return 124
+            pass
+
+
+def _on_terminate(signum, _frame) -> None:
+    """The driver stopped (a time limit, Ctrl-C): its stages stop too."""
+    for proc in list(LIVE):
+        _end_group(proc)
+    sys.exit(128 + signum)
 
 
 class Runner:
@@ -415,19 +441,24 @@ def summarize(out: Path, logs: list[str]) -> bool:
     outcome = re.compile(r"passed|failed|ERROR SUMMARY| rc=")
     for name, text in texts.items():
         print(f"== {name}")
-        print("\n".join([ln for ln in text.splitlines() if outcome.search(ln)][-3:]))
+        _print_lines([ln for ln in text.splitlines() if outcome.search(ln)][-3:])
         (out / f"{name}.log").unlink(missing_ok=True)
     lines = joined.splitlines()
     failed = [ln[:300] for ln in lines if re.search(r"^(FAILED|ERROR) |\] (FAILED|ERROR) ", ln)]
-    print("\n".join(failed[:40]))
+    _print_lines(failed[:40])
     shown = set()
     for name in logs:
         kind = name.split("-")[0]
         if kind in SUMMARY_GREPS and kind not in shown:
             shown.add(kind)
             pattern, last = SUMMARY_GREPS[kind]
-            print("\n".join([ln[:160] for ln in lines if re.search(pattern, ln)][-last:]))
+            _print_lines([ln[:160] for ln in lines if re.search(pattern, ln)][-last:])
     return not re.search(r" rc=[1-9]", joined)
+
+
+def _print_lines(lines: list[str]) -> None:
+    if lines:
+        print("\n".join(lines))
 
 
 def _read(path: Path) -> str:
@@ -497,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         out.mkdir(parents=True, exist_ok=True)
         unpack_triton_cache()
+        signal.signal(signal.SIGTERM, _on_terminate)
+        signal.signal(signal.SIGINT, _on_terminate)
     run_modes(r, modes)
     if args.dry_run:
         return 0

@@ -80,6 +80,19 @@ def test_stage_log_ends_with_its_status_and_times_out_as_124(tmp_path):
     assert (tmp_path / "slow.log").read_text().endswith("slow rc=124\n")
 
 
+def test_a_crashed_sanitizer_runs_once_more_and_reads_as_a_shell_would(tmp_path):
+    """A stage ended by SIGSEGV reads 139 (128 + 11, so the summary counts it as failed);
+    a sanitizer stage that crashed so runs a second time, and both runs reach its log."""
+    crash = [sys.executable, "-c",
+             "import os, signal; print('start', flush=True); os.kill(os.getpid(), signal.SIGSEGV)"]
+    assert drv.run_stage(drv.Stage("plain", crash), tmp_path) == 139
+    assert (tmp_path / "plain.log").read_text().count("start") == 1
+    assert drv.run_stage(drv.Stage("memcheck", crash, retry_crash=True), tmp_path) == 139
+    log = (tmp_path / "memcheck.log").read_text()
+    assert log.count("start") == 2 and "running it again" in log
+    assert log.endswith("memcheck rc=139\n")
+
+
 def test_summary_joins_the_logs_and_fails_on_a_failed_stage(tmp_path, capsys):
     """gpu.log holds every stage's log under its name; the per-stage logs are removed; the
     run passes only when every stage's status is 0."""
