@@ -231,3 +231,33 @@ def test_console_script_is_declared():
     target = doc["project"]["scripts"]["oracle"]
     module, func = target.split(":")
     assert module == cli.__name__ and getattr(cli, func) is cli.main
+
+
+def test_plots_are_small_multiples_with_labelled_tails(tmp_path):
+    """The ULP histogram is a grid (at most HIST_COLUMNS panels a row, not one tall column)
+    whose outer bins read "<=-3" / ">=3", each row with a y-label; the err/bound plot's
+    axis is logarithmic, so ratios of 0.01 and 0.17 stay apart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import image
+
+    from oracle.core import render
+    from oracle.core.checks import ULP_BINS
+
+    assert render.ulp_labels() == ["<=-3", "-2", "-1", "0", "1", "2", ">=3"]
+    assert len(render.ulp_labels()) == len(ULP_BINS)
+    cells = [{"op": f"op{i}", "impl": "k", "ulp_hist": {str(b): 1 + i for b in ULP_BINS},
+              "per_case": [{"max_err_over_bound": r} for r in (0.0, 0.01, 0.17)]}
+             for i in range(9)]
+    groups = render._groups({"cells": cells})
+    fig = render._ulp_figure(groups, sorted(groups))
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(axes) == 9 and len(fig.axes) == 12  # 3 rows of 4
+    assert [t.get_text() for t in axes[-1].get_xticklabels()] == render.ulp_labels()
+    assert sum(bool(ax.get_ylabel()) for ax in fig.axes) == 3
+    fig = render._ratio_figure(groups, sorted(groups))
+    assert fig.axes[0].get_xscale() == "log"
+    paths = render.plots({"cells": cells}, tmp_path / "p")
+    height, width = image.imread(paths[0]).shape[:2]
+    assert width > height  # a grid, not a column of 9 panels
