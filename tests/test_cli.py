@@ -261,3 +261,12 @@ def test_plots_are_small_multiples_with_labelled_tails(tmp_path):
     paths = render.plots({"cells": cells}, tmp_path / "p")
     height, width = image.imread(paths[0]).shape[:2]
     assert width > height  # a grid, not a column of 9 panels
+
+
+def test_report_prints_no_warnings_a_user_cannot_act_on(tmp_path):
+    """The interpreted Triton insert's report (whose masked-off lanes divide integers by
+    zero inside the interpreter) prints no RuntimeWarning or DeprecationWarning."""
+    r = _run("report", "--ops", "norm_rope_insert", "--impls", "triton", "--platforms",
+             "rocm-fnuz", "--shape-classes", "tiny", "--quiet", "--out", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Warning" not in r.stderr, r.stderr
