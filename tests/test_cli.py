@@ -131,7 +131,7 @@ def test_no_verb_shows_the_help_and_runs_nothing():
         assert listed.count(verb) == 1, verb
 
 
-@pytest.mark.parametrize("verb", ["report", "fuzz", "falsealarm"])
+@pytest.mark.parametrize("verb", ["report", "fuzz", "falsealarm", "replay", "e2e"])
 def test_verb_help_lists_the_valid_names(verb):
     """`oracle VERB --help` names every op, every registered implementation and platform."""
     from oracle.core.cases import OPS
@@ -215,9 +215,13 @@ def test_out_under_a_file_fails_before_the_run(tmp_path):
 
 
 def test_render_of_a_directory_is_a_clear_error(tmp_path):
-    """render of a folder names it as not a report file, exit 2, no traceback."""
-    r = _run("render", str(tmp_path))
-    assert r.returncode == 2 and "is a directory" in r.stderr and "Traceback" not in r.stderr
+    """render or diff of a folder: one line naming it as a directory, exit 2, no
+    traceback."""
+    for args in (("render", str(tmp_path)), ("diff", str(tmp_path), str(tmp_path))):
+        r = _run(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "is a directory" in r.stderr.lower() and str(tmp_path) in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_console_script_is_declared():

@@ -436,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_report, _add_render, _add_diff, _add_replay, _add_fuzz, _add_conformance,
                 _add_e2e, _add_mutants, _add_falsealarm, _add_scaleout, _add_suite_merge):
         add(sub)
-    for verb in ("report", "fuzz", "falsealarm"):
+    for verb in ("report", "fuzz", "falsealarm", "replay", "e2e"):
         sub.choices[verb].lists_names = True
     return p
 
@@ -615,4 +615,7 @@ def main(argv=None) -> int:
         return args.func(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path named on the command line: a folder, no permission
+        print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
