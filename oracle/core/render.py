@@ -144,7 +144,7 @@ def _ratio_figure(groups: dict, keys: list):
 
     fig, ax = plt.subplots(figsize=(7.5, 0.32 * len(keys) + 1.3))
     data = [[max(r, RATIO_FLOOR) for r in groups[k]["ratios"]] or [RATIO_FLOOR] for k in keys]
-    ax.boxplot(data, vert=False, tick_labels=[f"{k[0]} [{k[1]}]" for k in keys],
+    ax.boxplot(data, orientation="horizontal", tick_labels=[f"{k[0]} [{k[1]}]" for k in keys],
                flierprops={"markersize": 3})
     ax.set_xscale("log")
     top = max(2.0, 1.5 * max(max(d) for d in data))

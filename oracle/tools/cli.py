@@ -22,29 +22,25 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _split(value, flag: str = "list"):
+def _split(value, flag: str):
     """A comma-separated option's names; None when the option is absent. Given but empty
     (``--ops ,``) is an error, never "every name"."""
     if value is None:
         return None
-    names = [v for v in value.split(",") if v.strip()]
+    names = [v.strip() for v in value.split(",") if v.strip()]
     if not names:
         raise ValueError(f"--{flag} must name at least one entry, got {value!r}")
     return names
 
 
-def _check_names(kind, values, valid):
-    """``values`` (from ``_split``), each one of ``valid``; None stays None."""
+def _names(flag: str, value, valid):
+    """The names a comma-separated option ``--flag`` gives, each one of ``valid``; None
+    when the option is absent."""
+    values = _split(value, flag)
     bad = [v for v in values or [] if v not in valid]
     if bad:
-        raise ValueError(f"{kind} must be among {list(valid)}, got {bad}")
+        raise ValueError(f"{flag} must be among {list(valid)}, got {bad}")
     return values
-
-
-def _names(flag: str, value, valid):
-    """The names a comma-separated option ``--flag`` gives, checked against ``valid``; None
-    when the option is absent."""
-    return _check_names(flag, _split(value, flag), valid)
 
 
 # ------------------------------------------------------------------------------ verbs
