@@ -118,3 +118,159 @@ def _visible_devices(_):
 
     time.sleep(0.01)  # both workers take tasks
     return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_no_verb_shows_the_help_and_runs_nothing():
+    """`oracle` alone prints the verbs (each once) and exits 2 at once, never a report."""
+    r = _run()
+    assert r.returncode == 2 and "usage: oracle" in r.stdout and "cases on" not in r.stdout
+    verbs = r.stdout.split("verbs:", 1)[1]
+    for verb in ("report", "render", "diff", "replay", "fuzz", "mutants", "falsealarm"):
+        listed = [line.split()[0] for line in verbs.splitlines() if line.startswith("    ")
+                  and not line.startswith("     ")]
+        assert listed.count(verb) == 1, verb
+
+
+@pytest.mark.parametrize("verb", ["report", "fuzz", "falsealarm", "replay", "e2e"])
+def test_verb_help_lists_the_valid_names(verb):
+    """`oracle VERB --help` names every op, every registered implementation and platform."""
+    from oracle.core.cases import OPS
+    from oracle.core.registry import known_names
+    from reference.platforms import PLATFORMS
+
+    r = _run(verb, "--help")
+    assert r.returncode == 0
+    tail = r.stdout.split("\nops: ", 1)[1]
+    for name in (*OPS, *known_names(), *PLATFORMS):
+        assert name in tail, name
+
+
+@pytest.mark.parametrize("args", [
+    ("report", "--ops", "reshape_and_cache", "--impls", "flex"),
+    ("report", "--ops", "reshape_and_cache", "--impls", "triton_flat"),
+])
+def test_report_that_checks_nothing_says_so_and_fails(args, tmp_path):
+    """A selection no implementation on this machine claims exits 1 with one line saying
+    nothing was checked, and writes no report. (triton_flat runs on CUDA only: on a GPU
+    machine the selection checks something, so the case is CPU-only.)"""
+    if "triton_flat" in args and _cuda():
+        pytest.skip("triton_flat claims cases on a CUDA machine")
+    r = _run(*args, "--quiet", "--out", str(tmp_path / "rep"))
+    assert r.returncode == 1 and "nothing to check" in r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and not list(tmp_path.iterdir())
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("report", "--ops", ","), "--ops must name at least one entry, got ','"),
+    (("report", "--impls", " ,"), "--impls must name at least one entry"),
+    (("fuzz", "--seconds", "-5"), "--seconds must be > 0, got -5"),
+    (("fuzz", "--minutes", "0"), "--minutes must be > 0, got 0"),
+    (("fuzz", "--seconds", "10", "--warmup", "10"), "--warmup must be in [0, 10)"),
+    (("fuzz", "--workers", "0"), "--workers must be >= 1, got 0"),
+    (("fuzz", "--configs", "-1"), "--configs must be >= 0, got -1"),
+    (("fuzz", "--config-salt", "-2"), "--config-salt must be >= 0, got -2"),
+    (("fuzz", "--seconds", "nan"), "--seconds must be > 0, got nan"),
+    (("report", "--budget", "0"), "--budget must be >= 1, got 0"),
+    (("falsealarm", "--cases", "0"), "--cases must be >= 1, got 0"),
+    (("falsealarm", "--seconds", "-1"), "--seconds must be > 0, got -1"),
+    (("falsealarm", "--seed", "-1"), "--seed must be >= 0, got -1"),
+    (("mutants", "--fuzz-seconds", "-1"), "--fuzz-seconds must be >= 0, got -1"),
+    (("e2e", "--seed", "-3"), "--seed must be >= 0, got -3"),
+    (("e2e", "--workers", "0"), "--workers must be >= 1, got 0"),
+])
+def test_out_of_range_numbers_name_the_option(args, needle):
+    """Every numeric option out of its range: one line naming the option, its range and the
+    value given, exit 2, before any work."""
+    r = _run(*args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args", [
+    ("report", "--ops", "reshape_and_cache", "--shape-classes", "tiny", "--out", "/proc/x"),
+    ("fuzz", "--seconds", "1", "--report", "/proc/x.json"),
+    ("falsealarm", "--cases", "1", "--out", "/proc/x.json"),
+    ("conformance", "--out", "/proc/x"),
+])
+def test_unwritable_out_fails_before_the_run(args):
+    """An output path that cannot be written is a one-line error naming the option, exit 2,
+    before any case runs."""
+    r = _run(*args)
+    assert r.returncode == 2 and "is not writable" in r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "cases on" not in r.stdout
+
+
+def test_out_under_a_file_fails_before_the_run(tmp_path):
+    """--out whose folder cannot be made (a plain file stands in its path): the same
+    one-line error, before any case runs."""
+    (tmp_path / "plain").write_text("")
+    r = _run("report", "--ops", "reshape_and_cache", "--out", str(tmp_path / "plain" / "rep"))
+    assert r.returncode == 2 and "is not writable" in r.stderr and "cases on" not in r.stdout
+
+
+def test_render_of_a_directory_is_a_clear_error(tmp_path):
+    """render or diff of a folder: one line naming it as a directory, exit 2, no
+    traceback."""
+    for args in (("render", str(tmp_path)), ("diff", str(tmp_path), str(tmp_path))):
+        r = _run(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "is a directory" in r.stderr.lower() and str(tmp_path) in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_console_script_is_declared():
+    """pyproject.toml declares `oracle` as the console script of tools.cli.main."""
+    import tomllib
+    from pathlib import Path
+
+    from oracle.tools import cli
+
+    doc = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    target = doc["project"]["scripts"]["oracle"]
+    module, func = target.split(":")
+    assert module == cli.__name__ and getattr(cli, func) is cli.main
+
+
+def test_plots_are_small_multiples_with_labelled_tails(tmp_path):
+    """The ULP histogram is a grid (at most HIST_COLUMNS panels a row, not one tall column)
+    whose outer bins read "<=-3" / ">=3", each row with a y-label; the err/bound plot's
+    axis is logarithmic, so ratios of 0.01 and 0.17 stay apart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import image
+
+    from oracle.core import render
+    from oracle.core.checks import ULP_BINS
+
+    assert render.ulp_labels() == ["<=-3", "-2", "-1", "0", "1", "2", ">=3"]
+    assert len(render.ulp_labels()) == len(ULP_BINS)
+    cells = [{"op": f"op{i}", "impl": "k", "ulp_hist": {str(b): 1 + i for b in ULP_BINS},
+              "per_case": [{"max_err_over_bound": r} for r in (0.0, 0.01, 0.17)]}
+             for i in range(9)]
+    groups = render._groups({"cells": cells})
+    fig = render._ulp_figure(groups, sorted(groups))
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(axes) == 9 and len(fig.axes) == 12  # 3 rows of 4
+    assert [t.get_text() for t in axes[-1].get_xticklabels()] == render.ulp_labels()
+    assert sum(bool(ax.get_ylabel()) for ax in fig.axes) == 3
+    fig = render._ratio_figure(groups, sorted(groups))
+    assert fig.axes[0].get_xscale() == "log"
+    paths = render.plots({"cells": cells}, tmp_path / "p")
+    height, width = image.imread(paths[0]).shape[:2]
+    assert width > height  # a grid, not a column of 9 panels
+
+
+def test_report_prints_no_warnings_a_user_cannot_act_on(tmp_path):
+    """The interpreted Triton insert's report (whose masked-off lanes divide integers by
+    zero inside the interpreter) prints no RuntimeWarning or DeprecationWarning."""
+    r = _run("report", "--ops", "norm_rope_insert", "--impls", "triton", "--platforms",
+             "rocm-fnuz", "--shape-classes", "tiny", "--quiet", "--out", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Warning" not in r.stderr, r.stderr

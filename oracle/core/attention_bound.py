@@ -22,7 +22,10 @@ the rounding points the schedule names. Per query row and head, with the schedul
    distance from the reference's value, times ``f_j`` (``p_j rho_j`` when P is not rounded).
 4. Chunk output ``o_c = N_c / l_c``: ``|N_hat - N| <= sum Delta_j |V_j| + gamma_{n+T}
    sum (P_j + Delta_j)|V_j|``, ``|l_hat - l| <= sum p_j rho_j + gamma_{n+T} sum p_j (1 +
-   rho_j)``, and ``|o_hat - o| <= (|dN| + |o| |dl|) / (l - |dl|) (1 + eps_div) + eps_div |o|``.
+   rho_j)``, and ``|o_hat - o| <= (|dN| + |o| |dl|) / (l - |dl|) (1 + eta) + eta |o|``, ``eta``
+   the normalisation's relative error: ``eps_div + u`` for a division, or for a kernel that
+   declares ``Fp32Arith(normalise="lse")`` (``acc * exp2(m - lse)``, a running log-sum-exp
+   instead of a division) the bound of ``_normalisation_rel``.
 5. Split-K: each partial rounded to the partial dtype deviates from the reference's rounded
    partial by the rounding interval of ``o_c +- b_c``; its LSE (``m_c + log l_c``, rounded
    to the LSE dtype) by the interval of ``lse_c +- (E_c + dl/(l - dl) + 2^-21 |lse_c|)``;
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.core.bounds import Fp32Arith, U, gamma, tensor_core_rel
+from oracle.core.bounds import LOG2_ABS, Fp32Arith, U, gamma, tensor_core_rel
 from reference.attention import decode_positions, prefill_positions, scheduled_q
 from reference.codec import FORMATS, round_dtype
 from reference.kv_cache import scale_at
@@ -134,11 +137,34 @@ def _chunk_bound(s, a_mag, v, rank, sched, arith, d, dot_rel=0.0):
     l_sum = p.sum(axis=1, keepdims=True)
     dl = (p * rho).sum(axis=1, keepdims=True) + g * (p * (1 + rho)).sum(axis=1, keepdims=True)
     o = (p_sched @ v) / l_sum
-    div = arith.div_rel + (2 if outside else 1) * U
+    div = _normalisation_rel(arith, m + big_e, l_sum + dl, 2 if outside else 1)
     bound = (dn + np.abs(o) * dl) / (l_sum - dl) * (1 + div) + div * np.abs(o)
     lse = m + np.log(l_sum)
     dlse = big_e + dl / (l_sum - dl) + 2.0**-21 * np.abs(lse)
     return o, bound, lse[:, 0], dlse[:, 0]
+
+
+def _normalisation_rel(arith, m_mag, l_top, roundings: int):
+    """Relative error ``eta`` of the chunk's normalisation, ``o_hat = (N_hat / l_hat)(1 +
+    eta)``, given ``|m| <= m_mag`` (the chunk max, natural units) and ``l_hat <= l_top``;
+    ``roundings``: fp32 roundings of the final product(s) (the v_scale outside adds one).
+
+    ``arith.normalise == "divide"``: ``N_hat / l_hat`` rounded: ``eps_div + roundings u``.
+    ``"lse"``: ``N_hat exp2(m2 - lse2)`` with base-2 logits ``m2 = m log2(e)``, ``L =
+    log2(l_hat)`` computed within ``eps_log2 |L| + LOG2_ABS``, ``lse2 = fl(m2 + L)`` (error
+    ``u |m2 + L|``) and the argument ``fl(m2 - lse2)`` (error ``u |L|``, to first order):
+    the argument is ``-L + delta``, ``|delta| <= (eps_log2 + 3u)|L| + u |m2| + LOG2_ABS``
+    (times 1.001 for the second-order terms), so ``exp2`` of it is ``(1 / l_hat) 2^delta
+    (1 + eps_exp2)`` and the product's roundings add ``roundings u``: ``|eta| <=
+    expm1(delta ln 2 + eps_exp2 + roundings u)``. With ``1 <= l_hat <= l_top``,
+    ``|L| <= log2(l_top)``. Sound wherever the kernel's ``m2`` is its own logits' max (the
+    same max its probabilities are relative to), as an online softmax keeps it."""
+    if arith.normalise == "divide":
+        return arith.div_rel + roundings * U
+    big_l = np.log2(np.maximum(l_top, 1.0))
+    delta = ((arith.log2_rel + 3 * U) * big_l + U * np.abs(m_mag) * np.log2(np.e)
+             + LOG2_ABS) * 1.001
+    return np.expm1(delta * np.log(2.0) + arith.exp2_rel + roundings * U)
 
 
 def _row_bound(q, keys_k, keys_v, key_chunk, key_rank, sched, arith, softmax_scale,

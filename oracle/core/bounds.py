@@ -44,6 +44,10 @@ def tensor_core_rel(dot_rel: float, length: int) -> float:
     return dot_rel * length / TENSOR_CORE_LENGTH
 
 
+NORMALISATIONS = ("divide", "lse")
+LOG2_ABS = 2.0**-21  # absolute error of an fp32 log2 near 1 (PTX lg2.approx: 2^-22.6)
+
+
 @dataclass(frozen=True)
 class Fp32Arith:
     """Declared worst-case errors of an implementation's fp32 special functions, in fp32
@@ -54,6 +58,17 @@ class Fp32Arith:
     rsqrt_ulp: float = 2.0  # 1/sqrt(t), by rsqrt or by sqrt and a division (sum their ulps)
     div_ulp: float = 2.5  # x / y (also the division by a KV scale)
     exp2_ulp: float = 2.5
+    #: How attention normalises its output: "divide" (``acc / l``) or "lse" (``acc *
+    #: exp2(m - lse)``, ``lse = m + log2(l)``, base-2 logits): oracle.core.attention_bound.
+    normalise: str = "divide"
+    #: log2 with normalise="lse": ulps of the result plus ``LOG2_ABS`` absolute (an
+    #: approximate log2 is accurate to an absolute 2^-22 near 1, where its result nears 0).
+    log2_ulp: float = 2.5
+
+    def __post_init__(self):
+        if self.normalise not in NORMALISATIONS:
+            raise ValueError(f"normalise must be one of {list(NORMALISATIONS)}, got "
+                             f"{self.normalise!r}")
 
     @property
     def rsqrt_rel(self) -> float:
@@ -66,6 +81,10 @@ class Fp32Arith:
     @property
     def exp2_rel(self) -> float:
         return self.exp2_ulp * ULP_REL
+
+    @property
+    def log2_rel(self) -> float:
+        return self.log2_ulp * ULP_REL
 
 
 def gamma(n: int) -> float:

@@ -25,7 +25,7 @@ from oracle.core import reference_run as ref_impl
 from oracle.core.bounds import gamma, norm_rope_bound
 from oracle.core.cases import Case, input_hash, make_inputs
 from oracle.core.intervals import classify, joint_value_exists, preimage
-from oracle.core.registry import implementations, schedule_for, score_rel_for
+from oracle.core.registry import arith_for, implementations, schedule_for, score_rel_for
 from reference import norm_rope
 from reference.codec import decode, encode, get_format
 from reference.kv_cache import scale_at
@@ -133,8 +133,9 @@ class CheckResult:
     def summary(self) -> str:
         t = self.tally
         verdict = "PASS" if self.passed else "FAIL"
-        head = (f"{verdict} {self.op} [{self.impl}] {self.case}: {t.elements} elements, "
-                f"{t.violations} violations, max err/bound {t.max_err_over_bound:.3g}")
+        head = (f"{verdict} {self.op} [{self.impl}] {self.case} ({_storage(self.case)}): "
+                f"{t.elements} elements, {t.violations} violations, max err/bound "
+                f"{t.max_err_over_bound:.3g}")
         lines = [head, *self.failures]
         if t.violations and t.worst:
             lines.append(f"worst: {t.worst}")
@@ -144,6 +145,13 @@ class CheckResult:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _storage(case_id: str) -> str:
+    """The storage format a case's cache holds, named in every verdict: the case id says
+    only ``fp8`` and the platform, and a kernel that reads the wrong format fails there."""
+    case = Case.from_id(case_id)
+    return f"storage format {case.index_fmt if case.op.startswith('indexer') else case.kv_fmt}"
 
 
 def written_slots(slot_mapping) -> np.ndarray:
@@ -187,7 +195,7 @@ def check_norm_rope_insert(x, out, impl) -> tuple[Tally, list, dict]:
         exact[kind] = norm_rope.apply_rope_neox(
             norm_rope.rms_norm_gemma(parts[kind], w, eps), x["positions"],
             x["rope_table"], r)
-        bounds[kind] = norm_rope_bound(parts[kind], w, eps, cs, r, impl.arith)
+        bounds[kind] = norm_rope_bound(parts[kind], w, eps, cs, r, arith_for(impl, x))
         fmt = md
         if kind == "index_q" and x["index_fmt"] is not None and is_fp8(x["index_fmt"]):
             fmt = x["index_fmt"]
@@ -206,14 +214,14 @@ def check_norm_rope_insert(x, out, impl) -> tuple[Tally, list, dict]:
     return t, failures, {}
 
 
-def _division_bound(val, scaled: bool, impl) -> np.ndarray:
+def _division_bound(val, scaled: bool, div_rel: float) -> np.ndarray:
     """The fp32 division by a scale, allowed its declared error: |val| x div_rel, and 0
     where val is +-Inf or NaN (Inf / scale is exactly Inf: a bound of |Inf| x div_rel would
     admit any code, e.g. 240 written for +Inf in e4m3fn)."""
     if not scaled:
         return np.zeros(np.shape(val))
     with np.errstate(invalid="ignore"):
-        return np.where(np.isfinite(val), np.abs(val) * impl.arith.div_rel, 0.0)
+        return np.where(np.isfinite(val), np.abs(val) * div_rel, 0.0)
 
 
 def _check_kv_writes(x, out, k_exact, k_bound, v, impl) -> list[str]:
@@ -224,19 +232,20 @@ def _check_kv_writes(x, out, k_exact, k_bound, v, impl) -> list[str]:
     tok = np.flatnonzero(s >= 0)
     page, d = x["kv_cache"].shape[2], x["kv_cache"].shape[3] // 2
     fmt, cache = x["kv_fmt"], out["kv_cache"]
+    div_rel = arith_for(impl, x).div_rel
     bad_k = bad_v = 0
     for h in range(x["num_kv_heads"]):
         slots = s[tok]
         codes = cache[slots // page, h, slots % page]
         ks = _scale_columns(x["k_scale"], h, slots)
         vs = _scale_columns(x["v_scale"], h, slots)
-        q_rel = impl.arith.div_rel if x["k_scale"] is not None else 0.0
+        q_rel = div_rel if x["k_scale"] is not None else 0.0
         ok_k = joint_value_exists(k_exact[tok, h], k_bound[tok, h], out["k"][tok, h],
                                   x["model_dtype"], codes[:, :d], fmt,
                                   1.0 if ks is None else ks, q_rel)
         bad_k += int(np.count_nonzero(~ok_k))
         v_val = v[tok, h] / (1.0 if vs is None else vs)
-        v_bound = _division_bound(v_val, vs is not None, impl)
+        v_bound = _division_bound(v_val, vs is not None, div_rel)
         with np.errstate(invalid="ignore"):
             c = classify(codes[:, d:], np.where(np.isinf(v_val), np.sign(v_val) * 1e300, v_val),
                          v_bound, fmt)
@@ -267,7 +276,7 @@ def check_reshape_and_cache(x, out, impl) -> tuple[Tally, list, dict]:
     s = np.asarray(x["slot_mapping"], np.int64)
     tok = np.flatnonzero(s >= 0)
     page, d = x["kv_cache"].shape[2], x["kv_cache"].shape[3] // 2
-    fmt = x["kv_fmt"]
+    fmt, div_rel = x["kv_fmt"], arith_for(impl, x).div_rel
     failures = untouched_failures("kv_cache", x["kv_cache"], out["kv_cache"], s[tok], page)
     for h in range(x["kv_cache"].shape[1]):
         slots = s[tok]
@@ -275,7 +284,7 @@ def check_reshape_and_cache(x, out, impl) -> tuple[Tally, list, dict]:
         for part, values, scale in (("k", x["k"], x["k_scale"]), ("v", x["v"], x["v_scale"])):
             sc = _scale_columns(scale, h, slots)
             val = values[tok, h] / (1.0 if sc is None else sc)
-            bound = _division_bound(val, sc is not None, impl)
+            bound = _division_bound(val, sc is not None, div_rel)
             t.add(f"kv_cache.{part}", codes[:, :d] if part == "k" else codes[:, d:], val,
                   bound, fmt)
     return t, failures, {}
@@ -344,7 +353,7 @@ def scheduled_reference(x, impl, out) -> tuple[np.ndarray, np.ndarray]:
     unrounded = bound = None
     for sched, indices in used.items():
         res = ref_impl.attention_call(x, schedule=sched, return_details=True)
-        b = attention_bound(x, sched, impl.arith, dot_rel=score_rel_for(impl, x))
+        b = attention_bound(x, sched, arith_for(impl, x), dot_rel=score_rel_for(impl, x))
         if unrounded is None:
             unrounded, bound = res.unrounded, b
         else:
@@ -408,10 +417,11 @@ def reported_attention_stats(x, got) -> dict:
     finite = np.isfinite(exact) & np.isfinite(got)
     if not finite.any():
         return {"fa_ratio": 0.0, "prob_ratio": 0.0}
-    err = np.where(finite, np.abs(got - exact), 0.0)
+    err = np.abs(np.where(finite, got, 0.0) - np.where(finite, exact, 0.0))
     # The baseline may itself be NaN where the exact value is finite (0 x Inf, above):
     # those elements say nothing about its precision.
-    err_base = np.where(finite & np.isfinite(base), np.abs(base - exact), 0.0)
+    usable = finite & np.isfinite(base)
+    err_base = np.abs(np.where(usable, base, 0.0) - np.where(usable, exact, 0.0))
     man = get_format(md).man_bits
     _, ex = np.frexp(np.abs(exact))
     half_ulp = np.maximum(np.ldexp(0.5, ex - 1 - man), get_format(md).min_subnormal / 2)

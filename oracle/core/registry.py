@@ -12,7 +12,9 @@ Outputs, per op (rounded outputs as *codes* of their format, so comparisons are 
   indexer_*          topk int32 [Hi,T,K]
   attention_*        out [T,Hq,D] (model-dtype codes)
 
-Declared numerics: ``arith`` (fp32 special-function errors, ``oracle.core.bounds.Fp32Arith``);
+Declared numerics: ``arith`` (fp32 special-function errors and the attention output's
+normalisation, ``oracle.core.bounds.Fp32Arith``, or a callable ``(case) -> Fp32Arith`` where
+they depend on the case's inputs: ``arith_for``);
 ``schedule`` (attention: where it rounds, a ``reference.attention.Schedule``, or a callable
 ``(model_dtype, case)`` returning one, ``case`` being the case's inputs or None: an
 implementation whose rounding depends on the cache format or the kind of scales says so
@@ -44,6 +46,13 @@ def schedule_for(impl, model_dtype: str, case: dict | None = None):
     return s(model_dtype, case) if callable(s) else s
 
 
+def arith_for(impl, case: dict | None = None) -> Fp32Arith:
+    """The fp32 arithmetic an implementation declares for a case's inputs (a plain
+    ``Fp32Arith`` as is)."""
+    a = impl.arith
+    return a(case) if callable(a) else a
+
+
 def score_rel_for(impl, case: dict | None = None) -> float:
     """The block-score error an indexer implementation declares for a case's inputs (plain
     floats as is)."""
@@ -61,7 +70,7 @@ class Implementation:
     formats: tuple[str, ...] | None = None  # storage formats it handles; None: all
     model_dtypes: tuple[str, ...] = ("bfloat16", "float16")
     shape_classes: tuple[str, ...] = ("tiny", "small", "model")
-    arith: Fp32Arith = field(default_factory=Fp32Arith)
+    arith: object = field(default_factory=Fp32Arith)  # or (case) -> Fp32Arith
     schedule: object = None
     score_rel: object = 0.0
     quantize_from: str = "value"

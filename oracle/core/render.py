@@ -80,13 +80,8 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(report: dict, out_prefix: Path) -> list[Path]:
-    """Two PNGs: the ULP-distance histogram and the max error/bound per case, per (op, impl)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _groups(report: dict) -> dict:
+    """(op, impl) -> its summed ULP histogram and its cases' max error/bound ratios."""
     groups: dict = {}
     for c in report["cells"]:
         g = groups.setdefault((c["op"], c["impl"]), {"hist": {str(b): 0 for b in ULP_BINS},
@@ -94,31 +89,88 @@ def plots(report: dict, out_prefix: Path) -> list[Path]:
         for b, n in c["ulp_hist"].items():
             g["hist"][b] += n
         g["ratios"] += [p["max_err_over_bound"] for p in c["per_case"]]
+    return groups
+
+
+def ulp_labels() -> list[str]:
+    """The histogram's bin labels: the outer bins hold the clipped tails (``<=-3``,
+    ``>=3``), never a single value."""
+    labels = [str(b) for b in ULP_BINS]
+    return [f"<={labels[0]}", *labels[1:-1], f">={labels[-1]}"]
+
+
+#: Panels per row of the ULP histogram's small multiples (readable at a 1100 px width).
+HIST_COLUMNS = 4
+#: Error/bound ratios below this are drawn at it on the log axis (an exact output's ratio
+#: is 0, which a log axis cannot place).
+RATIO_FLOOR = 1e-4
+
+
+def _ulp_figure(groups: dict, keys: list):
+    """Small multiples, one panel per (op, impl), shared axes: the share of outputs at
+    each signed code distance from the nearest rounding."""
+    import matplotlib.pyplot as plt
+
+    cols = min(HIST_COLUMNS, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.5 * cols + 0.6, 2.0 * rows + 0.8),
+                             sharex=True, sharey=True, squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        hist = groups[key]["hist"]
+        total = max(sum(hist.values()), 1)
+        ax.bar(range(len(ULP_BINS)), [hist[str(b)] / total for b in ULP_BINS],
+               color=["#cc6677" if b else "#4477aa" for b in ULP_BINS])
+        ax.set_title(f"{key[0]}\n{key[1]}", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylim(1e-7, 1.5)
+        ax.tick_params(labelsize=7)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    axes[0, 0].set_xticks(range(len(ULP_BINS)), ulp_labels())
+    for ax in axes[:, 0]:
+        ax.set_ylabel("share of outputs", fontsize=8)
+    for ax in axes[-1, :]:
+        ax.set_xlabel("codes from nearest", fontsize=8)
+        ax.xaxis.set_tick_params(labelbottom=True)
+    fig.suptitle("Signed distance of each output from the nearest rounding of the exact "
+                 "value (outer bins: the tails)", fontsize=9)
+    return fig
+
+
+def _ratio_figure(groups: dict, keys: list):
+    """Each (op, impl)'s per-case max error over its bound, on a log axis (a ratio of 0.01
+    and one of 0.17 stay apart); 1, the bound, is the red line."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 0.32 * len(keys) + 1.3))
+    data = [[max(r, RATIO_FLOOR) for r in groups[k]["ratios"]] or [RATIO_FLOOR] for k in keys]
+    ax.boxplot(data, orientation="horizontal", tick_labels=[f"{k[0]} [{k[1]}]" for k in keys],
+               flierprops={"markersize": 3})
+    ax.set_xscale("log")
+    top = max(2.0, 1.5 * max(max(d) for d in data))
+    ax.set_xlim(RATIO_FLOOR / 2, top)
+    ax.axvline(1.0, color="red", lw=1)
+    ax.invert_yaxis()
+    ax.grid(axis="x", which="major", lw=0.4, alpha=0.5)
+    ax.set_xlabel(f"max |error| / rigorous bound per case (log; 1 = at the bound; below "
+                  f"{RATIO_FLOOR:g} drawn at {RATIO_FLOOR:g})", fontsize=8)
+    ax.tick_params(labelsize=7)
+    return fig
+
+
+def plots(report: dict, out_prefix: Path) -> list[Path]:
+    """Two PNGs: the ULP-distance histograms and the max error/bound per case, per
+    (op, impl)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    groups = _groups(report)
     if not groups:
         return []
     keys = sorted(groups)
-    hist_keys = [k for k in keys if sum(groups[k]["hist"].values())]
-    paths = []
-    fig, axes = plt.subplots(max(len(hist_keys), 1), 1, figsize=(7, 1.6 * len(hist_keys) + 0.6),
-                             squeeze=False)
-    for ax, key in zip(axes[:, 0], hist_keys):
-        hist = groups[key]["hist"]
-        total = max(sum(hist.values()), 1)
-        ax.bar([int(b) for b in hist], [n / total for n in hist.values()], color="#4477aa")
-        ax.set_yscale("log")
-        ax.set_ylim(1e-7, 1.5)
-        ax.set_title(f"{key[0]} [{key[1]}]: signed distance in codes from the nearest rounding",
-                     fontsize=8)
-        ax.tick_params(labelsize=7)
-    paths.append(_save(fig, out_prefix, "-ulp.png"))
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(keys) + 1.2))
-    ax.boxplot([groups[k]["ratios"] or [0.0] for k in keys], vert=False,
-               tick_labels=[f"{k[0]} [{k[1]}]" for k in keys])
-    ax.axvline(1.0, color="red", lw=1)
-    ax.set_xlabel("max |error| / rigorous bound per case (1 = at the edge)")
-    ax.tick_params(labelsize=7)
-    paths.append(_save(fig, out_prefix, "-err-bound.png"))
-    return paths
+    hist_keys = [k for k in keys if sum(groups[k]["hist"].values())] or keys
+    return [_save(_ulp_figure(groups, hist_keys), out_prefix, "-ulp.png"),
+            _save(_ratio_figure(groups, keys), out_prefix, "-err-bound.png")]
 
 
 def _save(fig, out_prefix: Path, suffix: str) -> Path:

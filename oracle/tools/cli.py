@@ -1,19 +1,8 @@
-"""``python -m oracle VERB``: the command line of the framework.
+"""``oracle VERB`` (or ``python -m oracle VERB``): the command line of the framework.
 
-  report       the main job: the tolerance report on the default case set (JSON + Markdown
-               + PNG); on a CUDA machine every registered implementation, else the CPU ones
-  render       Markdown and PNG from a report JSON
-  diff         compare two reports of the same case set; exit 1 if a cell got worse
-  replay       re-run one case by its id (printed by every failure)
-  fuzz         hypothesis-driven search for failing cases within a time budget
-  conformance  the fp8 codec against ml_dtypes, and which policy torch's casts follow
-  e2e          end-to-end accuracy cost of each KV cache format: the float64 reference
-               pipeline beside a registered implementation's (--impl, e.g. triton)
-  mutants      the mutant catalog against the standard budget: the kill matrix
-  falsealarm   clean randomized cases on the unmutated implementations: failures (none
-               allowed) and the calibration of the reported-only statistics
-
-Errors in the user's input print one line and exit 2, never a traceback.
+Errors in the user's input print one line and exit 2, never a traceback; a run that checks
+nothing says so and exits 1. ``oracle VERB --help`` lists a verb's options, with the valid op
+and implementation names where it takes them.
 """
 
 from __future__ import annotations
@@ -33,14 +22,24 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _split(value):
-    return [v for v in value.split(",") if v] if value else None
+def _split(value, flag: str):
+    """A comma-separated option's names; None when the option is absent. Given but empty
+    (``--ops ,``) is an error, never "every name"."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise ValueError(f"--{flag} must name at least one entry, got {value!r}")
+    return names
 
 
-def _check_names(kind, values, valid):
+def _names(flag: str, value, valid):
+    """The names a comma-separated option ``--flag`` gives, each one of ``valid``; None
+    when the option is absent."""
+    values = _split(value, flag)
     bad = [v for v in values or [] if v not in valid]
     if bad:
-        raise ValueError(f"{kind} must be among {list(valid)}, got {bad}")
+        raise ValueError(f"{flag} must be among {list(valid)}, got {bad}")
     return values
 
 
@@ -52,6 +51,8 @@ def cmd_conformance(args) -> int:
 
     from oracle.tools import conformance
 
+    if args.out:
+        _check_writable(Path(args.out).with_suffix(".json"), "--out")
     t0 = time.perf_counter()
     sets = {s: conformance.source_set(s) for s in conformance.SOURCE_DTYPES}
     rows = conformance.reference_rows(sets)
@@ -64,7 +65,6 @@ def cmd_conformance(args) -> int:
         import json
 
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         doc = {"schema": "conformance/1", "torch": torch.__version__,
                "reference": [r.__dict__ for r in rows],
                "torch_casts": [dict(r.__dict__, policy=r.policy) for r in trows]}
@@ -80,25 +80,53 @@ def cmd_report(args) -> int:
     from oracle.core.registry import known_names
     from reference.platforms import PLATFORMS
 
-    ops = _check_names("ops", _split(args.ops), OPS) or list(OPS)
-    platforms = _check_names("platforms", _split(args.platforms), PLATFORMS) or list(PLATFORMS)
-    impls = _check_names("impls", _split(args.impls), sorted(known_names()))
+    ops = _names("ops", args.ops, OPS) or list(OPS)
+    platforms = _names("platforms", args.platforms, PLATFORMS) or list(PLATFORMS)
+    impls = _names("impls", args.impls, sorted(known_names()))
     device = _device()
     default_classes = ["tiny", "small", "model"] if device == "cuda" else ["tiny", "small"]
-    classes = _check_names("shape-classes", _split(args.shape_classes),
-                           SHAPE_CLASSES) or default_classes
-    if args.budget < 1:
-        raise ValueError(f"budget must be >= 1, got {args.budget}")
+    classes = _names("shape-classes", args.shape_classes, SHAPE_CLASSES) or default_classes
     cases = report.default_cases(ops, platforms, classes, args.budget)
+    if not _claimed(cases, impls, device):
+        among = f"among {','.join(impls)} " if impls else ""
+        print(f"error: nothing to check: no implementation {among}that runs on {device} "
+              f"claims any of the {len(cases)} cases of ops {','.join(ops)}",
+              file=sys.stderr)
+        return 1
+    out = Path(args.out or f"reports/{device}")
+    _check_writable(out.with_suffix(".json"), "--out")
     print(f"{len(cases)} cases on {device}: ops {','.join(ops)}; platforms "
           f"{','.join(platforms)}; shape classes {','.join(classes)}", flush=True)
     doc = report.run_report(cases, impls, device=device, progress=not args.quiet)
-    out = Path(args.out or f"reports/{device}")
     path = report.write_json(doc, out.with_suffix(".json"))
     files = [path, *render.render(doc, out)]
     print(_summary_table(doc))
     print("wrote " + ", ".join(str(f) for f in files))
     return 1 if doc["failures"] else 0
+
+
+def _claimed(cases, impl_names, device: str) -> int:
+    """How many (case, implementation) checks a report over ``cases`` would run."""
+    from oracle.core.registry import implementations
+
+    return sum(impl.supports(case)[0] for case in cases
+               for impl in implementations(case.op, impl_names, device))
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """ValueError naming ``flag`` unless ``path`` (a file; its folders are made) can be
+    written: checked before the work, so a long run never ends in an unwritable path."""
+    existed = path.exists()
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory, expected a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path} is not writable: {e.strerror}") from None
+    if not existed:
+        path.unlink()
 
 
 def _summary_table(doc) -> str:
@@ -129,7 +157,10 @@ def cmd_render(args) -> int:
 
     from oracle.core import render, report
 
+    if Path(args.report).is_dir():
+        raise ValueError(f"report file {args.report} is a directory: name a report JSON")
     out = Path(args.out) if args.out else Path(args.report).with_suffix("")
+    _check_writable(out.with_name(out.name + ".md"), "--out")
     try:  # a GPU run's fuzz / mutants / false-alarm JSON: its Markdown beside it
         schema = json.loads(Path(args.report).read_text()).get("schema")
     except (OSError, ValueError, AttributeError):
@@ -186,15 +217,13 @@ def cmd_fuzz(args) -> int:
     from oracle.tools import fuzz
 
     seconds = args.seconds if args.minutes is None else 60.0 * args.minutes
-    ops = _check_names("ops", _split(args.ops), OPS) or list(OPS)
-    impls = _check_names("impls", _split(args.impls), sorted(known_names()))
-    classes = _check_names("shape-classes", _split(args.shape_classes),
-                           SHAPE_CLASSES) or list(fuzz.DEFAULT_SHAPE_CLASSES)
-    if args.workers < 1:
-        raise ValueError(f"workers must be >= 1, got {args.workers}")
-    warmup = 0.2 * seconds if args.warmup is None else args.warmup
-    if not 0 <= warmup < seconds:
-        raise ValueError(f"warmup must be in [0, {seconds:g}) seconds, got {warmup:g}")
+    ops = _names("ops", args.ops, OPS) or list(OPS)
+    impls = _names("impls", args.impls, sorted(known_names()))
+    classes = (_names("shape-classes", args.shape_classes, SHAPE_CLASSES)
+               or list(fuzz.DEFAULT_SHAPE_CLASSES))
+    warmup = fuzz.check_budget(seconds, args.warmup)
+    if args.report:
+        _check_writable(Path(args.report), "--report")
     device = _device()
     impls = impls or fuzz.default_impls(device)
     salt = args.config_salt if args.config_salt is not None else \
@@ -246,18 +275,18 @@ def cmd_mutants(args) -> int:
             print(f"{m.name:32s} {m.op:18s} {m.bug}: {m.incident}")
         return 0
     if args.merge:
+        _check_writable(Path(args.out or "reports/mutants-merged.json"), "--out")
         doc = mutants.merge([json.loads(Path(p).read_text()) for p in args.merge], list(known))
         out = Path(args.out or "reports/mutants-merged.json")
         write_json(doc, out)
         out.with_suffix(".md").write_text(mutants.markdown(doc))
         print(f"wrote {out}, {out.with_suffix('.md')}")
         return 0
-    chosen = [_mutant(n) for n in _split(args.mutants)] if args.mutants else list(
+    chosen = [_mutant(n) for n in _split(args.mutants, "mutants")] if args.mutants else list(
         known.values())
-    if args.fuzz_seconds < 0:
-        raise ValueError(f"fuzz-seconds must be >= 0, got {args.fuzz_seconds}")
     gpu = _device() == "cuda"
     out = Path(args.out or f"reports/mutants-{'h200' if gpu else 'cpu'}.json")
+    _check_writable(out, "--out")
     # Written after every mutant: a run stopped by a time limit keeps its finished rows.
     doc = mutants.kill_matrix(chosen, gpu=gpu, fuzz_seconds=args.fuzz_seconds,
                               full=args.full, partial=lambda d: write_json(d, out))
@@ -277,17 +306,15 @@ def cmd_falsealarm(args) -> int:
     from oracle.tools import falsealarm
 
     if args.merge:
+        _check_writable(Path(args.out or "reports/false-alarms-merged.json"), "--out")
         doc = falsealarm.merge([json.loads(Path(p).read_text()) for p in args.merge])
         return _write_falsealarm(doc, Path(args.out or "reports/false-alarms-merged.json"))
-    ops = _check_names("ops", _split(args.ops), OPS) or list(OPS)
-    impls = _check_names("impls", _split(args.impls), sorted(known_names()))
-    classes = _check_names("shape-classes", _split(args.shape_classes), SHAPE_CLASSES) \
-        or ["tiny", "small"]
-    if args.cases < 1 or args.workers < 1:
-        raise ValueError(f"cases and workers must be >= 1, got {args.cases}, {args.workers}")
+    ops = _names("ops", args.ops, OPS) or list(OPS)
+    impls = _names("impls", args.impls, sorted(known_names()))
+    classes = _names("shape-classes", args.shape_classes, SHAPE_CLASSES) or ["tiny", "small"]
     device = _device()
-    if args.seconds is not None and args.seconds <= 0:
-        raise ValueError(f"seconds must be > 0, got {args.seconds}")
+    out = Path(args.out or f"reports/false-alarms-{'h200' if device == 'cuda' else 'cpu'}.json")
+    _check_writable(out, "--out")
     from oracle.tools.fuzz import default_impls
 
     # As a fuzz run: random shapes, so on CUDA the per-shape compiled flex baseline is
@@ -295,8 +322,7 @@ def cmd_falsealarm(args) -> int:
     doc = falsealarm.run(ops, args.cases, args.seed, classes, impls or default_impls(device),
                          device, args.workers, args.seconds,
                          gpus=int(os.environ.get("ORACLE_GPUS", "0")), configs=args.configs)
-    return _write_falsealarm(doc, Path(args.out or f"reports/false-alarms-"
-                                       f"{'h200' if device == 'cuda' else 'cpu'}.json"))
+    return _write_falsealarm(doc, out)
 
 
 def _write_falsealarm(doc: dict, out: Path) -> int:
@@ -315,6 +341,7 @@ def cmd_scaleout(args) -> int:
     from oracle.core.report import write_json
     from oracle.tools import suite
 
+    _check_writable(Path(args.out), "--out")
     doc = suite.scaleout(args.runs, args.subset, args.warm)
     path = write_json(doc, args.out)
     md = Path(path).with_suffix(".md")
@@ -327,6 +354,7 @@ def cmd_suite_merge(args) -> int:
     from oracle.core.report import load, write_json
     from oracle.tools import suite
 
+    _check_writable(Path(args.out), "--out")
     doc = suite.merge([load(p) for p in args.parts])
     path = write_json(doc, args.out)
     s = doc["suite"]
@@ -337,18 +365,15 @@ def cmd_suite_merge(args) -> int:
 def cmd_e2e(args) -> int:
     from oracle.tools import e2e
 
-    if args.seed < 0:
-        raise ValueError(f"seed must be >= 0, got {args.seed}")
-    if args.workers < 1:
-        raise ValueError(f"workers must be >= 1, got {args.workers}")
-    modes = _check_names("modes", _split(args.modes), e2e.MODES) or list(e2e.MODES)
-    dists = _check_names("dists", _split(args.dists), e2e.DISTS) or list(e2e.DISTS)
+    modes = _names("modes", args.modes, e2e.MODES) or list(e2e.MODES)
+    dists = _names("dists", args.dists, e2e.DISTS) or list(e2e.DISTS)
     size = "tiny" if args.tiny else "quick" if args.quick else "default"
     device = _device()
     # The reference's own implementations run on the CPU: their report keeps its old name.
     stem = ("e2e-accuracy-cpu" if args.impl == "reference"
             else f"e2e-accuracy-{args.impl}-{device}")
     out = args.out or f"reports/{stem}{'' if size == 'default' else '-' + size}.json"
+    _check_writable(Path(out), "--out")
     doc = e2e.run(quick=args.quick, seed=args.seed, modes=modes, dists=dists,
                   progress=not args.quiet, impl=args.impl, config=e2e.CONFIGS[size],
                   workers=args.workers, device=device)
@@ -361,12 +386,58 @@ def cmd_e2e(args) -> int:
 # ------------------------------------------------------------------------------- parser
 
 
+class _VerbParser(argparse.ArgumentParser):
+    """A verb's parser; ``lists_names``: its help ends with the valid op and implementation
+    names, looked up only when the help is shown (loading the registry takes seconds)."""
+
+    lists_names = False
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        if not self.lists_names:
+            return text
+        from oracle.core.cases import OPS
+        from oracle.core.registry import known_names
+        from reference.platforms import PLATFORMS
+
+        return text + (f"\nops: {', '.join(OPS)}\nimplementations: "
+                       f"{', '.join(sorted(known_names()))}\nplatforms: {', '.join(PLATFORMS)}\n")
+
+
+#: Every numeric option's valid range, one entry per destination (the same name means the
+#: same thing in every verb): dest -> (lowest value, whether the lowest itself is allowed).
+NUMBER_BOUNDS = {
+    "budget": (1, True), "workers": (1, True), "cases": (1, True), "seconds": (0, False),
+    "minutes": (0, False), "fuzz_seconds": (0, True), "configs": (0, True),
+    "config_salt": (0, True), "seed": (0, True), "warmup": (0, True),
+}
+
+
+def check_numbers(args) -> None:
+    """ValueError naming the first numeric option outside its range (``NUMBER_BOUNDS``)."""
+    for dest, (low, inclusive) in NUMBER_BOUNDS.items():
+        value = getattr(args, dest, None)
+        if value is None or (value >= low if inclusive else value > low):
+            continue
+        raise ValueError(f"--{dest.replace('_', '-')} must be {'>=' if inclusive else '>'} "
+                         f"{low}, got {value:g}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m oracle", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="oracle", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    sub = p.add_subparsers(dest="verb")
+    sub = p.add_subparsers(dest="verb", title="verbs", metavar="VERB",
+                           parser_class=_VerbParser)
+    for add in (_add_report, _add_render, _add_diff, _add_replay, _add_fuzz, _add_conformance,
+                _add_e2e, _add_mutants, _add_falsealarm, _add_scaleout, _add_suite_merge):
+        add(sub)
+    for verb in ("report", "fuzz", "falsealarm", "replay", "e2e"):
+        sub.choices[verb].lists_names = True
+    return p
 
+
+def _add_report(sub) -> None:
     s = sub.add_parser("report", help="the tolerance report on the default case set")
     s.add_argument("--ops", help="comma-separated ops (default: all)")
     s.add_argument("--impls", help="comma-separated implementation names (default: all)")
@@ -377,17 +448,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_report)
 
+
+def _add_render(sub) -> None:
     s = sub.add_parser("render", help="Markdown and PNG from a report JSON (also Markdown "
                        "from a fuzz, mutants or false-alarm JSON)")
     s.add_argument("report")
     s.add_argument("--out", help="output prefix (default: the report's path without .json)")
     s.set_defaults(func=cmd_render)
 
+
+def _add_diff(sub) -> None:
     s = sub.add_parser("diff", help="flag cells whose numerics got worse; exit 1 if any")
     s.add_argument("old")
     s.add_argument("new")
     s.set_defaults(func=cmd_diff)
 
+
+def _add_replay(sub) -> None:
     s = sub.add_parser("replay", help="re-run one case by its id")
     s.add_argument("case", help="op:shape_class:dist:platform:kv_cache_dtype:model_dtype:"
                                 "scales:seed")
@@ -395,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hash", help="the input hash recorded with the failure, to verify")
     s.set_defaults(func=cmd_replay)
 
+
+def _add_fuzz(sub) -> None:
     s = sub.add_parser("fuzz", help="hypothesis search for failing cases")
     s.add_argument("--seconds", type=float, default=60.0, help="time budget")
     s.add_argument("--minutes", type=float, help="time budget in minutes (overrides --seconds)")
@@ -427,10 +506,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "counted in the throughput after warm-up (default 20%% of the budget)")
     s.set_defaults(func=cmd_fuzz)
 
+
+def _add_conformance(sub) -> None:
     s = sub.add_parser("conformance", help="fp8 codec vs ml_dtypes; torch's cast policies")
     s.add_argument("--out", help="write OUT.json and OUT.md")
     s.set_defaults(func=cmd_conformance)
 
+
+def _add_e2e(sub) -> None:
     s = sub.add_parser("e2e", help="end-to-end accuracy cost of each KV cache format, the "
                        "reference pipeline beside a registered implementation's")
     s.add_argument("--impl", default="reference",
@@ -453,6 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no per-row progress on stderr")
     s.set_defaults(func=cmd_e2e)
 
+
+def _add_mutants(sub) -> None:
     s = sub.add_parser("mutants", help="the mutant catalog against the standard budget: "
                        "the kill matrix")
     s.add_argument("--mutants", help="comma-separated names (default: the whole catalog)")
@@ -470,6 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "reports/mutants-cpu.json, reports/mutants-h200.json on CUDA)")
     s.set_defaults(func=cmd_mutants)
 
+
+def _add_falsealarm(sub) -> None:
     s = sub.add_parser("falsealarm", help="clean randomized cases: failures and the "
                        "calibration of the reported-only statistics")
     s.add_argument("--cases", type=int, default=2000, help="cases per op (default 2000)")
@@ -490,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--ops into one report (default out: reports/false-alarms-merged.json)")
     s.set_defaults(func=cmd_falsealarm)
 
+
+def _add_scaleout(sub) -> None:
     s = sub.add_parser("scaleout", help="one scale-out report (JSON and Markdown) from the "
                        "suite reports of .ci/gpu scaleout")
     s.add_argument("runs", nargs="+", help="scaleout-W-G.json suite reports (W workers on "
@@ -500,21 +589,29 @@ def build_parser() -> argparse.ArgumentParser:
                    "OUT.md beside it (default reports/scaleout-h200x2.json)")
     s.set_defaults(func=cmd_scaleout)
 
+
+def _add_suite_merge(sub) -> None:
     s = sub.add_parser("suite-merge", help="one suite report from the parts of a suite run "
                        "split over device calls (.ci/gpu suite with SUITE_PART)")
     s.add_argument("parts", nargs="+", help="the parts' suite.json reports")
     s.add_argument("--out", required=True, help="the joined report (e.g. "
                    "reports/suite-h200.json; render it with python -m oracle render)")
     s.set_defaults(func=cmd_suite_merge)
-    return p
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv or ["report"])
+    if not argv:  # never a long run by accident: the verbs, and exit 2 as for a usage error
+        parser.print_help()
+        return 2
+    args = parser.parse_args(argv)
     try:
+        check_numbers(args)
         return args.func(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path named on the command line: a folder, no permission
+        print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2

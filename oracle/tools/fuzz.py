@@ -106,6 +106,18 @@ DEFAULT_SHAPE_CLASSES = ("tiny", "small")
 CUDA_FUZZ_SKIPS = ("flex",)
 
 
+def check_budget(seconds: float, warmup: float | None) -> float:
+    """The warm-up of a run of ``seconds`` (default a fifth of it), after checking both:
+    ValueError naming the option that is out of range."""
+    if not seconds > 0:
+        raise ValueError(f"--seconds must be > 0, got {seconds:g}")
+    warmup = 0.2 * seconds if warmup is None else warmup
+    if not 0 <= warmup < seconds:
+        raise ValueError(f"--warmup must be in [0, {seconds:g}) seconds (below the time "
+                         f"budget), got {warmup:g}")
+    return warmup
+
+
 def config_pool(size: int, salt: int) -> tuple[int, ...] | None:
     """The shape configs of one run: ``size`` consecutive ids from ``salt * size`` (a
     run's salt picks a fresh pool; the ids are in the cases' replay commands), or None
