@@ -4,6 +4,8 @@
                + PNG); on a CUDA machine every registered implementation, else the CPU ones
   render       Markdown and PNG from a report JSON
   diff         compare two reports of the same case set; exit 1 if a cell got worse
+  baseline     the committed baselines of the differential cells (reports/baseline/KIND):
+               accept the last pytest run's report as one, show one, diff the last run
   replay       re-run one case by its id (printed by every failure)
   fuzz         hypothesis-driven search for failing cases within a time budget
   conformance  the fp8 codec against ml_dtypes, and which policy torch's casts follow
@@ -78,6 +80,7 @@ def cmd_report(args) -> int:
     from oracle.core import render, report
     from oracle.core.cases import OPS, SHAPE_CLASSES
     from oracle.core.registry import known_names
+    from oracle.tools import baseline
     from reference.platforms import PLATFORMS
 
     ops = _check_names("ops", _split(args.ops), OPS) or list(OPS)
@@ -93,7 +96,7 @@ def cmd_report(args) -> int:
     print(f"{len(cases)} cases on {device}: ops {','.join(ops)}; platforms "
           f"{','.join(platforms)}; shape classes {','.join(classes)}", flush=True)
     doc = report.run_report(cases, impls, device=device, progress=not args.quiet)
-    out = Path(args.out or f"reports/{device}")
+    out = Path(args.out or baseline.OUT_DIR / baseline.device_kind())
     path = report.write_json(doc, out.with_suffix(".json"))
     files = [path, *render.render(doc, out)]
     print(_summary_table(doc))
@@ -149,6 +152,31 @@ def cmd_diff(args) -> int:
     from oracle.core import diff, report
 
     text, worse = diff.diff_reports(report.load(args.old), report.load(args.new))
+    print(text)
+    return 1 if worse else 0
+
+
+def cmd_baseline(args) -> int:
+    from oracle.core import report
+    from oracle.tools import baseline
+
+    kind = args.kind or baseline.device_kind()
+    source = Path(args.report or baseline.last_run_path(kind))
+    directory = args.dir or baseline.BASELINE_DIR
+    target = baseline.baseline_path(kind, directory)
+    if args.action == "accept":
+        written = baseline.accept(source, kind, directory, merge=args.merge)
+        print("wrote " + ", ".join(str(p) for p in written))
+        return 0
+    if args.action == "show":
+        doc = report.load(target)
+        m = doc["machine"]
+        print(f"{target}: {len(doc['cells'])} cells, {doc['cases']} cases, made "
+              f"{doc['created']} on {m.get('device')} at commit {m.get('commit')}"
+              f"{' (dirty tree)' if m.get('dirty') else ''}")
+        print(_summary_table(doc))
+        return 0
+    text, worse = baseline.gate(report.load(source), target)
     print(text)
     return 1 if worse else 0
 
@@ -373,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--platforms", help="comma-separated platforms (default: all three)")
     s.add_argument("--shape-classes", help="tiny,small[,model] (default: model on CUDA only)")
     s.add_argument("--budget", type=int, default=1, help="seeds per cell (default 1)")
-    s.add_argument("--out", help="output prefix (default reports/cpu or reports/cuda)")
+    s.add_argument("--out", help="output prefix (default out/KIND: out/cpu, out/h100...; "
+                   "never a committed report)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_report)
 
@@ -387,6 +416,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("old")
     s.add_argument("new")
     s.set_defaults(func=cmd_diff)
+
+    s = sub.add_parser("baseline", help="the differential cells' baseline per device kind: "
+                       "accept the last run's report, show it, or diff the last run with it")
+    s.add_argument("action", choices=("accept", "show", "diff"))
+    s.add_argument("--kind", help="device kind (default: this machine's: cpu, h100, h200...)")
+    s.add_argument("--report", help="the run's report (default out/last-run-KIND.json, "
+                   "written by every pytest run)")
+    s.add_argument("--dir", type=Path, default=None, help="baseline directory (default "
+                   "reports/baseline)")
+    s.add_argument("--merge", action="store_true", help="accept: replace only the cells the "
+                   "run checked, keep the baseline's others")
+    s.set_defaults(func=cmd_baseline)
 
     s = sub.add_parser("replay", help="re-run one case by its id")
     s.add_argument("case", help="op:shape_class:dist:platform:kv_cache_dtype:model_dtype:"
