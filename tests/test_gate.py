@@ -222,3 +222,25 @@ def test_outputs_do_not_depend_on_the_thread_pools(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         digests.append(r.stdout.split()[-1])
     assert digests[0] == digests[1]
+
+
+def test_the_interpreters_dot_sums_in_index_order():
+    """The interpreted tl.dot (kernels.interpreter.fixed_order_matmul) equals the fp32 sum of
+    the fp32 products taken left to right over K, element by element (a Python loop here),
+    batched over a leading axis: an order no BLAS build, CPU or thread count changes."""
+    import numpy as np
+
+    from kernels.interpreter import fixed_order_matmul
+
+    rng = np.random.default_rng(7)
+    scale = 1e4 ** rng.integers(-1, 2, (2, 3, 5))  # magnitudes apart: the order shows
+    a = (rng.standard_normal((2, 3, 5)) * scale).astype(np.float32)
+    b = rng.standard_normal((2, 5, 4)).astype(np.float32)
+    want = np.zeros((2, 3, 4), np.float32)
+    for i, m, n in np.ndindex(want.shape):
+        s = np.float32(a[i, m, 0] * b[i, 0, n])
+        for k in range(1, 5):
+            s = np.float32(s + np.float32(a[i, m, k] * b[i, k, n]))
+        want[i, m, n] = s
+    got = fixed_order_matmul(a, b)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
