@@ -1,7 +1,8 @@
 """``python -m oracle VERB``: the command line of the framework.
 
   report       the main job: the tolerance report on the default case set (JSON + Markdown
-               + PNG); on a CUDA machine every registered implementation, else the CPU ones
+               + PNG in out/); on a CUDA machine every registered implementation, else the
+               CPU ones
   render       Markdown and PNG from a report JSON
   diff         compare two reports of the same case set; exit 1 if a cell got worse
   baseline     the committed baselines of the differential cells (reports/baseline/KIND):
