@@ -111,7 +111,7 @@ def diff_reports(old: dict, new: dict) -> tuple[str, bool]:
         if moved:
             changed.append((key, moved))
     lines = ["## Numerics diff", "",
-             f"{len(set(olds) & set(news))} cells compared; {len(worse)} worse, "
+             f"{len(set(olds) & set(news))} cells in both reports; {len(worse)} worse, "
              f"{len(better)} better; {len(changed)} with changed inputs "
              f"({sum(len(m) for _, m in changed)} cases, compared on the others only); "
              f"{len(unpaired)} without a case in common."]
