@@ -35,6 +35,8 @@ import kernels  # noqa: E402, F401
 from kernels import _cuda_available  # noqa: E402
 from reference.platforms import PLATFORMS  # noqa: E402
 
+pytest_plugins = ("oracle.tools.pytest_gate",)  # the run's report and the baseline gate
+
 settings.register_profile(
     "ci",
     derandomize=True,
@@ -58,12 +60,6 @@ def pytest_addoption(parser):
         choices=PLATFORMS,
         help="platform(s) whose fp8 formats to test (default: all, emulated where not native)",
     )
-    parser.addoption(
-        "--suite-report",
-        metavar="PATH",
-        help="write the run's JSON report there (oracle/tools/suite.py: the differential checks as "
-             "an oracle report, every test's outcome and seconds)",
-    )
 
 
 def pytest_configure(config):
@@ -71,12 +67,6 @@ def pytest_configure(config):
         from kernels import cuda_build
 
         cuda_build.prebuild()
-    # The controller alone writes the report (xdist workers send it their test reports).
-    path = config.getoption("suite_report")
-    if path and not hasattr(config, "workerinput"):
-        from oracle.tools.suite import SuiteRecorder
-
-        config.pluginmanager.register(SuiteRecorder(path), "suite_recorder")
 
 
 def pytest_generate_tests(metafunc):

@@ -46,11 +46,13 @@ instances, including the module-level ``interpreter_builder``, see them through 
 ``InterpreterBuilder.get_bf16``
     Missing in 3.6, so ``tl.full(shape, v, tl.bfloat16)`` with v != 0 failed; added (RNE).
 ``InterpreterBuilder.create_dot``
-    With a bf16 or fp8 operand: both operands decoded exactly to fp32, ``np.matmul`` in fp32
-    plus the accumulator (fp32 accumulation), stored in the accumulator's dtype. Not
-    emulated (as before): the tf32 rounding of fp32 operands and the reduced-precision
-    accumulation of fp8 MMAs on sm_90 (``max_num_imprecise_acc``): kernels whose results
-    depend on them must say so, and the GPU tests judge those.
+    With float operands: both decoded exactly to fp32, multiplied and summed over K in
+    index order in fp32 (``fixed_order_matmul``: the same bits on every CPU and thread
+    count, unlike ``np.matmul``'s BLAS), plus the accumulator, stored in the accumulator's
+    dtype; integer and fp64 operands: the original. Not emulated (as before): the tf32
+    rounding of fp32 operands and the reduced-precision accumulation of fp8 MMAs on sm_90
+    (``max_num_imprecise_acc``): kernels whose results depend on them must say so, and
+    the GPU tests judge those.
 ``GridExecutor.__call__``
     The launch runs under ``np.errstate(all="ignore")``: the interpreter computes masked-off
     lanes too (an integer division by a zero that the mask discards) and IEEE Inf/NaN
@@ -225,19 +227,29 @@ def _get_bf16(self, value):
 
 
 def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    import triton.language as tl
     from triton.runtime.interpreter import TensorHandle
 
-    special = set(_types()) | {tl.bfloat16}
-    if a.dtype.scalar not in special and b.dtype.scalar not in special:
+    kinds = (a.dtype.scalar, b.dtype.scalar)
+    if not any(t.is_floating() for t in kinds) or any(t.is_fp64() for t in kinds):
         return ORIGINALS["InterpreterBuilder", "create_dot"](
             self, a, b, d, input_precision, max_num_imprecise_acc)
     a32 = _to_float(a.data, a.dtype.scalar).astype(np.float32)
     b32 = _to_float(b.data, b.dtype.scalar).astype(np.float32)
     acc = _to_float(d.data, d.dtype.scalar).astype(np.float32)
     with np.errstate(all="ignore"):
-        out = np.matmul(a32, b32, dtype=np.float32) + acc
+        out = fixed_order_matmul(a32, b32) + acc
     return TensorHandle(_from_float(out, d.dtype.scalar), d.dtype.scalar)
+
+
+def fixed_order_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` in fp32 (batched over leading axes) summed over K in index order. BLAS
+    picks its summation order by CPU, build and thread count, so its fp32 bits vary by
+    machine; this order does not (the products of bf16/fp8 operands are exact in fp32)."""
+    prod = a[..., :, :, None] * b[..., None, :, :]  # [..., M, K, N]
+    out = prod[..., 0, :].copy()
+    for k in range(1, prod.shape[-2]):
+        out += prod[..., k, :]
+    return out
 
 
 def _reduce_apply_impl(self, input):

@@ -4,8 +4,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args):
@@ -49,6 +52,39 @@ def test_report_render_diff_replay_round_trip(tmp_path):
     case = doc["cells"][0]["per_case"][0]
     r = _run("replay", case["case"], "--hash", case["hash"])
     assert r.returncode == 0 and case["hash"] in r.stdout
+
+
+def test_report_writes_no_tracked_file_and_baseline_verbs_round_trip(tmp_path):
+    """report without --out writes out/KIND.json (git-ignored): no tracked file changes, the
+    report names its commit; baseline accept writes KIND.json and .md from a run's report,
+    show summarises it, diff of the same report against it flags nothing; a report
+    without differential cells is refused with one line."""
+    from oracle.tools.baseline import OUT_DIR, device_kind
+
+    def tracked_changes():
+        return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
+                              cwd=ROOT, capture_output=True, text=True).stdout
+
+    before = tracked_changes()
+    r = _run("report", "--ops", "reshape_and_cache", "--platforms", "cuda",
+             "--shape-classes", "tiny", "--impls", "torch", "--quiet")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert tracked_changes() == before
+    run = OUT_DIR / f"{device_kind()}.json"
+    doc = json.loads(run.read_text())
+    assert len(doc["machine"]["commit"]) == 40 and doc["cells"]
+    base = ("--kind", "testkind", "--dir", str(tmp_path))
+    r = _run("baseline", "accept", "--report", str(run), *base)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "testkind.json").exists() and (tmp_path / "testkind.md").exists()
+    r = _run("baseline", "show", *base)
+    assert r.returncode == 0 and f"{len(doc['cells'])} cells" in r.stdout, r.stdout + r.stderr
+    r = _run("baseline", "diff", "--report", str(run), *base)
+    assert r.returncode == 0 and "0 worse" in r.stdout, r.stdout + r.stderr
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({**doc, "cells": []}))
+    r = _run("baseline", "accept", "--report", str(empty), *base)
+    assert r.returncode == 2 and "no differential cells" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(

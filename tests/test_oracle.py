@@ -165,44 +165,42 @@ def test_diff_flags_a_silent_regression_and_not_a_rerun():
     text, worse_flag = diff.diff_reports(base, doc(ref))
     assert not worse_flag, text
     text, worse_flag = diff.diff_reports(base, doc(worse))
-    assert worse_flag and "exact rate" in text and "RMSE" in text, text
+    assert worse_flag and "exact" in text and "RMSE" in text, text
 
 
-def test_diff_ignores_float64_noise_in_rmse_but_not_a_real_rise():
-    """Per-case RMSEs that all rose by 1e-14 relative (float64 arithmetic in another order)
-    are not a regression; all rising by 1e-6 relative is."""
-    def cell(scale):
-        per_case = [{"case": f"c{i}", "hash": f"h{i}", "exact_rate": 0.9,
+def test_diff_judges_admissibility_counts_not_the_rmse():
+    """Per-case RMSEs that all rose (by 1e-14 or by 1e-6 relative) with the same counts are
+    not a regression: the RMSE is context; one fewer exactly rounded output is one."""
+    def cell(scale, exact=90):
+        per_case = [{"case": f"c{i}", "hash": f"h{i}", "passed": True, "exact_rate": 0.9,
+                     "exact": exact if i == 7 else 90, "max_err_over_bound": 0.5,
                      "rmse": (1e-3 + 1e-5 * i) * scale} for i in range(8)]
         return {"cells": [{"op": "o", "impl": "i", "platform": "cuda", "format": "bfloat16",
-                           "shape_class": "tiny", "dist": "normal", "violations": 0,
-                           "cases": 8, "passed": 8, "max_err_over_bound": 0.5,
-                           "per_case": per_case}]}
+                           "shape_class": "tiny", "dist": "normal", "per_case": per_case}]}
 
-    text, worse = diff.diff_reports(cell(1.0), cell(1 + 1e-14))
-    assert not worse, text
-    text, worse = diff.diff_reports(cell(1.0), cell(1 + 1e-6))
-    assert worse and "RMSE" in text, text
+    for scale in (1 + 1e-14, 1 + 1e-6):
+        text, worse = diff.diff_reports(cell(1.0), cell(scale))
+        assert not worse, text
+    text, worse = diff.diff_reports(cell(1.0), cell(1.0, exact=89))
+    assert worse and "exact 720 -> 719" in text, text
 
 
 def test_diff_does_not_compare_cases_whose_inputs_changed():
     """A case whose input hash changed (regenerated inputs) is listed apart and left out of
-    the paired comparison: its much larger RMSE is not a regression, while a rise on the
-    unchanged cases still is; violations count whatever the inputs."""
-    def cell(rmse7, hash7, violations=0, rmse=1e-3):
-        per_case = [{"case": f"c{i}", "hash": hash7 if i == 7 else f"h{i}", "exact_rate": 0.9,
-                     "rmse": rmse7 if i == 7 else rmse} for i in range(8)]
+    the paired comparison: its violations and larger RMSE are not a regression, while a
+    violation on an unchanged case still is."""
+    def cell(hash7, violations7=0, violations0=0):
+        per_case = [{"case": f"c{i}", "hash": hash7 if i == 7 else f"h{i}", "passed": True,
+                     "exact_rate": 0.9, "max_err_over_bound": 0.5,
+                     "violations": {7: violations7, 0: violations0}.get(i, 0),
+                     "rmse": 5e-3 if violations7 else 1e-3} for i in range(8)]
         return {"cells": [{"op": "o", "impl": "i", "platform": "cuda", "format": "bfloat16",
-                           "shape_class": "tiny", "dist": "normal", "violations": violations,
-                           "cases": 8, "passed": 8, "max_err_over_bound": 0.5,
-                           "per_case": per_case}]}
+                           "shape_class": "tiny", "dist": "normal", "per_case": per_case}]}
 
-    text, worse = diff.diff_reports(cell(1e-3, "h7"), cell(5e-3, "other"))
+    text, worse = diff.diff_reports(cell("h7"), cell("other", violations7=2))
     assert not worse and "1 with changed inputs (1 cases" in text and "c7" in text, text
-    text, worse = diff.diff_reports(cell(1e-3, "h7"), cell(1e-3, "other", rmse=2e-3))
-    assert worse and "RMSE" in text and "1 with changed inputs" in text, text
-    text, worse = diff.diff_reports(cell(1e-3, "h7"), cell(1e-3, "other", violations=1))
-    assert worse and "violations 0 -> 1" in text, text
+    text, worse = diff.diff_reports(cell("h7"), cell("other", violations0=1))
+    assert worse and "violations 0 -> 1" in text and "1 with changed inputs" in text, text
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The suite's JSON report (``pytest --suite-report PATH``, oracle/tools/suite.py)."""
+"""The suite's JSON report (every pytest run's, and ``--suite-report PATH``:
+oracle/tools/suite.py, oracle/tools/pytest_gate.py)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ def test_report_holds_every_check_outcome_and_replay(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/test_differential.py", "-k", "plugin", "--suite-report", str(path)],
+         "tests/test_differential.py", "-k", "plugin", "--suite-report", str(path),
+         "--last-run", str(tmp_path / "last.json")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     doc = load(path)
+    assert load(tmp_path / "last.json")["cells"] == doc["cells"]  # every run writes it
     tests = doc["suite"]["tests"]
     exact = {k: v for k, v in tests.items() if "plugin_exact" in k}
     broken = {k: v for k, v in tests.items() if "plugin_broken" in k}

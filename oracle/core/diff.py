@@ -1,58 +1,40 @@
 """Compare two reports over the same seeded case set and flag every cell that got worse.
 
-The case set is seeded, so the inputs of a case are identical in both reports (their input
-hashes are compared) and any change in the numbers is real. A cell got worse when:
-- it has new violations or failed cases;
-- its max error/bound rose (relative rise > 1e-9, to ignore float formatting);
-- its per-case exact rate fell or its per-case RMSE rose (by more than RMSE_REL of
-  itself: float64 arithmetic in another order, e.g. BLAS kernels picked by the CPU, moves
-  an RMSE by ~1e-14 relative, and a consistent 1e-14 drift is not a regression), judged on
-  the paired per-case differences with a bootstrap over cases (elements within a case
-  are correlated, cases are not): worse when the 95% bootstrap interval of the mean
-  difference excludes zero, or, with fewer than 3 cases, when every case moved the same
-  way.
+Same code and same inputs give the same bits, so a report's numbers move only when the
+code (or a library it calls) computes something else. A cell is judged on its paired
+cases: the cases present in both reports with the same input hash. It got worse when, over
+those cases:
+- a case failed that passed, or the violations rose;
+- the exactly rounded outputs fell, the admissible-but-not-nearest outputs rose or the
+  outputs within one code fell (any count, however small: one code is a real change);
+- its largest error/bound rose by more than ERR_BOUND_REL of itself.
+Float summaries (RMSE, largest absolute and relative error) are context, never a verdict:
+an RMSE moves with every output code, also when the admissibility counts got better.
 Cases whose inputs differ between the reports (the input generator or a reference table
-changed, e.g. a correctly rounded RoPE table) are not compared case by case:
-their cell is judged on its unchanged cases alone (plus violations, failures and max
-error/bound, which do not pair cases), and listed apart with its count of changed cases,
-so a regeneration of inputs does not read as hundreds of regressions. Cells present in
-one report only are listed, not judged. Exit status: 1 on a regression.
+changed) are not compared: they are listed apart with their count, and a cell with no
+paired case is listed as not compared, so a regeneration of inputs does not read as
+hundreds of regressions. Cells present in one report only are listed, not judged. Exit
+status of ``oracle diff``: 1 on a regression.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from oracle.core import rand
-
-BOOTSTRAP = 2000
-#: Relative RMSE changes per case at most this are noise, not change (see the docstring;
-#: per-case RMSEs move by ~1e-14 relative between machines).
-RMSE_REL = 1e-9
+#: A rise of the largest error/bound up to this, relative, is the float64 reference's own
+#: rounding (its bound and exact value summed in another order), not a change of the outputs.
+ERR_BOUND_REL = 1e-6
 #: Cells with changed inputs named in the diff at most (the rest counted).
 SHOWN = 30
+#: The per-case admissibility counts judged, with the direction that is worse
+#: (+1: worse when it rises). Reports written before the counts were per case hold the
+#: exact rate only; the other counts are then judged where both reports have them.
+COUNTS = (("exact", -1), ("admissible_not_nearest", +1), ("within_one", -1),
+          ("violations", +1))  # counts are integers, rates deterministic: no noise to allow
+KEY_FIELDS = ("op", "impl", "platform", "format", "shape_class", "dist")
 
 
-def _key(c) -> tuple:
-    return (c["op"], c["impl"], c["platform"], c["format"], c["shape_class"], c["dist"])
-
-
-def bootstrap_interval(diffs: np.ndarray, seed: int = 0) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of the mean of paired differences."""
-    bg = rand.generator(seed)
-    idx = rand.integers(bg, 0, len(diffs), (BOOTSTRAP, len(diffs)))
-    means = diffs[idx].mean(axis=1)
-    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
-
-
-def _worse_by_cases(diffs: np.ndarray) -> bool:
-    """True when the paired differences (positive = worse) say the cell got worse."""
-    if not diffs.size or np.all(diffs == 0):
-        return False
-    if diffs.size < 3:
-        return bool(np.all(diffs >= 0) and np.any(diffs > 0))
-    lo, _ = bootstrap_interval(diffs)
-    return lo > 0
+def cell_key(c: dict) -> tuple:
+    """A report cell's identity: (op, impl, platform, format, shape class, distribution)."""
+    return tuple(c[k] for k in KEY_FIELDS)
 
 
 def changed_inputs(old: dict, new: dict) -> list[str]:
@@ -62,53 +44,77 @@ def changed_inputs(old: dict, new: dict) -> list[str]:
             if p["case"] in old_hash and old_hash[p["case"]] != p["hash"]]
 
 
-def compare_cells(old: dict, new: dict) -> list[str]:
-    """Reasons the new cell is worse than the old one (empty: not worse); cases whose
-    inputs differ are left out of the paired comparisons (``changed_inputs``)."""
-    reasons = []
-    if new["violations"] > old["violations"]:
-        reasons.append(f"violations {old['violations']} -> {new['violations']}")
-    if new["cases"] - new["passed"] > old["cases"] - old["passed"]:
-        reasons.append(f"failed cases {old['cases'] - old['passed']} -> "
-                       f"{new['cases'] - new['passed']}")
-    a, b = old["max_err_over_bound"], new["max_err_over_bound"]
-    if b > a * (1 + 1e-9) and b - a > 1e-12:
-        reasons.append(f"max err/bound {a:.4g} -> {b:.4g}")
+def paired_cases(old: dict, new: dict) -> list[tuple[dict, dict]]:
+    """(old row, new row) of every case in both cells with the same input hash."""
     old_cases = {p["case"]: p for p in old["per_case"]}
-    pairs = [(old_cases[p["case"]], p) for p in new["per_case"]
-             if p["case"] in old_cases and old_cases[p["case"]]["hash"] == p["hash"]]
-    if pairs:
-        exact_drop = np.array([o["exact_rate"] - n["exact_rate"] for o, n in pairs])
-        rmse_rise = np.array([n["rmse"] - o["rmse"] for o, n in pairs])
-        scale = np.array([max(o["rmse"], n["rmse"]) for o, n in pairs])
-        rmse_rise[np.abs(rmse_rise) <= RMSE_REL * scale] = 0.0
-        if _worse_by_cases(exact_drop):
-            reasons.append(f"exact rate {np.mean([o['exact_rate'] for o, _ in pairs]):.4%} -> "
-                           f"{np.mean([n['exact_rate'] for _, n in pairs]):.4%}")
-        if _worse_by_cases(rmse_rise):
-            reasons.append(f"RMSE {np.mean([o['rmse'] for o, _ in pairs]):.4g} -> "
-                           f"{np.mean([n['rmse'] for _, n in pairs]):.4g}")
+    return [(old_cases[p["case"]], p) for p in new["per_case"]
+            if p["case"] in old_cases and old_cases[p["case"]]["hash"] == p["hash"]]
+
+
+def _summed(pairs, name: str) -> tuple[str, float, float] | None:
+    """The count summed over the paired cases, old and new, with its label; for ``exact``,
+    the mean exact rate where a report predates the per-case counts (None: not in both)."""
+    if name == "exact" and not all(name in r for pair in pairs for r in pair):
+        rates = [[r["exact_rate"] for r in rows] for rows in zip(*pairs)]
+        return "exact rate", sum(rates[0]) / len(pairs), sum(rates[1]) / len(pairs)
+    if not all(name in r for pair in pairs for r in pair):
+        return None
+    return (name.replace("_", " "), sum(o[name] for o, _ in pairs),
+            sum(n[name] for _, n in pairs))
+
+
+def compare_cells(old: dict, new: dict) -> list[str]:
+    """Reasons the new cell is worse than the old one on their paired cases (empty: not
+    worse, or no case to compare)."""
+    pairs = paired_cases(old, new)
+    if not pairs:
+        return []
+    reasons = []
+    failed = [sum(not r["passed"] for r in rows) for rows in zip(*pairs)]
+    if failed[1] > failed[0]:
+        reasons.append(f"failed cases {failed[0]} -> {failed[1]}")
+    for name, sign in COUNTS:
+        got = _summed(pairs, name)
+        if got and sign * (got[2] - got[1]) > 1e-12 * max(abs(got[1]), 1.0):
+            reasons.append(f"{got[0]} {_fmt(got[1])} -> {_fmt(got[2])}")
+    a = max(o["max_err_over_bound"] for o, _ in pairs)
+    b = max(n["max_err_over_bound"] for _, n in pairs)
+    if b > a * (1 + ERR_BOUND_REL) and b - a > 1e-12:
+        reasons.append(f"max err/bound {a:.6g} -> {b:.6g}")
     return reasons
+
+
+def _fmt(x: float) -> str:
+    """A count as an integer, a rate with enough digits to show one element's change."""
+    return f"{x:.0f}" if x == round(x) else f"{x:.8g}"
+
+
+def _rmse_note(old: dict, new: dict) -> str:
+    """The cell's RMSE, old -> new, as context for a reviewer."""
+    return f"(RMSE {old.get('rmse', float('nan')):.6g} -> {new.get('rmse', float('nan')):.6g})"
 
 
 def diff_reports(old: dict, new: dict) -> tuple[str, bool]:
     """Markdown fit for a pull-request comment, and whether anything regressed."""
-    olds = {_key(c): c for c in old["cells"]}
-    news = {_key(c): c for c in new["cells"]}
-    worse, better, changed = [], [], []
+    olds = {cell_key(c): c for c in old["cells"]}
+    news = {cell_key(c): c for c in new["cells"]}
+    worse, better, changed, unpaired = [], [], [], []
     for key in sorted(set(olds) & set(news)):
+        if not paired_cases(olds[key], news[key]):
+            unpaired.append(key)
         reasons = compare_cells(olds[key], news[key])
         if reasons:
-            worse.append((key, reasons))
+            worse.append((key, reasons + [_rmse_note(olds[key], news[key])]))
         elif compare_cells(news[key], olds[key]):
             better.append(key)
         moved = changed_inputs(olds[key], news[key])
         if moved:
             changed.append((key, moved))
     lines = ["## Numerics diff", "",
-             f"{len(set(olds) & set(news))} cells compared; {len(worse)} worse, "
+             f"{len(set(olds) & set(news))} cells in both reports; {len(worse)} worse, "
              f"{len(better)} better; {len(changed)} with changed inputs "
-             f"({sum(len(m) for _, m in changed)} cases, compared on the others only)."]
+             f"({sum(len(m) for _, m in changed)} cases, compared on the others only); "
+             f"{len(unpaired)} without a case in common."]
     if worse:
         lines += ["", "| op | impl | platform | format | shape | dist | what got worse |",
                   "|---|---|---|---|---|---|---|"]
@@ -118,8 +124,15 @@ def diff_reports(old: dict, new: dict) -> tuple[str, bool]:
         more = f", and {len(changed) - SHOWN} more cells" if len(changed) > SHOWN else ""
         lines += ["", f"Cases with changed inputs (not the same case set; not compared): "
                       f"{shown}{more}"]
-    for title, keys in (("Only in the old report", set(olds) - set(news)),
+    for title, keys in (("No case in common (not compared)", unpaired),
+                        ("Only in the old report", set(olds) - set(news)),
                         ("Only in the new report", set(news) - set(olds))):
         if keys:
-            lines += ["", f"{title}: " + ", ".join("/".join(k) for k in sorted(keys))]
+            lines += ["", f"{title}: " + _names(sorted(keys))]
     return "\n".join(lines) + "\n", bool(worse)
+
+
+def _names(keys: list[tuple]) -> str:
+    """Cell names joined, at most SHOWN of them (the rest counted)."""
+    more = f", and {len(keys) - SHOWN} more" if len(keys) > SHOWN else ""
+    return ", ".join("/".join(k) for k in keys[:SHOWN]) + more

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import platform as host_platform
+import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -24,6 +25,7 @@ from oracle.core.registry import implementations
 from reference.platforms import KV_CACHE_DTYPES, PLATFORMS, kv_cache_format
 
 SCHEMA = "oracle-report/1"
+ROOT = Path(__file__).resolve().parents[2]  # the repository (its commit goes in a report)
 DISTS_BY_OP = {  # near_overflow: index keys at the fp8 format's max (0x7F: NaN in e4m3fn)
     "indexer_prefill": ("normal", "outliers", "near_overflow", "tiny", "ties"),
     "indexer_decode": ("normal", "outliers", "near_overflow", "tiny", "ties"),
@@ -141,12 +143,31 @@ def add_result(cells: dict, case: Case, r: CheckResult) -> None:
         "case": r.case, "hash": r.input_hash, "passed": r.passed,
         "exact_rate": t.exact / t.elements if t.elements else 1.0,
         "max_err_over_bound": t.max_err_over_bound, "rmse": r.rmse,
+        "elements": t.elements, "exact": t.exact, "within_one": t.within_one,
+        "admissible_not_nearest": t.admissible_not_nearest,
         "violations": t.violations, "seconds": round(r.seconds, 4), **r.extra})
 
 
+def source_state(root: Path = ROOT) -> dict:
+    """The commit the tree is at and whether tracked files differ from it (a report of a
+    dirty tree is not reproducible from its commit); None for both outside a git tree."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=60)
+    try:
+        head, status = git("rev-parse", "HEAD"), git("status", "--porcelain",
+                                                     "--untracked-files=no")
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+    if head.returncode or status.returncode:
+        return {"commit": None, "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
 def machine_info() -> dict:
+    """Where and from what a report was made: host, versions, device, commit, dirty tree."""
     info = {"host": host_platform.node(), "python": host_platform.python_version(),
-            "numpy": np.__version__}
+            "numpy": np.__version__, **source_state()}
     try:
         import torch
 

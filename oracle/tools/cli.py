@@ -78,6 +78,7 @@ def cmd_report(args) -> int:
     from oracle.core import render, report
     from oracle.core.cases import OPS, SHAPE_CLASSES
     from oracle.core.registry import known_names
+    from oracle.tools import baseline
     from reference.platforms import PLATFORMS
 
     ops = _names("ops", args.ops, OPS) or list(OPS)
@@ -93,7 +94,7 @@ def cmd_report(args) -> int:
               f"claims any of the {len(cases)} cases of ops {','.join(ops)}",
               file=sys.stderr)
         return 1
-    out = Path(args.out or f"reports/{device}")
+    out = Path(args.out or baseline.OUT_DIR / baseline.device_kind())
     _check_writable(out.with_suffix(".json"), "--out")
     print(f"{len(cases)} cases on {device}: ops {','.join(ops)}; platforms "
           f"{','.join(platforms)}; shape classes {','.join(classes)}", flush=True)
@@ -180,6 +181,31 @@ def cmd_diff(args) -> int:
     from oracle.core import diff, report
 
     text, worse = diff.diff_reports(report.load(args.old), report.load(args.new))
+    print(text)
+    return 1 if worse else 0
+
+
+def cmd_baseline(args) -> int:
+    from oracle.core import report
+    from oracle.tools import baseline
+
+    kind = args.kind or baseline.device_kind()
+    source = Path(args.report or baseline.last_run_path(kind))
+    directory = args.dir or baseline.BASELINE_DIR
+    target = baseline.baseline_path(kind, directory)
+    if args.action == "accept":
+        written = baseline.accept(source, kind, directory, merge=args.merge)
+        print("wrote " + ", ".join(str(p) for p in written))
+        return 0
+    if args.action == "show":
+        doc = report.load(target)
+        m = doc["machine"]
+        print(f"{target}: {len(doc['cells'])} cells, {doc['cases']} cases, made "
+              f"{doc['created']} on {m.get('device')} at commit {m.get('commit')}"
+              f"{' (dirty tree)' if m.get('dirty') else ''}")
+        print(_summary_table(doc))
+        return 0
+    text, worse = baseline.gate(report.load(source), target)
     print(text)
     return 1 if worse else 0
 
@@ -429,8 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="verb", title="verbs", metavar="VERB",
                            parser_class=_VerbParser)
-    for add in (_add_report, _add_render, _add_diff, _add_replay, _add_fuzz, _add_conformance,
-                _add_e2e, _add_mutants, _add_falsealarm, _add_scaleout, _add_suite_merge):
+    for add in (_add_report, _add_render, _add_diff, _add_baseline, _add_replay, _add_fuzz,
+                _add_conformance, _add_e2e, _add_mutants, _add_falsealarm, _add_scaleout,
+                _add_suite_merge):
         add(sub)
     for verb in ("report", "fuzz", "falsealarm", "replay", "e2e"):
         sub.choices[verb].lists_names = True
@@ -444,7 +471,8 @@ def _add_report(sub) -> None:
     s.add_argument("--platforms", help="comma-separated platforms (default: all three)")
     s.add_argument("--shape-classes", help="tiny,small[,model] (default: model on CUDA only)")
     s.add_argument("--budget", type=int, default=1, help="seeds per cell (default 1)")
-    s.add_argument("--out", help="output prefix (default reports/cpu or reports/cuda)")
+    s.add_argument("--out", help="output prefix (default out/KIND: out/cpu, out/h100...; "
+                   "never a committed report)")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_report)
 
@@ -462,6 +490,20 @@ def _add_diff(sub) -> None:
     s.add_argument("old")
     s.add_argument("new")
     s.set_defaults(func=cmd_diff)
+
+
+def _add_baseline(sub) -> None:
+    s = sub.add_parser("baseline", help="the differential cells' baseline per device kind: "
+                       "accept the last run's report, show it, or diff the last run with it")
+    s.add_argument("action", choices=("accept", "show", "diff"))
+    s.add_argument("--kind", help="device kind (default: this machine's: cpu, h100, h200...)")
+    s.add_argument("--report", help="the run's report (default out/last-run-KIND.json, "
+                   "written by every pytest run)")
+    s.add_argument("--dir", type=Path, default=None, help="baseline directory (default "
+                   "reports/baseline)")
+    s.add_argument("--merge", action="store_true", help="accept: replace only the cells the "
+                   "run checked, keep the baseline's others")
+    s.set_defaults(func=cmd_baseline)
 
 
 def _add_replay(sub) -> None:

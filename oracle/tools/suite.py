@@ -1,4 +1,5 @@
-"""The test suite's JSON report (``pytest --suite-report PATH``, written by conftest.py).
+"""The test suite's JSON report: every pytest run's (oracle/tools/pytest_gate.py writes it to
+``out/last-run-<kind>.json``, and to ``--suite-report PATH`` when given).
 
 One file per run, in the oracle report's schema so that ``python -m oracle render`` and
 ``python -m oracle diff`` read it like a ``python -m oracle report`` run: the generic
@@ -8,8 +9,7 @@ adds what only the test run knows: every test's outcome and seconds, the wall ti
 slowest tests and the failures with their replay commands.
 
 Registered as a plugin of the controller (its ``pytest_runtest_logreport`` sees every
-worker's reports), so
-``pytest -m gpu -n N --suite-report PATH`` writes one file.
+worker's reports), so ``pytest -m gpu -n N`` writes one report for the whole run.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ CHECK_PROPERTY = "check"  # the user property holding a differential test's Chec
 class SuiteRecorder:
     """Test outcomes and differential checks of one pytest session."""
 
-    def __init__(self, path):
+    def __init__(self, path=None):
         self.path = path
         self.t0 = time.perf_counter()
         self.tests: dict[str, dict] = {}
@@ -98,9 +98,6 @@ class SuiteRecorder:
 
     def write(self):
         return write_json(self.report(), self.path)
-
-    def pytest_sessionfinish(self, session) -> None:
-        print(f"\nsuite report: {self.write()}")
 
 
 def _seconds_by_file(tests: dict) -> dict:
