@@ -12,6 +12,8 @@
   mutants      the mutant catalog against the standard budget: the kill matrix
   falsealarm   clean randomized cases on the unmutated implementations: failures (none
                allowed) and the calibration of the reported-only statistics
+  impls        every registered implementation and what it claims; why those that cannot
+               run here cannot
 
 Errors in the user's input print one line and exit 2, never a traceback.
 """
@@ -26,11 +28,9 @@ from pathlib import Path
 
 
 def _device() -> str:
-    try:
-        import torch
-    except ImportError:
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    from oracle.impls.catalog import device_name
+
+    return device_name()
 
 
 def _split(value):
@@ -361,6 +361,27 @@ def cmd_e2e(args) -> int:
 # ------------------------------------------------------------------------------- parser
 
 
+def cmd_impls(args) -> int:
+    from oracle.impls.catalog import table
+
+    print(table(_device()))
+    return 0
+
+
+#: The verbs that work on files alone: no kernel is imported for them.
+FILE_VERBS = ("render", "diff", "conformance", "scaleout", "suite-merge")
+
+
+def _load_implementations() -> None:
+    """Interpret the kernels where no GPU is (before any kernel module is imported), then
+    register every implementation."""
+    import kernels
+    from oracle.impls.catalog import load_all
+
+    kernels.use_interpreter_without_gpu()
+    load_all()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m oracle", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -506,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="the joined report (e.g. "
                    "reports/suite-h200.json; render it with python -m oracle render)")
     s.set_defaults(func=cmd_suite_merge)
+
+    s = sub.add_parser("impls", help="every implementation: claims, and why it cannot run here")
+    s.set_defaults(func=cmd_impls)
     return p
 
 
@@ -514,6 +538,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv or ["report"])
     try:
+        if args.verb not in FILE_VERBS:
+            _load_implementations()
         return args.func(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -91,13 +91,16 @@ def _worker(args):
 
 def _pin_worker(counter, gpus: int) -> None:
     """Pool initializer: the i-th worker started runs on GPU i mod ``gpus`` alone (set
-    before it touches CUDA), as ``oracle fuzz`` pins its workers."""
+    before it touches CUDA), as ``oracle fuzz`` pins its workers; then registers every
+    implementation (a spawned process's registry starts empty)."""
+    from oracle.impls.catalog import load_all
     from oracle.tools.gpus import pin_gpu
 
     with counter.get_lock():
         index = counter.value
         counter.value += 1
     pin_gpu(index, gpus)
+    load_all()
 
 
 def _interleaved(per_op: list[list[Case]]) -> list[Case]:

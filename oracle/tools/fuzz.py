@@ -183,9 +183,11 @@ def run_workers(workers: int, seconds: float, ops=None, impls=None,
 
 def _worker(index, gpus, seconds, ops, impls, out_dir, device, db, shape_classes,
             shrink=True, configs=None, pin_formats=False) -> dict:
+    from oracle.impls.catalog import load_all
     from oracle.tools.gpus import pin_gpu
 
     pin_gpu(index, gpus)
+    load_all()  # a spawned process: its registry starts empty
     stats = run_stats(seconds, ops, impls, out_dir, device, db, progress=index == 0,
                       shape_classes=shape_classes, shrink=shrink, offset=index,
                       configs=configs, pin_formats=pin_formats)
