@@ -88,7 +88,8 @@ _COLUMNS = ("name", "op", "devices", "formats", "platforms", "model dtypes", "sh
 
 
 def _why_not_here(impl, device: str) -> str:
-    if device in impl.devices:
+    # A CPU implementation runs on any machine (the reference on a CUDA machine too).
+    if device in impl.devices or "cpu" in impl.devices:
         return "runs"
     return "needs a CUDA device" if "cuda" in impl.devices else f"needs {'/'.join(impl.devices)}"
 
