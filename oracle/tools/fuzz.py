@@ -30,6 +30,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from oracle.core.cases import DISTRIBUTIONS, OPS, SCALES, Case, config_formats
 from oracle.core.checks import check_claimants
+from oracle.impls.catalog import load_all
 from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
 
 
@@ -183,7 +184,6 @@ def run_workers(workers: int, seconds: float, ops=None, impls=None,
 
 def _worker(index, gpus, seconds, ops, impls, out_dir, device, db, shape_classes,
             shrink=True, configs=None, pin_formats=False) -> dict:
-    from oracle.impls.catalog import load_all
     from oracle.tools.gpus import pin_gpu
 
     pin_gpu(index, gpus)
