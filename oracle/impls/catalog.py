@@ -33,9 +33,9 @@ PLUGINS_ENV = "ORACLE_PLUGINS"
 #: The project modules that registered nothing here, and why.
 UNAVAILABLE: dict[str, str] = {}
 _LOADED: set[str] = set()
-# What a module that cannot load on this machine raises: a missing package (ImportError),
-# the CUDA library failing to load or build (OSError, RuntimeError).
-_CANNOT_LOAD = (ImportError, OSError, RuntimeError)
+# What a module that cannot load on this machine raises besides ImportError (a missing
+# package): the CUDA library failing to load or build. Anything else is a bug and raises.
+_CANNOT_LOAD = {"oracle.impls.cuda": (OSError, RuntimeError)}
 
 
 def device_name() -> str:
@@ -52,7 +52,7 @@ def _load_module(name: str) -> None:
         reason = importlib.import_module(name).register_all()
     except ImportError as e:
         reason = f"{e.name or 'a dependency'} not importable: {e}"
-    except _CANNOT_LOAD as e:
+    except _CANNOT_LOAD.get(name, ()) as e:
         reason = f"{type(e).__name__}: {e}"
     if reason is None:
         _LOADED.add(name)
