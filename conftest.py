@@ -23,16 +23,20 @@ pin_worker_gpu()
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
-# Importing kernels sets TRITON_INTERPRET=1 when no CUDA device is present (unless set):
-# triton.jit reads it when a kernel module is first imported, possibly while collecting an
-# unrelated test module, so this happens before any test module is imported. On a CUDA
-# machine kernels compile for the GPU; run the interpreter tests there with
-# TRITON_INTERPRET=1 pytest -m interp (they skip themselves otherwise).
+# Kernels run in Triton's CPU interpreter when no CUDA device is present (unless
+# TRITON_INTERPRET is set): triton.jit reads the variable when a kernel module is first
+# imported, possibly while collecting an unrelated test module, so it is decided here, before
+# any test module is imported. On a CUDA machine kernels compile for the GPU; run the
+# interpreter tests there with TRITON_INTERPRET=1 pytest -m interp (they skip otherwise).
+import kernels  # noqa: E402
+
+kernels.use_interpreter_without_gpu()
+
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-import kernels  # noqa: E402, F401
 from kernels import _cuda_available  # noqa: E402
+from oracle.impls.catalog import load_all  # noqa: E402
 from reference.platforms import PLATFORMS  # noqa: E402
 
 pytest_plugins = ("oracle.tools.pytest_gate",)  # the run's report and the baseline gate
@@ -63,6 +67,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # Every implementation registered before collection: tests parametrize over the registry.
+    load_all()
     if not hasattr(config, "workerinput"):
         from kernels import cuda_build
 
@@ -78,9 +84,8 @@ def pytest_generate_tests(metafunc):
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         # On a CUDA machine the interpreter tests run compiled: they are GPU tests too, so
-        # ``pytest -m gpu`` runs every kernel test on the GPU (session 28: the prefill's
-        # predecode test, outside ``-m gpu``, found compiled bits that the interpreter's
-        # did not show).
+        # ``pytest -m gpu`` runs every kernel test on the GPU (the prefill's predecode test,
+        # outside ``-m gpu``, once found compiled bits that the interpreter's did not show).
         for item in items:
             if "interp" in item.keywords:
                 item.add_marker(pytest.mark.gpu)

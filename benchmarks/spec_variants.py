@@ -67,7 +67,10 @@ def count_keys(op: str, cases: int, shape_classes=("small",), seed: int = 11,
                            "recorder)")
     from oracle.core.cases import make_inputs
     from oracle.core.registry import implementations
+    from oracle.impls.catalog import load_all
     from oracle.tools.falsealarm import draw_cases
+
+    load_all()
 
     keys: dict = defaultdict(set)
 

@@ -3,9 +3,8 @@ functions that load a block's K/V operands (``kv_tiles``, with ``dequantize`` fo
 scales) and that find and recompute ``P @ V`` over a tile whose rows do not all see the
 same keys (``not_finite``, ``repair_pv``, ``guarded_pv``); which fp8 schedule a case gets
 (``scales_outside``); the host checks both launchers make (q and the paged cache, block
-table and selections, scales, softmax scale and output), the host's ``validate=True``
-content checks of the paged inputs, and the oracle adapters' conversion of a case's
-inputs to the kernels' tensors.
+table and selections, scales, softmax scale and output) and the host's ``validate=True``
+content checks of the paged inputs.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import numpy as np
 import torch
 
 from kernels._host import (
-    HALF_FORMATS,
     HEAD_DIMS,
     MODEL_DTYPES,
     SLOT_DTYPES,
@@ -28,8 +26,6 @@ from kernels._host import (
     check_tensor,
     fail,
     scale_arg,
-    scale_in,
-    strided_codes_in,
 )
 from kernels._triton import tl, triton
 from kernels.fp8 import BF16_UNIT, FMT_E5M2FNUZ, decode_fp8, decode_fp8_f16, times_f16_unit
@@ -458,30 +454,3 @@ def check_scales_and_out(q, a: PagedArgs, k_scale, v_scale, softmax_scale, out, 
     if not isinstance(validate, (bool, np.bool_)):
         fail("validate", f"must be True or False, got {validate!r}")
     return ks, (ks0, ks1), vs, (vs0, vs1), float(softmax_scale), out
-
-
-# ---------------------------------------------------------------------------- adapters
-
-
-def adapter_tensors(x: dict):
-    """A case's inputs (impl_torch's conventions) as the attention kernels take them, the
-    way servers hold them: q with padded head strides, the cache in its format's storage
-    (through strides), topk as the transposed view of a token-major ``[T, Hkv, K]`` int32
-    buffer, the block table as int32, the scales, and a zeroed output seen token-major
-    through a head-major buffer. Returns ``(q, kv, topk, block_table, k_scale, v_scale,
-    out, dev)``."""
-    from oracle.impls.torch_peer import HALF_DTYPES, _values, device
-
-    dev = device()
-    act = HALF_DTYPES[x["model_dtype"]]
-    q_np = np.asarray(x["q"])
-    t, hq, d = q_np.shape
-    q = torch.zeros((t, hq, d + 8), dtype=act, device=dev)[..., 4:4 + d]
-    q.copy_(_values(q_np, act, dev))
-    kv = strided_codes_in(x["kv_cache"], dev, HALF_FORMATS.get(x["kv_fmt"]))
-    tk_np = np.asarray(x["topk"])
-    topk = torch.from_numpy(np.ascontiguousarray(tk_np.transpose(1, 0, 2), np.int32)).to(dev)
-    bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
-    out = torch.zeros((hq, t, d), dtype=act, device=dev).transpose(0, 1)
-    return (q, kv, topk.permute(1, 0, 2), bt, scale_in(x["k_scale"], dev),
-            scale_in(x["v_scale"], dev), out, dev)

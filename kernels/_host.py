@@ -1,5 +1,5 @@
 """Host-side argument checks shared by the kernel launchers (Triton and CUDA), and the
-adapter helpers that move the oracle's numpy inputs onto the device.
+decode kernels' kept workspace.
 
 Every check raises ``ValueError`` whose message starts with the argument's name and says
 the valid range, before anything is launched (SPEC.md section 7, "value checks"): shapes,
@@ -130,41 +130,6 @@ def validate_slots(slots: torch.Tensor, name: str, num_slots: int) -> None:
         dup = int(uniq[counts > 1][0])
         fail(name, f"must not repeat a non-negative slot in one call; slot {dup} appears "
                    f"{int(counts[counts > 1][0])} times")
-
-
-# ------------------------------------------------------------------- adapter helpers
-
-
-def strided_codes_in(codes: np.ndarray, dev, torch_dtype=None) -> torch.Tensor:
-    """A COPY of a code array on the device with the same element strides (so HND, NHD and
-    padded layouts reach the kernel as they are), viewed as ``torch_dtype`` if given."""
-    from oracle.impls.torch_peer import _codes_in
-
-    c = np.asarray(codes)
-    item = c.itemsize
-    strides = tuple(s // item for s in c.strides)
-    if c.size == 0 or any(s < 0 for s in strides):
-        t = _codes_in(c, dev)
-    else:
-        extent = 1 + sum((n - 1) * s for n, s in zip(c.shape, strides))
-        buf = _codes_in(np.zeros(extent, c.dtype), dev)
-        t = torch.as_strided(buf, c.shape, strides)
-        t.copy_(_codes_in(c, dev))
-    return t if torch_dtype is None else t.view(torch_dtype)
-
-
-def scale_in(s, dev):
-    """An oracle input's scale (None, a float32 scalar or array) as a float32 tensor."""
-    if s is None:
-        return None
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(s, np.float32))).to(dev)
-
-
-def codes_of(t: torch.Tensor) -> np.ndarray:
-    """A device tensor's codes as numpy (uint8, or uint16 bits of bf16/fp16)."""
-    from oracle.impls.torch_peer import _codes_out
-
-    return _codes_out(t if t.dtype == torch.uint8 else t.view(torch.int16))
 
 
 def resolve_formats(kv_fmt, kv_cache_dtype, platform, model_dtype, index_cache=None,
@@ -355,56 +320,6 @@ def plan_norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads,
     return InsertPlan(n, hq, hkv, hi, d, width, act, md, kv_fmt, kv_fp8, page, num_slots,
                       ks, (ks0, ks1), vs, (vs0, vs1), write_ik, transform_iq, index_fmt,
                       idx_fp8, ic, (ic_s0, ic_s1), ic_page, ic_slots, islots, out)
-
-
-def insert_adapter(launch):
-    """The oracle adapter of op ``norm_rope_insert`` for a launcher with the signature of
-    ``kernels.norm_rope_insert.norm_rope_insert`` (Triton and CUDA share it): impl_torch's
-    input/output conventions; returns numpy codes;
-    never modifies its inputs. The rows arrive as a column slice of a wider buffer (as
-    servers pass them); q goes to a separate strided output when N is odd and stays in
-    place otherwise, so the differential cases exercise both."""
-
-    def run(inputs: dict, validate: bool = True) -> dict:
-        from oracle.impls.torch_peer import HALF_DTYPES, _ints, _values, device
-
-        x = inputs
-        dev = device()
-        md = x["model_dtype"]
-        act = HALF_DTYPES[md]
-        d = x["head_dim"]
-        rows_np = x["rows"]
-        n, width = rows_np.shape
-        buf = torch.zeros((n, width + 16), dtype=act, device=dev)
-        rows = buf[:, 8:8 + width]
-        rows.copy_(_values(rows_np, act, dev))
-        q_out = None
-        if n % 2:
-            q_out = torch.zeros((x["num_q_heads"], n, d), dtype=act, device=dev).transpose(0, 1)
-        kv_fmt, index_fmt = x["kv_fmt"], x["index_fmt"]
-        kv = strided_codes_in(x["kv_cache"], dev, HALF_DTYPES.get(kv_fmt))
-        ic = None
-        if x.get("index_cache") is not None:
-            ic = strided_codes_in(x["index_cache"], dev, act if index_fmt == md else None)
-
-        w = {kind: _values(x[f"weights_{kind}"], act, dev)
-             for kind in ("q", "k", "index_q", "index_k")}
-        out = launch(
-            rows, _ints(x["positions"], dev), _values(x["rope_table"], act, dev), w["q"],
-            w["k"], num_q_heads=x["num_q_heads"], num_kv_heads=x["num_kv_heads"], head_dim=d,
-            rotary_dim=x["rotary_dim"], eps=x["eps"], kv_cache=kv, kv_fmt=kv_fmt,
-            slot_mapping=_ints(x["slot_mapping"], dev), num_index_heads=x["num_index_heads"],
-            has_index_k=x["has_index_k"], w_index_q=w["index_q"], w_index_k=w["index_k"],
-            k_scale=scale_in(x["k_scale"], dev), v_scale=scale_in(x["v_scale"], dev),
-            index_cache=ic, index_fmt=index_fmt if ic is not None else None, q_out=q_out,
-            validate=validate)
-        res = {key: codes_of(t) for key, t in out.items()}
-        res["kv_cache"] = codes_of(kv)
-        if ic is not None:
-            res["index_cache"] = codes_of(ic)
-        return res
-
-    return run
 
 
 class Workspace:

@@ -1,6 +1,6 @@
 """Shared by the two indexer kernels (kernels/indexer_prefill.py, kernels/indexer_decode.py):
-the device helpers that score key blocks and keep a running top-k list, the host checks of
-their arguments, and the oracle adapter. SPEC.md section 5 is the contract; the float64
+the device helpers that score key blocks and keep a running top-k list and the host checks
+of their arguments. SPEC.md section 5 is the contract; the float64
 reference is reference/indexer.py.
 
 Rows. A program owns ROWS "rows": (query token, index head) pairs flattened token-major
@@ -749,64 +749,3 @@ def validate_block_table(block_table, seq_lens, page, num_pages):
         r, c = (int(v) for v in bad.nonzero()[0])
         fail("block_table", f"entries used by a request must be in [0, num_pages={num_pages})"
                             f", got block_table[{r}, {c}] = {int(bt[r, c])}")
-
-
-# ----------------------------------------------------------------------------- adapter
-
-
-def index_q_in(values: np.ndarray, fmt: str, dev) -> torch.Tensor:
-    """index_q values (float64, exactly representable in fmt) as the kernels take them:
-    uint8 fp8 codes, or the bf16/fp16 tensor; rows arrive with a padded head stride."""
-    from oracle.impls.torch_peer import _values
-    from reference.codec import encode
-
-    t, hi, d = values.shape
-    if fmt in HALF_FORMATS:
-        src = _values(values, HALF_FORMATS[fmt], dev)
-    else:
-        src = torch.from_numpy(np.ascontiguousarray(encode(values, fmt, "satfinite"))).to(dev)
-    buf = torch.zeros((t, hi, d + 16), dtype=src.dtype, device=dev)[..., 8:8 + d]
-    buf.copy_(src)
-    return buf
-
-
-def out_buffer(hi, t, k, dev, token_major: bool) -> torch.Tensor:
-    """A [Hi, T, K] int32 output prefilled with a sentinel (-7: never a valid entry), either
-    head-major or a transposed view of a token-major [T, Hi, K] buffer (as servers pass)."""
-    if token_major:
-        return torch.full((t, hi, k), -7, dtype=torch.int32, device=dev).transpose(0, 1)
-    return torch.full((hi, t, k), -7, dtype=torch.int32, device=dev)
-
-
-def adapter(launch, decode: bool):
-    """The oracle adapter of op ``indexer_prefill`` / ``indexer_decode``: impl_torch's input
-    conventions (index_q as values; codes for the cache), returns ``{"topk": int32 [Hi, T,
-    K]}``; never modifies its inputs. The output is a transposed token-major buffer when T is
-    odd and head-major otherwise, so the differential cases exercise both."""
-
-    def run(inputs: dict, validate: bool = True) -> dict:
-        from kernels._host import strided_codes_in
-        from oracle.impls.torch_peer import device
-
-        x = inputs
-        dev = device()
-        fmt = x["index_fmt"]
-        q = index_q_in(np.asarray(x["index_q"], np.float64), fmt, dev)
-        ic = strided_codes_in(x["index_cache"], dev, HALF_FORMATS.get(fmt))
-        bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
-        seq = torch.from_numpy(np.ascontiguousarray(x["seq_lens"], np.int32)).to(dev)
-        t, hi, _ = q.shape
-        k = int(x["topk"])
-        out = out_buffer(hi, t, k, dev, token_major=t % 2 == 1)
-        common = dict(topk=k, local_blocks=int(x["local_blocks"]),
-                      initial_blocks=int(x["initial_blocks"]), out=out, validate=validate)
-        if decode:
-            launch(q, ic, fmt, bt, seq, int(x["rows_per_request"]), **common)
-        else:
-            cu_np = np.asarray(x["cu_seqlens_q"], np.int64)
-            cu = torch.from_numpy(cu_np.astype(np.int32)).to(dev)
-            launch(q, ic, fmt, bt, cu, seq, max_query_len=int(np.diff(cu_np).max(initial=0)),
-                   **common)
-        return {"topk": out.cpu().numpy().astype(np.int32)}
-
-    return run

@@ -4,8 +4,9 @@
 ``TRITON_INTERPRET=1`` is set, Triton's CPU interpreter is patched to be numerically
 faithful (kernels/interpreter.py) before any kernel runs. ``triton.jit`` reads
 ``TRITON_INTERPRET`` when a kernel is decorated, i.e. when its module is imported: the
-variable must be set before that (tests: conftest.py sets it when no CUDA device is
-present; elsewhere: set it in the environment of the process).
+variable must be set before that (entry points call
+``kernels.use_interpreter_without_gpu()``, which sets it when no CUDA device is present;
+or set it in the environment of the process).
 """
 
 from __future__ import annotations

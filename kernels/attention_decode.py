@@ -114,13 +114,12 @@ In-kernel guards (contents are only checked under ``validate=True``): entries ou
 see no key. Offsets are 64-bit.
 
 ``sparse_attention_decode(...)`` is the host launcher (validates dtypes, shapes, strides,
-formats and scales; raises ValueError naming the argument); ``run(inputs)`` is the oracle
-adapter registered as implementation ``"triton"`` of op ``"attention_decode"``.
+formats and scales; raises ValueError naming the argument);
+oracle/impls/triton.py registers it as implementation ``"triton"`` of op ``"attention_decode"``.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,7 +128,6 @@ import torch
 from kernels._attention import (
     MAX_CONTEXT,
     MAX_TOPK,
-    adapter_tensors,
     check_block_keys,
     check_index_tensor,
     check_q_and_cache,
@@ -151,11 +149,8 @@ from kernels._attention import (
     validate_selections,
 )
 from kernels._host import (
-    ORACLE_WORKSPACE,
-    ORACLE_WORKSPACE_NOTES,
     check_int,
     check_workspace,
-    codes_of,
     fail,
     take_counters,
     take_scratch,
@@ -886,52 +881,5 @@ def compile_signatures():
                   (kernel, sig, {**const, "TRACE": False, "FMT": 3, "HW": False, "WS": 4})]
 
 
-# ----------------------------------------------------------------------------- adapter
-
-
-def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None,
-        workspace=None, block_keys: int | None = None, key_streams: int | None = None) -> dict:
-    """Oracle adapter (op ``attention_decode``): impl_torch's input/output conventions;
-    returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
-    strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
-    keep it), the block table as int32 and the output through a padded strided view;
-    ``workspace`` as ``sparse_attention_decode``'s."""
-    from oracle.impls.torch_peer import _ints
-
-    q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
-    sparse_attention_decode(q, kv, inputs["kv_fmt"], bt, _ints(inputs["seq_lens"], dev), topk,
-                            int(inputs["rows_per_request"]), ks, vs, out=out,
-                            blocks_per_split=blocks_per_split, validate=validate,
-                            block_keys=block_keys, key_streams=key_streams,
-                            workspace=workspace)
-    return {"out": codes_of(out)}
-
-
 SCHEDULE = DecodeSchedule()
 
-
-def _register():
-    from oracle.core.bounds import TENSOR_CORE_DOT_REL
-    from oracle.core.registry import Implementation, register
-
-    # Interpreted (CPU), model shapes take too long: they are left to CUDA.
-    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")
-    register(Implementation(
-        "triton", "attention_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
-        schedule=SCHEDULE,
-        # Compiled, both products run on tensor cores (truncating accumulation); the
-        # interpreter's dots are IEEE fp32.
-        score_rel=0.0 if INTERPRETED else TENSOR_CORE_DOT_REL,
-        notes=f"split-K Triton decode: one program per (request, KV head, split of "
-              f"{BLOCKS_PER_SPLIT} blocks, longer beyond {TARGET_PROGRAMS} programs), G heads "
-              f"x rows share each K/V tile; fp8 K/V "
-              f"exact in act with scalar scales outside the products (per-slot: "
-              f"dequantised to act), bf16/fp16 P, fp32 partials, exact LSE merge"))
-    register(Implementation(
-        "triton_workspace", "attention_decode",
-        functools.partial(run, workspace=ORACLE_WORKSPACE), devices=("cuda",),
-        shape_classes=("tiny", "small"), schedule=SCHEDULE, score_rel=TENSOR_CORE_DOT_REL,
-        notes=ORACLE_WORKSPACE_NOTES))
-
-
-_register()

@@ -126,13 +126,12 @@ block-table entries outside ``[0, num_pages)`` read nothing, tokens past ``T`` (
 Offsets are 64-bit.
 
 ``sparse_attention_prefill(...)`` is the host launcher (validates dtypes, shapes, strides,
-formats and scales; raises ValueError naming the argument); ``run(inputs)`` is the oracle
-adapter registered as implementation ``"triton"`` of op ``"attention_prefill"``.
+formats and scales; raises ValueError naming the argument);
+oracle/impls/triton.py registers it as implementation ``"triton"`` of op ``"attention_prefill"``.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -141,7 +140,6 @@ import torch
 from kernels import kv_predecode
 from kernels._attention import (
     MAX_CONTEXT,
-    adapter_tensors,
     check_block_keys,
     check_index_tensor,
     check_q_and_cache,
@@ -164,7 +162,6 @@ from kernels._attention import (
 )
 from kernels._host import (
     check_int,
-    codes_of,
     fail,
 )
 from kernels._triton import (
@@ -995,56 +992,3 @@ def compile_signatures():
     tk, tsig, tconst = next(c for c in out if c[0] is _tier_kernel)
     out.append((tk, {**tsig, "PDL": "constexpr"}, {**tconst, "PDL": True}))
     return out + kv_predecode.compile_signatures()
-
-
-# ----------------------------------------------------------------------------- adapter
-
-
-def run(inputs: dict, validate: bool = True, **knobs) -> dict:
-    """Oracle adapter (op ``attention_prefill``): impl_torch's input/output conventions;
-    returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
-    strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
-    keep it), the block table and cu_seqlens_q as int32, seq_lens as int64, and the output
-    through a head-major buffer seen token-major. knobs: the launcher's tuning keywords
-    (block_rows, delegate_ratio, ...)."""
-    from oracle.impls.torch_peer import _ints
-
-    q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
-    cu = torch.from_numpy(np.ascontiguousarray(inputs["cu_seqlens_q"], np.int32)).to(dev)
-    rows = torch.zeros(q.shape[:2], dtype=torch.int32, device=dev)
-    sparse_attention_prefill(q, kv, inputs["kv_fmt"], bt, cu, _ints(inputs["seq_lens"], dev),
-                             topk, ks, vs, out=out, validate=validate, schedule_rows=rows,
-                             **knobs)
-    return {"out": codes_of(out), "schedule_rows": rows.cpu().numpy()}
-
-
-def _register():
-    from oracle.core.bounds import TENSOR_CORE_DOT_REL
-    from oracle.core.registry import Implementation, register
-
-    # Interpreted (CPU): tiny shapes only (the small class costs seconds per case in the
-    # interpreter and the float64 checker); model shapes are left to CUDA.
-    classes = ("tiny",) if INTERPRETED else ("tiny", "small", "model", "long")
-    register(Implementation(
-        "triton", "attention_prefill", run, devices=("cpu", "cuda"), shape_classes=classes,
-        schedule=SCHEDULE,
-        # Compiled, both products run on tensor cores (truncating accumulation); the
-        # interpreter's dots are IEEE fp32.
-        score_rel=0.0 if INTERPRETED else TENSOR_CORE_DOT_REL,
-        notes=f"Triton prefill: one program per (tile of {BLOCK_ROWS} tokens x heads rows, KV "
-              f"head) walking the union of the tile's selected blocks in ascending order, "
-              f"each block read once per tile; a tile whose union is {DELEGATE_RATIO}x its "
-              f"entries or more goes to a {NARROW_ROWS}-row pass instead; fp8 K/V exact in "
-              f"act with scalar scales outside the products (per-slot: dequantised to act), "
-              f"bf16/fp16 P, no split-K"))
-    # The narrow tier on every case: with the default ratio most small cases never reach it.
-    register(Implementation(
-        "triton_narrow", "attention_prefill", functools.partial(run, delegate_ratio=ALL_NARROW),
-        devices=("cpu", "cuda"), shape_classes=classes, schedule=SCHEDULE,
-        score_rel=0.0 if INTERPRETED else TENSOR_CORE_DOT_REL,
-        notes=f"the Triton prefill with every tile handed to its narrow tier "
-              f"(delegate_ratio {ALL_NARROW}: {NARROW_ROWS}-row programs; the union walk of "
-              f"a tile's tokens where G < 16)"))
-
-
-_register()

@@ -12,10 +12,10 @@ knobs (``launch_shape``), then the tensors must be on a CUDA device. The kernel 
 with cudaGetErrorString's text.
 
 The library is built by ``kernels.cuda_build.build()`` on first use (nvcc -O3 -arch=sm_90,
-cached by a hash of the sources) and loaded once per process. ``run(inputs)`` is the oracle
-adapter (``adapter(norm_rope_insert)``, the Triton adapter's body with the launcher as a
-parameter), registered as implementation ``"cuda"`` of op ``"norm_rope_insert"`` when a
-CUDA device and nvcc are present.
+cached by a hash of the sources) and loaded once per process. oracle/impls/cuda.py
+registers it (through the Triton kernel's adapter, the launchers sharing a signature) as
+implementation ``"cuda"`` of op ``"norm_rope_insert"`` when a CUDA device and nvcc are
+present.
 
 Numerics (declared to the oracle with the default ``Fp32Arith``; every variant): fp32 sums
 of squares in warp-shuffle order, ``rsqrtf`` (2 ulp), the division by a K/V scale as two
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kernels import cuda_build
-from kernels._host import fail, insert_adapter, plan_norm_rope_insert
+from kernels._host import fail, plan_norm_rope_insert
 
 #: cvt::Format codes of csrc/fp8_convert.h.
 FORMAT_CODES = {"e4m3fn": 0, "e5m2": 1, "e4m3fnuz": 2, "e5m2fnuz": 3, "bfloat16": 4,
@@ -412,26 +412,3 @@ def launch_params(rows, positions, rope_table, w_q, w_k, *, block_h=None, num_st
         variant=variant, warps_per_block=wpb, heads_per_warp=hpw, heads_fast=int(heads_fast),
         stages=stages, eps=float(np.float32(kwargs["eps"])))
     return out, p
-
-
-# ----------------------------------------------------------------------------- adapter
-
-
-run = insert_adapter(norm_rope_insert)
-
-
-def _register():
-    from oracle.core.registry import Implementation, register
-
-    if not available():
-        return
-    register(Implementation(
-        "cuda", "norm_rope_insert", run, devices=("cuda",),
-        shape_classes=("tiny", "small", "model", "sweep"), quantize_from="value",
-        notes="csrc/norm_rope_insert.cu via ctypes: one launch (variant 0 by default), a warp "
-              "per head, fp32 Gemma RMSNorm + partial NeoX RoPE (partners through shared "
-              "memory, any even R), "
-              "K from its fp32 value, fp8 satfinite via cvt.rn.satfinite / software fnuz"))
-
-
-_register()

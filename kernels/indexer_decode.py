@@ -14,7 +14,7 @@ Three scans (``scan=``):
   tile goes from cp.async straight into ``wgmma``) by the rows' q padded to 16 rows; bf16 /
   fp16 as stored, the hardware fp8 formats on the fp8 tensor cores (``fp8_mma``), the fnuz
   formats decoded exactly to fp16. The MMA accumulation is not an IEEE fp32 sum: the
-  registry declares ``score_rel`` per format (``MMA_SCORE_REL``, ``F8MMA_SCORE_REL``).
+  registry declares ``score_rel`` per format (oracle/impls/triton.py).
   Default grid: one wave of programs (``wave_splits``).
 - "fma" (``kernels._indexer.scan_blocks_fma``): exact fp32 products in one FMA chain per
   key and thread over 16-byte-vector key tiles ``[LANES, BLOCK_N, M, V]`` pipelined by
@@ -57,8 +57,8 @@ The knobs (``num_splits`` / ``blocks_per_split``, ``lanes_d``, ``block_n``, ``nu
 (``python -m benchmarks.bench_indexer --tune``).
 
 ``indexer_decode(...)`` is the host launcher (ValueError naming the argument; contents
-under ``validate=True``); ``run(inputs)`` is the oracle adapter registered as
-implementation ``"triton"`` of op ``"indexer_decode"``.
+under ``validate=True``); oracle/impls/triton.py registers it as implementation
+``"triton"`` of op ``"indexer_decode"``, with its declared ``score_rel``.
 """
 
 from __future__ import annotations
@@ -70,8 +70,6 @@ import torch
 from kernels import _indexer as ix
 from kernels import indexer_decode_flat as flat_grid
 from kernels._host import (
-    ORACLE_WORKSPACE,
-    ORACLE_WORKSPACE_NOTES,
     check_int,
     check_workspace,
     fail,
@@ -90,7 +88,6 @@ from kernels._triton import (
     triton,
 )
 from kernels.fp8 import HW_FORMATS
-from oracle.core.bounds import TENSOR_CORE_DOT_REL
 from reference.domain import DECODE_ROWS_RANGE
 
 
@@ -208,32 +205,12 @@ MMA_STAGES = 3
 #: The MMA scan's default grid: one wave of at most this many programs per SM
 #: (``wave_splits``; more, though resident, made the H200 slower).
 MAX_PROGRAMS_PER_SM = 4
-#: Declared score error of the MMA scan beyond an IEEE fp32 sum (``score_rel``, relative to
-#: sum |q_i k_i|): the tensor cores' truncating accumulation of 16-bit products
-#: (``oracle.core.bounds.TENSOR_CORE_DOT_REL``, D <= 256).
-MMA_SCORE_REL = TENSOR_CORE_DOT_REL
-#: The same for the fp8 tensor-core products of the hardware formats (``fp8_mma``): Triton's
-#: default fp8 ``wgmma`` accumulates in about 14 bits (DeepSeek-V3 measured ~14 on the
-#: H800), ~2^-13 per k-step of 32, at most 8 steps at D 256: 2^-10, declared with a
-#: factor 2 margin.
-F8MMA_SCORE_REL = 2.0**-9
 
 
 def fp8_mma(index_fmt: str) -> bool:
     """Whether the compiled MMA scan multiplies fp8 codes of this format directly (the
     hardware formats e4m3fn / e5m2) rather than their fp16 values."""
     return index_fmt in HW_FORMATS and not INTERPRETED
-
-
-def score_rel(case) -> float:
-    """The registered implementation's declared block-score error for a case (registry
-    ``score_rel_for``): 0 interpreted (fp32 ieee dots), else the MMA scan's, fp8 or 16-bit
-    by the case's index format."""
-    if INTERPRETED:
-        return 0.0
-    if case is not None and fp8_mma(case["index_fmt"]):
-        return F8MMA_SCORE_REL
-    return MMA_SCORE_REL
 
 
 def _splits(num_splits, blocks_per_split, b: int, width: int, dev, cap: int = 0
@@ -691,50 +668,3 @@ def _flat_signatures():
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((kernel, sig, const))
     return out
-
-
-# ----------------------------------------------------------------------------- adapter
-
-
-run = ix.adapter(indexer_decode, decode=True)
-run_flat = ix.adapter(functools.partial(indexer_decode, grid="flat"), decode=True)
-run_proportional = ix.adapter(functools.partial(indexer_decode, grid="proportional"),
-                              decode=True)
-run_workspace = ix.adapter(functools.partial(indexer_decode, workspace=ORACLE_WORKSPACE),
-                           decode=True)
-
-
-def _register():
-    from oracle.core.registry import Implementation, register
-
-    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")
-    register(Implementation(
-        "triton", "indexer_decode", run, devices=("cpu", "cuda"), shape_classes=classes,
-        score_rel=score_rel,
-        notes="one Triton launch: (request x key-block split) per program, all rows and "
-              "heads of a request share each key block; compiled: one tensor-core tl.dot "
-              "per key block on 16-bit operands (fp8 decoded exactly to fp16), fp32 MMA "
-              "accumulation (score_rel declared), cp.async-pipelined key tiles; "
-              "interpreted: fp32 ieee tl.dot; 64-bit order keys per block, the last split "
-              "merges the partial lists by bitonic top-k (atomic ticket)"))
-    # The flat kernel's partitions on the GPU (the interpreter tests cover them on the
-    # CPU): the same kernel arithmetic over other partitions of the key blocks.
-    for name, fn, notes in (
-            ("triton_flat", run_flat,
-             "indexer_decode(grid='flat'): the batch's key blocks laid end to end and shared "
-             "out evenly over one wave of programs (ranges straddle requests), the MMA scan "
-             "per request segment, the last program of a request merges"),
-            ("triton_proportional", run_proportional,
-             "indexer_decode(grid='proportional'): one wave of programs, each request cut "
-             "into cdiv(blocks, U) of them (U searched in the kernel so they fit), the MMA "
-             "scan per program, the last program of a request merges")):
-        register(Implementation(name, "indexer_decode", fn, devices=("cuda",),
-                                shape_classes=("tiny", "small", "model", "long"),
-                                score_rel=score_rel, notes=notes))
-    register(Implementation(
-        "triton_workspace", "indexer_decode", run_workspace, devices=("cuda",),
-        shape_classes=("tiny", "small"), score_rel=score_rel,
-        notes=ORACLE_WORKSPACE_NOTES))
-
-
-_register()

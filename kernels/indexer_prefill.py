@@ -17,8 +17,8 @@ Token tiles past a request's new tokens do nothing: the grid's first axis is
 without a host sync); pass the batch's real maximum to launch fewer programs.
 
 ``indexer_prefill(...)`` is the host launcher (checks dtypes, shapes, strides, ranges;
-ValueError naming the argument; contents under ``validate=True``); ``run(inputs)`` is the
-oracle adapter registered as implementation ``"triton"`` of op ``"indexer_prefill"``.
+ValueError naming the argument; contents under ``validate=True``); oracle/impls/triton.py
+registers it as implementation ``"triton"`` of op ``"indexer_prefill"``.
 """
 
 from __future__ import annotations
@@ -168,25 +168,3 @@ def compile_signatures():
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_indexer_prefill_kernel, sig, const))
     return out
-
-
-# ----------------------------------------------------------------------------- adapter
-
-
-run = ix.adapter(indexer_prefill, decode=False)
-
-
-def _register():
-    from oracle.core.registry import Implementation, register
-
-    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "long")
-    register(Implementation(
-        "triton", "indexer_prefill", run, devices=("cpu", "cuda"), shape_classes=classes,
-        score_rel=0.0,
-        notes="one Triton launch: (token tile x all index heads) per program, key blocks read "
-              "once per tile, fp32 ieee tl.dot on exactly widened q/k (fp8 via decode_fp8), "
-              "running top-k of 64-bit order keys (replace-min compiled, rank merge "
-              "interpreted), written by rank"))
-
-
-_register()

@@ -68,9 +68,10 @@ The patch touches private internals, hence ``patch_interpreter`` refuses any Tri
 3.6.0, and tests/test_interpreter_patch.py checks it against reference.codec.
 
 How kernels get interpreted: ``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is
-*decorated* (module import), not when it runs. The repository's conftest.py sets
-``TRITON_INTERPRET=1`` (unless already set) when torch sees no CUDA device, before any test
-module imports ``kernels``; kernel modules import Triton through ``kernels._triton``, which
+*decorated* (module import), not when it runs. The entry points (conftest.py, the ``oracle``
+CLI) call ``kernels.use_interpreter_without_gpu()``, which sets ``TRITON_INTERPRET=1``
+(unless already set) when torch sees no CUDA device, before any kernel module is imported;
+kernel modules import Triton through ``kernels._triton``, which
 calls ``patch_interpreter()`` when interpretation is on. On a CUDA machine run the
 interpreter tests separately: ``TRITON_INTERPRET=1 pytest -m interp``.
 """

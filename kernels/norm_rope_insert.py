@@ -33,13 +33,13 @@ through their strides (HND, NHD, padded) with 64-bit offsets; negative (and, def
 out-of-range) slots are skipped; out-of-range positions read no table row.
 
 ``norm_rope_insert(...)`` is the host launcher (validates dtypes, shapes, strides and
-formats; raises ValueError naming the argument); ``run(inputs)`` is the oracle adapter
-registered as implementation ``"triton"`` of op ``"norm_rope_insert"``.
+formats; raises ValueError naming the argument); oracle/impls/triton.py registers it as
+implementation ``"triton"`` of op ``"norm_rope_insert"``.
 """
 
 from __future__ import annotations
 
-from kernels._host import check_int, fail, insert_adapter, plan_norm_rope_insert
+from kernels._host import check_int, fail, plan_norm_rope_insert
 from kernels._triton import ensure_ready, is_interpreted, resident_programs, tl, triton
 from kernels.fp8 import HW_FORMATS, encode_asm, encode_fp8, fmt_code, scale_reciprocal
 
@@ -458,25 +458,3 @@ def compile_signatures():
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_norm_rope_insert_kernel, sig, const))
     return out
-
-
-# ----------------------------------------------------------------------------- adapter
-
-
-run = insert_adapter(norm_rope_insert)
-
-
-def _register():
-    from oracle.core.registry import Implementation, register
-
-    # Interpreted (CPU), a small case takes a few seconds: model shapes are left to CUDA.
-    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "sweep")
-    register(Implementation(
-        "triton", "norm_rope_insert", run, devices=("cpu", "cuda"), shape_classes=classes,
-        quantize_from="value",
-        notes="one Triton launch: fp32 Gemma RMSNorm + partial NeoX RoPE (three contiguous "
-              "segments per head, any even R), K from its fp32 value, fp8 via "
-              "kernels.fp8.encode_fp8"))
-
-
-_register()

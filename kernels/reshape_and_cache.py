@@ -20,8 +20,8 @@ The cache is addressed through its strides (HND, NHD, padded) with 64-bit offset
 slot_mapping through theirs too (only the last dim of K/V must be contiguous).
 
 ``reshape_and_cache(...)`` is the host launcher (validates dtypes, shapes, strides, formats
-and scales; raises ValueError naming the argument); ``run(inputs)`` is the oracle adapter
-registered as implementation ``"triton"`` of op ``"reshape_and_cache"``.
+and scales; raises ValueError naming the argument); oracle/impls/triton.py registers it as
+implementation ``"triton"`` of op ``"reshape_and_cache"``.
 """
 
 from __future__ import annotations
@@ -38,11 +38,8 @@ from kernels._host import (
     check_kv_fmt,
     check_last_dim_contiguous,
     check_tensor,
-    codes_of,
     fail,
     scale_arg,
-    scale_in,
-    strided_codes_in,
     validate_slots,
 )
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
@@ -182,55 +179,3 @@ def compile_signatures():
         sig.update(dict.fromkeys(const, "constexpr"))
         out.append((_reshape_and_cache_kernel, sig, const))
     return out
-
-
-# ----------------------------------------------------------------------------- adapter
-
-
-def _strided_heads(values, act, dev, transposed):
-    """K or V on the device with non-trivial strides, as servers pass them: a head-major
-    buffer seen token-major (``transposed``), or heads padded by 8 elements."""
-    from oracle.impls.torch_peer import _values
-
-    n, hkv, d = values.shape
-    t = _values(values, act, dev)
-    if transposed:
-        out = torch.zeros((hkv, n, d), dtype=act, device=dev).transpose(0, 1)
-    else:
-        out = torch.zeros((n, hkv, d + 8), dtype=act, device=dev)[..., 4:4 + d]
-    out.copy_(t)
-    return out
-
-
-def run(inputs: dict, validate: bool = True) -> dict:
-    """Oracle adapter (op ``reshape_and_cache``): impl_torch's input/output conventions;
-    returns numpy codes; never modifies its inputs. K has padded head strides; V is
-    head-major when N is odd, padded otherwise, so the differential cases exercise both."""
-    from oracle.impls.torch_peer import HALF_DTYPES, _ints, device
-
-    x = inputs
-    dev = device()
-    act = HALF_DTYPES[x["model_dtype"]]
-    k = _strided_heads(np.asarray(x["k"]), act, dev, transposed=False)
-    v = _strided_heads(np.asarray(x["v"]), act, dev, transposed=k.shape[0] % 2 == 1)
-    kv_fmt = x["kv_fmt"]
-    kv = strided_codes_in(x["kv_cache"], dev, HALF_DTYPES.get(kv_fmt))
-    reshape_and_cache(k, v, kv, kv_fmt, _ints(x["slot_mapping"], dev),
-                      scale_in(x["k_scale"], dev), scale_in(x["v_scale"], dev),
-                      validate=validate)
-    return {"kv_cache": codes_of(kv)}
-
-
-def _register():
-    from oracle.core.registry import Implementation, register
-
-    # Interpreted (CPU), model shapes take too long: they are left to CUDA.
-    classes = ("tiny", "small") if INTERPRETED else ("tiny", "small", "model", "sweep")
-    register(Implementation(
-        "triton", "reshape_and_cache", run, devices=("cpu", "cuda"), shape_classes=classes,
-        quantize_from="model_dtype",
-        notes="one Triton launch: K and V from their model-dtype values (two roundings for "
-              "K), fp8 via kernels.fp8.encode_fp8, bf16/fp16 caches get the bits copied"))
-
-
-_register()

@@ -34,8 +34,8 @@ def bad_args(good, name: str, **changes):
 
 def compile_env(tmp_path) -> dict:
     """Environment of a subprocess that compiles Triton kernels for a GPU on this machine:
-    TRITON_INTERPRET=0 explicitly (importing ``kernels`` without CUDA would otherwise turn
-    the interpreter on), the repo importable, a private Triton cache."""
+    TRITON_INTERPRET=0 explicitly (the tests' environment carries the 1 that conftest.py
+    sets without CUDA), the repo importable, a private Triton cache."""
     import os
     from pathlib import Path
 

@@ -310,3 +310,35 @@ def test_report_prints_no_warnings_a_user_cannot_act_on(tmp_path):
              "rocm-fnuz", "--shape-classes", "tiny", "--quiet", "--out", str(tmp_path / "r"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Warning" not in r.stderr, r.stderr
+
+
+def test_impls_lists_every_implementation_and_why_it_cannot_run_here():
+    """`python -m oracle impls` prints one row per registered implementation (name, op,
+    devices, formats, platforms, model dtypes, shape classes, whether it runs here), the
+    registry of the CLI's own process row for row; one that needs another device says
+    which (a CPU implementation runs anywhere); a project module that cannot load is
+    listed with its reason."""
+    from oracle.core.registry import REGISTRY
+    from oracle.impls.catalog import UNAVAILABLE, device_name
+
+    r = _run("impls")
+    assert r.returncode == 0, r.stderr
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in r.stdout.splitlines()[2:] if line.startswith("|")]
+    assert r.stdout.splitlines()[0].split("|")[1:-1] == [
+        " name ", " op ", " devices ", " formats ", " platforms ", " model dtypes ",
+        " shape classes ", " here "]
+    listed = {(row[0], row[1]): row for row in rows}
+    here = device_name()
+    for op, impls in REGISTRY.items():
+        for name, impl in impls.items():
+            row = listed.pop((name, op))
+            assert row[2] == ",".join(impl.devices)
+            assert row[5] == ",".join(impl.model_dtypes)
+            assert row[6] == ",".join(impl.shape_classes)
+            runs = here in impl.devices or "cpu" in impl.devices
+            want = "runs" if runs else "needs a CUDA device"
+            assert row[7] == want, (name, op, row)
+    for module, reason in UNAVAILABLE.items():
+        assert listed.pop((module, "-"))[7] == f"not loaded: {reason}"
+    assert not listed, listed

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from oracle.core.registry import KERNEL_MODULES
+from oracle.impls.triton import KERNEL_MODULES
 from tests.helpers import compile_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,7 +36,7 @@ import torch
 
 from kernels import cuda_build
 from kernels import cuda_norm_rope_insert as cnri
-from kernels._host import insert_adapter
+from oracle.impls.adapters import insert_adapter
 from oracle.tools import conformance
 from reference.codec import FP8_FORMATS, POLICIES, decode, encode, round_dtype
 from tests.helpers import same_float
@@ -1184,7 +1184,7 @@ def test_cuda_guards_out_of_range_slots_and_positions():
     num_slots = x["kv_cache"].shape[0] * x["kv_cache"].shape[2]
     x["slot_mapping"] = np.array([3, num_slots + 5, -1, 7], np.int64)
     x["positions"] = np.array([1, MAX_POS + 3, -2, 5], np.int64)
-    out = cnri.run(x, validate=False)
+    out = insert_adapter(cnri.norm_rope_insert)(x, validate=False)
     before, after = x["kv_cache"], out["kv_cache"]
     page = before.shape[2]
     mask = np.ones(before.shape, bool)

@@ -360,8 +360,9 @@ def test_resolve_impls_names_what_does_not_run_here(monkeypatch):
     from dataclasses import replace
 
     from oracle.core import registry
+    from oracle.impls.catalog import load_all
 
-    registry.load_all()
+    load_all()
     fake = replace(registry.REGISTRY["attention_decode"]["reference"], name="gpu-only",
                    devices=("cuda",))
     monkeypatch.setitem(registry.REGISTRY["attention_decode"], "gpu-only", fake)

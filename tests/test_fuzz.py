@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 
 from oracle.core.cases import Case
-from oracle.core.registry import REGISTRY, implementations, load_all
+from oracle.core.registry import REGISTRY, implementations
+from oracle.impls.catalog import load_all
 from oracle.impls.torch_peer import make_torch_impl
 from oracle.tools import fuzz
 

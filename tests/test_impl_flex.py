@@ -20,7 +20,8 @@ from oracle.core.cases import Case  # noqa: E402
 from oracle.core.checks import run_check  # noqa: E402
 from oracle.core.registry import implementations  # noqa: E402
 from oracle.impls import flex as impl_flex  # noqa: E402
-from oracle.impls.torch_peer import HALF_DTYPES, _codes_in, device  # noqa: E402
+from oracle.impls.io import HALF_DTYPES, device  # noqa: E402
+from oracle.impls.io import codes_in as _codes_in  # noqa: E402
 from reference.attention import prefill_positions  # noqa: E402
 from reference.codec import decode  # noqa: E402
 from tests.helpers import (  # noqa: E402

@@ -20,6 +20,7 @@ from oracle.core.cases import Case
 from oracle.core.checks import Tally, run_check
 from oracle.core.registry import implementations, schedule_for
 from oracle.impls.torch_peer import HALF_DTYPES, device
+from oracle.impls.triton import run_attention_decode as run_decode
 from reference import attention
 from reference.codec import FORMATS, decode, round_dtype
 from tests.helpers import (
@@ -72,7 +73,7 @@ def _impl(bps=None):
     (impl,) = implementations("attention_decode", ["triton"])
     if bps is None:
         return impl
-    return replace(impl, run=functools.partial(ad.run, blocks_per_split=bps),
+    return replace(impl, run=functools.partial(run_decode, blocks_per_split=bps),
                    schedule=ad.DecodeSchedule(bps))
 
 
@@ -84,7 +85,7 @@ def _passes(x, bps=None):
 
 def _out(x, bps=None, validate=True):
     """The kernel's output values (float64) for an input set."""
-    return decode(ad.run(x, validate=validate, blocks_per_split=bps)["out"], x["model_dtype"])
+    return decode(run_decode(x, validate=validate, blocks_per_split=bps)["out"], x["model_dtype"])
 
 
 def _zero_rows_of_padding(x, out):
@@ -134,7 +135,7 @@ def test_key_tiles_match_reference_under_their_schedule(kv_fmt, rows, block_keys
     whole-block schedule rejects the same bf16 output (the declaration has teeth)."""
     x = make_inputs(kv_fmt, scales=scales, hkv=2, group=4, d=64, page=64, rows=rows,
                     seq_lens=(37, 150, 0, 9, 64, 65), k=3, seed=3)
-    run = functools.partial(ad.run, blocks_per_split=2, block_keys=block_keys)
+    run = functools.partial(run_decode, blocks_per_split=2, block_keys=block_keys)
     tiled = replace(_impl(2), run=run, schedule=ad.DecodeSchedule(2, block_keys))
     res = run_check(_case(x), tiled, inputs=x)
     assert res.passed, res.summary()
@@ -157,7 +158,7 @@ def test_key_streams_match_reference_under_their_schedule(kv_fmt, key_streams, s
     (the declaration has teeth)."""
     x = make_inputs(kv_fmt, scales=scales, hkv=2, group=4, d=64, page=64, rows=1,
                     seq_lens=(37, 150, 0, 9, 64, 65, 300, 191), k=3, seed=4)
-    run = functools.partial(ad.run, blocks_per_split=2, key_streams=key_streams)
+    run = functools.partial(run_decode, blocks_per_split=2, key_streams=key_streams)
     streams = replace(_impl(2), run=run,
                       schedule=ad.DecodeSchedule(2, key_streams=key_streams))
     res = run_check(_case(x), streams, inputs=x)
@@ -173,7 +174,7 @@ def test_key_streams_out_of_range_contents_are_guarded():
     output equals (bit for bit) the key-stream output without them (P 64, one row)."""
     x = make_inputs("e5m2fnuz", scales="tensor", hkv=2, group=4, d=64, page=64, rows=1,
                     seq_lens=(150, 200), k=4, seed=21)
-    run = functools.partial(ad.run, blocks_per_split=4, key_streams=4)
+    run = functools.partial(run_decode, blocks_per_split=4, key_streams=4)
     base = run(x)["out"]
     tk = np.array(x["topk"], copy=True)
     for n, (g, t, k) in enumerate(np.argwhere(tk < 0)):
@@ -212,7 +213,7 @@ def test_key_streams_must_fit_the_page_and_one_row(key_streams, rows, block_keys
     it."""
     x = make_inputs("e4m3fn", scales="tensor", page=64, rows=rows, seq_lens=(70,), k=2)
     with pytest.raises(ValueError, match="key_streams"):
-        ad.run(x, key_streams=key_streams, block_keys=block_keys)
+        run_decode(x, key_streams=key_streams, block_keys=block_keys)
 
 
 @pytest.mark.parametrize("block_keys", [8, 48, 128])
@@ -221,7 +222,7 @@ def test_block_keys_must_be_a_power_of_two_tile_of_the_page(block_keys):
     ValueError naming it."""
     x = make_inputs("e4m3fn", scales="tensor", page=64, seq_lens=(70,), k=2)
     with pytest.raises(ValueError, match="block_keys"):
-        ad.run(x, block_keys=block_keys)
+        run_decode(x, block_keys=block_keys)
 
 
 @pytest.mark.parametrize("group, rows, hkv, bps, kv_fmt", [
@@ -271,12 +272,12 @@ def test_selection_is_a_set(bps):
     the -1 entries anywhere and (with validate=False) repeating an entry give bit-identical
     outputs."""
     x = make_inputs("e5m2", "bfloat16", scales="tensor", rows=2, seq_lens=(70, 33), k=6, seed=9)
-    base = ad.run(x, blocks_per_split=bps)["out"]
+    base = run_decode(x, blocks_per_split=bps)["out"]
     perm = dict(x, topk=shuffled_selections(x["topk"], 1))
-    assert np.array_equal(ad.run(perm, blocks_per_split=bps)["out"], base)
+    assert np.array_equal(run_decode(perm, blocks_per_split=bps)["out"], base)
     rep = dict(x, topk=shuffled_selections(x["topk"], 2, dup=True))
     assert (np.sort(rep["topk"], -1) != np.sort(x["topk"], -1)).any()
-    assert np.array_equal(ad.run(rep, validate=False, blocks_per_split=bps)["out"], base)
+    assert np.array_equal(run_decode(rep, validate=False, blocks_per_split=bps)["out"], base)
 
 
 # ----------------------------------------------------- content a row must not see
@@ -350,7 +351,7 @@ def test_a_reused_workspace_stays_correct_across_calls(rows):
     from kernels._host import Workspace
 
     ws = Workspace()
-    impl = replace(_impl(1), run=functools.partial(ad.run, blocks_per_split=1, workspace=ws))
+    impl = replace(_impl(1), run=functools.partial(run_decode, blocks_per_split=1, workspace=ws))
     for seq_lens, seed in (((37,), 0), ((37, 0, 50, 9), 1), ((20,), 2), ((61, 33, 0), 3)):
         x = make_inputs("e4m3fn", rows=rows, seq_lens=seq_lens, k=3, seed=seed)
         res = run_check(_case(x), impl, inputs=x)
@@ -360,7 +361,7 @@ def test_a_reused_workspace_stays_correct_across_calls(rows):
         assert not held.any().item()
     held[0] = 1  # as a launch that died would leave it: validate=True refuses the workspace
     with pytest.raises(ValueError, match="^workspace must hold zero ticket counters"):
-        ad.run(x, workspace=ws, blocks_per_split=1)
+        run_decode(x, workspace=ws, blocks_per_split=1)
 
 
 def test_batch_invariance():
@@ -368,10 +369,10 @@ def test_batch_invariance():
     other requests and padding (batches this small keep the default split size)."""
     x = make_inputs("e4m3fn", "bfloat16", scales="slot", rows=2, seq_lens=(0, 75, 130, 9),
                     k=5, seed=12)
-    full = ad.run(x)["out"]
+    full = run_decode(x)["out"]
     r, rows = 2, 2
     alone = _request_alone(x, r)
-    assert np.array_equal(ad.run(alone)["out"], full[r * rows:(r + 1) * rows])
+    assert np.array_equal(run_decode(alone)["out"], full[r * rows:(r + 1) * rows])
 
 
 def test_softmax_scale_is_applied():
@@ -406,12 +407,12 @@ def test_out_of_range_contents_are_guarded():
     x = make_inputs("e5m2fnuz", "bfloat16", scales="slot", rows=2, seq_lens=(70, 40), k=5,
                     seed=13)
     bps = 5  # one split: the bad entries change no chunk boundary
-    base = ad.run(x, blocks_per_split=bps)["out"]
+    base = run_decode(x, blocks_per_split=bps)["out"]
     tk = np.array(x["topk"], copy=True)
     free = np.argwhere(tk < 0)
     for n, (g, t, k) in enumerate(free):
         tk[g, t, k] = (10**6, -7, 5 + t // 2)[n % 3]  # huge, negative, past p // P
-    assert np.array_equal(ad.run(dict(x, topk=tk), validate=False, blocks_per_split=bps)["out"],
+    assert np.array_equal(run_decode(dict(x, topk=tk), validate=False, blocks_per_split=bps)["out"],
                           base)
     # Block 1 of request 0 points past the cache: as if no row had selected it.
     assert (x["topk"][:, :2] == 1).any()
@@ -419,8 +420,8 @@ def test_out_of_range_contents_are_guarded():
     bt[0, 1] = 10**6
     sel = np.where(np.arange(tk.shape[1])[None, :, None] < 2,
                    np.where(x["topk"] == 1, -1, x["topk"]), x["topk"])
-    want = ad.run(dict(x, topk=sel), blocks_per_split=bps)["out"]
-    got = ad.run(dict(x, block_table=bt), validate=False, blocks_per_split=bps)["out"]
+    want = run_decode(dict(x, topk=sel), blocks_per_split=bps)["out"]
+    got = run_decode(dict(x, block_table=bt), validate=False, blocks_per_split=bps)["out"]
     assert np.array_equal(got, want)
 
 
@@ -433,7 +434,7 @@ def test_no_rows_is_a_no_op(monkeypatch):
             raise AssertionError("launched for T = 0")
 
     monkeypatch.setattr(ad, "_decode_split_kernel", NoLaunch())
-    assert ad.run(x)["out"].shape == (0, 4, 64)
+    assert run_decode(x)["out"].shape == (0, 4, 64)
 
 
 def test_writes_into_a_preallocated_strided_output():
@@ -681,8 +682,8 @@ def test_no_default_changes_inside_the_batch_invariant_range(hkv, topk_k):
 def _launch_options(monkeypatch, x, **knobs):
     """The launch options the first pass gets for input set ``x`` and launcher ``knobs``
     (the kernel replaced by a recorder: nothing runs)."""
-    from kernels._attention import adapter_tensors
-    from oracle.impls.torch_peer import _ints
+    from oracle.impls.adapters import adapter_tensors
+    from oracle.impls.io import ints as _ints
 
     seen = []
 
@@ -729,9 +730,9 @@ def test_batch_invariance_on_the_gpu_across_launch_choices(batch, bps):
     x = make_inputs("e4m3fn", "bfloat16", hkv=4, group=16, d=128, page=128, seq_lens=seqs,
                     k=16, seed=batch)
     assert batch <= ad.invariant_batch(4, 16) or bps is not None
-    full = ad.run(x, blocks_per_split=bps)["out"]
+    full = run_decode(x, blocks_per_split=bps)["out"]
     for r in (0, batch - 1):
-        alone = ad.run(_request_alone(x, r), blocks_per_split=bps)["out"]
+        alone = run_decode(_request_alone(x, r), blocks_per_split=bps)["out"]
         assert np.array_equal(alone, full[r:r + 1]), r
 
 

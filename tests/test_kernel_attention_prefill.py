@@ -20,6 +20,7 @@ from oracle.core.cases import Case
 from oracle.core.checks import Tally, run_check
 from oracle.core.registry import implementations
 from oracle.impls.torch_peer import HALF_DTYPES, device
+from oracle.impls.triton import run_attention_prefill as run_prefill
 from reference import attention
 from reference.codec import FORMATS, decode
 from tests.helpers import (
@@ -75,7 +76,7 @@ def _impl(**knobs):
     knobs = {k: v for k, v in knobs.items() if v is not None}
     if not knobs:
         return impl
-    return replace(impl, run=functools.partial(ap.run, **knobs))
+    return replace(impl, run=functools.partial(run_prefill, **knobs))
 
 
 def _passes(x, block_rows=None, **knobs):
@@ -87,7 +88,7 @@ def _passes(x, block_rows=None, **knobs):
 
 def _out(x, block_rows=None, validate=True, **knobs):
     """The kernel's output values (float64) for an input set."""
-    return decode(ap.run(x, validate=validate, block_rows=block_rows, **knobs)["out"],
+    return decode(run_prefill(x, validate=validate, block_rows=block_rows, **knobs)["out"],
                   x["model_dtype"])
 
 
@@ -203,15 +204,15 @@ def test_selection_is_a_set(ratio):
     find no block)."""
     x = make_inputs("e5m2", "bfloat16", scales="tensor", seq_lens=(70, 33), qlens=(10, 6), k=6,
                     seed=9)
-    res = ap.run(x, delegate_ratio=ratio)
+    res = run_prefill(x, delegate_ratio=ratio)
     base = res["out"]
     if ratio is not None:
         assert (res["schedule_rows"] == 2).all()
     perm = dict(x, topk=shuffled_selections(x["topk"], 1))
-    assert np.array_equal(ap.run(perm, delegate_ratio=ratio)["out"], base)
+    assert np.array_equal(run_prefill(perm, delegate_ratio=ratio)["out"], base)
     rep = dict(x, topk=shuffled_selections(x["topk"], 2, dup=True))
     assert (np.sort(rep["topk"], -1) != np.sort(x["topk"], -1)).any()
-    assert np.array_equal(ap.run(rep, validate=False, delegate_ratio=ratio)["out"], base)
+    assert np.array_equal(run_prefill(rep, validate=False, delegate_ratio=ratio)["out"], base)
 
 
 # ----------------------------------------------------- content a row must not see
@@ -316,7 +317,7 @@ def test_narrow_rows_sets_the_narrow_tiles_tokens(kv_fmt, narrow_rows, tokens):
     narrow = {(repair, block_t, warps) for tier, repair, _, block_t, warps in launches.seen
               if tier == 2}
     assert narrow == ({(False, tokens, tokens), (True, tokens, tokens)} if tokens else set())
-    rows = ap.run(x, block_rows=128, delegate_ratio=ALL_NARROW,
+    rows = run_prefill(x, block_rows=128, delegate_ratio=ALL_NARROW,
                   narrow_rows=narrow_rows)["schedule_rows"]
     assert set(np.unique(rows)) == ({2} if tokens else {0})
 
@@ -335,7 +336,7 @@ def test_key_tiles_match_reference_under_their_schedule(kv_fmt, group, block_key
     schedule rejects the bf16 output (the declaration has teeth)."""
     x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, scales, hkv=2, group=group, page=64,
                     seq_lens=(61, 150, 200), qlens=(19, 3, 37), k=3, seed=group + ratio % 7)
-    run = functools.partial(ap.run, delegate_ratio=ratio, block_keys=block_keys)
+    run = functools.partial(run_prefill, delegate_ratio=ratio, block_keys=block_keys)
     (impl,) = implementations("attention_prefill", ["triton"])
     tiled = replace(impl, run=run, schedule=ap.PrefillSchedule(block_keys))
     res = run_check(_case(x), tiled, inputs=x)
@@ -356,7 +357,7 @@ def test_narrow_key_tiles_are_declared_for_the_narrow_rows_only(kv_fmt):
     x = make_inputs(kv_fmt, "bfloat16", "NHD", 0, "tensor" if kv_fmt != "bfloat16" else
                     "none", hkv=2, group=2, page=64, seq_lens=(61, 150, 200),
                     qlens=(19, 3, 37), k=3, seed=5)
-    run = functools.partial(ap.run, narrow_block_keys=16, block_rows=32, delegate_ratio=16)
+    run = functools.partial(run_prefill, narrow_block_keys=16, block_rows=32, delegate_ratio=16)
     (impl,) = implementations("attention_prefill", ["triton"])
     tiled = replace(impl, run=run, schedule=ap.PrefillSchedule(narrow_block_keys=16))
     res = run_check(_case(x), tiled, inputs=x)
@@ -375,7 +376,7 @@ def test_block_keys_must_be_a_power_of_two_tile_of_the_page(block_keys):
     x = make_inputs("e4m3fn", "bfloat16", scales="tensor", page=64, seq_lens=(70,),
                     qlens=(5,), k=2)
     with pytest.raises(ValueError, match="block_keys"):
-        ap.run(x, block_keys=block_keys)
+        run_prefill(x, block_keys=block_keys)
 
 
 def _mixed_tiles_case(cache="e4m3fn"):
@@ -412,7 +413,7 @@ def test_each_wide_tile_picks_its_tier_by_its_union(monkeypatch):
     assert seen[0][1][:2].tolist() == [0, 1]
     second = (np.arange(32) >= 16)[:, None]
     for predecode, wide in ((False, 0), (True, 1)):
-        rows = ap.run(x, block_rows=32, predecode=predecode)["schedule_rows"]
+        rows = run_prefill(x, block_rows=32, predecode=predecode)["schedule_rows"]
         assert np.array_equal(rows, np.where(second, 2, wide) + 0 * rows)
 
 
@@ -510,7 +511,7 @@ def test_narrow_tiles_default_to_the_capped_wide_tiles_and_are_declared(cache, p
                     group=16, page=page, seq_lens=(2 * page + 5,), qlens=(3,), k=2, seed=3)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ap, "_prefill_pass", spy)
-        ap.run(x, delegate_ratio=ALL_NARROW, **knobs)
+        run_prefill(x, delegate_ratio=ALL_NARROW, **knobs)
     assert [c["BN"] for c in seen if c["TIER"] == 2] == [want]
     schedule = ap.PrefillSchedule(knobs.get("block_keys"), knobs.get("narrow_block_keys"))
     narrow = schedule("bfloat16", x)[2]
@@ -595,13 +596,13 @@ def test_batch_invariance():
     other requests (an empty one included): tiles never straddle requests."""
     x = make_inputs("e4m3fn", "bfloat16", scales="slot", seq_lens=(20, 75, 130, 9),
                     qlens=(0, 13, 21, 9), k=5, seed=12)
-    full = ap.run(x)["out"]
+    full = run_prefill(x)["out"]
     cu, r = x["cu_seqlens_q"], 2
     rows = slice(cu[r], cu[r + 1])
     alone = dict(x, q=x["q"][rows], seq_lens=x["seq_lens"][r:r + 1],
                  block_table=x["block_table"][r:r + 1], topk=x["topk"][:, rows],
                  cu_seqlens_q=np.array([0, cu[r + 1] - cu[r]], np.int32))
-    assert np.array_equal(ap.run(alone)["out"], full[rows])
+    assert np.array_equal(run_prefill(alone)["out"], full[rows])
 
 
 def test_softmax_scale_is_applied():
@@ -650,10 +651,10 @@ def test_predecoded_pages_are_admitted_under_their_own_schedule_and_guarded(kv_f
                     seq_lens=(37, 70, 20), qlens=(9, 16, 20), k=3, seed=17)
     knobs = dict(block_rows=32, delegate_ratio=ratio, predecode=True)
     _passes(x, **knobs)
-    rows = ap.run(x, **knobs)["schedule_rows"]
+    rows = run_prefill(x, **knobs)["schedule_rows"]
     assert rows.shape == x["q"].shape[:2]
     assert set(np.unique(rows)) == ({1} if ratio == 0 else {1, 2})
-    plain = ap.run(x, **dict(knobs, predecode=False))["schedule_rows"]
+    plain = run_prefill(x, **dict(knobs, predecode=False))["schedule_rows"]
     assert np.array_equal(plain, np.where(rows == 1, 0, rows))
     bt = np.array(x["block_table"], copy=True)
     bt[1, 2] = 10**6  # request 1 (tokens 9 to 24), block 2
@@ -661,8 +662,8 @@ def test_predecoded_pages_are_admitted_under_their_own_schedule_and_guarded(kv_f
     mine = (token >= 9) & (token < 25)
     assert (x["topk"][:, mine] == 2).any()
     sel = np.where(mine[None, :, None] & (x["topk"] == 2), -1, x["topk"])
-    assert np.array_equal(ap.run(dict(x, block_table=bt), validate=False, **knobs)["out"],
-                          ap.run(dict(x, topk=sel), **knobs)["out"])
+    assert np.array_equal(run_prefill(dict(x, block_table=bt), validate=False, **knobs)["out"],
+                          run_prefill(dict(x, topk=sel), **knobs)["out"])
 
 
 @pytest.mark.parametrize("kv_fmt, md", [("e4m3fn", "bfloat16"), ("e5m2", "float16"),
@@ -717,9 +718,9 @@ def test_the_predecode_runs_only_when_a_wide_tile_reads_pages(monkeypatch):
     monkeypatch.setattr(ap, "predecode_pages", spy)
     x = make_inputs("e4m3fn", "bfloat16", scales="tensor", hkv=2, group=4, d=64, page=16,
                     seq_lens=(70, 64), qlens=(9, 16), k=3, seed=23)
-    narrow = ap.run(x, block_rows=32, delegate_ratio=ap.ALL_NARROW, predecode=True)
+    narrow = run_prefill(x, block_rows=32, delegate_ratio=ap.ALL_NARROW, predecode=True)
     assert len(tables) == 1 and (tables[0] == -7).all()
-    wide = ap.run(x, block_rows=32, delegate_ratio=0, predecode=True)
+    wide = run_prefill(x, block_rows=32, delegate_ratio=0, predecode=True)
     assert len(tables) == 2 and not (tables[1] == -7).any()
     assert set(np.unique(narrow["schedule_rows"])) == {2}
     assert set(np.unique(wide["schedule_rows"])) == {1}
@@ -763,7 +764,7 @@ def test_predecode_needs_scalar_scale_fp8(kv_fmt, scales, value):
     ValueError naming it."""
     x = make_inputs(kv_fmt, "bfloat16", scales=scales, seq_lens=(37,), qlens=(5,), k=2)
     with pytest.raises(ValueError, match="predecode"):
-        ap.run(x, predecode=value)
+        run_prefill(x, predecode=value)
 
 
 @pytest.mark.parametrize("fp8, scalar, t, batch, width, want", [
@@ -790,20 +791,20 @@ def test_out_of_range_contents_are_guarded():
     the output equals (bit for bit) the output without those entries / that block."""
     x = make_inputs("e5m2fnuz", "bfloat16", scales="slot", seq_lens=(70, 40), qlens=(8, 5),
                     k=5, seed=13)
-    base = ap.run(x)["out"]
+    base = run_prefill(x)["out"]
     tk = np.array(x["topk"], copy=True)
     free = np.argwhere(tk < 0)
     for n, (g, t, k) in enumerate(free):
         tk[g, t, k] = (10**6, -7, 5 + t // 2)[n % 3]  # huge, negative, past p // P
-    assert np.array_equal(ap.run(dict(x, topk=tk), validate=False)["out"], base)
+    assert np.array_equal(run_prefill(dict(x, topk=tk), validate=False)["out"], base)
     # Block 1 of request 0 points past the cache: as if no token had selected it.
     assert (x["topk"][:, :8] == 1).any()
     bt = np.array(x["block_table"], copy=True)
     bt[0, 1] = 10**6
     sel = np.where(np.arange(tk.shape[1])[None, :, None] < 8,
                    np.where(x["topk"] == 1, -1, x["topk"]), x["topk"])
-    want = ap.run(dict(x, topk=sel))["out"]
-    got = ap.run(dict(x, block_table=bt), validate=False)["out"]
+    want = run_prefill(dict(x, topk=sel))["out"]
+    got = run_prefill(dict(x, block_table=bt), validate=False)["out"]
     assert np.array_equal(got, want)
 
 
@@ -813,14 +814,14 @@ def test_inconsistent_lengths_are_guarded():
     for the others, and a cu_seqlens_q that runs past T reads and writes no token outside
     the call (the other requests are unchanged)."""
     x = make_inputs("bfloat16", seq_lens=(20, 30), qlens=(6, 4), k=2, seed=14)
-    base = decode(ap.run(x)["out"], "bfloat16")
+    base = decode(run_prefill(x)["out"], "bfloat16")
     short = dict(x, seq_lens=np.array([3, 30]))  # request 0: positions -3 .. 2
     short["topk"] = np.where(np.arange(10)[None, :, None] < 6, np.minimum(x["topk"], 0), x["topk"])
-    out = decode(ap.run(short, validate=False)["out"], "bfloat16")
+    out = decode(run_prefill(short, validate=False)["out"], "bfloat16")
     assert not out[:3].any() and np.isfinite(out).all()
     assert np.array_equal(out[6:], base[6:])
     long = dict(x, cu_seqlens_q=np.array([0, 6, 40], np.int32))
-    out = decode(ap.run(long, validate=False)["out"], "bfloat16")
+    out = decode(run_prefill(long, validate=False)["out"], "bfloat16")
     assert np.array_equal(out[:6], base[:6]) and np.isfinite(out).all()
 
 
@@ -833,8 +834,8 @@ def test_no_tokens_is_a_no_op(monkeypatch):
             raise AssertionError("launched for T = 0")
 
     monkeypatch.setattr(ap, "_prefill_kernel", NoLaunch())
-    assert ap.run(make_inputs(seq_lens=(), qlens=()))["out"].shape == (0, 4, 64)
-    assert ap.run(make_inputs(seq_lens=(5, 9), qlens=(0, 0)))["out"].shape == (0, 4, 64)
+    assert run_prefill(make_inputs(seq_lens=(), qlens=()))["out"].shape == (0, 4, 64)
+    assert run_prefill(make_inputs(seq_lens=(5, 9), qlens=(0, 0)))["out"].shape == (0, 4, 64)
 
 
 def test_writes_into_a_preallocated_strided_output():

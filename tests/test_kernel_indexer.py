@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import _indexer as ix
 from kernels import indexer_decode as idd
 from kernels import indexer_prefill as ipf
 from oracle.core import reference_run as ref
 from oracle.core.cases import Case, poison_code
 from oracle.core.checks import run_check
 from oracle.core.registry import implementations
+from oracle.impls import triton as triton_impls
+from oracle.impls.adapters import index_q_in, indexer_adapter
 from oracle.impls.torch_peer import HALF_DTYPES, device
 from reference.codec import decode, round_to
 from reference.kv_cache import empty_index_cache, quantize
@@ -115,7 +116,7 @@ def _run(x, **kw):
     op = _op(x)
     launch = functools.partial(idd.indexer_decode if op == "indexer_decode"
                                else ipf.indexer_prefill, **kw)
-    return ix.adapter(launch, decode=op == "indexer_decode")(x)["topk"]
+    return indexer_adapter(launch, decode=op == "indexer_decode")(x)["topk"]
 
 
 def _exact(x, **kw):
@@ -344,7 +345,7 @@ def test_small_steps_and_tiles_agree():
 def _fma_impl(**kw):
     """The registered decode implementation running the FMA scan (the compiled default)."""
     launch = functools.partial(idd.indexer_decode, scan="fma", **kw)
-    return replace(_impl("indexer_decode"), run=ix.adapter(launch, decode=True))
+    return replace(_impl("indexer_decode"), run=indexer_adapter(launch, decode=True))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -406,7 +407,7 @@ def test_fma_nan_scores_rank_last_and_bad_pages_never_fault():
     bad["block_table"][0, 2] = -5
     bad["block_table"][0, 4] = 10**6
     launch = functools.partial(idd.indexer_decode, scan="fma", num_splits=2, validate=False)
-    out = ix.adapter(launch, True)(bad, validate=False)["topk"]
+    out = indexer_adapter(launch, True)(bad, validate=False)["topk"]
     assert np.array_equal(out[:, 1], _reference(x)[:, 1])
     assert ((out[:, 0] >= -1) & (out[:, 0] < 5)).all()
 
@@ -704,8 +705,8 @@ def test_fma_strategy_defaults():
 
 def _launch_args(x, dev):
     fmt = x["index_fmt"]
-    q = ix.index_q_in(np.asarray(x["index_q"]), fmt, dev)
-    from kernels._host import strided_codes_in
+    q = index_q_in(np.asarray(x["index_q"]), fmt, dev)
+    from oracle.impls.io import strided_codes_in
 
     ic = strided_codes_in(x["index_cache"], dev, HALF_DTYPES.get(fmt))
     bt = torch.from_numpy(np.ascontiguousarray(x["block_table"])).to(dev)
@@ -728,7 +729,7 @@ def test_bad_block_table_entries_never_fault():
         bad["block_table"][0, 3] = 10**6
         launch = functools.partial(idd.indexer_decode if decode_op else ipf.indexer_prefill,
                                    validate=False)
-        got = ix.adapter(launch, decode_op)(bad, validate=False)["topk"]
+        got = indexer_adapter(launch, decode_op)(bad, validate=False)["topk"]
         first = 2 if decode_op else 5  # the good request's rows
         assert np.array_equal(got[:, first:], want[:, first:])
         assert ((got[:, :first] >= -1) & (got[:, :first] < 5)).all()  # ids or -1
@@ -908,8 +909,9 @@ def test_registered_for_cpu_and_cuda(op):
     if op == "indexer_prefill" or interpreted:
         assert set(rel.values()) == {0.0}
     else:
-        assert rel["e4m3fn"] == rel["e5m2"] == idd.F8MMA_SCORE_REL
-        assert rel["e4m3fnuz"] == rel["bfloat16"] == idd.MMA_SCORE_REL < idd.F8MMA_SCORE_REL
+        assert rel["e4m3fn"] == rel["e5m2"] == triton_impls.F8MMA_SCORE_REL
+        assert rel["e4m3fnuz"] == rel["bfloat16"] == triton_impls.MMA_SCORE_REL
+        assert triton_impls.MMA_SCORE_REL < triton_impls.F8MMA_SCORE_REL
 
 
 def test_oracle_rejects_a_wrong_selection():

@@ -15,6 +15,7 @@ from oracle.core.cases import Case, poison_code
 from oracle.core.checks import run_check
 from oracle.core.registry import implementations
 from oracle.impls.torch_peer import HALF_DTYPES, device
+from oracle.impls.triton import run_norm_rope_insert as run_insert
 from reference.codec import round_to
 from reference.domain import MODEL
 from reference.kv_cache import empty_cache, empty_index_cache
@@ -113,7 +114,7 @@ def test_out_of_range_slots_and_positions_are_guarded():
     num_slots = x["kv_cache"].shape[0] * x["kv_cache"].shape[2]
     x["slot_mapping"] = np.array([3, num_slots + 5, -1, 7], np.int64)
     x["positions"] = np.array([1, MAX_POS + 3, -2, 5], np.int64)
-    out = nri.run(x, validate=False)
+    out = run_insert(x, validate=False)
     before, after = x["kv_cache"], out["kv_cache"]
     page = before.shape[2]
     mask = np.ones(before.shape, bool)

@@ -1,5 +1,5 @@
-"""External implementations through ``$ORACLE_PLUGINS`` (oracle/core/registry.py): a module the
-user names registers its kernels and the oracle judges them like the project's own."""
+"""External implementations through ``$ORACLE_PLUGINS`` (oracle/impls/catalog.py): a module
+the user names registers its kernels and the oracle judges them like the project's own."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from oracle.core import registry
 from oracle.core.cases import Case
 from oracle.core.checks import run_check
+from oracle.impls import catalog
 
 # A user's module: an "external kernel" for attention_decode (here the reference's float64
 # attention rounded to the model dtype, or a broken copy that drops the last selected block)
@@ -39,14 +40,14 @@ PLUGIN = textwrap.dedent("""
 
 @pytest.fixture
 def plugin_registry(tmp_path, monkeypatch):
-    """A fresh registry loaded with $ORACLE_PLUGINS naming a module in tmp_path; the
-    project's registry is restored afterwards."""
+    """The registry loaded with $ORACLE_PLUGINS naming a module in tmp_path; the project's
+    registry is restored afterwards."""
     (tmp_path / "my_kernels.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv(registry.PLUGINS_ENV, " my_kernels , ")
-    registry.load_all()  # the project's implementations first: restored as they are
+    catalog.load_all()  # the project's implementations first: restored as they are
     saved = {op: dict(impls) for op, impls in registry.REGISTRY.items()}
-    monkeypatch.setattr(registry, "_LOADED", False)
+    monkeypatch.setenv(catalog.PLUGINS_ENV, " my_kernels , ")
+    catalog.load_all()
     yield registry
     registry.REGISTRY.clear()
     registry.REGISTRY.update(saved)
@@ -66,7 +67,32 @@ def test_a_plugin_is_registered_and_judged_like_the_projects_kernels(plugin_regi
 def test_a_plugin_that_does_not_import_is_an_error_naming_it(tmp_path, monkeypatch):
     """A named module that cannot be imported raises ImportError naming $ORACLE_PLUGINS and
     the module (never a silent skip: its kernels would go unchecked)."""
-    monkeypatch.setenv(registry.PLUGINS_ENV, "no_such_kernels_module")
-    monkeypatch.setattr(registry, "_LOADED", False)
+    monkeypatch.setenv(catalog.PLUGINS_ENV, "no_such_kernels_module")
     with pytest.raises(ImportError, match=r"ORACLE_PLUGINS: module 'no_such_kernels_module'"):
-        registry.load_all()
+        catalog.load_all()
+
+
+def test_loading_twice_registers_nothing_twice(plugin_registry):
+    """A second ``load_all`` (entry points and workers may each call it) leaves the registry
+    as the first left it: the same implementation objects, none added, none dropped."""
+    before = {op: dict(impls) for op, impls in plugin_registry.REGISTRY.items()}
+    catalog.load_all()
+    after = {op: dict(impls) for op, impls in plugin_registry.REGISTRY.items()}
+    assert after.keys() == before.keys()
+    for op, impls in before.items():
+        assert after[op].keys() == impls.keys()
+        assert all(after[op][name] is impl for name, impl in impls.items())
+
+
+def test_a_project_module_that_cannot_load_is_recorded_with_its_reason(monkeypatch):
+    """A project module whose import fails on this machine (a missing package) registers
+    nothing and is named in ``UNAVAILABLE`` with the missing package: never dropped
+    silently. ``python -m oracle impls`` lists it with that reason."""
+    monkeypatch.setattr(catalog, "MODULES", catalog.MODULES + ("no_such_impls_module",))
+    monkeypatch.setattr(catalog, "UNAVAILABLE", dict(catalog.UNAVAILABLE))
+    before = {op: dict(impls) for op, impls in registry.REGISTRY.items()}
+    unavailable = catalog.load_all()
+    assert unavailable["no_such_impls_module"].startswith("no_such_impls_module not importable")
+    assert {op: dict(i) for op, i in registry.REGISTRY.items()} == before
+    row = [r for r in catalog.table_rows("cpu") if r[0] == "no_such_impls_module"]
+    assert row and row[0][-1].startswith("not loaded: no_such_impls_module not importable")

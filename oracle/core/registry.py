@@ -31,7 +31,6 @@ on the index format: ``score_rel_for``).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -98,14 +97,15 @@ REGISTRY: dict[str, dict[str, Implementation]] = {}
 
 
 def register(impl: Implementation) -> Implementation:
+    """Add ``impl`` under its op and name (the same name again replaces it: registering
+    twice adds nothing)."""
     REGISTRY.setdefault(impl.op, {})[impl.name] = impl
     return impl
 
 
 def implementations(op: str, names=None, device: str | None = None) -> list[Implementation]:
-    """Registered implementations of an op (all known ones loaded first), optionally only
-    the named ones or those that run on a device."""
-    load_all()
+    """Registered implementations of an op, optionally only the named ones or those that
+    run on a device (entry points register them first: ``oracle.impls.catalog.load_all``)."""
     found = list(REGISTRY.get(op, {}).values())
     if names:
         unknown = set(names) - {i.name for impls in REGISTRY.values() for i in impls.values()}
@@ -118,57 +118,5 @@ def implementations(op: str, names=None, device: str | None = None) -> list[Impl
 
 
 def known_names() -> set[str]:
-    load_all()
+    """The names of every registered implementation, of any op."""
     return {i.name for impls in REGISTRY.values() for i in impls.values()}
-
-
-_LOADED = False
-#: Comma-separated modules, importable from ``sys.path``, that register implementations of
-#: their own (a user's kernels: see README "Registering your own kernel"); imported after
-#: the project's, so the tests, reports, fuzzing and replays see them like any other.
-PLUGINS_ENV = "ORACLE_PLUGINS"
-#: The Triton kernel modules; each registers its implementations when imported.
-KERNEL_MODULES = ("kernels.norm_rope_insert", "kernels.reshape_and_cache",
-                  "kernels.indexer_prefill", "kernels.indexer_decode",
-                  "kernels.attention_decode", "kernels.attention_prefill")
-
-
-def load_all() -> None:
-    """Import every module that registers implementations (kernels register only where
-    their toolchain imports)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    from oracle.impls import reference  # noqa: F401
-
-    try:
-        from oracle.impls import torch_peer as impl_torch  # noqa: F401
-    except ImportError:  # torch not installed: the reference alone
-        pass
-    for name in KERNEL_MODULES:
-        try:  # each on its own: one kernel that does not import must not hide the others
-            importlib.import_module(name)
-        except ImportError:  # triton or torch not installed
-            pass
-    try:  # PyTorch's flex_attention as a peer (needs torch.nn.attention.flex_attention)
-        from oracle.impls import flex as impl_flex  # noqa: F401
-    except ImportError:
-        pass
-    try:  # the CUDA kernels (ctypes): registered only with a CUDA device and nvcc
-        from kernels import cuda_norm_rope_insert  # noqa: F401
-    except (ImportError, OSError, RuntimeError):
-        pass
-    for name in plugin_modules():
-        try:  # a module the user named must import: no silent skip
-            importlib.import_module(name)
-        except Exception as e:
-            raise ImportError(f"{PLUGINS_ENV}: module {name!r} did not import: "
-                              f"{type(e).__name__}: {e}") from e
-
-
-def plugin_modules() -> list[str]:
-    """The modules named by ``$ORACLE_PLUGINS`` (comma-separated, blanks ignored)."""
-    import os
-
-    return [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]

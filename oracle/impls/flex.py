@@ -66,16 +66,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from oracle.core.bounds import TENSOR_CORE_DOT_REL
 from oracle.core.registry import Implementation, register
-from oracle.impls.torch_peer import (
-    HALF_DTYPES,
-    _codes_in,
-    _codes_out,
-    _full_fp32_matmul,
-    _ints,
-    _values,
-    decode,
-    device,
-)
+from oracle.impls.io import HALF_DTYPES, codes_in, codes_out, device, ints, values
+from oracle.impls.torch_peer import _full_fp32_matmul, decode
 from reference.attention import Schedule
 from reference.platforms import is_fp8
 
@@ -137,7 +129,7 @@ def gather_kv(cache: torch.Tensor, fmt: str, block_table: np.ndarray, seq_lens: 
     nb = np.diff(blk0)
     pages_np = np.concatenate([np.asarray(block_table[r, :nb[r]], np.int64)
                                for r in range(seq.size)]) if seq.size else np.zeros(0, np.int64)
-    pages = _ints(pages_np, dev)
+    pages = ints(pages_np, dev)
     length = int(blk0[-1]) * page
     codes = cache[pages].permute(1, 0, 2, 3).reshape(hkv, length, two_d)  # [Hkv, L, 2D]
     req = np.repeat(np.arange(seq.size), nb * page)
@@ -319,7 +311,7 @@ def run(x: dict) -> dict:
     act = HALF_DTYPES[md]
     q_np = np.asarray(x["q"])
     t, hq, d = q_np.shape
-    cache = _codes_in(x["kv_cache"], dev)
+    cache = codes_in(x["kv_cache"], dev)
     hkv, page = cache.shape[1], cache.shape[2]
     seq = np.asarray(x["seq_lens"], np.int64)
     req, pos = request_rows(x)
@@ -328,22 +320,23 @@ def run(x: dict) -> dict:
         sel, qend = selection_mask(np.asarray(x["topk"]), req, pos, seq, page)
         k, v = gather_kv(cache, x["kv_fmt"], np.asarray(x["block_table"]), seq, x["k_scale"],
                          x["v_scale"], act, seen_keys(sel, qend, page))
-        bm = build_block_mask(torch.from_numpy(sel).to(dev), _ints(qend, dev), hq // hkv,
+        bm = build_block_mask(torch.from_numpy(sel).to(dev), ints(qend, dev), hq // hkv,
                               page, k.shape[2])
-        q = _values(q_np, act, dev).permute(1, 0, 2)[None]  # [1, Hq, T, D]
+        q = values(q_np, act, dev).permute(1, 0, 2)[None]  # [1, Hq, T, D]
         work = act if compiled else torch.float32
         with _full_fp32_matmul():
             o = attend(q.to(work), k.to(work), v.to(work), bm, 1.0 / math.sqrt(d), page,
                        compiled)
         out = o[0].permute(1, 0, 2).to(act)
-        out = torch.where(_ints(pos, dev)[:, None, None] >= 0, out, torch.zeros_like(out))
-    return {"out": _codes_out(out.contiguous().view(torch.int16))}
+        out = torch.where(ints(pos, dev)[:, None, None] >= 0, out, torch.zeros_like(out))
+    return {"out": codes_out(out.contiguous().view(torch.int16))}
 
 
 SCHEDULE = FlexSchedule(compiled=torch.cuda.is_available())
 
 
-def _register():
+def register_all() -> None:
+    """Register flex_attention as a peer of both attention ops."""
     how = ("torch.compile'd flex_attention (BLOCK_N = P, act P)" if SCHEDULE.compiled
            else "eager flex_attention in fp32 (unfused math path)")
     for op in ("attention_prefill", "attention_decode"):
@@ -359,5 +352,3 @@ def _register():
                   f"not timed); BlockMask from the selections, mask_mod = selection & "
                   f"causal"))
 
-
-_register()

@@ -21,14 +21,19 @@ def _attention(x: dict) -> dict:
     return {"out": model_codes(out, x["model_dtype"])}
 
 
-for _op, _run in {
+_RUNS = {
     "norm_rope_insert": norm_rope_insert,
     "reshape_and_cache": reshape_and_cache,
     "indexer_prefill": lambda x: {"topk": indexer_prefill(x)},
     "indexer_decode": lambda x: {"topk": indexer_decode(x)},
     "attention_prefill": _attention,
     "attention_decode": _attention,
-}.items():
-    register(Implementation("reference", _op, _run, devices=("cpu",),
-                            schedule=attention.exact() if _op.startswith("attention") else None,
-                            notes="float64 NumPy; the contract"))
+}
+
+
+def register_all() -> None:
+    """Register the reference as an implementation of every op."""
+    for op, run in _RUNS.items():
+        register(Implementation("reference", op, run, devices=("cpu",),
+                                schedule=attention.exact() if op.startswith("attention") else None,
+                                notes="float64 NumPy; the contract"))

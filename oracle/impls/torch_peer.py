@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from oracle.core.registry import Implementation, register
+from oracle.impls.io import HALF_DTYPES, codes_in, codes_out, device, ints, values
 from reference.attention import Schedule
 from reference.codec import FORMATS
 from reference.platforms import is_fp8
@@ -57,7 +58,6 @@ FP8_DTYPES = {
     "e4m3fnuz": torch.float8_e4m3fnuz,
     "e5m2fnuz": torch.float8_e5m2fnuz,
 }
-HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FN_OF_FNUZ = {"e4m3fnuz": "e4m3fn", "e5m2fnuz": "e5m2"}  # the fnuz-read-as-fn bug's mix-up
 
 
@@ -131,9 +131,6 @@ ATTENTION_SCHEDULE = PerModelDtype(("kv_dtype", "out_dtype"))
 # ---------------------------------------------------------------------------- helpers
 
 
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
 
 @contextlib.contextmanager
 def _full_fp32_matmul():
@@ -146,27 +143,8 @@ def _full_fp32_matmul():
         torch.set_float32_matmul_precision(old)
 
 
-def _values(a, dtype, dev) -> torch.Tensor:
-    """float64 numpy values (already representable in dtype) as a torch tensor."""
-    return torch.from_numpy(np.asarray(a, np.float64)).to(device=dev, dtype=dtype)
 
 
-def _ints(a, dev) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(a), dtype=np.int64)).to(dev)
-
-
-def _codes_in(codes: np.ndarray, dev) -> torch.Tensor:
-    """A contiguous COPY of a code array (any strides) on the device: uint8, or int16 bits
-    of uint16 codes (torch's uint16 supports too few ops)."""
-    c = np.array(codes, copy=True, order="C")
-    if c.dtype == np.uint16:
-        c = c.view(np.int16)
-    return torch.from_numpy(c).to(dev)
-
-
-def _codes_out(t: torch.Tensor) -> np.ndarray:
-    a = t.detach().cpu().contiguous().numpy()
-    return a.view(np.uint16) if a.dtype == np.int16 else a
 
 
 def _scalar_scale(s):
@@ -240,8 +218,8 @@ def _write_kv(cache: torch.Tensor, fmt: str, k32, v32, slots_np, k_scale, v_scal
     keep = np.flatnonzero(np.asarray(slots_np) >= 0)
     if not keep.size:
         return
-    slots = _ints(np.asarray(slots_np)[keep], dev)
-    kt = _ints(keep, dev)
+    slots = ints(np.asarray(slots_np)[keep], dev)
+    kt = ints(keep, dev)
     if flags.scales_ignored:
         k_scale = v_scale = None
     kc = _quantize(k32[kt], fmt, _slot_scale(k_scale, slots, dev))
@@ -256,11 +234,11 @@ def _fused(x: dict, flags: _Flags) -> dict:
     act = HALF_DTYPES[md]
     hq, hkv, d = x["num_q_heads"], x["num_kv_heads"], x["head_dim"]
     hi, has_ik = x["num_index_heads"], x["has_index_k"]
-    rows = _values(x["rows"], act, dev).float()  # [N, W]
+    rows = values(x["rows"], act, dev).float()  # [N, W]
     n = rows.shape[0]
-    pos = _ints(x["positions"], dev)
+    pos = ints(x["positions"], dev)
     rotary = x["rotary_dim"]
-    cs = _values(x["rope_table"], act, dev)[pos].float()
+    cs = values(x["rope_table"], act, dev)[pos].float()
     widths = {"q": (hq, hq * d), "k": (hkv, hkv * d), "v": (hkv, hkv * d),
               "index_q": (hi, hi * d), "index_k": (1, d if has_ik else 0)}
     parts, start = {}, 0
@@ -271,10 +249,10 @@ def _fused(x: dict, flags: _Flags) -> dict:
     y = {}
     for kind in ("q", "k", "index_q", "index_k"):
         if kind in parts:
-            w = _values(x[f"weights_{kind}"], act, dev)
+            w = values(x[f"weights_{kind}"], act, dev)
             y[kind] = _norm_rope(parts[kind], w, x["eps"], cs, rotary, flags)
     res = {kind: encode(y[kind].to(act), md) for kind in ("q", "k")}
-    kv = _codes_in(x["kv_cache"], dev)
+    kv = codes_in(x["kv_cache"], dev)
     k_src = y["k"].to(act).float() if flags.k_from_model_dtype else y["k"]
     _write_kv(kv, x["kv_fmt"], k_src, parts["v"].to(act).float(), x["slot_mapping"],
               x["k_scale"], x["v_scale"], flags)
@@ -286,24 +264,24 @@ def _fused(x: dict, flags: _Flags) -> dict:
     if "index_k" in y:
         ik = y["index_k"][:, 0]  # [N, D]
         res["index_k"] = encode(ik.to(act), md)
-        ic = _codes_in(x["index_cache"], dev)
+        ic = codes_in(x["index_cache"], dev)
         slots_np = np.asarray(x["slot_mapping"])
         keep = np.flatnonzero(slots_np >= 0)
         if keep.size:
-            codes = encode(ik[_ints(keep, dev)], index_fmt)
-            ic.view(-1, d)[_ints(slots_np[keep], dev)] = codes
+            codes = encode(ik[ints(keep, dev)], index_fmt)
+            ic.view(-1, d)[ints(slots_np[keep], dev)] = codes
         res["index_cache"] = ic
-    return {key: _codes_out(val) for key, val in res.items()}
+    return {key: codes_out(val) for key, val in res.items()}
 
 
 def _reshape_and_cache(x: dict, flags: _Flags) -> dict:
     dev = device()
     act = HALF_DTYPES[x["model_dtype"]]
-    kv = _codes_in(x["kv_cache"], dev)
-    k = _values(x["k"], act, dev).float()
-    v = _values(x["v"], act, dev).float()
+    kv = codes_in(x["kv_cache"], dev)
+    k = values(x["k"], act, dev).float()
+    v = values(x["v"], act, dev).float()
     _write_kv(kv, x["kv_fmt"], k, v, x["slot_mapping"], x["k_scale"], x["v_scale"], flags)
-    return {"kv_cache": _codes_out(kv)}
+    return {"kv_cache": codes_out(kv)}
 
 
 # ---------------------------------------------------------------------------- indexer
@@ -364,9 +342,9 @@ def _indexer(x: dict, flags: _Flags) -> dict:
     dev = device()
     fmt = x["index_fmt"]
     read_fmt = FN_OF_FNUZ.get(fmt, fmt) if flags.fnuz_as_fn else fmt
-    q = _values(x["index_q"], torch.float32, dev)  # values as given (exact in fp32)
+    q = values(x["index_q"], torch.float32, dev)  # values as given (exact in fp32)
     t, hi, d = q.shape
-    cache = _codes_in(x["index_cache"], dev)
+    cache = codes_in(x["index_cache"], dev)
     page = cache.shape[1]
     keys_all = decode(cache, read_fmt)  # [num_pages, P, D]
     bt = np.asarray(x["block_table"], np.int64)
@@ -376,18 +354,18 @@ def _indexer(x: dict, flags: _Flags) -> dict:
     with _full_fp32_matmul():
         for r in np.flatnonzero(counts > 0):
             nb = -(-int(seq[r]) // page)
-            keys = keys_all[_ints(bt[r, :nb], dev)].reshape(nb * page, d)
+            keys = keys_all[ints(bt[r, :nb], dev)].reshape(nb * page, d)
             for rows in _row_chunks(starts[r], counts[r], hi * nb * page):
                 qr = q[rows]
                 n = qr.shape[0]
                 s = (qr.reshape(n * hi, d) @ keys.T).reshape(n, hi, nb * page)
-                p = _ints(pos[rows], dev)
+                p = ints(pos[rows], dev)
                 seen = torch.arange(nb * page, device=dev)[None, :] <= p[:, None]
                 s = torch.where(seen[:, None], s, -math.inf)
                 block = s.reshape(n, hi, nb, page).amax(-1)
                 out[rows] = select_blocks(block, p // page + 1, k, int(x["local_blocks"]),
                                           int(x["initial_blocks"]))
-    return {"topk": _codes_out(out.permute(1, 0, 2))}
+    return {"topk": codes_out(out.permute(1, 0, 2))}
 
 
 # -------------------------------------------------------------------------- attention
@@ -437,12 +415,12 @@ def _attention(x: dict, flags: _Flags) -> dict:
     act = HALF_DTYPES[md]
     fmt = x["kv_fmt"]
     read_fmt = FN_OF_FNUZ.get(fmt, fmt) if flags.fnuz_as_fn else fmt
-    q = _values(x["q"], act, dev)  # [T, Hq, D]
+    q = values(x["q"], act, dev)  # [T, Hq, D]
     t, hq, d = q.shape
-    cache = _codes_in(x["kv_cache"], dev)  # [num_pages, Hkv, P, 2D]
+    cache = codes_in(x["kv_cache"], dev)  # [num_pages, Hkv, P, 2D]
     hkv, page = cache.shape[1], cache.shape[2]
     grp = hq // hkv
-    topk = _ints(x["topk"], dev)  # [Hkv, T, K]
+    topk = ints(x["topk"], dev)  # [Hkv, T, K]
     k_scale, v_scale = (None, None) if flags.scales_ignored else (x["k_scale"], x["v_scale"])
     ks_t = vs_t = None
     if k_scale is not None and np.ndim(k_scale) == 2:
@@ -457,7 +435,7 @@ def _attention(x: dict, flags: _Flags) -> dict:
         for r in np.flatnonzero(counts > 0):
             nb = -(-int(seq[r]) // page)
             length = nb * page
-            pages = _ints(bt[r, :nb], dev)
+            pages = ints(bt[r, :nb], dev)
             slots = (pages[:, None] * page + torch.arange(page, device=dev)).reshape(-1)
             j = torch.arange(length, device=dev)
             in_seq = j < int(seq[r])
@@ -469,11 +447,11 @@ def _attention(x: dict, flags: _Flags) -> dict:
                 v_all = _dequant(codes[:, d:], read_fmt, vs, act)
                 heads = slice(g * grp, (g + 1) * grp)
                 for rows in _row_chunks(starts[r], counts[r], grp * length):
-                    vis = _visible(topk[g, rows], nb, page, in_seq, _ints(pos[rows], dev),
+                    vis = _visible(topk[g, rows], nb, page, in_seq, ints(pos[rows], dev),
                                    flags)
                     out[rows, heads] = _attend(q[rows, heads], k_all, v_all, vis,
                                                softmax_scale).to(act)
-    return {"out": _codes_out(out.view(torch.int16))}
+    return {"out": codes_out(out.view(torch.int16))}
 
 
 # --------------------------------------------------------------------------- registry
@@ -512,5 +490,7 @@ def make_torch_impl(op: str, bug: str | None = None) -> Implementation:
         quantize_from="model_dtype" if op == "reshape_and_cache" else "value", notes=notes)
 
 
-for _op in _RUNNERS:
-    register(make_torch_impl(_op))
+def register_all() -> None:
+    """Register the baseline of every op."""
+    for op in _RUNNERS:
+        register(make_torch_impl(op))

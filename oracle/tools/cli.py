@@ -15,11 +15,9 @@ from pathlib import Path
 
 
 def _device() -> str:
-    try:
-        import torch
-    except ImportError:
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    from oracle.impls.catalog import device_name
+
+    return device_name()
 
 
 def _split(value, flag: str):
@@ -426,6 +424,7 @@ class _VerbParser(argparse.ArgumentParser):
         from oracle.core.registry import known_names
         from reference.platforms import PLATFORMS
 
+        _load_implementations()
         return text + (f"\nops: {', '.join(OPS)}\nimplementations: "
                        f"{', '.join(sorted(known_names()))}\nplatforms: {', '.join(PLATFORMS)}\n")
 
@@ -449,6 +448,27 @@ def check_numbers(args) -> None:
                          f"{low}, got {value:g}")
 
 
+def cmd_impls(args) -> int:
+    from oracle.impls.catalog import table
+
+    print(table(_device()))
+    return 0
+
+
+#: The verbs that work on files alone: no kernel is imported for them.
+FILE_VERBS = ("render", "diff", "baseline", "conformance", "scaleout", "suite-merge")
+
+
+def _load_implementations() -> None:
+    """Interpret the kernels where no GPU is (before any kernel module is imported), then
+    register every implementation."""
+    import kernels
+    from oracle.impls.catalog import load_all
+
+    kernels.use_interpreter_without_gpu()
+    load_all()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oracle", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -457,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
                            parser_class=_VerbParser)
     for add in (_add_report, _add_render, _add_diff, _add_baseline, _add_replay, _add_fuzz,
                 _add_conformance, _add_e2e, _add_mutants, _add_falsealarm, _add_scaleout,
-                _add_suite_merge):
+                _add_suite_merge, _add_impls):
         add(sub)
     for verb in ("report", "fuzz", "falsealarm", "replay", "e2e"):
         sub.choices[verb].lists_names = True
@@ -504,6 +524,11 @@ def _add_baseline(sub) -> None:
     s.add_argument("--merge", action="store_true", help="accept: replace only the cells the "
                    "run checked, keep the baseline's others")
     s.set_defaults(func=cmd_baseline)
+
+
+def _add_impls(sub) -> None:
+    s = sub.add_parser("impls", help="every implementation: claims, and why it cannot run here")
+    s.set_defaults(func=cmd_impls)
 
 
 def _add_replay(sub) -> None:
@@ -650,6 +675,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         check_numbers(args)
+        if args.verb not in FILE_VERBS:
+            _load_implementations()
         return args.func(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -130,6 +130,7 @@ import numpy as np
 
 from oracle.core import rand
 from oracle.core.cases import Case, draw_values, poison_code, to_model
+from oracle.impls.catalog import device_name, load_all
 from reference.attention import (
     decode_positions,
     prefill_positions,
@@ -676,12 +677,6 @@ def exact_step(case) -> dict:
     return exact
 
 
-def _device() -> str:
-    from oracle.tools.cli import _device as device
-
-    return device()
-
-
 def _progress_line(r, t0) -> str:
     line = (f"{r['mode']:7s} {r['dist']:13s} {r['kv_fmt']:9s} {r['scales']:4s} "
             f"rel RMSE {r['rel_rmse']:.3e}  top-k changed {r['topk_changed']:.3f}")
@@ -709,7 +704,9 @@ def pair_rows(mode, dist, seed, cfg, impls=None, impl_name=None, caches=CACHES,
 
 
 def _pair_rows_named(mode, dist, seed, cfg, impl, device, caches, scale_kinds, progress):
-    """``pair_rows`` in a worker process: the implementations resolved there by name."""
+    """``pair_rows`` in a worker process: the implementations registered and resolved
+    there by name."""
+    load_all()
     impls = None if impl is None else resolve_impls(impl, (mode,), device)
     return pair_rows(mode, dist, seed, cfg, impls, impl, caches, scale_kinds, progress)
 
@@ -738,7 +735,7 @@ def run(quick=False, seed=0, modes=MODES, dists=DISTS, progress=True, impl=None,
                          "be 1")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    device = device or (_device() if with_kernels else "cpu")
+    device = device or (device_name() if with_kernels else "cpu")
     name = impl if impl is not None else "custom"
     if impl is not None and impls is None:
         impls = resolve_impls(impl, modes, device)  # ValueError for an unknown name, here
@@ -773,11 +770,11 @@ def run(quick=False, seed=0, modes=MODES, dists=DISTS, progress=True, impl=None,
 
 
 def _interpreted(impls: dict) -> bool:
-    """Whether any of the implementations is one of the project's kernels (``kernels.*``)
-    running under the Triton interpreter."""
+    """Whether any of the implementations is one of the project's kernels (their adapters:
+    ``oracle.impls.adapters``) running under the Triton interpreter."""
     import os
 
-    ours = any(getattr(i.run, "__module__", "").startswith("kernels.")
+    ours = any(getattr(i.run, "__module__", "") == "oracle.impls.adapters"
                for i in impls.values() if not isinstance(i, str))
     return ours and os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -29,6 +29,7 @@ import numpy as np
 from oracle.core import rand
 from oracle.core.cases import DISTRIBUTIONS, SCALES, Case, config_formats, pick
 from oracle.core.checks import check_claimants
+from oracle.impls.catalog import load_all
 from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
 
 MARGIN = 1.5  # the calibrated multiplier: the clean run's max times this
@@ -85,6 +86,7 @@ def run_cases(cases, impl_names=None, device: str = "cpu", deadline: float | Non
 
 
 def _worker(args):
+    load_all()  # a spawned process: its registry starts empty (loading again adds nothing)
     cases, impl_names, device, deadline = args
     return run_cases(cases, impl_names, device, deadline)
 

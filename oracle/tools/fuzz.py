@@ -30,6 +30,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from oracle.core.cases import DISTRIBUTIONS, OPS, SCALES, Case, config_formats
 from oracle.core.checks import check_claimants
+from oracle.impls.catalog import load_all
 from reference.platforms import KV_CACHE_DTYPES, MODEL_DTYPES, PLATFORMS
 
 
@@ -198,6 +199,7 @@ def _worker(index, gpus, seconds, ops, impls, out_dir, device, db, shape_classes
     from oracle.tools.gpus import pin_gpu
 
     pin_gpu(index, gpus)
+    load_all()  # a spawned process: its registry starts empty
     stats = run_stats(seconds, ops, impls, out_dir, device, db, progress=index == 0,
                       shape_classes=shape_classes, shrink=shrink, offset=index,
                       configs=configs, pin_formats=pin_formats)

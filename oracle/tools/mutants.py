@@ -16,7 +16,8 @@ corrupted ``run`` in one of two ways:
   occur exactly once: a kernel refactor that removes the pattern fails the mutant's build
   loudly (``MutantError``) instead of silently testing the unmutated kernel. ``deps``
   patches a module the kernel imports from (``kernels._attention``, ``kernels.fp8``) and
-  points the copy's imports at the patched dependency. The copy does not register itself.
+  points the copy's imports at the patched dependency. The copy's launcher runs through
+  the kernel's own adapter (``oracle.impls.triton.ADAPTERS``).
 
 The mutated implementation keeps everything the base declares (schedule, ``score_rel``,
 claims), so the oracle judges it exactly as it judges the real kernel.
@@ -92,15 +93,22 @@ def wrap_outputs(fn: Callable[[dict, dict], dict]):
     return build
 
 
-def patch(module: str, *replacements: tuple[str, str], attr: str = "run",
+def patch(module: str, *replacements: tuple[str, str],
           deps: dict[str, tuple[tuple[str, str], ...]] | None = None):
-    """The ``attr`` (default ``run``) of a patched copy of ``module`` (module docstring)."""
+    """The adapter of a patched copy of the kernel module ``module`` (module docstring)."""
     frozen = tuple(replacements)
     frozen_deps = tuple(sorted((deps or {}).items()))
 
     def build(base: Implementation):
-        return getattr(patched_module(module, frozen, frozen_deps), attr)
+        return adapter_of(module, patched_module(module, frozen, frozen_deps))
     return build
+
+
+def adapter_of(module: str, copy):
+    """The registered adapter of kernel module ``module`` built on its patched ``copy``."""
+    from oracle.impls.triton import ADAPTERS  # imports every kernel: only once one is built
+
+    return ADAPTERS[module](copy)
 
 
 _DIR: list[Path] = []
@@ -134,8 +142,6 @@ def patched_module(module: str, replacements: tuple[tuple[str, str], ...],
             raise MutantError(f"{module}: the pattern {old!r} occurs {n} times, not once "
                               f"(the kernel changed: update the mutant)")
         src = src.replace(old, new)
-    src = re.sub(r"^_register\(\)$", "pass  # a mutant copy does not register itself", src,
-                 flags=re.M)
     key = hashlib.sha256(repr((module, replacements, deps)).encode()).hexdigest()[:12]
     name = f"{module.replace('.', '_')}__mutant_{key}"
     path = _module_dir() / f"{name}.py"

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracle.tools.mutants import Mutant, patch, patched_module, register, wrap_inputs
+from oracle.tools.mutants import (
+    Mutant,
+    adapter_of,
+    patch,
+    patched_module,
+    register,
+    wrap_inputs,
+)
 
 register(Mutant(
     "decode_gqa_modulo", "attention_decode", "triton",
@@ -231,7 +238,7 @@ def _tie_to_higher_id(base):
          "    dst = (out_ptr + heads.to(tl.int64)[:, None] * o_s0 + "
          "toks.to(tl.int64)[:, None] * o_s1\n           + rank.to(tl.int64) * o_s2)"),
     ))
-    return _on_helpers("kernels.indexer_prefill", helpers).run
+    return adapter_of("kernels.indexer_prefill", _on_helpers("kernels.indexer_prefill", helpers))
 
 
 def _rows_at_last_position(base):
@@ -251,8 +258,9 @@ def _rows_at_last_position(base):
          f"{last} & (seq > 0) & (pos >= 0)\n    own = pos // P\n    dd"),
         ("    m_pos = seq - QR + mq\n", "    m_pos = seq - 1 + mq * 0\n"),
     ))
-    return _on_helpers("kernels.indexer_decode", helpers,
-                       ("    pos = seq - q_rows + qr\n", "    pos = seq - 1 + qr * 0\n")).run
+    return adapter_of("kernels.indexer_decode", _on_helpers(
+        "kernels.indexer_decode", helpers,
+        ("    pos = seq - q_rows + qr\n", "    pos = seq - 1 + qr * 0\n")))
 
 
 # The checker admits any order among exactly tied scores (a set up to near-ties), so this
