@@ -21,6 +21,7 @@ from oracle.core.cases import Case
 from oracle.core.checks import run_check
 from oracle.core.reference_run import attention_call
 from oracle.core.registry import arith_for, schedule_for
+from oracle.impls import catalog
 from reference.codec import round_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +33,10 @@ def example_impls():
     """The registry with both example plugins loaded through $ORACLE_PLUGINS; the
     project's registry and environment are restored afterwards."""
     mp = pytest.MonkeyPatch()
-    registry.load_all()
+    catalog.load_all()
     saved = {op: dict(impls) for op, impls in registry.REGISTRY.items()}
-    mp.setenv(registry.PLUGINS_ENV, PLUGINS)
-    mp.setattr(registry, "_LOADED", False)
+    mp.setenv(catalog.PLUGINS_ENV, PLUGINS)
+    catalog.load_all()
     yield {i.name: i for i in registry.implementations("attention_decode")}
     registry.REGISTRY.clear()
     registry.REGISTRY.update(saved)
