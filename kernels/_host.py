@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-MODEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from reference.formats import FORMATS, FP8_FORMATS, INDEX_FP8_FORMATS
+from reference.formats import MODEL_DTYPES as MODEL_FORMATS
+
+MODEL_DTYPES = {getattr(torch, FORMATS[name].torch_dtype): name for name in MODEL_FORMATS}
 HALF_FORMATS = {name: dt for dt, name in MODEL_DTYPES.items()}
-KV_FP8_FORMATS = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
-INDEX_FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
+KV_FP8_FORMATS = FP8_FORMATS
 HEAD_DIMS = (64, 128, 256)
 SLOT_DTYPES = (torch.int32, torch.int64)
 

@@ -36,10 +36,10 @@ import torch
 
 from kernels import cuda_build
 from kernels._host import fail, insert_adapter, plan_norm_rope_insert
+from reference.formats import FORMATS
 
-#: cvt::Format codes of csrc/fp8_convert.h.
-FORMAT_CODES = {"e4m3fn": 0, "e5m2": 1, "e4m3fnuz": 2, "e5m2fnuz": 3, "bfloat16": 4,
-                "float16": 5}
+#: cvt::Format codes of csrc/fp8_convert.h: the table's kernel codes.
+FORMAT_CODES = {name: f.kernel_code for name, f in FORMATS.items()}
 
 _C_TYPES = {"void*": ctypes.c_void_p, "const void*": ctypes.c_void_p,
             "const float*": ctypes.c_void_p, "int64_t": ctypes.c_int64,

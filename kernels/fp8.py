@@ -27,16 +27,17 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from reference.formats import FORMATS, FP8_FORMATS, native_fp8
 
 FMT_E4M3FN: tl.constexpr = tl.constexpr(0)
 FMT_E5M2: tl.constexpr = tl.constexpr(1)
 FMT_E4M3FNUZ: tl.constexpr = tl.constexpr(2)
 FMT_E5M2FNUZ: tl.constexpr = tl.constexpr(3)
 
-#: reference.codec format name -> the constexpr int the device functions take.
-FMT_CODES = {"e4m3fn": 0, "e5m2": 1, "e4m3fnuz": 2, "e5m2fnuz": 3}
+#: format name -> the constexpr int the device functions take (the table's kernel code).
+FMT_CODES = {name: FORMATS[name].kernel_code for name in FP8_FORMATS}
 #: formats the hardware branch supports (NVIDIA converts only the OCP formats).
-HW_FORMATS = ("e4m3fn", "e5m2")
+HW_FORMATS = native_fp8("cuda")
 
 # Specials conventions (reference.codec.FloatFormat.specials) as constexpr ints.
 _FN: tl.constexpr = tl.constexpr(0)  # no Inf, 0x7F/0xFF NaN

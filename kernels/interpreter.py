@@ -74,6 +74,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from reference.formats import FORMATS
+
 TRITON_VERSION = "3.6.0"
 
 # Saved originals, keyed by (class name, attribute): the patch is idempotent and testable.
@@ -86,9 +88,10 @@ def _types():
     the interpreter accepts and ml_dtypes mirrors."""
     import triton.language as tl
 
+    e4m3fn, e5m2 = FORMATS["e4m3fn"], FORMATS["e5m2"]
     return {
-        tl.float8e4nv: (ml_dtypes.float8_e4m3fn, 448.0, 0x7F),
-        tl.float8e5: (ml_dtypes.float8_e5m2, 57344.0, 0x7F),
+        tl.float8e4nv: (ml_dtypes.float8_e4m3fn, e4m3fn.max_finite, e4m3fn.nan_code),
+        tl.float8e5: (ml_dtypes.float8_e5m2, e5m2.max_finite, e5m2.nan_code),
     }
 
 
