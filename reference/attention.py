@@ -25,15 +25,15 @@ its fp32 accumulation order / exp2 / division errors are left to the tolerance b
 exact schedule (``EXACT``, the default) is plain float64 math with an unrounded float64
 output; ``exact(out_dtype)`` rounds only the output; ``vllm_schedule(act)`` is vLLM's.
 
-Two forms exist: the fast block-centric form here, and a literal per-row form in
-``tests/test_ref_attention.py`` that reads like the formulas above and cross-checks this
-one. The fast form works per KV head and chunk of rows: every selected (request, block) is
-decoded once (fp8 and bf16/fp16 by a per-code table, a scalar scale folded in) and
-multiplied with all the rows that selected it in one float64 BLAS matmul; logits are kept
-per (row, block) pair; pass 1 gives each pair's max, reduced exactly to the row / split /
-tile maxima; pass 2 forms P, its sums and P @ V block by block. All bookkeeping is float64
-and exact up to float64 rounding (agreement with the literal form: ~1e-15 relative). KV
-heads run in parallel threads for large calls (``THREADS``); results do not depend on it.
+Two forms exist: the fast block-centric form, and the literal per-row form
+(``attention_literal``) that reads like the formulas above and cross-checks it. The fast
+form works per KV head and chunk of rows: every selected (request, block) is decoded once
+(fp8 and bf16/fp16 by a per-code table, a scalar scale folded in) and multiplied with all
+the rows that selected it in one float64 BLAS matmul; logits are kept per (row, block)
+pair; pass 1 gives each pair's max, reduced exactly to the row / split / tile maxima; pass
+2 forms P, its sums and P @ V block by block. All bookkeeping is float64 and exact up to
+float64 rounding (agreement with the literal form: ~1e-15 relative). KV heads run in
+parallel threads for large calls (``THREADS``); results do not depend on it.
 """
 
 from __future__ import annotations
@@ -47,9 +47,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from reference.codec import FORMATS, ROUNDING_DTYPES, bf16_from_f32, round_dtype
+from reference.codec import (
+    FORMATS,
+    ROUNDING_DTYPES,
+    bf16_from_f32,
+    decode,
+    round_by_table,
+    round_dtype,
+)
 from reference.domain import DECODE_ROWS_RANGE, check_in_range
-from reference.kv_cache import check_scales
+from reference.kv_cache import check_scales, scale_at, token_slots
 
 ACT_DTYPES = ("bfloat16", "float16")
 
@@ -767,3 +774,128 @@ def _combine(num, m, l_sum, sched):
                        0.0)
         lse = np.where(has, top0[:, 0] + np.log(safe_t), -np.inf)
     return out, lse
+
+
+# ----------------------------------------------------------------------------- literal form
+# The module docstring's formulas written out per row, per query head, per split chunk and
+# per key tile, with every rounding of the schedule by the codec's table path. Slow; it
+# shares nothing with the fast form but the codec and the cache addressing, and the tests
+# hold the fast form to it.
+
+
+def attention_literal(q, kv_cache, kv_fmt, block_table, seq_lens, topk, row_req, row_pos,
+                      k_scale=None, v_scale=None, schedule=EXACT, softmax_scale=None):
+    """(unrounded output [T, Hq, D], lse [T, Hq]) of every query row ``t`` of request
+    ``row_req[t]`` at position ``row_pos[t]`` (negative: a padding row, zeros), one row and
+    query head at a time. Inputs are trusted (no validation)."""
+    t_rows, hq, d = q.shape
+    grp = hq // kv_cache.shape[1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    out, lse = np.zeros((t_rows, hq, d)), np.full((t_rows, hq), -np.inf)
+    for t in range(t_rows):
+        r, p = int(row_req[t]), int(row_pos[t])
+        if p < 0:
+            continue
+        for qh in range(hq):
+            g = qh // grp
+            kv = _LiteralKV(kv_cache, kv_fmt, block_table[r], g, k_scale, v_scale,
+                            schedule.kv_dtype)
+            keys_seen = min(p + 1, int(seq_lens[r]))
+            blocks = _literal_blocks(topk[g, t, :], schedule.order)
+            out[t, qh], lse[t, qh] = _literal_row(q[t, qh], scale, kv, blocks, keys_seen,
+                                                  schedule)
+    return out, lse
+
+
+@dataclass(frozen=True)
+class _LiteralKV:
+    """One request's KV head g, read key by key through its block-table row."""
+
+    cache: np.ndarray
+    fmt: str
+    bt_row: np.ndarray
+    g: int
+    k_scale: object
+    v_scale: object
+    kv_dtype: str
+
+    def read(self, keys, half):
+        """Scheduled K (half 0) or V (half 1) at key positions ``keys``:
+        ``round_kv(round_fp32(round_kv(decode(code)) * round_fp32(scale)))``."""
+        page, d = self.cache.shape[2], self.cache.shape[3] // 2
+        slots = token_slots(self.bt_row, keys, page)
+        codes = self.cache[slots // page, self.g, slots % page, half * d:(half + 1) * d]
+        x = decode(codes, self.fmt)
+        scale = self.k_scale if half == 0 else self.v_scale
+        s = 1.0 if scale is None else np.reshape(scale_at(scale, self.g, slots), (-1, 1))
+        if self.kv_dtype == "float64":
+            return x * s
+        s32 = round_by_table(s, "float32")
+        if self.kv_dtype == "float32":
+            return round_by_table(x * s32, "float32")
+        x = round_by_table(x, self.kv_dtype)
+        return round_by_table(round_by_table(x * s32, "float32"), self.kv_dtype)
+
+
+def _literal_blocks(selection, order):
+    """The selected blocks as a set, in entry order or ascending."""
+    blocks = []
+    for b in selection:
+        if b >= 0 and int(b) not in blocks:
+            blocks.append(int(b))
+    return sorted(blocks) if order == "ascending" else blocks
+
+
+def _literal_spans(chunk, page, s):
+    """Key positions of each tile of a chunk: ``blocks_per_tile`` whole blocks, or each
+    block's tiles of ``tile_keys`` keys in key order."""
+    if s.tile_keys is None:
+        return [[j for b in chunk[t0:t0 + s.blocks_per_tile]
+                 for j in range(b * page, (b + 1) * page)]
+                for t0 in range(0, len(chunk), s.blocks_per_tile)]
+    return [list(range(j0, j0 + s.tile_keys)) for b in chunk
+            for j0 in range(b * page, (b + 1) * page, s.tile_keys)]
+
+
+def _literal_row(q_row, scale, kv, blocks, keys_seen, s):
+    """(output, lse) of one row and head: each split chunk's softmax, then their merge."""
+    page = kv.cache.shape[2]
+    bps = s.blocks_per_split or len(blocks)
+    parts = []
+    for c0 in range(0, len(blocks), bps):
+        tiles = []
+        for span in _literal_spans(blocks[c0:c0 + bps], page, s):
+            keys = np.array([j for j in span if j < keys_seen], dtype=np.int64)
+            if keys.size:  # a tile wholly past the row's position has nothing to attend
+                stream = (span[0] % page) // s.tile_keys if s.key_streams > 1 else 0
+                tiles.append((scale * (kv.read(keys, 0) @ q_row), kv.read(keys, 1), stream))
+        parts.append(_literal_softmax(tiles, s))
+    if s.blocks_per_split is None:
+        return parts[0]
+    return _literal_merge(parts, s)
+
+
+def _literal_softmax(tiles, s):
+    """(P @ V / sum P, lse) over a chunk's tiles of (logits, V, stream): P = exp(logit - ref)
+    rounded to ``p_dtype``, ref the chunk max or the stream's running max, then rescaled to
+    the chunk max."""
+    m = max(float(np.max(lg)) for lg, _, _ in tiles)
+    acc, total, run = np.zeros(tiles[0][1].shape[1]), 0.0, {}
+    for lg, v, w in tiles:
+        run[w] = max(run.get(w, -np.inf), float(np.max(lg)))
+        ref = run[w] if s.p_max == "running" else m
+        p_raw = np.exp(lg - ref)
+        total += p_raw.sum() * math.exp(ref - m)
+        acc += (round_by_table(p_raw, s.p_dtype) * math.exp(ref - m)) @ v
+    return acc / total, m + math.log(total)
+
+
+def _literal_merge(parts, s):
+    """Split-K merge: outputs rounded to ``partial_dtype`` and lse to ``lse_dtype``, weighted
+    by exp(lse - max lse)."""
+    outs = [round_by_table(o, s.partial_dtype) for o, _ in parts]
+    lses = [float(round_by_table(lse, s.lse_dtype)) for _, lse in parts]
+    top = max(lses)
+    w = [math.exp(x - top) for x in lses]
+    o = sum(wi * oi for wi, oi in zip(w, outs, strict=True)) / sum(w)
+    return o, top + math.log(sum(w))

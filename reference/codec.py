@@ -112,6 +112,19 @@ def round_to(x, fmt: str | FloatFormat) -> np.ndarray:
     return decode(encode(x, fmt, "nonsaturating"), fmt)
 
 
+def round_by_table(x, dtype: str) -> np.ndarray:
+    """float64 values of x rounded once (RNE, non-saturating) to ``dtype`` by ``encode`` and
+    ``decode`` (float32: NumPy's cast): the slow path the literal forms use, independent of
+    ``round_dtype``'s bit tricks."""
+    x = np.asarray(x, dtype=np.float64)
+    if dtype == "float64":
+        return x
+    if dtype == "float32":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float32).astype(np.float64)
+    return decode(encode(x, dtype, "nonsaturating"), dtype)
+
+
 def round_dtype(x, dtype: str) -> np.ndarray:
     """float64 values of x rounded once (RNE, non-saturating: overflow -> +-Inf, NaN kept)
     to ``dtype`` (float64, float32, bfloat16 or float16): the fast path of ``round_to``.
