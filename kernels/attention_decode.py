@@ -725,39 +725,13 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     seq_lens, block-table entries of used blocks, selections in range without repeats,
     positive finite scales, a workspace's counters all zero. Without it, bad contents are
     guarded in the kernel (never an illegal access; see the module docstring).
-    Launch knobs (speed only; all None: the defaults, ``launch_defaults``' on small grids;
-    any of them given: the others keep the plain defaults below):
-    ``num_warps`` (default 4), ``num_stages`` (depth of the
-    K/V loads' shared-memory pipeline across blocks; default ``DEFAULT_STAGES`` (16-bit
-    caches) or ``DEFAULT_STAGES_FP8``, or the
-    deepest below that fits the GPU's shared memory, ``kernels._triton.fitting_stages``),
-    ``max_registers``
-    (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape),
-    ``block_keys`` (keys per tile of the online softmax, a power of two dividing P, >= 16;
-    default P: one tile per block; declared to the oracle as ``Schedule.tile_keys``
-    through ``DecodeSchedule(block_keys=...)``). Smaller tiles take less shared memory per
-    pipeline stage and fewer registers (sm_90, model shape, e4m3fn, 3 stages: 128 keys
-    193 registers and 104 KiB, two programs per SM; 64 keys 134 and 54 KiB, three; 32
-    keys 96 and 29 KiB, five), at more instructions per block (loop SASS per block 791,
-    964, 1,324). H200, batch 64, e4m3fn (session 26,
-    ``reports/bench_attention_decode_block_keys.md``): 50.0 / 65.4 / 74.3 us for 128 / 64
-    / 32 keys: the extra programs per SM do not pay for the per-tile work, so the
-    default stays whole blocks.
-    ``trace``: a diagnostic (``kernels._trace``, compiled only): an int64 buffer ``[>= B *
-    Hkv * splits, TRACE_SLOTS]``; program (r, g, c) of the first pass writes row (r * Hkv +
-    g) * splits + c: its SM, then the timer at its start (slot 1), after its block loop
-    (2), at its end (3; after the merge, if it drew the last ticket) and when its plan was
-    ready (4: the union's blocks and pages known, q scaled; the loop's loads wait on it).
-    ``workspace``: a ``kernels._host.Workspace`` kept across calls (the merge's ticket
-    counters stay zero between launches, the partials are reused): no allocation and no
-    counter fill per call; one per stream of concurrent calls. None: fresh buffers.
-    ``pdl``: programmatic dependent launch of the first pass (``kernels._triton.
-    await_previous_kernel``; compiled, sm_90): it may start while the stream's previous
-    kernel finishes, its programs waiting for it before touching memory; a no-op
-    interpreted.
-    ``key_streams``: one query row per request only; the block loop as that many key
-    streams (``_stream_loop``: a power of two, ``P / key_streams >= 16``; 1: the 2-D loop;
-    None: ``default_key_streams``), declared as ``DecodeSchedule(key_streams=...)``."""
+    Launch knobs (speed only): num_warps, num_stages, max_registers, block_keys,
+    key_streams (``_launch_knobs``). ``trace``: a diagnostic (``kernels._trace``, compiled
+    only) written by the first pass (``_launch_decode``). ``workspace``: a
+    ``kernels._host.Workspace`` kept across calls (the merge's ticket counters stay zero
+    between launches, the partials are reused; one per stream of concurrent calls; None:
+    fresh buffers). ``pdl``: programmatic dependent launch of the first pass
+    (``kernels._triton.await_previous_kernel``; compiled, sm_90; a no-op interpreted)."""
     workspace = check_workspace(workspace)
     pdl_kw = pdl_options(pdl, INTERPRETED)
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
@@ -767,19 +741,42 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
         workspace.check_counters()
     if p.t == 0:
         return p.out
-    grp = p.hq // p.hkv
-    splits = triton.cdiv(p.topk_k, p.blocks_per_split)
-    direct = splits == 1
-    dev = q.device
-    if direct:
-        part = lse = torch.empty(1, dtype=torch.float32, device=dev)
-    else:
-        part = take_scratch(workspace, "attention_partials", (p.t, p.hq, splits, p.d),
-                            torch.float32, dev)
-        lse = take_scratch(workspace, "attention_lse", (p.t, p.hq, splits), torch.float32,
-                           dev)
-    rows_p = triton.next_power_of_2(p.rows)
-    g_p = triton.next_power_of_2(grp)
+    knobs = _launch_knobs(p, kv_fmt, blocks_per_split, num_warps, num_stages, max_registers,
+                          block_keys, key_streams)
+    return _launch_decode(p, knobs, q, kv_cache, kv_fmt, block_table, seq_lens, topk, trace,
+                          workspace, pdl_kw)
+
+
+@dataclass(frozen=True)
+class _Knobs:
+    """The launch knobs checked and defaulted (``_launch_knobs``)."""
+
+    bn: int  # keys per online-softmax tile
+    ws: int  # key streams
+    opts: dict  # num_warps, and num_stages / maxnreg when set
+    deepest: int | None  # launch_defaults' stages, else None (DEFAULT_STAGES*)
+    stages_given: bool
+
+
+def _launch_knobs(p, kv_fmt, blocks_per_split, num_warps, num_stages, max_registers,
+                  block_keys, key_streams) -> _Knobs:
+    """The launch knobs, speed only. All None: the defaults (``launch_defaults``' on small
+    grids); any of them given: the others keep the plain defaults below.
+
+    num_warps      default 4.
+    num_stages     depth of the K/V loads' shared-memory pipeline across blocks; default
+                   ``DEFAULT_STAGES`` (16-bit caches) or ``DEFAULT_STAGES_FP8``, or the
+                   deepest below that fits the GPU's shared memory
+                   (``kernels._triton.fitting_stages``).
+    max_registers  ptxas maxnreg; default the compiler's choice.
+    block_keys     keys per tile of the online softmax, a power of two dividing P, >= 16;
+                   default P (one tile per block: smaller tiles fit more programs per SM but
+                   their per-tile work costs more than that gains); declared to the oracle
+                   as ``Schedule.tile_keys`` through ``DecodeSchedule(block_keys=...)``.
+    key_streams    one query row per request only; the block loop as that many key streams
+                   (``_stream_loop``: a power of two, ``P / key_streams >= 16``; 1: the 2-D
+                   loop; None: ``default_key_streams``), declared as
+                   ``DecodeSchedule(key_streams=...)``."""
     bn = check_block_keys(block_keys, p.page)
     ws = check_key_streams(key_streams, p.page, p.rows, block_keys)
     if key_streams is None:
@@ -797,14 +794,13 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     regs = max_registers or auto.get("maxnreg")
     if regs is not None and not INTERPRETED:
         opts["maxnreg"] = regs
-    ensure_ready(_decode_split_kernel)
-    grid = (p.batch, p.hkv, splits)
-    check_trace(trace, p.batch * p.hkv * splits, INTERPRETED, dev)
-    flags = take_scratch(workspace, "attention_flags",
-                         (p.batch * p.hkv * splits if p.rows > 1 else 1,), torch.int32, dev)
-    fused = not direct and p.rows == 1  # the last split merges (ticket counter)
-    counters = take_counters(workspace, p.batch * p.hkv if fused else 1, dev)
-    args = (q, q.stride(0), q.stride(1),
+    return _Knobs(bn, ws, opts, auto.get("num_stages"), num_stages is not None)
+
+
+def _decode_args(p, q, kv_cache, block_table, seq_lens, topk, splits, part, lse, flags,
+                 counters, trace):
+    """The split kernel's runtime arguments."""
+    return (q, q.stride(0), q.stride(1),
             kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
             block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
             seq_lens, seq_lens.stride(0),
@@ -812,21 +808,57 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
             p.ks, *p.ks_strides, p.vs, *p.vs_strides,
             p.out, p.out.stride(0), p.out.stride(1), part, lse, flags, counters,
             counters if trace is None else trace,
-            float(np.float32(p.softmax_scale * LOG2E)), grp, p.hq, splits)
-    const = dict(ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d,
-                 P=p.page, KP=topk_width(p.topk_k), NB=p.blocks_per_split,
-                 NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
-                 FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
-                 SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
-                 SAME=not p.fp8 and kv_cache.dtype == q.dtype,
-                 ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), DIRECT=direct,
-                 SP=triton.next_power_of_2(splits), BN=bn, WS=ws, **opts)
-    if num_stages is None:  # the default, lowered until every pass fits shared memory
-        # (the repair pass takes more: fp8, fp16 q, G 16, 4 rows asked for 268 KiB at 3
-        # stages where the first pass fitted; found by the H200 fuzz run)
+            float(np.float32(p.softmax_scale * LOG2E)), p.hq // p.hkv, p.hq, splits)
+
+
+def _decode_const(p, knobs, q, kv_cache, kv_fmt, splits) -> dict:
+    """The split kernel's constexprs and launch options (num_stages added by the caller
+    when defaulted)."""
+    rows_p = triton.next_power_of_2(p.rows)
+    g_p = triton.next_power_of_2(p.hq // p.hkv)
+    return dict(ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d,
+                P=p.page, KP=topk_width(p.topk_k), NB=p.blocks_per_split,
+                NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
+                FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
+                SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
+                SAME=not p.fp8 and kv_cache.dtype == q.dtype,
+                ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), DIRECT=splits == 1,
+                SP=triton.next_power_of_2(splits), BN=knobs.bn, WS=knobs.ws, **knobs.opts)
+
+
+def _launch_decode(p, knobs, q, kv_cache, kv_fmt, block_table, seq_lens, topk, trace,
+                   workspace, pdl_kw):
+    """The first pass (grid ``(B, Hkv, splits)``), its repair pass when rows share tiles,
+    and the merge kernel when the splits are not merged in place. ``trace``: an int64
+    buffer ``[>= B * Hkv * splits, TRACE_SLOTS]``; program (r, g, c) of the first pass
+    writes row (r * Hkv + g) * splits + c: its SM, then the timer at its start (slot 1),
+    after its block loop (2), at its end (3; after the merge, if it drew the last ticket)
+    and when its plan was ready (4: the union's blocks and pages known, q scaled)."""
+    dev = q.device
+    splits = triton.cdiv(p.topk_k, p.blocks_per_split)
+    direct = splits == 1
+    if direct:
+        part = lse = torch.empty(1, dtype=torch.float32, device=dev)
+    else:
+        part = take_scratch(workspace, "attention_partials", (p.t, p.hq, splits, p.d),
+                            torch.float32, dev)
+        lse = take_scratch(workspace, "attention_lse", (p.t, p.hq, splits), torch.float32,
+                           dev)
+    ensure_ready(_decode_split_kernel)
+    grid = (p.batch, p.hkv, splits)
+    check_trace(trace, p.batch * p.hkv * splits, INTERPRETED, dev)
+    flags = take_scratch(workspace, "attention_flags",
+                         (p.batch * p.hkv * splits if p.rows > 1 else 1,), torch.int32, dev)
+    fused = not direct and p.rows == 1  # the last split merges (ticket counter)
+    counters = take_counters(workspace, p.batch * p.hkv if fused else 1, dev)
+    args = _decode_args(p, q, kv_cache, block_table, seq_lens, topk, splits, part, lse, flags,
+                        counters, trace)
+    const = _decode_const(p, knobs, q, kv_cache, kv_fmt, splits)
+    if not knobs.stages_given:  # the default, lowered until every pass fits shared memory
+        # (the repair pass can take more than the first: fp8, fp16 q, G 16, 4 rows)
         const["num_stages"] = min(
             fitting_stages(_decode_split_kernel, args, {**const, "REPAIR": r}, dev,
-                           deepest=auto.get("num_stages") or (
+                           deepest=knobs.deepest or (
                                DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES))
             for r in ((False, True) if p.rows > 1 else (False,)))
     _decode_split_kernel[grid](*args, REPAIR=False, TRACE=trace is not None, **const,
@@ -838,7 +870,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
         ensure_ready(_decode_merge_kernel)
         _decode_merge_kernel[(p.t, triton.cdiv(p.hq, block_h))](
             part, lse, p.out, p.out.stride(0), p.out.stride(1), p.hq, splits,
-            D=p.d, BLOCK_H=block_h, SP=triton.next_power_of_2(splits), num_warps=warps)
+            D=p.d, BLOCK_H=block_h, SP=triton.next_power_of_2(splits),
+            num_warps=knobs.opts["num_warps"])
     return p.out
 
 
