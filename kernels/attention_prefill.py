@@ -700,32 +700,9 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     (a sync): cu_seqlens_q against T and seq_lens, block-table entries of used blocks,
     selections in range without repeats, positive finite scales. Without it, bad contents
     are guarded in the kernel (never an illegal access; see the module docstring).
-    block_rows: query rows (tokens x padded heads) per program of the wide tier, a power of
-    two (default ``BLOCK_ROWS``); num_warps / num_stages: its Triton launch options (default
-    ``NUM_WARPS``, and ``_num_stages``; a given num_stages is the first pass's, the repair
-    pass taking the deepest up to it that fits: static sm_90, model shape, bf16, 3 stages
-    fit the first pass, 229,408 B, with the next block's loads issued a whole block ahead,
-    where 2 stages wait for them at the top of the very next block; to time);
-    delegate_ratio: the tiers' switch (module docstring, Tiers; default
-    ``DELEGATE_RATIO``; 0: every tile in the wide tier; a huge value: every tile with a
-    selection in the narrow tier). The narrow tier runs narrow_rows (a power of two,
-    default ``NARROW_ROWS``: one token at G 16; more rows walk the union of a few tokens'
-    selections, reading a block once for the tokens that share it) rows per program when
-    they are fewer than the wide tier's (else the tiers are off), with
-    narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
-    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits; at
-    least a warp per ``NARROW_ROWS`` rows);
-    narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
-    choice; sm_90, model shape, e4m3fn, the one-warp default: 255 registers, 8 programs
-    per SM by registers; with session 30's two warps 64-key tiles at 168 were 1.04x
-    slower, ``reports/bench_attention_prefill_narrow31_h100.md``).
-    block_keys: keys per online-softmax tile in both tiers, a power of two dividing P,
-    >= 16 (default P: one tile per block; declared as ``Schedule.tile_keys`` through
-    ``PrefillSchedule(block_keys=...)``); smaller tiles take less shared memory per
-    pipeline stage and fewer registers (the default stage depth follows the tile's bytes).
-    H200, model shape, random selections, e4m3fn (session 26,
-    ``reports/bench_attention_prefill_block_keys.md``): 4.73 ms with whole blocks, 5.41
-    with 64-key tiles: the default stays whole blocks.
+    Launch knobs (speed only): block_rows, num_warps, num_stages, delegate_ratio,
+    narrow_rows, narrow_warps, narrow_stages, narrow_max_registers, block_keys,
+    narrow_block_keys, predecode_rows, predecode_warps (``_prefill_knobs``).
     predecode: True (an fp8 cache with scalar (or no) scales only): the batch's pages
     decoded once to their exact values in the model dtype (``kernels.kv_predecode``; a
     scratch of ``B x max_blocks`` pages of 2-byte values) and the wide tier run on them as
@@ -733,18 +710,10 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     act (the module docstring's second schedule, ``PrefillSchedule``), where the fp8 path
     row-scales q to fp16 and rounds P to fp16; the narrow tier reads the fp8 codes on the
     fp8 path. None (default): True where ``default_predecode`` says so, else False.
-    predecode_rows / predecode_warps: the predecode's rows of a page per program (a power of
-    two dividing P) and warps per program (default ``kv_predecode.PREDECODE_ROWS``, 16,
-    and ``PREDECODE_WARPS``, 1; checked whether or not the predecode runs).
     pdl: programmatic dependent launch of every kernel of the call (compiled, sm_90; a
     no-op interpreted): each launch may be scheduled while the stream's previous kernel
     finishes, its programs waiting for that kernel's completion before touching memory
-    (``kernels._triton.await_previous_kernel``), so the results are a plain launch's; what
-    it saves is the gaps between the call's 3-6 launches (tier switch, predecode, each
-    tier's two passes) and the next launch's set-up during a pass's last wave.
-    narrow_block_keys: the narrow tier's own key tiles (default: ``narrow_tile_keys``, the
-    wide tier's capped at ``NARROW_KEYS_FP8`` / ``NARROW_KEYS``; declared as
-    ``PrefillSchedule(narrow_block_keys=...)``, the narrow rows' schedule).
+    (``kernels._triton.await_previous_kernel``), so the results are a plain launch's.
     schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills
     (no sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
     schedules: 0 the wide tier on the cache, 1 on predecoded pages, 2 the narrow tier."""
@@ -752,6 +721,91 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
         return p.out
+    kn = _prefill_knobs(p, block_rows, num_warps, num_stages, delegate_ratio, narrow_rows,
+                        narrow_warps, narrow_stages, narrow_max_registers, block_keys,
+                        narrow_block_keys, predecode_rows, predecode_warps)
+    pdl_kw = pdl_options(pdl, INTERPRETED)
+    ensure_ready(_prefill_kernel)
+    tiers = kn.ratio > 0 and kn.narrow_t < kn.block_t
+    const = _prefill_const(p, q, kv_cache, kv_fmt, kn)
+    # The lists' counts (handed wide tiles; flagged wide and narrow tiles) and whether a
+    # wide tile reads pages (set by ``_tier_kernel``): one fill.
+    counts = torch.zeros(4, dtype=torch.int32, device=q.device)
+    tier = handed = None
+    if tiers:
+        tier, handed = _switch_tiers(p, kn, const, cu_seqlens_q, seq_lens, topk, block_table,
+                                     counts, pdl_kw)
+    if predecode is None:
+        predecode = default_predecode(p, const["SCALAR"], block_table.shape[1])
+    if not isinstance(predecode, bool):
+        fail("predecode", f"must be True, False or None, got {predecode!r}")
+    _wide_pass(p, kn, const, predecode, tiers, tier, counts, q, kv_cache, block_table,
+               cu_seqlens_q, seq_lens, topk, num_stages, pdl_kw)
+    if tiers:
+        _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, kn.grp,
+                      tier, handed, counts[2:3], {**const, "BLOCK_T": kn.narrow_t, "TIER": 2,
+                                                  "WIDE_T": kn.block_t, "BN": kn.bn_narrow,
+                                                  **kn.narrow, **pdl_kw},
+                      "num_stages" not in kn.narrow)
+    if schedule_rows is not None:
+        schedule_rows.copy_(_row_schedules(p, cu_seqlens_q, tier, kn.block_t, kn.grp,
+                                           predecode))
+    return p.out
+
+
+@dataclass(frozen=True)
+class _PrefillKnobs:
+    """The launch knobs checked and defaulted (``_prefill_knobs``)."""
+
+    grp: int
+    g_p: int
+    block_t: int  # tokens per wide tile
+    narrow_t: int  # tokens per narrow tile
+    ratio: int
+    opts: dict  # the wide tier's launch options
+    narrow: dict  # the narrow tier's launch options
+    bn: int
+    bn_narrow: int
+    pre_rows: int
+    pre_warps: int
+
+
+def _prefill_knobs(p, block_rows, num_warps, num_stages, delegate_ratio, narrow_rows,
+                   narrow_warps, narrow_stages, narrow_max_registers, block_keys,
+                   narrow_block_keys, predecode_rows, predecode_warps) -> _PrefillKnobs:
+    """The launch knobs, speed only (ValueError naming them when invalid).
+
+    block_rows      query rows (tokens x padded heads) per program of the wide tier, a power
+                    of two (default ``BLOCK_ROWS``).
+    num_warps, num_stages
+                    its Triton launch options (default ``NUM_WARPS``, and ``_num_stages``);
+                    a given num_stages is the first pass's, the repair pass taking the
+                    deepest up to it that fits.
+    delegate_ratio  the tiers' switch (module docstring, Tiers; default ``DELEGATE_RATIO``;
+                    0: every tile in the wide tier; a huge value: every tile with a
+                    selection in the narrow tier).
+    narrow_rows     rows per program of the narrow tier (a power of two, default
+                    ``NARROW_ROWS``: one token at G 16; more rows walk the union of a few
+                    tokens' selections, reading a block once for the tokens that share it)
+                    when they are fewer than the wide tier's (else the tiers are off).
+    narrow_warps, narrow_stages
+                    its launch options (default: ``NARROW_FP8`` with an fp8 cache, else
+                    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until
+                    it fits; at least a warp per ``NARROW_ROWS`` rows).
+    narrow_max_registers
+                    its ptxas register cap (``maxnreg``; default the compiler's choice).
+    block_keys      keys per online-softmax tile in both tiers, a power of two dividing P,
+                    >= 16 (default P: one tile per block, faster than smaller tiles;
+                    declared as ``Schedule.tile_keys`` through
+                    ``PrefillSchedule(block_keys=...)``); smaller tiles take less shared
+                    memory per pipeline stage and fewer registers.
+    narrow_block_keys
+                    the narrow tier's own key tiles (default: ``narrow_tile_keys``;
+                    declared as ``PrefillSchedule(narrow_block_keys=...)``).
+    predecode_rows, predecode_warps
+                    the predecode's rows of a page per program (a power of two dividing P)
+                    and warps per program (default ``kv_predecode.PREDECODE_ROWS`` and
+                    ``PREDECODE_WARPS``; checked whether or not the predecode runs)."""
     grp = p.hq // p.hkv
     g_p = triton.next_power_of_2(grp)
     block_t = _block_t(block_rows, g_p)
@@ -765,7 +819,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                                                                       1, 16)
     narrow = dict(NARROW_FP8) if p.fp8 else {"num_warps": NARROW_WARPS}
     # Wider narrow tiles (``narrow_rows``): at least a warp per 16 rows, as the default's
-    # one-token tiles have (static sm_90, model shape: two tokens on one warp spill).
+    # one-token tiles have (two tokens on one warp spill).
     narrow["num_warps"] = max(narrow["num_warps"], narrow_t * g_p // NARROW_ROWS)
     if narrow_warps is not None:
         narrow["num_warps"] = check_int(narrow_warps, "narrow_warps", 1, 16)
@@ -777,57 +831,53 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     bn_narrow = narrow_tile_keys(bn, p.page, p.fp8) if narrow_block_keys is None else \
         check_block_keys(narrow_block_keys, p.page, "narrow_block_keys")
     pre_rows, pre_warps = predecode_options(predecode_rows, predecode_warps, p.page)
-    pdl_kw = pdl_options(pdl, INTERPRETED)
-    ensure_ready(_prefill_kernel)
-    tiers = ratio > 0 and narrow_t < block_t
-    const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
-                 FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
-                 SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
-                 SAME=not p.fp8 and kv_cache.dtype == q.dtype,
-                 ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), BN=bn)
-    tier = handed = None
-    # The lists' counts (handed wide tiles; flagged wide and narrow tiles) and whether a
-    # wide tile reads pages (set by ``_tier_kernel``): one fill.
-    counts = torch.zeros(4, dtype=torch.int32, device=q.device)
-    if tiers:
-        tier = _program_slots(p, block_t, q.device)
-        handed = _item_list(tier.numel(), counts[0:1])
-        grid = _grid(p, block_t)
-        _tier_kernel[grid](cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0),
-                           p.batch, binary_search_steps(p.batch), p.t,
-                           topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
-                           block_table.shape[1], tier, ratio, *handed, counts[3:4],
-                           BLOCK_T=block_t,
-                           KP=const["KP"], P=p.page,
-                           num_warps=max(1, min(8, block_t * const["KP"]
-                                                // TIER_ENTRIES_PER_WARP)), **pdl_kw)
-    if predecode is None:
-        predecode = default_predecode(p, const["SCALAR"], block_table.shape[1])
-    if not isinstance(predecode, bool):
-        fail("predecode", f"must be True, False or None, got {predecode!r}")
+    return _PrefillKnobs(grp, g_p, block_t, narrow_t, ratio, opts, narrow, bn, bn_narrow,
+                         pre_rows, pre_warps)
+
+
+def _prefill_const(p, q, kv_cache, kv_fmt, kn) -> dict:
+    """The constexprs both tiers share."""
+    return dict(G_P=kn.g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
+                FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
+                SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
+                SAME=not p.fp8 and kv_cache.dtype == q.dtype,
+                ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), BN=kn.bn)
+
+
+def _switch_tiers(p, kn, const, cu_seqlens_q, seq_lens, topk, block_table, counts, pdl_kw):
+    """The tier switch (``_tier_kernel``): each wide tile's slot and the list of tiles it
+    hands to the narrow tier. Returns (tier, handed)."""
+    tier = _program_slots(p, kn.block_t, counts.device)
+    handed = _item_list(tier.numel(), counts[0:1])
+    _tier_kernel[_grid(p, kn.block_t)](
+        cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0),
+        p.batch, binary_search_steps(p.batch), p.t,
+        topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
+        block_table.shape[1], tier, kn.ratio, *handed, counts[3:4],
+        BLOCK_T=kn.block_t, KP=const["KP"], P=p.page,
+        num_warps=max(1, min(8, kn.block_t * const["KP"] // TIER_ENTRIES_PER_WARP)),
+        **pdl_kw)
+    return tier, handed
+
+
+def _wide_pass(p, kn, const, predecode, tiers, tier, counts, q, kv_cache, block_table,
+               cu_seqlens_q, seq_lens, topk, num_stages, pdl_kw):
+    """The wide tier's passes, on the cache or (``predecode``) on its predecoded pages."""
     wide_p, wide_kv, wide_bt, wide_const = p, kv_cache, block_table, const
     if predecode:
         if not (p.fp8 and const["SCALAR"]):
             fail("predecode", "needs an fp8 cache with scalar (or no) scales")
         wide_kv, wide_bt = predecode_pages(kv_cache, block_table, seq_lens, const["FMT"],
                                            const["HW"], const["ASM"], q.dtype,
-                                           counts[3:4] if tiers else None, pre_rows,
-                                           pre_warps, pdl=bool(pdl_kw))
+                                           counts[3:4] if tiers else None, kn.pre_rows,
+                                           kn.pre_warps, pdl=bool(pdl_kw))
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
-    _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
+    _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, kn.grp,
                   tier, None, counts[1:2],
-                  {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts, **pdl_kw},
+                  {**wide_const, "BLOCK_T": kn.block_t, "TIER": int(tiers), **kn.opts,
+                   **pdl_kw},
                   num_stages is None)
-    if tiers:
-        _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
-                      tier, handed, counts[2:3], {**const, "BLOCK_T": narrow_t, "TIER": 2,
-                                                  "WIDE_T": block_t, "BN": bn_narrow,
-                                                  **narrow, **pdl_kw},
-                      "num_stages" not in narrow)
-    if schedule_rows is not None:
-        schedule_rows.copy_(_row_schedules(p, cu_seqlens_q, tier, block_t, grp, predecode))
-    return p.out
 
 
 def _row_schedules(p: PrefillPlan, cu_seqlens_q, tier, block_t: int, grp: int,
