@@ -617,18 +617,53 @@ def _attend_chunk(qg, sel, req, pos, seq, bt, page, g, kdec, vdec, sched, bps, b
     unit, P = exp(logits - max) (rounded as scheduled), the pair sums, and P @ V."""
     n, grp, d = qg.shape
     ns = sel.shape[1] // bps
+    pr = _pairs(sel, req, pos, seq, bt, page, bps, d)
+    logits, pmax = _logits(qg, pr, g, kdec, page, buf)
+    stream = pr.u_blk[pr.pu] % sched.key_streams  # a tile's stream: its index in its block
+    m, ref, factor = _maxima(pmax, pr.pi, pr.pk, pr.pc, n, ns, bps, sched, stream)
+    num, psum = _weighted_values(pr, g, vdec, logits, ref, factor, sched, n, ns, grp, d)
+    if factor is not None:
+        psum *= factor
+    l_sum = np.zeros((n, ns, grp))
+    np.add.at(l_sum, (pr.pi, pr.pc), psum)
+    return _combine(num, m, l_sum, sched)
+
+
+@dataclass
+class _Pairs:
+    """The (row, block) pairs of a chunk, sorted by unit, and its units (see
+    ``_attend_chunk``): per pair its row, selection slot, unit, visible keys, partial flag
+    and split; per unit its page and key count; and the batches of units decoded at once,
+    each (u0, u1, light pairs, heavy units, partial pairs)."""
+
+    pi: np.ndarray
+    pk: np.ndarray
+    pu: np.ndarray
+    p_vis: np.ndarray
+    partial: np.ndarray
+    pc: np.ndarray
+    u_blk: np.ndarray
+    u_page: np.ndarray
+    u_len: np.ndarray
+    bounds: np.ndarray
+    n_full: np.ndarray
+    light_pair: np.ndarray
+    batches: list
+
+
+def _pairs(sel, req, pos, seq, bt, page, bps, d) -> _Pairs:
+    """The pairs and units of a chunk's selections, and the unit batches that bound the
+    decoded keys' size (``_UNIT_ELEMS``)."""
     pi, pk = np.nonzero(sel >= 0)
     pb = sel[pi, pk]
     width = bt.shape[1]
     units, pu = np.unique(req[pi] * width + pb, return_inverse=True)
     u_req, u_blk = units // width, units % width
-    u_page = bt[u_req, u_blk]
     u_len = np.minimum(page, seq[u_req] - u_blk * page)  # keys of the block < seq_len
     p_vis = np.minimum(u_len[pu], pos[pi] + 1 - pb * page)  # keys the pair's row sees
     partial = p_vis < u_len[pu]
     order = np.lexsort((partial, pu))
     pi, pk, pu, p_vis, partial = pi[order], pk[order], pu[order], p_vis[order], partial[order]
-    pc = pk // bps  # the pair's split
     bounds = np.searchsorted(pu, np.arange(units.size + 1))
     n_full = np.bincount(pu[~partial], minlength=units.size)
     heavy_unit = n_full >= _HEAVY_PAIRS
@@ -643,46 +678,59 @@ def _attend_chunk(qg, sel, req, pos, seq, bt, page, g, kdec, vdec, sched, bps, b
             light = slice(light[0], light[-1] + 1)  # contiguous: views instead of copies
         batches.append((u0, u1, light, np.flatnonzero(heavy_unit[u0:u1]) + u0,
                         np.flatnonzero(partial[a:b]) + a))
+    return _Pairs(pi, pk, pu, p_vis, partial, pk // bps, u_blk, bt[u_req, u_blk], u_len,
+                  bounds, n_full, light_pair, batches)
 
-    def decode(dec, u0, u1, light):
-        """Decoded blocks of units u0..u1, and one per light pair (no copy if the same)."""
-        x = dec(u_page[u0:u1], u_len[u0:u1], g)
-        idx = pu[light] - u0
-        if idx.size == u1 - u0 and np.array_equal(idx, np.arange(u1 - u0)):
-            return x, x
-        return x, x[idx]
 
+def _decoded(dec, pr, g, u0, u1, light):
+    """Decoded blocks of units u0..u1, and one per light pair (no copy if the same)."""
+    x = dec(pr.u_page[u0:u1], pr.u_len[u0:u1], g)
+    idx = pr.pu[light] - u0
+    if idx.size == u1 - u0 and np.array_equal(idx, np.arange(u1 - u0)):
+        return x, x
+    return x, x[idx]
+
+
+def _logits(qg, pr, g, kdec, page, buf):
+    """Pass 1: every pair's logits ``[pairs, G, P]`` (in ``buf``; only the keys the pair
+    sees are written) and their maxima ``[pairs, G]``."""
+    grp, d = qg.shape[1], qg.shape[2]
+    pi, pu = pr.pi, pr.pu
     logits = buf[:pi.size]  # every entry used is written below
     pmax = np.empty((pi.size, grp))
     with np.errstate(invalid="ignore"):
-        for u0, u1, light, heavy, parts in batches:
-            kd, kl = decode(kdec, u0, u1, light)
+        for u0, u1, light, heavy, parts in pr.batches:
+            kd, kl = _decoded(kdec, pr, g, u0, u1, light)
             if kl.shape[0]:
                 s = np.matmul(qg[pi[light]], kl.transpose(0, 2, 1))
-                lens = u_len[pu[light]]
+                lens = pr.u_len[pu[light]]
                 if (lens < page).any():
                     s = np.where(np.arange(page)[None, None, :] < lens[:, None, None], s,
                                  -np.inf)
                 logits[light] = s
                 pmax[light] = s.max(axis=2)
             for u in heavy:
-                a, nf, nu = bounds[u], n_full[u], u_len[u]
+                a, nf, nu = pr.bounds[u], pr.n_full[u], pr.u_len[u]
                 qu = qg[pi[a:a + nf]].reshape(-1, d)
                 s = np.matmul(qu, kd[u - u0, :nu].T).reshape(nf, grp, nu)
                 logits[a:a + nf, :, :nu] = s
                 pmax[a:a + nf] = s.max(axis=2)
             for e in parts:
-                v = p_vis[e]
+                v = pr.p_vis[e]
                 s = qg[pi[e]] @ kd[pu[e] - u0, :v].T
                 logits[e, :, :v] = s
                 pmax[e] = s.max(axis=1)
+    return logits, pmax
 
-    stream = u_blk[pu] % sched.key_streams  # a tile's stream: its index in its block
-    m, ref, factor = _maxima(pmax, pi, pk, pc, n, ns, bps, sched, stream)
 
+def _weighted_values(pr, g, vdec, logits, ref, factor, sched, n, ns, grp, d):
+    """Pass 2: the split numerators ``sum P @ V`` ``[n, ns, G, D]`` and each pair's sum of
+    P ``[pairs, G]`` (unscaled by ``factor``), P = exp(logits - ref) rounded to the
+    schedule's ``p_dtype``."""
+    pi, pc, pu = pr.pi, pr.pc, pr.pu
     num = np.zeros((n, ns, grp, d))
     psum = np.empty((pi.size, grp))
-    light_all = np.flatnonzero(light_pair)
+    light_all = np.flatnonzero(pr.light_pair)
     w_light = np.empty((light_all.size, grp, d))
     filled = 0
 
@@ -694,38 +742,41 @@ def _attend_chunk(qg, sel, req, pos, seq, bt, page, g, kdec, vdec, sched, bps, b
         return round_dtype(x, sched.p_dtype)
 
     with np.errstate(invalid="ignore", over="ignore"):
-        for u0, u1, light, heavy, parts in batches:
-            vd, vl = decode(vdec, u0, u1, light)
+        for u0, u1, light, heavy, parts in pr.batches:
+            vd, vl = _decoded(vdec, pr, g, u0, u1, light)
             if vl.shape[0]:
                 x = logits[light]
                 k = vl.shape[0]
                 np.matmul(probs(x, light), vl, out=w_light[filled:filled + k])
                 filled += k
             for u in heavy:
-                a, nf, nu = bounds[u], n_full[u], u_len[u]
-                pr = probs(logits[a:a + nf, :, :nu], slice(a, a + nf))
-                res = (pr.reshape(-1, nu) @ vd[u - u0, :nu]).reshape(nf, grp, d)
+                a, nf, nu = pr.bounds[u], pr.n_full[u], pr.u_len[u]
+                p = probs(logits[a:a + nf, :, :nu], slice(a, a + nf))
+                res = (p.reshape(-1, nu) @ vd[u - u0, :nu]).reshape(nf, grp, d)
                 if factor is not None:
                     res *= factor[a:a + nf, :, None]
                 num[pi[a:a + nf], pc[a:a + nf]] += res  # a unit holds a row once
             for e in parts:
-                v = p_vis[e]
+                v = pr.p_vis[e]
                 res = probs(logits[e, :, :v], e) @ vd[pu[e] - u0, :v]
                 num[pi[e], pc[e]] += res if factor is None else res * factor[e][:, None]
-    if light_all.size:  # light pairs may repeat (row, split): segmented sums
-        if factor is not None:
-            w_light *= factor[light_all][..., None]
-        key = pi[light_all] * ns + pc[light_all]
-        srt = np.argsort(key, kind="stable")
-        if not np.array_equal(srt, np.arange(srt.size)):
-            key, w_light = key[srt], w_light[srt]
-        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        num.reshape(n * ns, grp, d)[key[starts]] += np.add.reduceat(w_light, starts, axis=0)
+    if light_all.size:
+        _add_light(num, w_light, light_all, pr, factor, ns)
+    return num, psum
+
+
+def _add_light(num, w_light, light_all, pr, factor, ns):
+    """Adds the light pairs' P @ V to their (row, split) numerators: light pairs may repeat
+    (row, split), so by segmented sums."""
+    n, grp, d = num.shape[0], num.shape[2], num.shape[3]
     if factor is not None:
-        psum *= factor
-    l_sum = np.zeros((n, ns, grp))
-    np.add.at(l_sum, (pi, pc), psum)
-    return _combine(num, m, l_sum, sched)
+        w_light *= factor[light_all][..., None]
+    key = pr.pi[light_all] * ns + pr.pc[light_all]
+    srt = np.argsort(key, kind="stable")
+    if not np.array_equal(srt, np.arange(srt.size)):
+        key, w_light = key[srt], w_light[srt]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    num.reshape(n * ns, grp, d)[key[starts]] += np.add.reduceat(w_light, starts, axis=0)
 
 
 def _maxima(pmax, pi, pk, pc, n, ns, bps, sched, stream):
