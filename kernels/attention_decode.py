@@ -22,8 +22,8 @@ Grid and work split (designed for decode bandwidth):
   ``blocks_per_split``; program ``c`` processes chunk ``c`` of every row. The chunk size
   is fixed when given; by default (``auto_blocks_per_split``) it is ``BLOCKS_PER_SPLIT``
   while the grid has at most ``TARGET_PROGRAMS`` programs and a multiple of it beyond
-  (fewer, longer programs: on the H200 a program's start, three dependent global round
-  trips, costs as much as streaming a few blocks). The default therefore depends on the
+  (fewer, longer programs: a program's start, three dependent global round trips, costs
+  as much as streaming a few blocks). The default therefore depends on the
   batch size (B x Hkv), never on contents: a request's output is the same in every batch
   of up to ``TARGET_PROGRAMS // (Hkv * cdiv(K, BLOCKS_PER_SPLIT))`` requests, and may
   differ by rounding (within the declared schedule) in larger ones; a fixed
@@ -57,15 +57,13 @@ Numerics: the rounding schedule declared in the registry (``schedule(model_dtype
 act = the model dtype = q's dtype):
 - fp8 with scalar (or no) scales (``kernels._attention.operand_dtypes``): both products on
   fp16 operands whatever the model dtype. K/V: the codes' exact values in fp16 (every fp8
-  value is one: on the H200 one ``cvt`` e4m3x2 -> f16x2 per two codes; V through
+  value is one: one ``cvt`` e4m3x2 -> f16x2 per two codes; V through
   ``kernels.fp8.decode_fp8_f16``, opaque to Triton so it stages fp16 in shared memory for
-  ``ldmatrix.trans``; K converted in registers, in the MMA operand layout: staging it too
-  cost 40 us more at batch 256 on the H200; e4m3fnuz, which NVIDIA cannot convert, takes
-  both by bit placement as its values / 128 (``decode_fp8_f16(..., UNIT=True)``'s assembly,
-  11 instructions per four codes; the factor multiplied back into the logits and the output
-  in fp32, exact; marked pure for K so K stays in registers): 67.1 us at batch 64 against
-  78.0 with the patched e4m3fn ``cvt`` and 96.0 with K staged), ``Schedule.kv_dtype =
-  "float64"``; the
+  ``ldmatrix.trans``; K converted in registers, in the MMA operand layout (staging it too
+  is slower); e4m3fnuz, which NVIDIA cannot convert, takes both by bit placement as its
+  values / 128 (``decode_fp8_f16(..., UNIT=True)``'s assembly, 11 instructions per four
+  codes; the factor multiplied back into the logits and the output in fp32, exact; marked
+  pure for K so K stays in registers), ``Schedule.kv_dtype = "float64"``; the
   scales applied in fp32 outside the products: the logit scale ``fp32(softmax_scale *
   log2(e)) * k_scale`` and the output (or each split's partial) times ``v_scale`` (the
   bound allows the two extra fp32 roundings). q: each row times a power of two and
@@ -79,9 +77,8 @@ act = the model dtype = q's dtype):
   values / 2^111 by bit placement (``kernels.fp8._E5M2FNUZ_BF16X4_UNIT``, 11 instructions
   per four codes; fp16 cannot hold its top binade at the placed scale and took 19), q
   row-scaled to bf16, P times 2^111 rounded to bf16 (the factor cancels in ``P @ V``; the
-  logits get 2^111 back in fp32): ``(float64, bfloat16, bfloat16)``. H200, batch 64
-  (session 27, ``reports/ab-attention-decode-e5m2fnuz-bf16-h200.md``): 67.5 -> 63.4 us;
-  the suite's numerics diff: RMSE +0.06% at most on its e5m2fnuz cells (P's 3 bits).
+  logits get 2^111 back in fp32): ``(float64, bfloat16, bfloat16)``, faster than fp16
+  operands at a negligible RMSE cost (P's 3 bits).
 - Per-slot fp8 scales: ``act(fp32(decode(code) * scale))`` (exact decode, one fp32
   multiply, RNE to act), ``kv_dtype = act``. bf16/fp16 caches: the value converted to act
   (exact when the cache has the model dtype), ``kv_dtype = act``; q as given, P in act.
@@ -172,42 +169,18 @@ from kernels._triton import (
 )
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 
-#: Blocks per split-K chunk for small grids (model: K 16 -> 16 splits), and the grid size
-#: beyond which ``auto_blocks_per_split`` makes chunks longer. H200, model shape, batch 64
-#: x Hkv 4 (graph replay, 2026-11-30, before the fused merge): one split of 16 blocks
-#: 78.6 us bf16 / 76.6 us e4m3fn, two of 8 86.5 / 84.4, four of 4 94.3 / 94.0; batch 1:
-#: four of 4 16.6 us, one of 16 36.9 us. Small batches
-#: (reports/bench_attention_decode_small_batch.md): batch 1, 1-block splits 14.3 us bf16 /
-#: 13.9 e4m3fn against 16.8 / 17.1 with 4-block ones (fp8 faster than bf16 only there);
-#: batch 8, 2-block splits (what 1 gives there) 22.1 / 20.0 against 21.9 / 19.2. A/B of
-#: 1 against 4, 3 rounds (session 20, ``reports/ab-attention-decode-bps1-h200.md``): batch
-#: 1 0.84 / 0.81 / 0.80 (bf16 / e4m3fn / e4m3fnuz; e4m3fn 13.9 us < bf16 14.2: fp8 faster
-#: there too), batch 4 1.00 / 0.96 / 0.91, batch 8 1.01 / 1.05 / 1.03, batches 16 and 64
-#: 1.00. Batch invariance holds up to 4 requests at the model shape (256 programs;
-#: ``invariant_batch``).
+#: Blocks per split-K chunk for small grids, and the grid size beyond which
+#: ``auto_blocks_per_split`` makes chunks longer: short splits fill the GPU at small
+#: batches; past TARGET_PROGRAMS a program's start costs more than its blocks.
 BLOCKS_PER_SPLIT = 1
 TARGET_PROGRAMS = 256
-#: Default K/V pipeline depth. sm_90, model shape, one row per request, 4 warps (static:
-#: compiled on the CPU, registers from cuobjdump): 3 stages take 136 KiB of shared memory
-#: (bf16; 132 KiB e4m3), one program per SM, 4 warps; 2 stages take 72 KiB (bf16) / 100 KiB
-#: (e4m3) with 219 / 190 registers: two programs per SM, so one program's dependent start
-#: (selections -> block table -> K/V addresses, three global round trips before its first
-#: byte arrives) overlaps the other's transfers. Four rows x 16 heads need 256 KiB at 3
-#: stages (more than the H200's 227 KiB). The H200 sweep (model shape, graph replay,
-#: 2026-11-30, us for stages 2 / 3 / 4): bf16 batch 64 78.6 / 84.3 / 88.1, batch 256
-#: 261.8 / 277.2 / 282.7; e4m3fn batch 64 65.7 / 59.6 / 86.2, batch 256 218.7 / 205.0 /
-#: 308.9. So 2 for 16-bit caches, 3 for fp8 (the 1-byte tiles leave room for a third).
+#: Default K/V pipeline depth: 2 stages let 16-bit caches hold two programs per SM; the
+#: 1-byte fp8 tiles leave room for a third stage.
 DEFAULT_STAGES = 2
 DEFAULT_STAGES_FP8 = 3
-#: Small grids (one query row per request, ``batch * Hkv <= SMALL_GRID``, D <= 128): 8
-#: warps capped at 128 registers (no spill at the model shape; two programs per SM, 16
-#: warps), 2 stages. Each program there walks 1-2 blocks, so its fixed chain (plan, q,
-#: block table, epilogue, merge) is the time, and twice the warps shorten it. H200, model
-#: shape, graph replay (session 24, ``reports/bench_attention_decode_warps.md``; us,
-#: default -> this): batch 1 bf16 12.6 -> 10.4, e4m3fn 12.4 -> 10.3, e4m3fnuz 13.1 ->
-#: 10.5, e5m2fnuz 13.7 -> 10.7; batch 8 18.4 -> 18.0, 17.7 -> 15.3, 18.5 -> 15.6, 19.5 ->
-#: 16.5. At batch 64 (256 programs of 16 blocks) the same launch is slower (e4m3fn 53.4
-#: -> 60.5, bf16 68.3 -> 70.8): there the 4-warp default stays.
+#: Small grids (one query row per request, ``batch * Hkv <= SMALL_GRID``, D <= 128): each
+#: program walks 1-2 blocks, so twice the warps (capped at 128 registers) shorten its
+#: fixed chain; at larger batches the 4-warp default is faster.
 SMALL_GRID = 32
 SMALL_GRID_LAUNCH = {"num_warps": 8, "maxnreg": 128, "num_stages": 2}
 #: Domain limit (SPEC.md s.7); MAX_GROUP and MAX_TOPK: kernels._attention.
@@ -369,7 +342,7 @@ def _decode_split_kernel(
         u_key = tl.where(first, uni * 16 + rmask, -1)
     live = tl.sum(tl.where(row_ok, 1 << ri, 0), axis=0)  # rows with a position >= 0
     # Positions inside the block loop in int32: its 64-bit compares of every key against
-    # every row's position held ~9% of the loop's stall samples (H200, ncu). The host
+    # every row's position are a measurable share of the loop's stalls. The host
     # caps contexts at MAX_CONTEXT (2^30) tokens, so the clamp changes nothing for valid
     # seq_lens and keeps bad ones from wrapping.
     seq32 = tl.minimum(tl.maximum(seq, -8), MAX_CONTEXT).to(tl.int32)
@@ -554,15 +527,7 @@ def launch_defaults(rows: int, d: int, batch: int, hkv: int, topk_k: int,
 
 #: Key streams (``_stream_loop``) by default for the fnuz formats' one-row programs outside
 #: the small-grid launch: their software decode makes the block loop issue-bound, and per-
-#: warp streams drop its cross-warp exchanges (sm_90, e4m3fn: loop 792 -> 644 SASS, 8 -> 2
-#: barriers). H200, model shape, batch 64 / 256 (session 27,
-#: ``reports/bench_attention_decode_key_streams*.md``, us): e5m2fnuz 63.7 -> 59.7 / 238.6 ->
-#: 224.9, e4m3fnuz 58.7 -> 57.5 at 64; e4m3fn 49.7 -> 49.4 / 184.9 -> 184.2 (no gain: its
-#: loop waits on DRAM), bf16 67.9 -> 78.7 / 255.3 -> 283.3 (slower): those keep one stream.
-#: With the 11-instruction fnuz assembly (session 28, A/B in one call,
-#: ``reports/ab-attention-decode-fnuz-unit11-streams-h200.md``): batch 64 e4m3fnuz 58.5 ->
-#: 56.3, e5m2fnuz 63.5 -> 56.4 (+13.6% / +13.9% over e4m3fn's 49.6); batch 256 218.0 ->
-#: 210.7 and 237.3 -> 211.7 (+14.4% / +15.0%); batch 8 (small-grid launch) unchanged.
+#: warp streams drop its cross-warp exchanges; the OCP and 16-bit formats wait on DRAM.
 DEFAULT_KEY_STREAMS = 4
 KEY_STREAM_FORMATS = ("e4m3fnuz", "e5m2fnuz")
 

@@ -31,13 +31,12 @@ Tiling (the point of this kernel: tokens that share blocks share KV reads).
   entry exceeds by trips finding no block), so the main loop is a ``for`` with a runtime
   trip count (Triton pipelines ``for`` loops, not ``while`` loops). The next block and its
   block-table entry are found one block ahead, after the current block's loads are issued
-  (a loop-carried pair), so K/V's addresses never wait for a page load (H100, session 32:
-  random e4m3fn 3894 -> 3609 us). Each union block is loaded ONCE (K and V
-  ``[P, D]``, converted right after the load: fp8 via ``kernels.fp8.decode_fp8``, hardware
-  casts for e4m3fn/e5m2, the software codec for fnuz) and multiplied with all ``BLOCK_T x
-  G`` rows; a row takes part only if the block is in its own selection (a per-token
-  membership test ``any(entries == block)``), and only in keys ``j <= p``. Logits are
-  masked with ``where``, never by adding -inf.
+  (a loop-carried pair), so K/V's addresses never wait for a page load. Each union block
+  is loaded ONCE (K and V ``[P, D]``, converted right after the load: fp8 via
+  ``kernels.fp8.decode_fp8``, hardware casts for e4m3fn/e5m2, the software codec for
+  fnuz) and multiplied with all ``BLOCK_T x G`` rows; a row takes part only if the block is in
+  its own selection (a per-token membership test ``any(entries == block)``), and only in keys
+  ``j <= p``. Logits are masked with ``where``, never by adding -inf.
 - Cost. Per program: ``U`` = |union of the tile's selections| block iterations, each two
   ``[BLOCK_T*G_P, P] x [P, D]``-sized MMAs plus ``O(BLOCK_T * K)`` integer compares. Useful
   work is ``K`` blocks per token, so the MMA efficiency is ``K / U``:
@@ -48,29 +47,28 @@ Tiling (the point of this kernel: tokens that share blocks share KV reads).
     at the issue's benchmark shape (K 16, V 65..128, G 16) 4 tokens per tile (64 rows)
     give U ~ 44-53 (efficiency ~ 1/3), 8 tokens U ~ 58-84 (~ 1/4). Smaller tiles cut the
     waste but shrink the MMA M dimension; ``block_rows`` (rows per tile) is the knob
-    (``BLOCK_ROWS``, from the H200 sweep: the per-block overhead, not the MMA waste,
-    dominates there).
+    (``BLOCK_ROWS``: the per-block overhead, not the MMA waste, dominates).
   The same union walk is what flex_attention does with a block mask (its q-block of 128
   tokens unions much more: the 13 TFLOP/s of NOTES.md); the per-token (M = G = 16) form
   wastes nothing but runs its MMAs at M = 16.
 
 Tiers (the launcher's default; ``delegate_ratio=0`` turns them off). Which tile size wins
-depends on the selections, which the host cannot see without a sync: on the H200 the
-128-row tiles take 2.27 ms on local selections and 9.31 on random ones, the per-token
-16-row tiles (4 warps) 5.4 ms on both. So the launcher runs two passes of this kernel,
+depends on the selections, which the host cannot see without a sync: the 128-row tiles
+are fastest on local selections and slowest on random ones, the per-token 16-row tiles
+in between on both (docs/tuning.md). So the launcher runs two passes of this kernel,
 decided per tile on the device. ``_tier_kernel`` (one small program per wide tile and KV
 head) counts the tile's union ``U``; when ``U * DELEGATE_RATIO`` exceeds the tile's valid
 entries (about the narrow tier's block iterations for those tokens, each ~3x cheaper) it
 writes 1 at the tile's slot of an int32 array (counting stops there), else 0, and appends
 the handed slot to a list. The WIDE
 pass (``TIER=1``, ``BLOCK_T`` tokens) computes the tiles marked 0 and returns at once
-from the others (session 19 did the count in the wide pass itself: ~0.37 ms of 5.77 at
-the issue's shape, one 8-warp program per SM counting). The NARROW pass
+from the others (a separate small kernel counts: counting in the wide pass itself costs
+an 8-warp program per SM). The NARROW pass
 (``TIER=2``, ``NARROW_ROWS`` rows: one token at G = 16, nested in the wide tiles since both
 are aligned to the request's first token) then runs only the tokens of handed-over tiles,
 one wave of programs striding over the list (``_prefill_kernel``, LISTED; a grid of one
-program per token cost 73 us with nothing handed over at the model shape, bf16 cache,
-H100), in the same stream order (no sync; graph-capturable). Both tiers follow the declared
+program per token costs its launch even with nothing handed over), in the same stream
+order (no sync; graph-capturable). Both tiers follow the declared
 schedule (a row's own blocks in ascending order, one running max; with ``predecode`` the
 wide tier its own operand dtypes, Numerics below): a token's result is
 within the same bounds either way, but its bits may depend on which tier ran it, i.e. on
@@ -94,8 +92,8 @@ the model dtype = q's dtype), exactly what the kernel does:
 - ``S = q . K`` by ``tl.dot``, fp32 accumulation; logits in log2 units
   ``S * fp32(softmax_scale * log2(e))``, taken inside the softmax step: the running max is
   the unscaled max times that factor (the same fp32 value) and ``P = exp2(S * factor -
-  max)`` one fused multiply-add (the logit is not rounded on its own; session 31: one
-  product per logit fewer); online softmax with ``exp2``, one tile per KV block
+  max)`` one fused multiply-add (the logit is not rounded on its own; one product per
+  logit fewer); online softmax with ``exp2``, one tile per KV block
   in ascending block id (a row's own blocks in ascending order: ``p_max="running"``,
   ``blocks_per_tile=1``, ``order="ascending"``; blocks the row does not take part in leave
   its state unchanged); ``P @ V`` by ``tl.dot`` with fp32 accumulation, the row sum from
@@ -181,32 +179,22 @@ from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 from kernels.kv_predecode import predecode_options, predecode_pages
 from reference.platforms import is_fp8
 
-#: Query rows (tokens x padded heads) per program by default; see the module docstring.
-#: H200, model shape, 8k new tokens on an 8k prefix (reports/bench_attention_prefill.json,
-#: 2026-11-30): 128 rows (8 tokens x 16 heads) beat 64 on both selection distributions
-#: (bf16 locality 2.26 vs 4.20 ms, random 9.4 vs 11.2 ms); 16 rows (per token) was best on
-#: random selections (7.6 ms) but 3.5x slower on local ones.
+#: Query rows (tokens x padded heads) per program by default; see the module docstring:
+#: 128 rows (8 tokens x 16 heads) beat 64 on both local and random selections.
 BLOCK_ROWS = 128
 #: The narrow tier (module docstring, Tiers): rows per program, and per cache kind its warps,
 #: stages (16-bit: ``_num_stages``'s guess, fitted) and the most keys per online-softmax
 #: tile (``NARROW_KEYS*``; fewer when the page or ``block_keys`` is smaller: ``narrow_keys``).
-#: H100, model shape, random selections (session 31, ``reports/bench_attention_prefill_
-#: narrow31_h100.md``), one warp: no cross-warp reduction or barrier in the block loop:
-#: e4m3fn with 64-key tiles, 1 stage 3827 us (139.2 TFLOP/s useful) against 4384 with the
-#: session-20 choice (2 warps, whole blocks, 1 stage); 1 warp with 32-key tiles 4417, whole
-#: blocks 7525, 64-key tiles at 2 / 3 stages 4635 / 7010, 2 warps with 64-key tiles 6755;
-#: bf16 with 16-key tiles, 3 stages 4461 us (119.4) against 5258 (4 warps, whole blocks, 2
-#: stages); 32-key tiles 5022, 64-key tiles 9444 (spills). Session 19 (H200) had 16 rows x
-#: 4 warps best of 2, 4 and 8 warps at whole blocks.
+#: One warp: no cross-warp reduction or barrier in the block loop; short key tiles keep
+#: the registers (fp8: 64 keys, 1 stage; 16-bit: 16 keys, 3 stages).
 NARROW_ROWS = 16
 NARROW_WARPS = 1
 NARROW_KEYS = 16
 NARROW_FP8 = {"num_warps": 1, "num_stages": 1}
 NARROW_KEYS_FP8 = 64
 #: A wide tile is handed to the narrow tier when ``U * DELEGATE_RATIO`` exceeds its valid
-#: entries: one block iteration of the 128-row, 8-warp program cost ~32 ns of the H200
-#: (9.31 ms / (4,096 programs x ~70 union blocks) on random selections; ~29 on local ones),
-#: one of the 16-row, 4-warp program ~10 ns (5.40 ms / 524,288).
+#: entries: one block iteration of the 128-row, 8-warp program costs about three of the
+#: 16-row, 4-warp program's.
 DELEGATE_RATIO = 3
 #: A delegate_ratio that hands every wide tile with a selection to the narrow tier (the
 #: registered implementation ``triton_narrow`` runs with it).
@@ -218,20 +206,17 @@ TIER_ENTRIES_PER_WARP = 512
 #: Default warps per program. sm_90, model shape (static, compiled on the CPU): the main
 #: pass needs 255 registers per thread either way; with 4 warps ptxas spills 344 bytes per
 #: thread (bf16), with 8 none, and shared memory (144 KiB) allows one program per SM
-#: anyway. The H200 sweep is to confirm.
+#: anyway.
 NUM_WARPS = 8
 #: ``predecode=None`` (the default) predecodes an fp8 cache with scalar (or no) scales when
 #: the batch has at least ``PREDECODE_MIN_TOKENS`` new tokens and its block table's token
 #: capacity (``B x W x P``) is at most ``PREDECODE_TABLE_RATIO`` times them: the scratch
 #: (``B x W`` pages, 2 bytes per value) and the decoding pass then stay proportional to the
-#: new tokens, whose wide tiles re-read the shared blocks many times. H200, model shape (8k
-#: new tokens on an 8k prefix, e4m3fn, session 28, ``reports/bench_attention_prefill_
-#: predecode.md``): locality 2.57 -> 2.08 ms (207.5 -> 255.7 TFLOP/s useful), random 4.69
-#: -> 4.71 ms (its tiles go to the narrow tier, which reads the codes). A server whose block
+#: new tokens, whose wide tiles re-read the shared blocks many times. A server whose block
 #: table spans the model's whole context (W = max_model_len / P) falls outside the rule
 #: and passes ``predecode=True`` to spend the B x W pages of scratch. With the tiers, the
 #: predecode kernel decodes only if ``_tier_kernel`` kept a wide tile with a block (a
-#: device flag; random selections, every tile narrow: ~20 us saved on the H100).
+#: device flag).
 PREDECODE_MIN_TOKENS = 1024
 PREDECODE_TABLE_RATIO = 4
 LOG2E = 1.4426950408889634
@@ -372,9 +357,7 @@ def _prefill_kernel(
     about one wave of programs striding over the items of the list at ``list_ptr`` (int32,
     ``count_ptr[0]`` of them, each expanded to SUBS items in the narrow tier's first pass,
     whose list holds wide slots): a tier or a repair with nothing to do costs one wave of
-    programs that read a zero count, not a grid of empty programs (H100, model shape,
-    session 29: the narrow pass with no tile handed over took 73 us for a bf16 cache, 38
-    for fp8; the wide repair pass with none flagged 19 us). A first pass appends each tile
+    programs that read a zero count, not a grid of empty programs. A first pass appends each tile
     it flags for repair (module docstring, Masking) to the list at ``push_ptr``. TIER
     (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the tiles
     ``_tier_kernel`` marked at ``tier_ptr`` to 2, the narrow pass (``BLOCK_T`` tokens
@@ -498,10 +481,7 @@ def _prefill_kernel(
                 # (static sm_90, wide tier, model shape). At every pipeline depth: with the
                 # page loaded a block ahead the branch no longer keeps Triton's pipeliner to
                 # one K/V buffer at 3 stages (static sm_90, tests/test_static_sm90.py), and
-                # timed against a branchless loop at 3 stages (H100, session 34, A/B of two
-                # rounds, reports/ab-attention-prefill-branchless-h100.md) it was as fast on
-                # locality selections (0.998 / 1.002) and on random ones with an e4m3fn
-                # cache (1.002), 1.2% faster with bf16 (the narrow tier's 3 stages).
+                # it is no slower than a branchless loop (docs/tuning.md).
                 seen = (takes > 0) & (t_pos32 >= first_key + BN - 1)
                 whole = (tl.min((seen | (t_ok == 0)).to(tl.int32), axis=0) > 0) & page_ok
                 if whole:
@@ -670,7 +650,7 @@ def _num_stages(page: int, d: int, fp8: bool) -> int:
     shared memory for the dequantised operands and q (3 stages up to 32 KiB per stage, 2
     up to 64 KiB, else 1). The launcher lowers it
     until the compiled kernel fits (``fitting_stages``): with D = 256, P = 64, a 16-bit
-    cache and 16 heads per group, 2 stages asked for 240 KiB of the H200's 227."""
+    cache and 16 heads per group, 2 stages ask for 240 KiB where sm_90 has 227."""
     per_stage = 2 * page * d * (1 if fp8 else 2)
     return 3 if per_stage <= 32768 else 2 if per_stage <= 65536 else 1
 
@@ -910,8 +890,7 @@ def default_predecode(p: PrefillPlan, scalar: bool, width: int) -> bool:
 def binary_search_steps(batch: int) -> int:
     """``_tile_request``'s binary-search steps over ``batch`` requests: ceil(log2(B)), 0 for
     one request, whose tiles need no search (each step is a dependent load at the head of
-    every program's chain: H100, session 36, the wide grid's empty programs ~0.65 us a
-    wave with one step)."""
+    every program's chain)."""
     return (batch - 1).bit_length()
 
 
