@@ -39,18 +39,8 @@ exact fp32 widening (fp8 via ``kernels.fp8.decode_fp8``), exact products, fp32
 accumulation in another order than the reference's, inside the oracle's fp32 bound
 (gamma(D) |q||k|, any order); "mma": exact products, the MMA's accumulation (declared).
 
-Design numbers (model shape: Hi 4, 1 row, D 128, P 128, K 16; B 64 x 32k tokens; sm_90
-static numbers from ``benchmarks/static_sm90.py``; H200 times from graph replay, copy
-bandwidth 4.27 TB/s, ``reports/bench_indexer.json``), per key block and thread of 4 warps:
-
-    =================  ===========================  =========================================
-                       "fma" (LANES 4, BLOCK_N 32)  "mma" (whole blocks, STAGES 3)
-    =================  ===========================  =========================================
-    registers          bf16 233, e4m3 226           bf16 128, e4m3 (fp8 wgmma) 78
-    shared memory      bf16 64 KB, e4m3 32 KB       bf16 68 KB, e4m3 35 KB (2 tiles)
-    SASS per block     bf16 897, e4m3 945           bf16 296 (16 HGMMA), e4m3 269 (8 QGMMA)
-    H200, B 64         bf16 281 us, e4m3 192 us     bf16 144 us (87%), e4m3 86.5 us (73%)
-    =================  ===========================  =========================================
+The MMA scan is the compiled default: at the model shape it takes about half the FMA
+scan's registers and a third of its instructions per key block (docs/tuning.md).
 
 The knobs (``num_splits`` / ``blocks_per_split``, ``lanes_d``, ``block_n``, ``num_warps``,
 ``num_stages``, ``merge_chunk``, ``scan``) are for the GPU tuning run
@@ -207,7 +197,7 @@ MIN_BLOCKS_PER_SPLIT = 4
 #: Default pipeline depth of the MMA scan's key tiles (``scan="mma"``).
 MMA_STAGES = 3
 #: The MMA scan's default grid: one wave of at most this many programs per SM
-#: (``wave_splits``; more, though resident, made the H200 slower).
+#: (``wave_splits``; more, though resident, are slower).
 MAX_PROGRAMS_PER_SM = 4
 #: Declared score error of the MMA scan beyond an IEEE fp32 sum (``score_rel``, relative to
 #: sum |q_i k_i|): the tensor cores' truncating accumulation of 16-bit products
@@ -268,10 +258,7 @@ def wave_splits(slots: int, b: int, width: int) -> tuple[int, int]:
     """(S, blocks per split) of the compiled MMA scan's default: as many splits per request
     as fill ``slots`` programs in ONE wave (B x S <= slots: a second, partial wave is a tail
     that costs more than it hides), at least MIN_BLOCKS_PER_SPLIT blocks per split. The
-    launcher passes the GPU's resident programs, at most MAX_PROGRAMS_PER_SM per SM. H200,
-    model shape, B 64 (``reports/gpu-out/s6run*``): bf16 (3 resident per SM) S 2 / 4 / 6 /
-    8 / 12 / 16: 202 / 147 / 144 / 173 / 153 / 159 us; e4m3 on fp8 tensor cores (6
-    resident per SM) S 4 / 8 / 12 / 16: 106 / 86.5 / 109 / 102 us."""
+    launcher passes the GPU's resident programs, at most MAX_PROGRAMS_PER_SM per SM."""
     w = max(width, 1)
     s = max(1, min(slots // max(b, 1), w))
     bps = max(triton.cdiv(w, s), min(MIN_BLOCKS_PER_SPLIT, w))
