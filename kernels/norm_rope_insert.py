@@ -13,7 +13,7 @@ in fp32, then rotate-half RoPE with the table row of the token's position, as gi
 even R <= D: a head is loaded as three contiguous segments, the rotated halves [0, R/2) and
 [R/2, R) (each other's RoPE partners, element by element) and the pass-through dims [R, D),
 each padded to a power of two and masked, so R/2 need not be a power of two and every load
-is a vector load (a gathered partner load cost instructions on the H200). ``half`` = R/2 is
+is a vector load (a gathered partner load costs instructions). ``half`` = R/2 is
 a runtime argument, not a constexpr: one compile serves every R with the same padded
 segment widths (a constexpr R/2 compiled the kernel anew for each of the D/2 values, which
 kept a random-shape fuzz run compiling). Triton specialises it by divisibility as any
@@ -313,14 +313,10 @@ INTERPRETED = is_interpreted(_norm_rope_insert_kernel)
 
 # ---------------------------------------------------------------------------- launcher
 
-#: Launch defaults, tuned on the H200 (benchmarks/tune_insert.py; reports/tune-insert-h200.json).
+#: Launch defaults: the fastest of benchmarks/tune_insert.py's sweep (docs/tuning.md).
 BLOCK_H, NUM_WARPS, NUM_STAGES = 8, 2, 3
-#: Registers per thread (ptxas maxnreg; 0: the compiler's choice). With the token-blocked
-#: k / index loops the compiler takes 162 for a bf16 cache (6 programs of 2 warps per SM)
-#: and 128 for e4m3 (8); capped at 128, bf16 compiles to 122 with no spill and 8 programs:
-#: H200 bf16 194.2 -> 181.0 us, e4m3 178.5 / 178.7 (reports/tune-insert-token-blocks-
-#: h200.json; 112 spills: 240 us). (Session 8, before the token blocks, a cap of 96 had
-#: timed the same as the compiler's 114 for e4m3.)
+#: Registers per thread (ptxas maxnreg; 0: the compiler's choice): 128 fits more programs
+#: per SM without spilling at D <= 128.
 MAX_REGISTERS = 128
 
 
