@@ -86,7 +86,7 @@ _UNIT_SCALES: dict = {}
 
 def unit_scale(dev) -> torch.Tensor:
     """A read-only float32 1.0 on ``dev``, made once per device (a fill kernel per call
-    would cost a few microseconds of a ~200 us insert); never cached while a CUDA graph is
+    would be a measurable share of a short insert); never cached while a CUDA graph is
     being captured, since the tensor would then live in the graph's private pool."""
     key = str(dev)
     if key not in _UNIT_SCALES:

@@ -188,15 +188,10 @@ def _stream(dev: torch.device) -> int:
 #: variant 4 with every head in split lanes when R = D / 2 (a lane holds both halves of
 #: its RoPE pairs: no partner shuffles; other R run variant 4).
 VARIANTS = (0, 1, 2, 3, 4, 5)
-#: The default: variant 5, the fastest on the H200 (model shape, 16,384 tokens; session 14,
-#: the other heads in split lanes too: bf16 199.2 us against 215.7 with q alone in them,
-#: e4m3 203.2 against 223.6, reports/ab-insert-cuda-v5-split-rest-h200.md; session 13:
-#: bf16 215.9 us against 226.5 for variant 4 and 395.4 for variant 0; e4m3 223.9 against
-#: 234.7 and 435.0, reports/tune-insert-cuda-v5-h200.json; variant 4 had been 234.6 / 308.6
-#: against the best variant 3's 293 bf16, reports/tune-insert-cuda-v4-h200.json).
+#: The default: variant 5, the fastest at the model shape for bf16 and e4m3 caches.
 DEFAULT_VARIANT = 5
 #: Variant 0's launch shape: 4 warps per block, one head per warp at a time, 32 heads per
-#: block (tuned on the H200: benchmarks/tune_insert.py).
+#: block (the fastest of benchmarks/tune_insert.py's sweep).
 V0_WARPS, V0_BLOCK_H = 4, 32
 #: Variants 1 and 2 by default: 2 warps per block, 2 passes of 256 / D heads per warp.
 VEC_WARPS, VEC_ROUNDS = 2, 2
@@ -211,11 +206,8 @@ STREAM_STAGE_CHOICES = tuple(range(2, 9))
 #: Variants 4 and 5 by default (csrc/nri_device.cuh's kPersistDefaultWarps, kPersistRounds):
 #: 8 warps per block, 2 passes of 256 / D heads per warp and item.
 PERSIST_WARPS, PERSIST_ROUNDS = 8, 2
-#: Their passes per item: 2 only. 1 pass was the slowest shape on the H200 (247-300 us bf16
-#: against 230-235), 4 passes slower than 2 at every block width (188.5-192.1 us against
-#: 183.5-184.4, reports/tune-insert-v5-h200-s17.json); variants 3-5 compile one pass count
-#: each so that the cold build of csrc/ stays within 15 s on the H200 (31 s with 1, 2 and 4
-#: for variant 3 and 2 and 4 for variants 4 and 5; 13.2-14.7 s as now, session 19).
+#: Their passes per item: 2 only, the fastest; variants 3-5 compile one pass count each
+#: so that the cold build of csrc/ stays short.
 PERSIST_ROUND_CHOICES = (2,)
 
 

@@ -32,7 +32,7 @@ instances, including the module-level ``interpreter_builder``, see them through 
     downcasts with a non-default rounding mode (``rtz``). Encode = exact widening to fp32
     (fp64 via round-to-odd, so the final rounding is the only one), clip to +-max finite
     (satfinite), ml_dtypes RNE cast, NaN -> the canonical NaN code 0x7F. Satfinite is what
-    ``.to(tl.float8e4nv)`` and ``.to(tl.float8e5)`` measured on the H200
+    ``.to(tl.float8e4nv)`` and ``.to(tl.float8e5)`` do on sm_90
     (reports/probe-h200.json, 0 mismatches on every conformance set). ``float8e4b15`` (no
     ml_dtypes twin) keeps the original routine. The fnuz Triton types (``float8e4b8``,
     ``float8e5b16``) need nothing: 3.6's interpreter rejects them ("fail to convert fp8e4b8

@@ -68,7 +68,7 @@ _UNIT_ELEMS = 1 << 19
 _HEAVY_PAIRS = 4
 # KV heads run in up to THREADS threads when a call is large (NumPy and BLAS release the
 # GIL); results do not depend on it. Threads on top of a multi-threaded BLAS oversubscribe
-# the cores (measured: prefill 7.4 s -> 10.4 s on 2 cores), so the default is one thread
+# the cores (slower, measured on 2 cores), so the default is one thread
 # unless BLAS is pinned to one (OPENBLAS_NUM_THREADS=1 or OMP_NUM_THREADS=1), then the
 # cores. REFERENCE_ATTENTION_THREADS overrides; the module attribute may be set too.
 _BLAS_PINNED = "1" in (os.environ.get("OPENBLAS_NUM_THREADS"), os.environ.get("OMP_NUM_THREADS"))
