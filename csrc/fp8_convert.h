@@ -160,8 +160,8 @@ template <int FMT>
 CVT_HD uint8_t fp8_encode_satfinite(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   if (FMT == FMT_E4M3FN || FMT == FMT_E5M2) {
-    // A NaN of either sign and any payload gives 0x7F, the canonical code (measured on the
-    // H200; test_device_codec_equals_reference checks it on every GPU that runs the tests).
+    // A NaN of either sign and any payload gives 0x7F, the canonical code
+    // (test_device_codec_equals_reference checks it on every GPU that runs the tests).
     uint16_t pair;  // low byte: x, high byte: 0
     if (FMT == FMT_E4M3FN)
       asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(pair) : "f"(x), "f"(0.f));
