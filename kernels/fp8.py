@@ -360,7 +360,7 @@ def asm_f16(fmt: str, interpreted: bool) -> bool:
     all four. e5m2fnuz's assembly (``_E5M2FNUZ_F16X4``; static sm_90 at the model shape:
     decode, 3 stages, 3,480 SASS, no spills, against 5,824 and 136 B of spills on the fp32
     software path it replaced; prefill 7,912 against 9,504)."""
-    return not interpreted and fmt in (*HW_FORMATS, "e4m3fnuz", "e5m2fnuz")
+    return not interpreted and fmt in FP8_FORMATS
 
 
 @triton.jit
