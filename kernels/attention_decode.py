@@ -1,4 +1,4 @@
-"""Block-sparse GQA attention decode over a paged KV cache (SPEC.md section 6; issue 8), in
+"""Block-sparse GQA attention decode over a paged KV cache (SPEC.md section 6), in
 two Triton kernels: a split-K attention kernel and a log-sum-exp merge.
 
 Contract. ``rows_per_request`` (1..4) query rows per request, request-major; row j of
@@ -11,104 +11,13 @@ with ``j <= p`` (causal inside the current block) and ``j < seq_len``, read thro
 ``block_table[r, j // P]``. ``out = softmax(softmax_scale * q . K) @ V``, softmax_scale
 ``1/sqrt(D)`` by default.
 
-Grid and work split (designed for decode bandwidth):
-- ``_decode_split_kernel``: one program per (request, KV head, split). It owns the G query
-  heads of the KV group for every row of the request: the M dimension of its ``tl.dot`` is
-  (row, head) = ROWS_P x G_P (padded to >= 16). Each selected KV block is read ONCE per
-  program (K and V tiles ``[P, D]``), converted right after the load (fp8 via
-  ``kernels.fp8.decode_fp8``: hardware casts for e4m3fn/e5m2, software for fnuz), and used
-  by all G heads and all rows that selected it.
-- Splits: every row's valid blocks, in ascending block id, are cut into chunks of
-  ``blocks_per_split``; program ``c`` processes chunk ``c`` of every row. The chunk size
-  is fixed when given; by default (``auto_blocks_per_split``) it is ``BLOCKS_PER_SPLIT``
-  while the grid has at most ``TARGET_PROGRAMS`` programs and a multiple of it beyond
-  (fewer, longer programs: a program's start, three dependent global round trips, costs
-  as much as streaming a few blocks). The default therefore depends on the
-  batch size (B x Hkv), never on contents: a request's output is the same in every batch
-  of up to ``TARGET_PROGRAMS // (Hkv * cdiv(K, BLOCKS_PER_SPLIT))`` requests, and may
-  differ by rounding (within the declared schedule) in larger ones; a fixed
-  ``blocks_per_split`` makes it batch-invariant at any size. The rows of a request
-  select different blocks, so the program walks the UNION of its rows' chunk-c blocks in
-  ascending id; a row takes part in a block only if that block is in its own chunk c (its
-  logits are masked with ``where``, never by adding -inf). For each row this is exactly
-  "its own chunk, its own blocks in ascending order", whatever the other rows selected.
-  The plan (validity, dedup, per-row ascending ranks, the union) is computed in registers
-  at the start of each program by pairwise comparisons of the rows' K entries; nothing is
-  sorted on the host and nothing is read back. Each union block is carried as
-  ``block * 16 + (bit mask of the rows that take it)``, so one reduction per step yields
-  the block, the rows that take it and the last key they see.
-- Key streams (``key_streams``, one row per request; ``_stream_loop``): the same union walk,
-  each block's keys cut into per-warp slices, each slice sequence its own online softmax,
-  merged once per program (declared ``Schedule.key_streams``; the default for the fnuz
-  formats, ``KEY_STREAM_FORMATS``).
-- One split in total (``cdiv(K, blocks_per_split) == 1``): the attention kernel writes the
-  output directly. Otherwise it writes fp32 partials ``o_c = acc / l`` and
-  ``lse_c = m + log2(l)`` (log2 units), and ``_merge_rows`` forms ``out = sum_c w_c o_c /
-  sum_c w_c`` with ``w_c = exp2(lse_c - max_c lse_c)``; empty chunks have ``lse = -inf``
-  (weight 0, o = 0), rows with no key at all give zeros. One row per request: in the same
-  launch, by the program that draws the last ticket of its (request, KV head) counter
-  (``atomic_add``, acq_rel, after a CTA barrier; partials read back from L2; the counter
-  reset to 0 for the next call), as the index decode merges: no second launch. Several
-  rows: ``_decode_merge_kernel`` after the repair pass (which may rewrite partials), one
-  program per row and block of heads. The merge order is fixed (split 0, 1, ...), so the
-  result does not depend on which program arrives last.
-
-Numerics: the rounding schedule declared in the registry (``schedule(model_dtype)``, with
-act = the model dtype = q's dtype):
-- fp8 with scalar (or no) scales (``kernels._attention.operand_dtypes``): both products on
-  fp16 operands whatever the model dtype. K/V: the codes' exact values in fp16 (every fp8
-  value is one: one ``cvt`` e4m3x2 -> f16x2 per two codes; V through
-  ``kernels.fp8.decode_fp8_f16``, opaque to Triton so it stages fp16 in shared memory for
-  ``ldmatrix.trans``; K converted in registers, in the MMA operand layout (staging it too
-  is slower); e4m3fnuz, which NVIDIA cannot convert, takes both by bit placement as its
-  values / 128 (``decode_fp8_f16(..., UNIT=True)``'s assembly, 11 instructions per four
-  codes; the factor multiplied back into the logits and the output in fp32, exact; marked
-  pure for K so K stays in registers), ``Schedule.kv_dtype = "float64"``; the
-  scales applied in fp32 outside the products: the logit scale ``fp32(softmax_scale *
-  log2(e)) * k_scale`` and the output (or each split's partial) times ``v_scale`` (the
-  bound allows the two extra fp32 roundings). q: each row times a power of two and
-  rounded to fp16 (``kernels._attention.q_operand``, ``q_dtype = "float16"``: exact
-  unless an element lies 2^31 below its row's largest), the row's logit scale times the
-  inverse power. P rounded to fp16 (``p_dtype = "float16"``). sm_90 SASS per key block
-  and thread at the model shape: 771 (bf16 cache: 590), down from 1,627 with bf16
-  operands (K through f16 -> f32 -> bf16, V gathered byte by byte: see
-  ``decode_fp8_f16``).
-  e5m2fnuz on bf16 operands instead (``kernels._attention.operand_dtypes``): K/V its
-  values / 2^111 by bit placement (``kernels.fp8._E5M2FNUZ_BF16X4_UNIT``, 11 instructions
-  per four codes; fp16 cannot hold its top binade at the placed scale and took 19), q
-  row-scaled to bf16, P times 2^111 rounded to bf16 (the factor cancels in ``P @ V``; the
-  logits get 2^111 back in fp32): ``(float64, bfloat16, bfloat16)``, faster than fp16
-  operands at a negligible RMSE cost (P's 3 bits).
-- Per-slot fp8 scales: ``act(fp32(decode(code) * scale))`` (exact decode, one fp32
-  multiply, RNE to act), ``kv_dtype = act``. bf16/fp16 caches: the value converted to act
-  (exact when the cache has the model dtype), ``kv_dtype = act``; q as given, P in act.
-- ``S = q . K`` by ``tl.dot`` with fp32 accumulation; logits in log2 units ``S *
-  fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
-  (``p_max="running"``, ``blocks_per_tile=1``; with the ``block_keys`` knob, tiles of
-  that many keys: ``Schedule.tile_keys``), ``P @ V`` by ``tl.dot`` with fp32
-  accumulation, the row sum from the unrounded fp32 P.
-- Split-K: ``blocks_per_split`` blocks per chunk, ascending block order, partials and LSE in
-  fp32, the exact merge above; output rounded once to act (RNE).
-
-Masking (SPEC.md s.6): every K/V load is masked to keys ``j <= max position of the rows
-that take part in the block`` (so ``j < seq_len``) in a page whose block-table entry is in
-range; other lanes read 0. When the rows sharing a tile do not all see the same keys (a
-row that did not select the block, or the causal cut of the current block with several
-rows), a NaN/Inf in V that some row sees must not reach the others through ``0 * NaN`` in
-the shared ``P @ V``. It then always leaves a NaN in the accumulator: with several rows
-per request, the first pass checks its accumulator once, after the loop
-(``kernels._attention.not_finite``), and flags the program (one int32 each); a second
-launch of the split kernel (``REPAIR=True``) recomputes the flagged programs (the others
-store nothing), each block whose ``P @ V`` is non-finite on a guarded path
-(``repair_pv`` -> ``guarded_pv``) that multiplies the finite part of V and adds the
-non-finite contributions (NaN, +-Inf, and ``0 * Inf = NaN`` where a row's rounded P is 0)
-only to the rows that see them, counted exactly by 0/1 matrix products. Inlined in the
-main pass, the guarded path made ptxas spill 0.5-1 KiB per thread at 2-4 rows.
-
-In-kernel guards (contents are only checked under ``validate=True``): entries outside
-``[0, p // P]`` are ignored, repeats count once, block-table entries outside
-``[0, num_pages)`` (or a block past the table's width) read nothing, rows with ``p < 0``
-see no key. Offsets are 64-bit.
+Design (docs/kernels/attention_decode.md): one program per (request, KV head, split)
+owns the G query heads of every row of the request, so each selected KV block is read
+once and shared by all of them; split-K chunks merge by log-sum-exp (in the last split
+or a merge kernel). Numerics: the rounding schedule declared in the registry
+(``DecodeSchedule``). NaN content a row must not see never reaches it (a repair pass
+recomputes tiles whose shared ``P @ V`` met a non-finite V); bad contents are guarded,
+never an illegal access.
 
 ``sparse_attention_decode(...)`` is the host launcher (validates dtypes, shapes, strides,
 formats and scales; raises ValueError naming the argument); ``run(inputs)`` is the oracle
@@ -268,7 +177,7 @@ def _decode_split_kernel(
     if TRACE:
         stamp(trace_ptr, trace_row, 1)
     seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
-    # Several rows: the flag of this program for the repair pass (module docstring).
+    # Several rows: the flag of this program for the repair pass (docs/kernels/attention_decode.md).
     flag = flag_ptr + (r64 * tl.num_programs(1) + g64) * tl.num_programs(2) + c
     go = True
     if REPAIR:
@@ -492,9 +401,9 @@ INTERPRETED = is_interpreted(_decode_split_kernel)
 
 
 def auto_blocks_per_split(batch: int, hkv: int, topk_k: int) -> int:
-    """The default split size (module docstring): ``BLOCKS_PER_SPLIT`` times the factor
-    that brings the grid ``batch * hkv * splits`` down to about ``TARGET_PROGRAMS`` (1 for
-    small batches; model shape: batch 64 and up -> one split of 16 blocks)."""
+    """The default split size (docs/kernels/attention_decode.md): ``BLOCKS_PER_SPLIT`` times the
+    factor that brings the grid ``batch * hkv * splits`` down to about ``TARGET_PROGRAMS`` (1
+    for small batches; model shape: batch 64 and up -> one split of 16 blocks)."""
     max_splits = _max_splits(topk_k)
     splits = max(1, min(max_splits, TARGET_PROGRAMS // max(1, batch * hkv)))
     return BLOCKS_PER_SPLIT * -(-max_splits // splits)
@@ -502,8 +411,9 @@ def auto_blocks_per_split(batch: int, hkv: int, topk_k: int) -> int:
 
 def invariant_batch(hkv: int, topk_k: int) -> int:
     """The largest batch up to which the defaults keep a request's output bit-identical
-    whatever the batch (module docstring): the split size stays ``BLOCKS_PER_SPLIT``, and
-    ``launch_defaults`` picks one launch for every batch up to it (model shape: 4)."""
+    whatever the batch (docs/kernels/attention_decode.md): the split size stays
+    ``BLOCKS_PER_SPLIT``, and ``launch_defaults`` picks one launch for every batch up to it
+    (model shape: 4)."""
     return TARGET_PROGRAMS // (hkv * _max_splits(topk_k))
 
 
@@ -547,7 +457,7 @@ def default_key_streams(kv_fmt: str, rows: int, d: int, page: int, batch: int, h
 @dataclass(frozen=True)
 class DecodeSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
-    calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
+    calls ``schedule_for(impl, model_dtype, case)``); see docs/kernels/attention_decode.md.
     ``blocks_per_split`` None: the launcher's default for the case's batch
     (``auto_blocks_per_split``; ``BLOCKS_PER_SPLIT`` without a case). ``block_keys``: the
     launch knob's tiles (``Schedule.tile_keys``; None or the page size: whole blocks).
@@ -689,7 +599,7 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     ``validate=True``: also check contents on the host (a sync):
     seq_lens, block-table entries of used blocks, selections in range without repeats,
     positive finite scales, a workspace's counters all zero. Without it, bad contents are
-    guarded in the kernel (never an illegal access; see the module docstring).
+    guarded in the kernel (never an illegal access; see docs/kernels/attention_decode.md).
     Launch knobs (speed only): num_warps, num_stages, max_registers, block_keys,
     key_streams (``_launch_knobs``). ``trace``: a diagnostic (``kernels._trace``, compiled
     only) written by the first pass (``_launch_decode``). ``workspace``: a

@@ -1,4 +1,4 @@
-"""Block-sparse GQA attention prefill over a paged KV cache (SPEC.md section 6; issue 9), in
+"""Block-sparse GQA attention prefill over a paged KV cache (SPEC.md section 6), in
 one Triton kernel.
 
 Contract. A ragged batch of new tokens: request r owns tokens ``cu_seqlens_q[r] ..
@@ -13,115 +13,13 @@ current block) and ``j < seq_len``, read through ``block_table[r, j // P]`` from
 last dim contiguous). ``out = softmax(softmax_scale * q . K) @ V``, softmax_scale
 ``1/sqrt(D)`` by default.
 
-Tiling (the point of this kernel: tokens that share blocks share KV reads).
-- One program per (query tile, KV head). A query tile is ``BLOCK_T`` consecutive new tokens
-  of one request times the ``G`` query heads of the KV group: the M dimension of both
-  ``tl.dot`` is (token, head) = ``BLOCK_T x G_P`` rows (``G_P`` = G padded to a power of
-  two; ``BLOCK_T * G_P`` >= 16, 64 by default: G 16 -> 4 tokens, G 1 -> 64 tokens).
-  Tiles never straddle requests: with ``BLOCK_T`` tokens per tile, request r's tiles get
-  program ids ``cu_seqlens_q[r] // BLOCK_T + r + i`` and a program finds its request by a
-  binary search over ``cu_seqlens_q`` (vLLM's unified-attention trick), so the grid
-  ``T // BLOCK_T + B`` needs no host sync; surplus programs exit at once.
-- The program walks the UNION of its tokens' valid selections in ascending block id,
-  without sorting anything and without a workspace: the tile's entries are held in
-  registers as a ``[BLOCK_T, K]`` array (invalid ones -- negative, past the token's
-  ``p // P``, past the block table -- replaced by a sentinel), and the next block is the
-  minimum entry greater than the current one. A first pass of that recurrence (no loads)
-  counts the union (a one-token tile: its valid entries, an upper bound that a repeated
-  entry exceeds by trips finding no block), so the main loop is a ``for`` with a runtime
-  trip count (Triton pipelines ``for`` loops, not ``while`` loops). The next block and its
-  block-table entry are found one block ahead, after the current block's loads are issued
-  (a loop-carried pair), so K/V's addresses never wait for a page load. Each union block
-  is loaded ONCE (K and V ``[P, D]``, converted right after the load: fp8 via
-  ``kernels.fp8.decode_fp8``, hardware casts for e4m3fn/e5m2, the software codec for
-  fnuz) and multiplied with all ``BLOCK_T x G`` rows; a row takes part only if the block is in
-  its own selection (a per-token membership test ``any(entries == block)``), and only in keys
-  ``j <= p``. Logits are masked with ``where``, never by adding -inf.
-- Cost. Per program: ``U`` = |union of the tile's selections| block iterations, each two
-  ``[BLOCK_T*G_P, P] x [P, D]``-sized MMAs plus ``O(BLOCK_T * K)`` integer compares. Useful
-  work is ``K`` blocks per token, so the MMA efficiency is ``K / U``:
-  * local selections (recent blocks plus a few shared far ones, the common case in
-    practice): neighbouring tokens select nearly the same blocks, ``U`` ~ ``K`` + a few,
-    efficiency close to 1, and each block is read once per tile instead of once per token;
-  * random selections among ``V`` visible blocks: ``U`` ~ ``V (1 - (1 - K/V)^BLOCK_T)``;
-    at the issue's benchmark shape (K 16, V 65..128, G 16) 4 tokens per tile (64 rows)
-    give U ~ 44-53 (efficiency ~ 1/3), 8 tokens U ~ 58-84 (~ 1/4). Smaller tiles cut the
-    waste but shrink the MMA M dimension; ``block_rows`` (rows per tile) is the knob
-    (``BLOCK_ROWS``: the per-block overhead, not the MMA waste, dominates).
-  The same union walk is what flex_attention does with a block mask (its q-block of 128
-  tokens unions much more: the 13 TFLOP/s of NOTES.md); the per-token (M = G = 16) form
-  wastes nothing but runs its MMAs at M = 16.
-
-Tiers (the launcher's default; ``delegate_ratio=0`` turns them off). Which tile size wins
-depends on the selections, which the host cannot see without a sync: the 128-row tiles
-are fastest on local selections and slowest on random ones, the per-token 16-row tiles
-in between on both (docs/tuning.md). So the launcher runs two passes of this kernel,
-decided per tile on the device. ``_tier_kernel`` (one small program per wide tile and KV
-head) counts the tile's union ``U``; when ``U * DELEGATE_RATIO`` exceeds the tile's valid
-entries (about the narrow tier's block iterations for those tokens, each ~3x cheaper) it
-writes 1 at the tile's slot of an int32 array (counting stops there), else 0, and appends
-the handed slot to a list. The WIDE
-pass (``TIER=1``, ``BLOCK_T`` tokens) computes the tiles marked 0 and returns at once
-from the others (a separate small kernel counts: counting in the wide pass itself costs
-an 8-warp program per SM). The NARROW pass
-(``TIER=2``, ``NARROW_ROWS`` rows: one token at G = 16, nested in the wide tiles since both
-are aligned to the request's first token) then runs only the tokens of handed-over tiles,
-one wave of programs striding over the list (``_prefill_kernel``, LISTED; a grid of one
-program per token costs its launch even with nothing handed over), in the same stream
-order (no sync; graph-capturable). Both tiers follow the declared
-schedule (a row's own blocks in ascending order, one running max; with ``predecode`` the
-wide tier its own operand dtypes, Numerics below): a token's result is
-within the same bounds either way, but its bits may depend on which tier ran it, i.e. on
-the selections of the tokens sharing its wide tile (the tensor-core instruction differs:
-M = 128 vs M = 16). Tiles never straddle requests, so other requests never change it.
-
-Numerics: the rounding schedule declared in the registry (``SCHEDULE(model_dtype)``, act =
-the model dtype = q's dtype), exactly what the kernel does:
-- Operands as in the decode kernel (``kernels.attention_decode``, Numerics): fp8 with
-  scalar (or no) scales runs both products on fp16 operands (K/V exact, ``kv_dtype =
-  "float64"``, scales in fp32 outside the products; q row-scaled to fp16, ``q_dtype =
-  "float16"``; P in fp16; e5m2fnuz on bf16 operands, its values / 2^111, with q and P in
-  bf16: ``kernels._attention.operand_dtypes``); per-slot scales and 16-bit caches: K/V, P
-  in act, q as given.
-- The wide tier on predecoded pages (``predecode``: fp8 with scalar scales, the values
-  decoded once to act by ``kernels.kv_predecode``): K/V exact in act, scales in fp32
-  outside the products as above, q as given, P in act: the second schedule of
-  ``PrefillSchedule``'s pair, which the adapter reports per row (``schedule_rows``). Its
-  rows' bits differ from the fp8 path's (bf16 P instead of fp16 for a bf16 model): why,
-  ``kernels.kv_predecode``.
-- ``S = q . K`` by ``tl.dot``, fp32 accumulation; logits in log2 units
-  ``S * fp32(softmax_scale * log2(e))``, taken inside the softmax step: the running max is
-  the unscaled max times that factor (the same fp32 value) and ``P = exp2(S * factor -
-  max)`` one fused multiply-add (the logit is not rounded on its own; one product per
-  logit fewer); online softmax with ``exp2``, one tile per KV block
-  in ascending block id (a row's own blocks in ascending order: ``p_max="running"``,
-  ``blocks_per_tile=1``, ``order="ascending"``; blocks the row does not take part in leave
-  its state unchanged); ``P @ V`` by ``tl.dot`` with fp32 accumulation, the row sum from
-  the unrounded fp32 P; no split-K; output rounded once
-  to act (RNE). Rows with no key give zeros.
-
-Masking (SPEC.md s.6): every K/V load is masked to keys ``j <= max position of the tile's
-tokens that selected the block`` (hence ``j < seq_len``) in a page whose block-table entry
-is in range; other lanes read 0, so NaN content past seq_len, in unused pages or in
-unselected blocks never enters any arithmetic. Keys loaded for some rows of the tile but
-not seen by others (a token that did not select the block, the causal cut inside the
-current block) are masked in the logits; a non-finite V in such a key would still reach
-the others through ``0 * NaN`` in the shared ``P @ V``. It then always leaves a NaN in
-the accumulator, so the first pass checks its accumulator once, after the loop
-(``kernels._attention.not_finite``; tiles of one token need no check) and appends the
-tile to a list (an atomic count); a second launch of the same kernel (``REPAIR=True``, one
-wave of programs striding over the listed tiles: none listed, a few microseconds)
-recomputes it, each block whose ``P @ V`` is
-non-finite by ``kernels._attention.guarded_pv`` (exact 0/1 counts of the non-finite values
-each row sees; ``repair_pv``). Inlined in the main pass, the guarded path's [N, D]
-temporaries made ptxas spill 1.5 KiB per thread at the model shape (sm_90, 4 warps); a
-per-block check cost a reduction and a branch in every iteration of the main loop.
-
-In-kernel guards (contents are only checked under ``validate=True``): entries outside
-``[0, p // P]`` or past the block table's width are ignored, repeats count once,
-block-table entries outside ``[0, num_pages)`` read nothing, tokens past ``T`` (a bad
-``cu_seqlens_q``) are skipped, tokens with ``p < 0`` (``seq_len < query_len``) see no key.
-Offsets are 64-bit.
+Design (docs/kernels/attention_prefill.md): one program per (query tile, KV head) walks
+the union of its tokens' selections, so tokens that share blocks share KV reads; two
+tiers (wide tiles, and per-token narrow tiles for tiles whose union is large) are
+chosen per tile on the device. Numerics: the rounding schedule declared in the registry
+(``PrefillSchedule``; with ``predecode``, a second schedule for the wide tier's rows).
+NaN content a row must not see never reaches it (a repair pass); bad contents are
+guarded, never an illegal access.
 
 ``sparse_attention_prefill(...)`` is the host launcher (validates dtypes, shapes, strides,
 formats and scales; raises ValueError naming the argument); ``run(inputs)`` is the oracle
@@ -179,14 +77,15 @@ from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 from kernels.kv_predecode import predecode_options, predecode_pages
 from reference.platforms import is_fp8
 
-#: Query rows (tokens x padded heads) per program by default; see the module docstring:
-#: 128 rows (8 tokens x 16 heads) beat 64 on both local and random selections.
+#: Query rows (tokens x padded heads) per program by default; see the
+#: docs/kernels/attention_prefill.md: 128 rows (8 tokens x 16 heads) beat 64 on both local and
+#: random selections.
 BLOCK_ROWS = 128
-#: The narrow tier (module docstring, Tiers): rows per program, and per cache kind its warps,
-#: stages (16-bit: ``_num_stages``'s guess, fitted) and the most keys per online-softmax
-#: tile (``NARROW_KEYS*``; fewer when the page or ``block_keys`` is smaller: ``narrow_keys``).
-#: One warp: no cross-warp reduction or barrier in the block loop; short key tiles keep
-#: the registers (fp8: 64 keys, 1 stage; 16-bit: 16 keys, 3 stages).
+#: The narrow tier (docs/kernels/attention_prefill.md, Tiers): rows per program, and per cache
+#: kind its warps, stages (16-bit: ``_num_stages``'s guess, fitted) and the most keys per
+#: online-softmax tile (``NARROW_KEYS*``; fewer when the page or ``block_keys`` is smaller:
+#: ``narrow_keys``). One warp: no cross-warp reduction or barrier in the block loop; short key
+#: tiles keep the registers (fp8: 64 keys, 1 stage; 16-bit: 16 keys, 3 stages).
 NARROW_ROWS = 16
 NARROW_WARPS = 1
 NARROW_KEYS = 16
@@ -301,13 +200,13 @@ def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tok
                  list_ptr, count_ptr, wide_ptr,
                  BLOCK_T: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
                  PDL: tl.constexpr = False):
-    """The tiers' switch (module docstring, Tiers), one small program per (wide tile, KV
-    head): 1 at the tile's slot of ``tier_ptr`` when its union U has ``U *
-    delegate_ratio`` > its valid entries (counting stops there), else 0 (surplus programs
-    too); a handed tile's slot is also appended to the narrow pass's list at ``list_ptr``
-    (``count_ptr[0]`` entries, in no particular order); a tile kept with a block in its
-    union sets ``wide_ptr[0]`` to 1 (the wide pass reads pages: a predecode is needed).
-    PDL: ``kernels._triton.await_previous_kernel`` first (the launcher's ``pdl``)."""
+    """The tiers' switch (docs/kernels/attention_prefill.md, Tiers), one small program per (wide
+    tile, KV head): 1 at the tile's slot of ``tier_ptr`` when its union U has ``U *
+    delegate_ratio`` > its valid entries (counting stops there), else 0 (surplus programs too);
+    a handed tile's slot is also appended to the narrow pass's list at ``list_ptr``
+    (``count_ptr[0]`` entries, in no particular order); a tile kept with a block in its union
+    sets ``wide_ptr[0]`` to 1 (the wide pass reads pages: a predecode is needed). PDL:
+    ``kernels._triton.await_previous_kernel`` first (the launcher's ``pdl``)."""
     await_previous_kernel(PDL)
     tile = tl.program_id(0)
     g64 = tl.program_id(1).to(tl.int64)
@@ -358,8 +257,9 @@ def _prefill_kernel(
     ``count_ptr[0]`` of them, each expanded to SUBS items in the narrow tier's first pass,
     whose list holds wide slots): a tier or a repair with nothing to do costs one wave of
     programs that read a zero count, not a grid of empty programs. A first pass appends each tile
-    it flags for repair (module docstring, Masking) to the list at ``push_ptr``. TIER
-    (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the tiles
+    it flags for repair (docs/kernels/attention_prefill.md, Masking) to the list at
+    ``push_ptr``. TIER (docs/kernels/attention_prefill.md, Tiers): 0 every tile here; 1 the wide
+    pass, which leaves the tiles
     ``_tier_kernel`` marked at ``tier_ptr`` to 2, the narrow pass (``BLOCK_T`` tokens
     nested in the wide tiles' ``WIDE_T``). PDL: ``kernels._triton.await_previous_kernel``
     first (the launcher's ``pdl``)."""
@@ -523,7 +423,7 @@ INTERPRETED = is_interpreted(_prefill_kernel)
 @dataclass(frozen=True)
 class PrefillSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
-    calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
+    calls ``schedule_for(impl, model_dtype, case)``); see docs/kernels/attention_prefill.md.
     ``block_keys`` / ``narrow_block_keys``: the launch knobs' tiles (``Schedule.tile_keys``;
     None or the page size: whole blocks; ``narrow_block_keys`` None: ``narrow_tile_keys``,
     the launcher's default)."""
@@ -679,7 +579,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     contiguous), written and returned. ``validate=True``: also check contents on the host
     (a sync): cu_seqlens_q against T and seq_lens, block-table entries of used blocks,
     selections in range without repeats, positive finite scales. Without it, bad contents
-    are guarded in the kernel (never an illegal access; see the module docstring).
+    are guarded in the kernel (never an illegal access; see docs/kernels/attention_prefill.md).
     Launch knobs (speed only): block_rows, num_warps, num_stages, delegate_ratio,
     narrow_rows, narrow_warps, narrow_stages, narrow_max_registers, block_keys,
     narrow_block_keys, predecode_rows, predecode_warps (``_prefill_knobs``).
@@ -687,15 +587,15 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     decoded once to their exact values in the model dtype (``kernels.kv_predecode``; a
     scratch of ``B x max_blocks`` pages of 2-byte values) and the wide tier run on them as
     on a 16-bit cache in act, the scales in fp32 outside the products: q as given and P in
-    act (the module docstring's second schedule, ``PrefillSchedule``), where the fp8 path
-    row-scales q to fp16 and rounds P to fp16; the narrow tier reads the fp8 codes on the
-    fp8 path. None (default): True where ``default_predecode`` says so, else False.
-    pdl: programmatic dependent launch of every kernel of the call (compiled, sm_90; a
-    no-op interpreted): each launch may be scheduled while the stream's previous kernel
-    finishes, its programs waiting for that kernel's completion before touching memory
+    act (docs/kernels/attention_prefill.md's second schedule, ``PrefillSchedule``), where the
+    fp8 path row-scales q to fp16 and rounds P to fp16; the narrow tier reads the fp8 codes on
+    the fp8 path. None (default): True where ``default_predecode`` says so, else False. pdl:
+    programmatic dependent launch of every kernel of the call (compiled, sm_90; a no-op
+    interpreted): each launch may be scheduled while the stream's previous kernel finishes, its
+    programs waiting for that kernel's completion before touching memory
     (``kernels._triton.await_previous_kernel``), so the results are a plain launch's.
-    schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills
-    (no sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
+    schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills (no
+    sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
     schedules: 0 the wide tier on the cache, 1 on predecoded pages, 2 the narrow tier."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
@@ -761,7 +661,8 @@ def _prefill_knobs(p, block_rows, num_warps, num_stages, delegate_ratio, narrow_
                     its Triton launch options (default ``NUM_WARPS``, and ``_num_stages``);
                     a given num_stages is the first pass's, the repair pass taking the
                     deepest up to it that fits.
-    delegate_ratio  the tiers' switch (module docstring, Tiers; default ``DELEGATE_RATIO``;
+    delegate_ratio  the tiers' switch (docs/kernels/attention_prefill.md, Tiers; default
+    ``DELEGATE_RATIO``;
                     0: every tile in the wide tier; a huge value: every tile with a
                     selection in the narrow tier).
     narrow_rows     rows per program of the narrow tier (a power of two, default
@@ -896,7 +797,7 @@ def binary_search_steps(batch: int) -> int:
 
 def _grid(p: PrefillPlan, block_t: int) -> tuple[int, int]:
     """Programs of a pass with ``block_t`` tokens per tile: (tiles, KV heads); tiles never
-    straddle requests, hence up to one surplus per request (module docstring)."""
+    straddle requests, hence up to one surplus per request (docs/kernels/attention_prefill.md)."""
     return p.t // block_t + p.batch, p.hkv
 
 
@@ -921,11 +822,11 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     """One tier's launches: the main pass (over the grid of wide tiles, or LISTED over
     ``items``, the list of handed wide slots ``_tier_kernel`` wrote: the narrow tier), then
     the repair pass, LISTED over the tiles the main pass appended to its repair list, whose
-    count is ``count`` (one zero int32; module docstring; tiles of one token never need
-    it). fit_stages: num_stages is ``_num_stages``'s guess lowered until both passes fit
-    shared memory; else the first pass takes ``const["num_stages"]`` as given and the
-    repair pass the deepest up to it that fits (a caller's ``num_stages=3`` at the model
-    shape: 3 for the first pass, 2 for the repair pass)."""
+    count is ``count`` (one zero int32; docs/kernels/attention_prefill.md; tiles of one token
+    never need it). fit_stages: num_stages is ``_num_stages``'s guess lowered until both passes
+    fit shared memory; else the first pass takes ``const["num_stages"]`` as given and the repair
+    pass the deepest up to it that fits (a caller's ``num_stages=3`` at the model shape: 3 for
+    the first pass, 2 for the repair pass)."""
     block_t = const["BLOCK_T"]
     wide_t = const["WIDE_T"] if const.get("TIER") == 2 else block_t  # the slots' tile
     slots = _grid(p, wide_t)
@@ -957,8 +858,8 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
             fitting_stages(_prefill_kernel, args(r), {**const, "REPAIR": r, "LISTED": li},
                            q.device, deepest=deepest)
             for r, li in passes)
-    # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
-    # their rows must not see are listed by the first and recomputed by the second.
+    # Two passes (docs/kernels/attention_prefill.md): the tiles whose P @ V met a non-finite V
+    # that some of their rows must not see are listed by the first and recomputed by the second.
     for repair, li in passes:
         kw = {**const, "REPAIR": repair, "LISTED": li}
         # A caller's depth is the first pass's; the repair pass's guarded P @ V takes more

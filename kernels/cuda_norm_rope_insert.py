@@ -1,5 +1,5 @@
 """The CUDA fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert
-(csrc/norm_rope_insert.cu; issue 6), bound with ctypes: no torch headers, no extension build.
+(csrc/norm_rope_insert.cu), bound with ctypes: no torch headers, no extension build.
 
 ``norm_rope_insert(...)`` has the signature and contract of the Triton launcher
 ``kernels.norm_rope_insert.norm_rope_insert`` (plus its own launch knobs ``variant``,

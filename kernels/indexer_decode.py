@@ -1,4 +1,4 @@
-"""Decode indexer in ONE Triton kernel (SPEC.md section 5; issue 7): block scores and top-k
+"""Decode indexer in ONE Triton kernel (SPEC.md section 5): block scores and top-k
 selection for 1..4 query rows per request, fused, split over key blocks with an exact merge
 of the partial top-k lists in the same launch.
 

@@ -1,4 +1,4 @@
-"""The decode indexer's flat grid (``indexer_decode(..., grid="flat")``; issue 7): the same
+"""The decode indexer's flat grid (``indexer_decode(..., grid="flat")``): the same
 selection as the split grid of ``kernels/indexer_decode.py``, with the key blocks of the
 whole batch shared out evenly over a fixed number of programs instead of request by request.
 

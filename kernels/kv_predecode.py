@@ -1,5 +1,5 @@
 """The pages a prefill batch reads, decoded once from fp8 to their exact values in the model
-dtype, in one Triton kernel (issue 9: e4m3 prefill at least as fast as bf16).
+dtype, in one Triton kernel.
 
 Why. The prefill's wide tier multiplies each union block with 128 query rows on the tensor
 cores, whose operands must sit in shared memory as 16-bit values: an fp8 block is loaded,
