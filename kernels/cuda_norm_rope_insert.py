@@ -17,34 +17,8 @@ adapter (``adapter(norm_rope_insert)``, the Triton adapter's body with the launc
 parameter), registered as implementation ``"cuda"`` of op ``"norm_rope_insert"`` when a
 CUDA device and nvcc are present.
 
-Variants (``variant=``; 5 by default, ``DEFAULT_VARIANT``):
-- 0: the original kernel, a warp per head: lane l holds D/32 dims, RoPE partners through
-  shared memory, 4 warps per block;
-- 1: 16-byte lanes (a lane holds 8 contiguous dims, a head D/8 lanes, a warp 256/D heads per
-  instruction), all x loads of a warp's heads issued before the first reduction, RoPE
-  partners by warp shuffles inside the head's lanes (8 per lane and pass when R/2 % 8 is 0
-  or 4, else 16), cos/sin read once per warp straight from the table;
-- 2: as 1, but each lane re-reads its partner dims' x and weight from global memory (L1/L2
-  hits; 16-byte loads when R/2 % 8 == 0) instead of shuffling;
-- 3: persistent (a grid of SMs x resident blocks, each block owning whole tokens in turn),
-  every token's row bytes, table row and slots copied into a pipeline of ``num_stages``
-  shared-memory stages by cp.async (loads in flight cost no registers), then the lanes of 1
-  and 2 compute from shared memory (RoPE partners through a per-warp shared scratch):
-  csrc/nri_stream.cuh. Rows not 16-byte aligned (base or row stride), a table not 4-byte
-  aligned, or (with ``num_stages=None``) a row too wide for two stages in the device's
-  shared memory run variant 1 instead (the same bits);
-- 4: persistent warps (SMs x resident blocks of ``warps_per_block`` warps), each walking a
-  contiguous range of (token, head chunk) items, the q heads' items apart from the others'
-  (1 + w_q in registers for the whole launch, a token's cos / sin widened once for its q
-  items, no kind dispatch on the q path), the lanes and shuffles of 1: csrc/nri_persist.cuh;
-- 5: variant 4 with every head in split lanes when R = D / 2 (D / 16 lanes per head, a lane
-  holding the dims 4j .. 4j + 3 of both rotated halves and 8 pass-through dims, the Triton
-  kernel's segment layout: no partner shuffles, one butterfly per 16 values; the q items,
-  then one loop per kind of the other heads); other R run variant 4 exactly. Its warps take
-  their items strided (gw, gw + nw, ...: the warps in flight work on neighbouring items,
-  sharing DRAM pages), cos / sin per item. Variants 1-4 give bit-identical results; variant
-  0 may differ from them by fp32 roundings (another summation order), and variant 5 at R = D
-  / 2 likewise.
+The kernel variants (``variant=``; ``VARIANTS`` lists them, ``DEFAULT_VARIANT`` the
+default) are described in docs/kernels/norm_rope_insert_cuda.md.
 
 Numerics (declared to the oracle with the default ``Fp32Arith``; every variant): fp32 sums
 of squares in warp-shuffle order, ``rsqrtf`` (2 ulp), the division by a K/V scale as two
@@ -223,7 +197,8 @@ def launch_shape(head_dim, variant=DEFAULT_VARIANT, block_h=None, warps_per_bloc
 
     Launch knobs (every combination computes the same function; for tuning sweeps):
 
-    - ``variant``: 5 (default, ``DEFAULT_VARIANT``) or 0-4 (the module docstring).
+    - ``variant``: 5 (default, ``DEFAULT_VARIANT``) or 0-4
+      (docs/kernels/norm_rope_insert_cuda.md).
     - ``block_h``: heads per CUDA block. Variant 0: a power of two (default 32, tuned; the
       4 warps loop over them). Variants 1-4: must be ``warps_per_block * heads_per_warp``
       (the default; variant 3: heads per block and pass over a token).
