@@ -58,9 +58,10 @@ from oracle.core import rand  # noqa: E402
 from reference import attention  # noqa: E402
 from reference.codec import FORMATS, decode, encode, round_to  # noqa: E402
 from reference.domain import MODEL  # noqa: E402
+from reference.formats import FP8_FORMATS, MODEL_DTYPES, platform_fp8  # noqa: E402
 from reference.indexer import indexer_decode, indexer_prefill  # noqa: E402
 
-KV_FORMATS = ("bfloat16", "float16", "e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
+KV_FORMATS = (*MODEL_DTYPES, *FP8_FORMATS)
 DECODE_BATCH, DECODE_CONTEXT = 64, 32_768
 PREFILL_NEW, PREFILL_PREFIX = 2_048, 6_144
 TARGETS = {"decode": 2.0, "prefill": 30.0}
@@ -70,7 +71,7 @@ _CHUNK_CODES = 1 << 25  # codes drawn per chunk (bounds the temporaries)
 def index_format(kv_fmt: str) -> str:
     if FORMATS[kv_fmt].bits == 16:
         return kv_fmt
-    return "e4m3fnuz" if kv_fmt.endswith("fnuz") else "e4m3fn"
+    return platform_fp8("e4m3", FORMATS[kv_fmt].native[0])
 
 
 def model_dtype(kv_fmt: str) -> str:

@@ -2,7 +2,7 @@
 // functions: the CPU tests (tests/test_csrc.py) compile this header with g++ and check every
 // function exhaustively against reference/codec.py; the kernels use the same code on the GPU.
 //
-// Formats (the codes match kernels/fp8.py FMT_CODES; 4 and 5 are the 16-bit cache dtypes):
+// Formats (the codes are reference/formats.py's kernel_code; 4 and 5 are the 16-bit cache dtypes):
 //   FMT_E4M3FN 0   OCP, bias 7,  max 448   (0x7E), no Inf, NaN 0x7F/0xFF, -0 = 0x80
 //   FMT_E5M2   1   OCP, bias 15, max 57344 (0x7B), Inf 0x7C/0xFC, NaN 0x7D-0x7F/0xFD-0xFF
 //   FMT_E4M3FNUZ 2 bias 8,  max 240   (0x7F), no Inf, no -0, NaN 0x80 only
@@ -160,8 +160,8 @@ template <int FMT>
 CVT_HD uint8_t fp8_encode_satfinite(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   if (FMT == FMT_E4M3FN || FMT == FMT_E5M2) {
-    // A NaN of either sign and any payload gives 0x7F, the canonical code (measured on the
-    // H200; test_device_codec_equals_reference checks it on every GPU that runs the tests).
+    // A NaN of either sign and any payload gives 0x7F, the canonical code
+    // (test_device_codec_equals_reference checks it on every GPU that runs the tests).
     uint16_t pair;  // low byte: x, high byte: 0
     if (FMT == FMT_E4M3FN)
       asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(pair) : "f"(x), "f"(0.f));

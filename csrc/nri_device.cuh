@@ -214,7 +214,7 @@ __device__ __forceinline__ void pack8(const float (&y)[8], int fmt, uint32_t (&w
 // fp32 -> fp8 codes of format FMT (satfinite: cvt::fp8_encode_satfinite<FMT>), packed. On
 // sm_89+ the OCP formats convert two values per cvt.rn.satfinite.{e4m3,e5m2}x2.f32, which
 // writes the canonical NaN code 0x7F for every NaN (as cvt::fp8_encode_satfinite relies on;
-// a check per pair and the software path for NaN pairs cost the H200 insert 2% with e4m3).
+// a check per pair and the software path for NaN pairs would slow the insert down).
 template <int FMT>
 __device__ __forceinline__ void encode8_t(const float (&y)[8], uint32_t (&w)[2]) {
   w[0] = w[1] = 0;
@@ -285,14 +285,10 @@ NRI_STREAM_ENTRY(nri_launch_stream_f16_d256);
 // activation format and head dim, so that they compile in parallel: variant 4's loops
 // (csrc/nri_persist_{bf16,f16}_d{64,128,256}.cu, also variant 5's fallback) and variant 5's
 // split loops (csrc/nri_split_{bf16,f16}_d{64,128,256}.cu, when persist_split). One kernel
-// holding both, at 2 and 4 passes, was the cold build's slowest unit: 46 s on a 2-core CI
-// machine, 31 s for the whole build on the H200's 16 CPUs against the issue's 15 s; split,
-// 13.2-14.7 s there (session 19).
+// holding both would be the cold build's slowest unit by far.
 namespace nri_dev {
 constexpr int kPersistDefaultWarps = 8;  // warps per block
-// 16-byte passes per item: 2 only (the H200 sweep, reports/tune-insert-v5-h200-s17.json:
-// 2 passes 183.5-184.4 us at every block width, 4 passes 188.5-192.1; 1 pass 247-300 us
-// against 230-235 in session 12).
+// 16-byte passes per item: 2 only, the fastest at every block width.
 constexpr int kPersistRounds = 2;
 }  // namespace nri_dev
 // Whether a variant-4/5 launch runs variant 5's split loops (its lane split needs R = D / 2;

@@ -5,8 +5,8 @@
 // and csrc/nri_split_{bf16,f16}_d{64,128,256}.cu (variant 5), one translation unit per
 // kernel, activation format and head dim; simulated on the CPU by csrc/nri_persist_host.cpp.
 //
-// Why: variant 1 (one short-lived block per (token, head block)) was issue-bound on the
-// H200 (306 us at the model shape, 0.8 instructions per cycle per scheduler) because every
+// Why: variant 1 (one short-lived block per (token, head block)) is issue-bound (0.8
+// instructions per cycle per scheduler at the model shape) because every
 // pass redid what does not change: the head's kind and weight (a load, a widening and 1 + w
 // per element), the token's position, table row and cos / sin, the slots. Variant 3 moved
 // the rows through shared memory and became latency-bound (18% occupancy). Here a warp
@@ -16,9 +16,7 @@
 // kind dispatch: load, normalise, rotate, round, store. (Variant 5's split loops walk
 // STRIDED instead, items gw, gw + nw, ...: the warps in flight then read and write one
 // window of consecutive items rather than nw ranges far apart, and the DRAM pages they open
-// are shared; H200, model shape: bf16 191.9 -> 184.2 us, e4m3 194.7 -> 186.9, the same
-// for both, though cos / sin are now loaded per item; q items alone strided: 0.970 / 0.968.
-// reports/ab-insert-cuda-stride-h200.md.)
+// are shared, though cos / sin are now loaded per item.)
 //
 // Items: a token's heads are enumerated as everywhere (q, k, index_q, index_k); its q heads
 // form nq = ceil(Hq / HPW) items, the others nr = ceil((Hkv + Hi + index_k) / HPW) items
@@ -52,8 +50,7 @@ namespace nri_dev {
 // longer queue spilled at 80).
 constexpr int persist_min_blocks(int rounds) { return rounds == 4 ? 2 : 3; }
 
-// Variant 5's consecutive q items per strided step (q_items_split): 2 (H200 A/B against 1:
-// bf16 0.989, e4m3 0.986; 4: 1.008 / 1.006).
+// Variant 5's consecutive q items per strided step (q_items_split): 2, faster than 1 or 4.
 constexpr int kQGroup = 2;
 
 // Normalise and rotate one pass: the lane's 8 codes xb (dims c .. c + 7 of a head of D
@@ -240,7 +237,7 @@ __device__ __forceinline__ void split_item_loads(const NriParams& p, int64_t tok
 // strided over the warps in groups of kQGroup), HPI = (32 / (D / 16)) x ROUNDS heads: per item
 // every pass's x loads first, the token's cos / sin when the token changes, then the
 // passes one after another. (Issuing the next item's loads before this item's arithmetic
-// spilled at 80 registers: H200 bf16 265 us against 216.)
+// spills at 80 registers and is slower.)
 template <int ACT, int D, int ROUNDS, bool AL>
 __device__ __forceinline__ void q_items_split(const NriParams& p, int lane, float eps,
                                               int64_t nw, int64_t gw) {
@@ -404,8 +401,8 @@ __device__ __forceinline__ void split_other_items(const NriParams& p, int lane, 
 // Whether every 16-bit access of the split loops is aligned (8 bytes for 4 codes, 16 for 8):
 // the rows and their columns, q_out, the table, and the 16-bit outputs among index_q and
 // the caches, bases and strides. Then the loops compile without the element-wise
-// fallbacks, whose predicated instructions were issued on every access (H200 source view:
-// about 50 of a q item's 127 instructions).
+// fallbacks, whose predicated instructions are issued on every access (about 50 of a q
+// item's 127 instructions).
 __device__ __forceinline__ bool split_aligned(const NriParams& p) {
   const auto a16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   bool ok = a16(p.rows) && p.row_stride % 8 == 0 && p.ik_col % 8 == 0 && a16(p.q_out) &&
@@ -502,11 +499,9 @@ __device__ __forceinline__ void rest_items(const NriParams& p, const PersistLane
 
 // Every warp takes its q items, then its items of the other heads: two loops one after the
 // other, each with its own registers (one loop running both kinds spilled; giving some
-// warps only the other heads, which are latency-bound, made them the last to finish: on
-// the H200 bf16 251 us against 230 for this order, e4m3 330-344 against 320). Prefetching
-// the q items' x through a lane-private cp.async ring in shared memory (3 items in flight
-// per warp, 1 + w_q and cos / sin in shared slots) did not pay: bf16 238.0 us against
-// 230.6, e4m3 291.3 against 293.6 (reports/gpu-out: session 12's A/B runs).
+// warps only the other heads, which are latency-bound, makes them the last to finish).
+// Prefetching the q items' x through a lane-private cp.async ring in shared memory does not
+// pay (docs/tuning.md).
 // SPLIT: variant 5's split loops (the host launches it only when persist_split); else
 // variant 4's loops. Two kernels, so that each compiles in its own translation unit.
 template <int ACT, int D, int ROUNDS, bool SPLIT>

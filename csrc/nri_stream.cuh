@@ -5,8 +5,8 @@
 // format, compiled in parallel); simulated on the CPU by csrc/nri_stream_host.cpp.
 //
 // Why: variants 0-2 give every (token, head block) its own short-lived block; their loads
-// in flight live in registers, and the register caps (24-32 warps per SM) left the H200's
-// DRAM 41-45 % busy. Here a block owns whole tokens for the whole launch and keeps S - 1 of
+// in flight live in registers, and the register caps (24-32 warps per SM) leave DRAM
+// less than half busy. Here a block owns whole tokens for the whole launch and keeps S - 1 of
 // them in flight as cp.async copies into shared memory while it computes another.
 //
 // Grid: min(N, SMs x resident blocks per SM) blocks (cudaOccupancyMaxActiveBlocksPerMultiprocessor
@@ -58,7 +58,7 @@
 // its default shape: the same bits): rows 16-byte aligned with a row stride of a multiple
 // of 8 elements; table 4-byte aligned with an even row stride; slot arrays aligned to their
 // element size. Shared memory S x stage + the rest must fit the device's opt-in limit per
-// block (227 KB on the H200): with stages = 0 (default) nri_launch takes the largest S <= 3
+// block (227 KB on sm_90): with stages = 0 (default) nri_launch takes the largest S <= 3
 // that fits (variant 1 when not even S = 2 fits); an explicit S that does not fit is
 // rejected (cudaErrorInvalidValue; the binding raises ValueError naming num_stages).
 #pragma once
@@ -508,8 +508,8 @@ cudaError_t launch_stream_k(const NriParams& p, cudaStream_t s) {
 }
 
 // One (activation format, D) pair per translation unit (csrc/nri_stream_{bf16,f16}_d{64,128,
-// 256}.cu, compiled in parallel), 2 head rounds only (the default; 1 and 4 were instantiated
-// too until session 18, a third of the cold build's work each for a knob no sweep picked).
+// 256}.cu, compiled in parallel), 2 head rounds only (the default; each other count would
+// add a third of the cold build's work for a knob no sweep picked).
 template <int ACT, int D>
 cudaError_t launch_stream(const NriParams& p, int rounds, cudaStream_t s) {
   return rounds == kStreamRounds ? launch_stream_k<ACT, D, kStreamRounds>(p, s)

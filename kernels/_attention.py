@@ -140,9 +140,7 @@ def kv_tiles(src, slot, kmask, ks_ptr, ks_s0, ks_s1, vs_ptr, vs_s0, vs_s1, g64,
         # K in registers by a pure conversion (one cvt per two codes where the hardware
         # converts; e4m3fnuz's assembly marked pure). e4m3fnuz in assembly: the values /
         # F16_UNIT (bit placement, no conversion); the kernels multiply the logits and the
-        # output back (``unit_back``). H200, decode at batch 64: 67.1 us (+13.6% over
-        # e4m3fn; session 18); the patched e4m3fn cvt before it 78.0, K staged as fp16
-        # 96.0, the field-built decode 108.4.
+        # output back (``unit_back``), the fastest of the fnuz decodes (docs/tuning.md).
         k = decode_fp8_f16(k_raw, FMT, HW, ASM and not HW, True, True)
         v = decode_fp8_f16(v_raw, FMT, HW, ASM, False, True)
     elif FP8:

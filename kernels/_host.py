@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-MODEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from reference.formats import FORMATS, FP8_FORMATS, INDEX_FP8_FORMATS
+from reference.formats import MODEL_DTYPES as MODEL_FORMATS
+
+MODEL_DTYPES = {getattr(torch, FORMATS[name].torch_dtype): name for name in MODEL_FORMATS}
 HALF_FORMATS = {name: dt for dt, name in MODEL_DTYPES.items()}
-KV_FP8_FORMATS = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
-INDEX_FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
+KV_FP8_FORMATS = FP8_FORMATS
 HEAD_DIMS = (64, 128, 256)
 SLOT_DTYPES = (torch.int32, torch.int64)
 
@@ -84,7 +86,7 @@ _UNIT_SCALES: dict = {}
 
 def unit_scale(dev) -> torch.Tensor:
     """A read-only float32 1.0 on ``dev``, made once per device (a fill kernel per call
-    would cost a few microseconds of a ~200 us insert); never cached while a CUDA graph is
+    would be a measurable share of a short insert); never cached while a CUDA graph is
     being captured, since the tensor would then live in the graph's private pool."""
     key = str(dev)
     if key not in _UNIT_SCALES:
@@ -208,9 +210,48 @@ def plan_norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads,
     contract, in the same order with the same messages: shapes, dtypes, strides, formats,
     scales; contents under ``validate=True``), and the output views (index_q allocated when
     it is fp8 and no ``index_q_out`` is given). Shared by the Triton and CUDA launchers."""
+    n, hq, hkv, hi, d, width, md = _check_rows(rows, positions, rope_table, num_q_heads,
+                                               num_kv_heads, num_index_heads, head_dim,
+                                               rotary_dim, eps, has_index_k)
+    dev, act = rows.device, rows.dtype
+    write_ik = not skip_index and bool(has_index_k)
+    transform_iq = not skip_index and hi > 0
+    for name, w, needed in (("w_q", w_q, True), ("w_k", w_k, True),
+                            ("w_index_q", w_index_q, transform_iq),
+                            ("w_index_k", w_index_k, write_ik)):
+        if needed:
+            check_tensor(w, name, (act,), (d,), dev)
+            check_last_dim_contiguous(w, name)
+    kv_fmt, index_fmt = resolve_formats(kv_fmt, kv_cache_dtype, platform, md, index_cache,
+                                        index_fmt)
+    kv_fp8 = check_kv_fmt(kv_fmt)
+    page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
+    check_tensor(slot_mapping, "slot_mapping", SLOT_DTYPES, (n,), dev)
+    check_last_dim_contiguous(slot_mapping, "slot_mapping")
+    ks, ks0, ks1 = scale_arg(k_scale, "k_scale", kv_fp8, hkv, num_slots, dev)
+    vs, vs0, vs1 = scale_arg(v_scale, "v_scale", kv_fp8, hkv, num_slots, dev)
+    idx_fp8, ic, ic_strides, ic_page, ic_slots, islots = _check_index_cache(
+        rows, d, md, write_ik, transform_iq, skip_index, index_cache, index_fmt,
+        index_slot_mapping, slot_mapping)
+    out = _insert_outputs(rows, n, hq, hkv, hi, d, width, idx_fp8, transform_iq, write_ik,
+                          q_out, index_q_out)
+    if validate and n:
+        validate_slots(slot_mapping, "slot_mapping", num_slots)
+        if write_ik:
+            validate_slots(islots, "index_slot_mapping" if index_slot_mapping is not None
+                           else "slot_mapping", ic_slots)
+        _validate_positions_and_scales(positions, rope_table, ks, vs)
+    return InsertPlan(n, hq, hkv, hi, d, width, act, md, kv_fmt, kv_fp8, page, num_slots,
+                      ks, (ks0, ks1), vs, (vs0, vs1), write_ik, transform_iq, index_fmt,
+                      idx_fp8, ic, ic_strides, ic_page, ic_slots, islots, out)
+
+
+def _check_rows(rows, positions, rope_table, num_q_heads, num_kv_heads, num_index_heads,
+                head_dim, rotary_dim, eps, has_index_k):
+    """The packed rows' layout, positions and RoPE table: (N, Hq, Hkv, Hi, D, row width,
+    model dtype name)."""
     check_tensor(rows, "rows", tuple(MODEL_DTYPES))
     dev, act = rows.device, rows.dtype
-    md = MODEL_DTYPES[act]
     hq = check_int(num_q_heads, "num_q_heads", 1)
     hkv = check_int(num_kv_heads, "num_kv_heads", 1)
     hi = check_int(num_index_heads, "num_index_heads", 0)
@@ -225,8 +266,7 @@ def plan_norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads,
                            f"got {rotary_dim!r}")
     if not (isinstance(eps, (float, int, np.floating)) and np.isfinite(eps) and eps >= 0):
         fail("eps", f"must be a finite number >= 0, got {eps!r}")
-    has_ik = bool(has_index_k)
-    width = (hq + 2 * hkv + hi) * d + (d if has_ik else 0)
+    width = (hq + 2 * hkv + hi) * d + (d if has_index_k else 0)
     if rows.dim() != 2 or rows.shape[1] != width:
         fail("rows", f"must have shape [N, row_width={width}], got {list(rows.shape)}")
     check_last_dim_contiguous(rows, "rows")
@@ -238,59 +278,49 @@ def plan_norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads,
         fail("rope_table", f"must have shape [max_positions, rotary_dim={rotary_dim}], got "
                            f"{list(rope_table.shape)}")
     check_last_dim_contiguous(rope_table, "rope_table")
-    do_index = not skip_index
-    needed = {"w_q": True, "w_k": True, "w_index_q": do_index and hi > 0,
-              "w_index_k": do_index and has_ik}
-    for name, w in (("w_q", w_q), ("w_k", w_k), ("w_index_q", w_index_q),
-                    ("w_index_k", w_index_k)):
-        if needed[name]:
-            check_tensor(w, name, (act,), (d,), dev)
-            check_last_dim_contiguous(w, name)
-    # --- main cache
-    kv_fmt, index_fmt = resolve_formats(kv_fmt, kv_cache_dtype, platform, md, index_cache,
-                                        index_fmt)
-    kv_fp8 = check_kv_fmt(kv_fmt)
-    page, num_slots = check_kv_cache(kv_cache, kv_fmt, hkv, d, dev)
-    check_tensor(slot_mapping, "slot_mapping", SLOT_DTYPES, (n,), dev)
-    check_last_dim_contiguous(slot_mapping, "slot_mapping")
-    ks, ks0, ks1 = scale_arg(k_scale, "k_scale", kv_fp8, hkv, num_slots, dev)
-    vs, vs0, vs1 = scale_arg(v_scale, "v_scale", kv_fp8, hkv, num_slots, dev)
-    # --- index cache
-    write_ik = do_index and has_ik
-    transform_iq = do_index and hi > 0
-    idx_fp8 = False
-    ic, ic_s0, ic_s1, ic_page, ic_slots = torch.empty(1, dtype=act, device=dev), 0, 0, 1, 0
+    return n, hq, hkv, hi, d, width, MODEL_DTYPES[act]
+
+
+def _check_index_cache(rows, d, md, write_ik, transform_iq, skip_index, index_cache,
+                       index_fmt, index_slot_mapping, slot_mapping):
+    """The index cache and its format: (index fp8, cache, its page / row strides, page
+    size, slots, index slot mapping); a dummy cache when index_k is not written."""
+    n, dev, act = rows.shape[0], rows.device, rows.dtype
+    formats = INDEX_FP8_FORMATS + (md,)
+    if not write_ik:
+        if index_cache is not None and not skip_index:
+            fail("index_cache", "given but the layout has no index_k (dense rows)")
+        if index_fmt is not None and index_fmt not in formats:
+            fail("index_fmt", f"must be one of {list(formats)} or None, got {index_fmt!r}")
+        idx_fp8 = transform_iq and index_fmt is not None and index_fmt in INDEX_FP8_FORMATS
+        return idx_fp8, torch.empty(1, dtype=act, device=dev), (0, 0), 1, 0, slot_mapping
+    if index_fmt not in formats:
+        fail("index_fmt", f"must be one of {list(formats)}, got {index_fmt!r}")
+    idx_fp8 = index_fmt in INDEX_FP8_FORMATS
+    if index_cache is None:
+        fail("index_cache", "is required when the layout has index_k (or pass "
+                            "skip_index=True)")
+    check_tensor(index_cache, "index_cache", (torch.uint8,) if idx_fp8 else (act,),
+                 device=dev)
+    if index_cache.dim() != 3 or index_cache.shape[2] != d:
+        fail("index_cache", f"must have shape [num_pages, P, D={d}], got "
+                            f"{list(index_cache.shape)}")
+    check_last_dim_contiguous(index_cache, "index_cache")
     islots = slot_mapping
-    if write_ik:
-        if index_fmt not in INDEX_FP8_FORMATS + (md,):
-            fail("index_fmt", f"must be one of {list(INDEX_FP8_FORMATS + (md,))}, got "
-                              f"{index_fmt!r}")
-        idx_fp8 = index_fmt in INDEX_FP8_FORMATS
-        if index_cache is None:
-            fail("index_cache", "is required when the layout has index_k (or pass "
-                                "skip_index=True)")
-        check_tensor(index_cache, "index_cache", (torch.uint8,) if idx_fp8 else (act,),
-                     device=dev)
-        if index_cache.dim() != 3 or index_cache.shape[2] != d:
-            fail("index_cache", f"must have shape [num_pages, P, D={d}], got "
-                                f"{list(index_cache.shape)}")
-        check_last_dim_contiguous(index_cache, "index_cache")
-        ic = index_cache
-        ic_s0, ic_s1 = index_cache.stride(0), index_cache.stride(1)
-        ic_page = index_cache.shape[1]
-        ic_slots = index_cache.shape[0] * ic_page
-        if index_slot_mapping is not None:
-            islots = check_tensor(index_slot_mapping, "index_slot_mapping", SLOT_DTYPES, (n,),
-                                  dev)
-            check_last_dim_contiguous(islots, "index_slot_mapping")
-    elif index_cache is not None and not skip_index:
-        fail("index_cache", "given but the layout has no index_k (dense rows)")
-    elif index_fmt is not None and index_fmt not in INDEX_FP8_FORMATS + (md,):
-        fail("index_fmt", f"must be one of {list(INDEX_FP8_FORMATS + (md,))} or None, got "
-                          f"{index_fmt!r}")
-    elif transform_iq and index_fmt is not None:
-        idx_fp8 = index_fmt in INDEX_FP8_FORMATS
-    # --- outputs (views)
+    if index_slot_mapping is not None:
+        islots = check_tensor(index_slot_mapping, "index_slot_mapping", SLOT_DTYPES, (n,),
+                              dev)
+        check_last_dim_contiguous(islots, "index_slot_mapping")
+    ic_page = index_cache.shape[1]
+    return (idx_fp8, index_cache, (index_cache.stride(0), index_cache.stride(1)), ic_page,
+            index_cache.shape[0] * ic_page, islots)
+
+
+def _insert_outputs(rows, n, hq, hkv, hi, d, width, idx_fp8, transform_iq, write_ik, q_out,
+                    index_q_out) -> dict:
+    """The outputs: views of the rows, or the given q_out / index_q_out (checked); an fp8
+    index_q is allocated when no index_q_out is given."""
+    dev, act = rows.device, rows.dtype
     view = rows.unflatten(1, (width // d, d)) if n else rows.reshape(0, width // d, d)
     out = {"q": view[:, :hq], "k": view[:, hq:hq + hkv]}
     if q_out is not None:
@@ -305,21 +335,18 @@ def plan_norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads,
             out["index_q"] = view[:, hq + 2 * hkv:hq + 2 * hkv + hi]
     if write_ik:
         out["index_k"] = view[:, -1]
-    if validate and n:
-        validate_slots(slot_mapping, "slot_mapping", num_slots)
-        if write_ik:
-            validate_slots(islots, "index_slot_mapping" if index_slot_mapping is not None
-                           else "slot_mapping", ic_slots)
-        p = positions.detach().cpu()
-        if bool(((p < 0) | (p >= rope_table.shape[0])).any()):
-            fail("positions", f"must lie in [0, {rope_table.shape[0] - 1}] (rows of "
-                              f"rope_table), got {int(p.min())}..{int(p.max())}")
-        for name, sc in (("k_scale", ks), ("v_scale", vs)):
-            if not bool(torch.isfinite(sc).all() & (sc > 0).all()):
-                fail(name, "must hold positive finite values")
-    return InsertPlan(n, hq, hkv, hi, d, width, act, md, kv_fmt, kv_fp8, page, num_slots,
-                      ks, (ks0, ks1), vs, (vs0, vs1), write_ik, transform_iq, index_fmt,
-                      idx_fp8, ic, (ic_s0, ic_s1), ic_page, ic_slots, islots, out)
+    return out
+
+
+def _validate_positions_and_scales(positions, rope_table, ks, vs):
+    """``validate=True``: positions are rows of the RoPE table; scales positive and finite."""
+    p = positions.detach().cpu()
+    if bool(((p < 0) | (p >= rope_table.shape[0])).any()):
+        fail("positions", f"must lie in [0, {rope_table.shape[0] - 1}] (rows of "
+                          f"rope_table), got {int(p.min())}..{int(p.max())}")
+    for name, sc in (("k_scale", ks), ("v_scale", vs)):
+        if not bool(torch.isfinite(sc).all() & (sc > 0).all()):
+            fail(name, "must hold positive finite values")
 
 
 class Workspace:

@@ -70,6 +70,7 @@ from kernels._host import (
 from kernels._triton import tl, triton
 from kernels.fp8 import FMT_E4M3FN, HW_FORMATS, decode_fp8, decode_fp8_to, fmt_code
 from reference.domain import KV_HEADS_RANGE, PAGE_SIZES, TOPK_RANGE
+from reference.formats import FP8_FORMATS, MODEL_DTYPES
 
 # The bitonic top-k's building blocks (private to Triton 3.6, pinned): ``_top_of_runs``
 # runs its last steps alone.
@@ -78,7 +79,7 @@ _log2 = triton.language.standard._log2
 
 #: The index formats the kernels read: the four fp8 formats (uint8 codes; e4m3fn/e4m3fnuz
 #: are what platforms use, e5m2/e5m2fnuz exist for emulation) and the model dtypes.
-INDEX_FORMATS = ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "bfloat16", "float16")
+INDEX_FORMATS = (*FP8_FORMATS, *MODEL_DTYPES)
 INT_DTYPES = (torch.int32, torch.int64)
 
 

@@ -4,7 +4,7 @@ launch loses its time: late starts, uneven scans, the merge tail), not a result.
 A kernel built with ``TRACE=True`` stamps, per program, the SM it runs on and the GPU's
 ``%globaltimer`` (ns, shared by all SMs) at ``TRACE_SLOTS - 1`` points of its life into a
 row of an int64 buffer: ``[smid, t_0, t_1, ...]``. Nsight Compute reports how busy the SMs
-were on average (index decode, e4m3, session 20: 88% of the elapsed cycles); the rows say
+were on average; the rows say
 when each program started and finished and what came between.
 
 ``stamp`` is a ``@triton.jit`` helper for the kernels; ``trace_buffer`` / ``check_trace``

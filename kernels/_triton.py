@@ -108,7 +108,7 @@ _STAGES: dict = {}
 
 
 def _max_shared_mem(device) -> int:
-    """Shared memory one block may use on ``device`` (bytes; 227 KiB on the H200)."""
+    """Shared memory one block may use on ``device`` (bytes; 227 KiB on sm_90)."""
     props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
     return props["max_shared_mem"]
 

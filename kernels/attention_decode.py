@@ -1,4 +1,4 @@
-"""Block-sparse GQA attention decode over a paged KV cache (SPEC.md section 6; issue 8), in
+"""Block-sparse GQA attention decode over a paged KV cache (SPEC.md section 6), in
 two Triton kernels: a split-K attention kernel and a log-sum-exp merge.
 
 Contract. ``rows_per_request`` (1..4) query rows per request, request-major; row j of
@@ -11,107 +11,13 @@ with ``j <= p`` (causal inside the current block) and ``j < seq_len``, read thro
 ``block_table[r, j // P]``. ``out = softmax(softmax_scale * q . K) @ V``, softmax_scale
 ``1/sqrt(D)`` by default.
 
-Grid and work split (designed for decode bandwidth):
-- ``_decode_split_kernel``: one program per (request, KV head, split). It owns the G query
-  heads of the KV group for every row of the request: the M dimension of its ``tl.dot`` is
-  (row, head) = ROWS_P x G_P (padded to >= 16). Each selected KV block is read ONCE per
-  program (K and V tiles ``[P, D]``), converted right after the load (fp8 via
-  ``kernels.fp8.decode_fp8``: hardware casts for e4m3fn/e5m2, software for fnuz), and used
-  by all G heads and all rows that selected it.
-- Splits: every row's valid blocks, in ascending block id, are cut into chunks of
-  ``blocks_per_split``; program ``c`` processes chunk ``c`` of every row. The chunk size
-  is fixed when given; by default (``auto_blocks_per_split``) it is ``BLOCKS_PER_SPLIT``
-  while the grid has at most ``TARGET_PROGRAMS`` programs and a multiple of it beyond
-  (fewer, longer programs: on the H200 a program's start, three dependent global round
-  trips, costs as much as streaming a few blocks). The default therefore depends on the
-  batch size (B x Hkv), never on contents: a request's output is the same in every batch
-  of up to ``TARGET_PROGRAMS // (Hkv * cdiv(K, BLOCKS_PER_SPLIT))`` requests, and may
-  differ by rounding (within the declared schedule) in larger ones; a fixed
-  ``blocks_per_split`` makes it batch-invariant at any size. The rows of a request
-  select different blocks, so the program walks the UNION of its rows' chunk-c blocks in
-  ascending id; a row takes part in a block only if that block is in its own chunk c (its
-  logits are masked with ``where``, never by adding -inf). For each row this is exactly
-  "its own chunk, its own blocks in ascending order", whatever the other rows selected.
-  The plan (validity, dedup, per-row ascending ranks, the union) is computed in registers
-  at the start of each program by pairwise comparisons of the rows' K entries; nothing is
-  sorted on the host and nothing is read back. Each union block is carried as
-  ``block * 16 + (bit mask of the rows that take it)``, so one reduction per step yields
-  the block, the rows that take it and the last key they see.
-- Key streams (``key_streams``, one row per request; ``_stream_loop``): the same union walk,
-  each block's keys cut into per-warp slices, each slice sequence its own online softmax,
-  merged once per program (declared ``Schedule.key_streams``; the default for the fnuz
-  formats, ``KEY_STREAM_FORMATS``).
-- One split in total (``cdiv(K, blocks_per_split) == 1``): the attention kernel writes the
-  output directly. Otherwise it writes fp32 partials ``o_c = acc / l`` and
-  ``lse_c = m + log2(l)`` (log2 units), and ``_merge_rows`` forms ``out = sum_c w_c o_c /
-  sum_c w_c`` with ``w_c = exp2(lse_c - max_c lse_c)``; empty chunks have ``lse = -inf``
-  (weight 0, o = 0), rows with no key at all give zeros. One row per request: in the same
-  launch, by the program that draws the last ticket of its (request, KV head) counter
-  (``atomic_add``, acq_rel, after a CTA barrier; partials read back from L2; the counter
-  reset to 0 for the next call), as the index decode merges: no second launch. Several
-  rows: ``_decode_merge_kernel`` after the repair pass (which may rewrite partials), one
-  program per row and block of heads. The merge order is fixed (split 0, 1, ...), so the
-  result does not depend on which program arrives last.
-
-Numerics: the rounding schedule declared in the registry (``schedule(model_dtype)``, with
-act = the model dtype = q's dtype):
-- fp8 with scalar (or no) scales (``kernels._attention.operand_dtypes``): both products on
-  fp16 operands whatever the model dtype. K/V: the codes' exact values in fp16 (every fp8
-  value is one: on the H200 one ``cvt`` e4m3x2 -> f16x2 per two codes; V through
-  ``kernels.fp8.decode_fp8_f16``, opaque to Triton so it stages fp16 in shared memory for
-  ``ldmatrix.trans``; K converted in registers, in the MMA operand layout: staging it too
-  cost 40 us more at batch 256 on the H200; e4m3fnuz, which NVIDIA cannot convert, takes
-  both by bit placement as its values / 128 (``decode_fp8_f16(..., UNIT=True)``'s assembly,
-  11 instructions per four codes; the factor multiplied back into the logits and the output
-  in fp32, exact; marked pure for K so K stays in registers): 67.1 us at batch 64 against
-  78.0 with the patched e4m3fn ``cvt`` and 96.0 with K staged), ``Schedule.kv_dtype =
-  "float64"``; the
-  scales applied in fp32 outside the products: the logit scale ``fp32(softmax_scale *
-  log2(e)) * k_scale`` and the output (or each split's partial) times ``v_scale`` (the
-  bound allows the two extra fp32 roundings). q: each row times a power of two and
-  rounded to fp16 (``kernels._attention.q_operand``, ``q_dtype = "float16"``: exact
-  unless an element lies 2^31 below its row's largest), the row's logit scale times the
-  inverse power. P rounded to fp16 (``p_dtype = "float16"``). sm_90 SASS per key block
-  and thread at the model shape: 771 (bf16 cache: 590), down from 1,627 with bf16
-  operands (K through f16 -> f32 -> bf16, V gathered byte by byte: see
-  ``decode_fp8_f16``).
-  e5m2fnuz on bf16 operands instead (``kernels._attention.operand_dtypes``): K/V its
-  values / 2^111 by bit placement (``kernels.fp8._E5M2FNUZ_BF16X4_UNIT``, 11 instructions
-  per four codes; fp16 cannot hold its top binade at the placed scale and took 19), q
-  row-scaled to bf16, P times 2^111 rounded to bf16 (the factor cancels in ``P @ V``; the
-  logits get 2^111 back in fp32): ``(float64, bfloat16, bfloat16)``. H200, batch 64
-  (session 27, ``reports/ab-attention-decode-e5m2fnuz-bf16-h200.md``): 67.5 -> 63.4 us;
-  the suite's numerics diff: RMSE +0.06% at most on its e5m2fnuz cells (P's 3 bits).
-- Per-slot fp8 scales: ``act(fp32(decode(code) * scale))`` (exact decode, one fp32
-  multiply, RNE to act), ``kv_dtype = act``. bf16/fp16 caches: the value converted to act
-  (exact when the cache has the model dtype), ``kv_dtype = act``; q as given, P in act.
-- ``S = q . K`` by ``tl.dot`` with fp32 accumulation; logits in log2 units ``S *
-  fp32(softmax_scale * log2(e))``; online softmax with ``exp2``, one tile per KV block
-  (``p_max="running"``, ``blocks_per_tile=1``; with the ``block_keys`` knob, tiles of
-  that many keys: ``Schedule.tile_keys``), ``P @ V`` by ``tl.dot`` with fp32
-  accumulation, the row sum from the unrounded fp32 P.
-- Split-K: ``blocks_per_split`` blocks per chunk, ascending block order, partials and LSE in
-  fp32, the exact merge above; output rounded once to act (RNE).
-
-Masking (SPEC.md s.6): every K/V load is masked to keys ``j <= max position of the rows
-that take part in the block`` (so ``j < seq_len``) in a page whose block-table entry is in
-range; other lanes read 0. When the rows sharing a tile do not all see the same keys (a
-row that did not select the block, or the causal cut of the current block with several
-rows), a NaN/Inf in V that some row sees must not reach the others through ``0 * NaN`` in
-the shared ``P @ V``. It then always leaves a NaN in the accumulator: with several rows
-per request, the first pass checks its accumulator once, after the loop
-(``kernels._attention.not_finite``), and flags the program (one int32 each); a second
-launch of the split kernel (``REPAIR=True``) recomputes the flagged programs (the others
-store nothing), each block whose ``P @ V`` is non-finite on a guarded path
-(``repair_pv`` -> ``guarded_pv``) that multiplies the finite part of V and adds the
-non-finite contributions (NaN, +-Inf, and ``0 * Inf = NaN`` where a row's rounded P is 0)
-only to the rows that see them, counted exactly by 0/1 matrix products. Inlined in the
-main pass, the guarded path made ptxas spill 0.5-1 KiB per thread at 2-4 rows.
-
-In-kernel guards (contents are only checked under ``validate=True``): entries outside
-``[0, p // P]`` are ignored, repeats count once, block-table entries outside
-``[0, num_pages)`` (or a block past the table's width) read nothing, rows with ``p < 0``
-see no key. Offsets are 64-bit.
+Design (docs/kernels/attention_decode.md): one program per (request, KV head, split)
+owns the G query heads of every row of the request, so each selected KV block is read
+once and shared by all of them; split-K chunks merge by log-sum-exp (in the last split
+or a merge kernel). Numerics: the rounding schedule declared in the registry
+(``DecodeSchedule``). NaN content a row must not see never reaches it (a repair pass
+recomputes tiles whose shared ``P @ V`` met a non-finite V); bad contents are guarded,
+never an illegal access.
 
 ``sparse_attention_decode(...)`` is the host launcher (validates dtypes, shapes, strides,
 formats and scales; raises ValueError naming the argument);
@@ -167,42 +73,18 @@ from kernels._triton import (
 )
 from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 
-#: Blocks per split-K chunk for small grids (model: K 16 -> 16 splits), and the grid size
-#: beyond which ``auto_blocks_per_split`` makes chunks longer. H200, model shape, batch 64
-#: x Hkv 4 (graph replay, 2026-11-30, before the fused merge): one split of 16 blocks
-#: 78.6 us bf16 / 76.6 us e4m3fn, two of 8 86.5 / 84.4, four of 4 94.3 / 94.0; batch 1:
-#: four of 4 16.6 us, one of 16 36.9 us. Small batches
-#: (reports/bench_attention_decode_small_batch.md): batch 1, 1-block splits 14.3 us bf16 /
-#: 13.9 e4m3fn against 16.8 / 17.1 with 4-block ones (fp8 faster than bf16 only there);
-#: batch 8, 2-block splits (what 1 gives there) 22.1 / 20.0 against 21.9 / 19.2. A/B of
-#: 1 against 4, 3 rounds (session 20, ``reports/ab-attention-decode-bps1-h200.md``): batch
-#: 1 0.84 / 0.81 / 0.80 (bf16 / e4m3fn / e4m3fnuz; e4m3fn 13.9 us < bf16 14.2: fp8 faster
-#: there too), batch 4 1.00 / 0.96 / 0.91, batch 8 1.01 / 1.05 / 1.03, batches 16 and 64
-#: 1.00. Batch invariance holds up to 4 requests at the model shape (256 programs;
-#: ``invariant_batch``).
+#: Blocks per split-K chunk for small grids, and the grid size beyond which
+#: ``auto_blocks_per_split`` makes chunks longer: short splits fill the GPU at small
+#: batches; past TARGET_PROGRAMS a program's start costs more than its blocks.
 BLOCKS_PER_SPLIT = 1
 TARGET_PROGRAMS = 256
-#: Default K/V pipeline depth. sm_90, model shape, one row per request, 4 warps (static:
-#: compiled on the CPU, registers from cuobjdump): 3 stages take 136 KiB of shared memory
-#: (bf16; 132 KiB e4m3), one program per SM, 4 warps; 2 stages take 72 KiB (bf16) / 100 KiB
-#: (e4m3) with 219 / 190 registers: two programs per SM, so one program's dependent start
-#: (selections -> block table -> K/V addresses, three global round trips before its first
-#: byte arrives) overlaps the other's transfers. Four rows x 16 heads need 256 KiB at 3
-#: stages (more than the H200's 227 KiB). The H200 sweep (model shape, graph replay,
-#: 2026-11-30, us for stages 2 / 3 / 4): bf16 batch 64 78.6 / 84.3 / 88.1, batch 256
-#: 261.8 / 277.2 / 282.7; e4m3fn batch 64 65.7 / 59.6 / 86.2, batch 256 218.7 / 205.0 /
-#: 308.9. So 2 for 16-bit caches, 3 for fp8 (the 1-byte tiles leave room for a third).
+#: Default K/V pipeline depth: 2 stages let 16-bit caches hold two programs per SM; the
+#: 1-byte fp8 tiles leave room for a third stage.
 DEFAULT_STAGES = 2
 DEFAULT_STAGES_FP8 = 3
-#: Small grids (one query row per request, ``batch * Hkv <= SMALL_GRID``, D <= 128): 8
-#: warps capped at 128 registers (no spill at the model shape; two programs per SM, 16
-#: warps), 2 stages. Each program there walks 1-2 blocks, so its fixed chain (plan, q,
-#: block table, epilogue, merge) is the time, and twice the warps shorten it. H200, model
-#: shape, graph replay (session 24, ``reports/bench_attention_decode_warps.md``; us,
-#: default -> this): batch 1 bf16 12.6 -> 10.4, e4m3fn 12.4 -> 10.3, e4m3fnuz 13.1 ->
-#: 10.5, e5m2fnuz 13.7 -> 10.7; batch 8 18.4 -> 18.0, 17.7 -> 15.3, 18.5 -> 15.6, 19.5 ->
-#: 16.5. At batch 64 (256 programs of 16 blocks) the same launch is slower (e4m3fn 53.4
-#: -> 60.5, bf16 68.3 -> 70.8): there the 4-warp default stays.
+#: Small grids (one query row per request, ``batch * Hkv <= SMALL_GRID``, D <= 128): each
+#: program walks 1-2 blocks, so twice the warps (capped at 128 registers) shorten its
+#: fixed chain; at larger batches the 4-warp default is faster.
 SMALL_GRID = 32
 SMALL_GRID_LAUNCH = {"num_warps": 8, "maxnreg": 128, "num_stages": 2}
 #: Domain limit (SPEC.md s.7); MAX_GROUP and MAX_TOPK: kernels._attention.
@@ -290,7 +172,7 @@ def _decode_split_kernel(
     if TRACE:
         stamp(trace_ptr, trace_row, 1)
     seq = tl.load(seq_ptr + r64 * seq_s0).to(tl.int64)
-    # Several rows: the flag of this program for the repair pass (module docstring).
+    # Several rows: the flag of this program for the repair pass (docs/kernels/attention_decode.md).
     flag = flag_ptr + (r64 * tl.num_programs(1) + g64) * tl.num_programs(2) + c
     go = True
     if REPAIR:
@@ -364,7 +246,7 @@ def _decode_split_kernel(
         u_key = tl.where(first, uni * 16 + rmask, -1)
     live = tl.sum(tl.where(row_ok, 1 << ri, 0), axis=0)  # rows with a position >= 0
     # Positions inside the block loop in int32: its 64-bit compares of every key against
-    # every row's position held ~9% of the loop's stall samples (H200, ncu). The host
+    # every row's position are a measurable share of the loop's stalls. The host
     # caps contexts at MAX_CONTEXT (2^30) tokens, so the clamp changes nothing for valid
     # seq_lens and keeps bad ones from wrapping.
     seq32 = tl.minimum(tl.maximum(seq, -8), MAX_CONTEXT).to(tl.int32)
@@ -514,9 +396,9 @@ INTERPRETED = is_interpreted(_decode_split_kernel)
 
 
 def auto_blocks_per_split(batch: int, hkv: int, topk_k: int) -> int:
-    """The default split size (module docstring): ``BLOCKS_PER_SPLIT`` times the factor
-    that brings the grid ``batch * hkv * splits`` down to about ``TARGET_PROGRAMS`` (1 for
-    small batches; model shape: batch 64 and up -> one split of 16 blocks)."""
+    """The default split size (docs/kernels/attention_decode.md): ``BLOCKS_PER_SPLIT`` times the
+    factor that brings the grid ``batch * hkv * splits`` down to about ``TARGET_PROGRAMS`` (1
+    for small batches; model shape: batch 64 and up -> one split of 16 blocks)."""
     max_splits = _max_splits(topk_k)
     splits = max(1, min(max_splits, TARGET_PROGRAMS // max(1, batch * hkv)))
     return BLOCKS_PER_SPLIT * -(-max_splits // splits)
@@ -524,8 +406,9 @@ def auto_blocks_per_split(batch: int, hkv: int, topk_k: int) -> int:
 
 def invariant_batch(hkv: int, topk_k: int) -> int:
     """The largest batch up to which the defaults keep a request's output bit-identical
-    whatever the batch (module docstring): the split size stays ``BLOCKS_PER_SPLIT``, and
-    ``launch_defaults`` picks one launch for every batch up to it (model shape: 4)."""
+    whatever the batch (docs/kernels/attention_decode.md): the split size stays
+    ``BLOCKS_PER_SPLIT``, and ``launch_defaults`` picks one launch for every batch up to it
+    (model shape: 4)."""
     return TARGET_PROGRAMS // (hkv * _max_splits(topk_k))
 
 
@@ -549,15 +432,7 @@ def launch_defaults(rows: int, d: int, batch: int, hkv: int, topk_k: int,
 
 #: Key streams (``_stream_loop``) by default for the fnuz formats' one-row programs outside
 #: the small-grid launch: their software decode makes the block loop issue-bound, and per-
-#: warp streams drop its cross-warp exchanges (sm_90, e4m3fn: loop 792 -> 644 SASS, 8 -> 2
-#: barriers). H200, model shape, batch 64 / 256 (session 27,
-#: ``reports/bench_attention_decode_key_streams*.md``, us): e5m2fnuz 63.7 -> 59.7 / 238.6 ->
-#: 224.9, e4m3fnuz 58.7 -> 57.5 at 64; e4m3fn 49.7 -> 49.4 / 184.9 -> 184.2 (no gain: its
-#: loop waits on DRAM), bf16 67.9 -> 78.7 / 255.3 -> 283.3 (slower): those keep one stream.
-#: With the 11-instruction fnuz assembly (session 28, A/B in one call,
-#: ``reports/ab-attention-decode-fnuz-unit11-streams-h200.md``): batch 64 e4m3fnuz 58.5 ->
-#: 56.3, e5m2fnuz 63.5 -> 56.4 (+13.6% / +13.9% over e4m3fn's 49.6); batch 256 218.0 ->
-#: 210.7 and 237.3 -> 211.7 (+14.4% / +15.0%); batch 8 (small-grid launch) unchanged.
+#: warp streams drop its cross-warp exchanges; the OCP and 16-bit formats wait on DRAM.
 DEFAULT_KEY_STREAMS = 4
 KEY_STREAM_FORMATS = ("e4m3fnuz", "e5m2fnuz")
 
@@ -577,7 +452,7 @@ def default_key_streams(kv_fmt: str, rows: int, d: int, page: int, batch: int, h
 @dataclass(frozen=True)
 class DecodeSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
-    calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
+    calls ``schedule_for(impl, model_dtype, case)``); see docs/kernels/attention_decode.md.
     ``blocks_per_split`` None: the launcher's default for the case's batch
     (``auto_blocks_per_split``; ``BLOCKS_PER_SPLIT`` without a case). ``block_keys``: the
     launch knob's tiles (``Schedule.tile_keys``; None or the page size: whole blocks).
@@ -719,40 +594,14 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     ``validate=True``: also check contents on the host (a sync):
     seq_lens, block-table entries of used blocks, selections in range without repeats,
     positive finite scales, a workspace's counters all zero. Without it, bad contents are
-    guarded in the kernel (never an illegal access; see the module docstring).
-    Launch knobs (speed only; all None: the defaults, ``launch_defaults``' on small grids;
-    any of them given: the others keep the plain defaults below):
-    ``num_warps`` (default 4), ``num_stages`` (depth of the
-    K/V loads' shared-memory pipeline across blocks; default ``DEFAULT_STAGES`` (16-bit
-    caches) or ``DEFAULT_STAGES_FP8``, or the
-    deepest below that fits the GPU's shared memory, ``kernels._triton.fitting_stages``),
-    ``max_registers``
-    (ptxas maxnreg; default the compiler's choice: 218 bf16, 255 fp8 at the model shape),
-    ``block_keys`` (keys per tile of the online softmax, a power of two dividing P, >= 16;
-    default P: one tile per block; declared to the oracle as ``Schedule.tile_keys``
-    through ``DecodeSchedule(block_keys=...)``). Smaller tiles take less shared memory per
-    pipeline stage and fewer registers (sm_90, model shape, e4m3fn, 3 stages: 128 keys
-    193 registers and 104 KiB, two programs per SM; 64 keys 134 and 54 KiB, three; 32
-    keys 96 and 29 KiB, five), at more instructions per block (loop SASS per block 791,
-    964, 1,324). H200, batch 64, e4m3fn (session 26,
-    ``reports/bench_attention_decode_block_keys.md``): 50.0 / 65.4 / 74.3 us for 128 / 64
-    / 32 keys: the extra programs per SM do not pay for the per-tile work, so the
-    default stays whole blocks.
-    ``trace``: a diagnostic (``kernels._trace``, compiled only): an int64 buffer ``[>= B *
-    Hkv * splits, TRACE_SLOTS]``; program (r, g, c) of the first pass writes row (r * Hkv +
-    g) * splits + c: its SM, then the timer at its start (slot 1), after its block loop
-    (2), at its end (3; after the merge, if it drew the last ticket) and when its plan was
-    ready (4: the union's blocks and pages known, q scaled; the loop's loads wait on it).
-    ``workspace``: a ``kernels._host.Workspace`` kept across calls (the merge's ticket
-    counters stay zero between launches, the partials are reused): no allocation and no
-    counter fill per call; one per stream of concurrent calls. None: fresh buffers.
-    ``pdl``: programmatic dependent launch of the first pass (``kernels._triton.
-    await_previous_kernel``; compiled, sm_90): it may start while the stream's previous
-    kernel finishes, its programs waiting for it before touching memory; a no-op
-    interpreted.
-    ``key_streams``: one query row per request only; the block loop as that many key
-    streams (``_stream_loop``: a power of two, ``P / key_streams >= 16``; 1: the 2-D loop;
-    None: ``default_key_streams``), declared as ``DecodeSchedule(key_streams=...)``."""
+    guarded in the kernel (never an illegal access; see docs/kernels/attention_decode.md).
+    Launch knobs (speed only): num_warps, num_stages, max_registers, block_keys,
+    key_streams (``_launch_knobs``). ``trace``: a diagnostic (``kernels._trace``, compiled
+    only) written by the first pass (``_launch_decode``). ``workspace``: a
+    ``kernels._host.Workspace`` kept across calls (the merge's ticket counters stay zero
+    between launches, the partials are reused; one per stream of concurrent calls; None:
+    fresh buffers). ``pdl``: programmatic dependent launch of the first pass
+    (``kernels._triton.await_previous_kernel``; compiled, sm_90; a no-op interpreted)."""
     workspace = check_workspace(workspace)
     pdl_kw = pdl_options(pdl, INTERPRETED)
     p = plan_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
@@ -762,19 +611,42 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
         workspace.check_counters()
     if p.t == 0:
         return p.out
-    grp = p.hq // p.hkv
-    splits = triton.cdiv(p.topk_k, p.blocks_per_split)
-    direct = splits == 1
-    dev = q.device
-    if direct:
-        part = lse = torch.empty(1, dtype=torch.float32, device=dev)
-    else:
-        part = take_scratch(workspace, "attention_partials", (p.t, p.hq, splits, p.d),
-                            torch.float32, dev)
-        lse = take_scratch(workspace, "attention_lse", (p.t, p.hq, splits), torch.float32,
-                           dev)
-    rows_p = triton.next_power_of_2(p.rows)
-    g_p = triton.next_power_of_2(grp)
+    knobs = _launch_knobs(p, kv_fmt, blocks_per_split, num_warps, num_stages, max_registers,
+                          block_keys, key_streams)
+    return _launch_decode(p, knobs, q, kv_cache, kv_fmt, block_table, seq_lens, topk, trace,
+                          workspace, pdl_kw)
+
+
+@dataclass(frozen=True)
+class _Knobs:
+    """The launch knobs checked and defaulted (``_launch_knobs``)."""
+
+    bn: int  # keys per online-softmax tile
+    ws: int  # key streams
+    opts: dict  # num_warps, and num_stages / maxnreg when set
+    deepest: int | None  # launch_defaults' stages, else None (DEFAULT_STAGES*)
+    stages_given: bool
+
+
+def _launch_knobs(p, kv_fmt, blocks_per_split, num_warps, num_stages, max_registers,
+                  block_keys, key_streams) -> _Knobs:
+    """The launch knobs, speed only. All None: the defaults (``launch_defaults``' on small
+    grids); any of them given: the others keep the plain defaults below.
+
+    num_warps      default 4.
+    num_stages     depth of the K/V loads' shared-memory pipeline across blocks; default
+                   ``DEFAULT_STAGES`` (16-bit caches) or ``DEFAULT_STAGES_FP8``, or the
+                   deepest below that fits the GPU's shared memory
+                   (``kernels._triton.fitting_stages``).
+    max_registers  ptxas maxnreg; default the compiler's choice.
+    block_keys     keys per tile of the online softmax, a power of two dividing P, >= 16;
+                   default P (one tile per block: smaller tiles fit more programs per SM but
+                   their per-tile work costs more than that gains); declared to the oracle
+                   as ``Schedule.tile_keys`` through ``DecodeSchedule(block_keys=...)``.
+    key_streams    one query row per request only; the block loop as that many key streams
+                   (``_stream_loop``: a power of two, ``P / key_streams >= 16``; 1: the 2-D
+                   loop; None: ``default_key_streams``), declared as
+                   ``DecodeSchedule(key_streams=...)``."""
     bn = check_block_keys(block_keys, p.page)
     ws = check_key_streams(key_streams, p.page, p.rows, block_keys)
     if key_streams is None:
@@ -792,14 +664,13 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
     regs = max_registers or auto.get("maxnreg")
     if regs is not None and not INTERPRETED:
         opts["maxnreg"] = regs
-    ensure_ready(_decode_split_kernel)
-    grid = (p.batch, p.hkv, splits)
-    check_trace(trace, p.batch * p.hkv * splits, INTERPRETED, dev)
-    flags = take_scratch(workspace, "attention_flags",
-                         (p.batch * p.hkv * splits if p.rows > 1 else 1,), torch.int32, dev)
-    fused = not direct and p.rows == 1  # the last split merges (ticket counter)
-    counters = take_counters(workspace, p.batch * p.hkv if fused else 1, dev)
-    args = (q, q.stride(0), q.stride(1),
+    return _Knobs(bn, ws, opts, auto.get("num_stages"), num_stages is not None)
+
+
+def _decode_args(p, q, kv_cache, block_table, seq_lens, topk, splits, part, lse, flags,
+                 counters, trace):
+    """The split kernel's runtime arguments."""
+    return (q, q.stride(0), q.stride(1),
             kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.num_pages,
             block_table, block_table.stride(0), block_table.stride(1), block_table.shape[1],
             seq_lens, seq_lens.stride(0),
@@ -807,21 +678,57 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
             p.ks, *p.ks_strides, p.vs, *p.vs_strides,
             p.out, p.out.stride(0), p.out.stride(1), part, lse, flags, counters,
             counters if trace is None else trace,
-            float(np.float32(p.softmax_scale * LOG2E)), grp, p.hq, splits)
-    const = dict(ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d,
-                 P=p.page, KP=topk_width(p.topk_k), NB=p.blocks_per_split,
-                 NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
-                 FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
-                 SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
-                 SAME=not p.fp8 and kv_cache.dtype == q.dtype,
-                 ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), DIRECT=direct,
-                 SP=triton.next_power_of_2(splits), BN=bn, WS=ws, **opts)
-    if num_stages is None:  # the default, lowered until every pass fits shared memory
-        # (the repair pass takes more: fp8, fp16 q, G 16, 4 rows asked for 268 KiB at 3
-        # stages where the first pass fitted; found by the H200 fuzz run)
+            float(np.float32(p.softmax_scale * LOG2E)), p.hq // p.hkv, p.hq, splits)
+
+
+def _decode_const(p, knobs, q, kv_cache, kv_fmt, splits) -> dict:
+    """The split kernel's constexprs and launch options (num_stages added by the caller
+    when defaulted)."""
+    rows_p = triton.next_power_of_2(p.rows)
+    g_p = triton.next_power_of_2(p.hq // p.hkv)
+    return dict(ROWS=p.rows, ROWS_P=rows_p, G_P=g_p, BLOCK_M=max(16, rows_p * g_p), D=p.d,
+                P=p.page, KP=topk_width(p.topk_k), NB=p.blocks_per_split,
+                NBP=triton.next_power_of_2(p.blocks_per_split), FP8=p.fp8,
+                FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
+                SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
+                SAME=not p.fp8 and kv_cache.dtype == q.dtype,
+                ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), DIRECT=splits == 1,
+                SP=triton.next_power_of_2(splits), BN=knobs.bn, WS=knobs.ws, **knobs.opts)
+
+
+def _launch_decode(p, knobs, q, kv_cache, kv_fmt, block_table, seq_lens, topk, trace,
+                   workspace, pdl_kw):
+    """The first pass (grid ``(B, Hkv, splits)``), its repair pass when rows share tiles,
+    and the merge kernel when the splits are not merged in place. ``trace``: an int64
+    buffer ``[>= B * Hkv * splits, TRACE_SLOTS]``; program (r, g, c) of the first pass
+    writes row (r * Hkv + g) * splits + c: its SM, then the timer at its start (slot 1),
+    after its block loop (2), at its end (3; after the merge, if it drew the last ticket)
+    and when its plan was ready (4: the union's blocks and pages known, q scaled)."""
+    dev = q.device
+    splits = triton.cdiv(p.topk_k, p.blocks_per_split)
+    direct = splits == 1
+    if direct:
+        part = lse = torch.empty(1, dtype=torch.float32, device=dev)
+    else:
+        part = take_scratch(workspace, "attention_partials", (p.t, p.hq, splits, p.d),
+                            torch.float32, dev)
+        lse = take_scratch(workspace, "attention_lse", (p.t, p.hq, splits), torch.float32,
+                           dev)
+    ensure_ready(_decode_split_kernel)
+    grid = (p.batch, p.hkv, splits)
+    check_trace(trace, p.batch * p.hkv * splits, INTERPRETED, dev)
+    flags = take_scratch(workspace, "attention_flags",
+                         (p.batch * p.hkv * splits if p.rows > 1 else 1,), torch.int32, dev)
+    fused = not direct and p.rows == 1  # the last split merges (ticket counter)
+    counters = take_counters(workspace, p.batch * p.hkv if fused else 1, dev)
+    args = _decode_args(p, q, kv_cache, block_table, seq_lens, topk, splits, part, lse, flags,
+                        counters, trace)
+    const = _decode_const(p, knobs, q, kv_cache, kv_fmt, splits)
+    if not knobs.stages_given:  # the default, lowered until every pass fits shared memory
+        # (the repair pass can take more than the first: fp8, fp16 q, G 16, 4 rows)
         const["num_stages"] = min(
             fitting_stages(_decode_split_kernel, args, {**const, "REPAIR": r}, dev,
-                           deepest=auto.get("num_stages") or (
+                           deepest=knobs.deepest or (
                                DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES))
             for r in ((False, True) if p.rows > 1 else (False,)))
     _decode_split_kernel[grid](*args, REPAIR=False, TRACE=trace is not None, **const,
@@ -833,7 +740,8 @@ def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk, ro
         ensure_ready(_decode_merge_kernel)
         _decode_merge_kernel[(p.t, triton.cdiv(p.hq, block_h))](
             part, lse, p.out, p.out.stride(0), p.out.stride(1), p.hq, splits,
-            D=p.d, BLOCK_H=block_h, SP=triton.next_power_of_2(splits), num_warps=warps)
+            D=p.d, BLOCK_H=block_h, SP=triton.next_power_of_2(splits),
+            num_warps=knobs.opts["num_warps"])
     return p.out
 
 

@@ -1,4 +1,4 @@
-"""Block-sparse GQA attention prefill over a paged KV cache (SPEC.md section 6; issue 9), in
+"""Block-sparse GQA attention prefill over a paged KV cache (SPEC.md section 6), in
 one Triton kernel.
 
 Contract. A ragged batch of new tokens: request r owns tokens ``cu_seqlens_q[r] ..
@@ -13,117 +13,13 @@ current block) and ``j < seq_len``, read through ``block_table[r, j // P]`` from
 last dim contiguous). ``out = softmax(softmax_scale * q . K) @ V``, softmax_scale
 ``1/sqrt(D)`` by default.
 
-Tiling (the point of this kernel: tokens that share blocks share KV reads).
-- One program per (query tile, KV head). A query tile is ``BLOCK_T`` consecutive new tokens
-  of one request times the ``G`` query heads of the KV group: the M dimension of both
-  ``tl.dot`` is (token, head) = ``BLOCK_T x G_P`` rows (``G_P`` = G padded to a power of
-  two; ``BLOCK_T * G_P`` >= 16, 64 by default: G 16 -> 4 tokens, G 1 -> 64 tokens).
-  Tiles never straddle requests: with ``BLOCK_T`` tokens per tile, request r's tiles get
-  program ids ``cu_seqlens_q[r] // BLOCK_T + r + i`` and a program finds its request by a
-  binary search over ``cu_seqlens_q`` (vLLM's unified-attention trick), so the grid
-  ``T // BLOCK_T + B`` needs no host sync; surplus programs exit at once.
-- The program walks the UNION of its tokens' valid selections in ascending block id,
-  without sorting anything and without a workspace: the tile's entries are held in
-  registers as a ``[BLOCK_T, K]`` array (invalid ones -- negative, past the token's
-  ``p // P``, past the block table -- replaced by a sentinel), and the next block is the
-  minimum entry greater than the current one. A first pass of that recurrence (no loads)
-  counts the union (a one-token tile: its valid entries, an upper bound that a repeated
-  entry exceeds by trips finding no block), so the main loop is a ``for`` with a runtime
-  trip count (Triton pipelines ``for`` loops, not ``while`` loops). The next block and its
-  block-table entry are found one block ahead, after the current block's loads are issued
-  (a loop-carried pair), so K/V's addresses never wait for a page load (H100, session 32:
-  random e4m3fn 3894 -> 3609 us). Each union block is loaded ONCE (K and V
-  ``[P, D]``, converted right after the load: fp8 via ``kernels.fp8.decode_fp8``, hardware
-  casts for e4m3fn/e5m2, the software codec for fnuz) and multiplied with all ``BLOCK_T x
-  G`` rows; a row takes part only if the block is in its own selection (a per-token
-  membership test ``any(entries == block)``), and only in keys ``j <= p``. Logits are
-  masked with ``where``, never by adding -inf.
-- Cost. Per program: ``U`` = |union of the tile's selections| block iterations, each two
-  ``[BLOCK_T*G_P, P] x [P, D]``-sized MMAs plus ``O(BLOCK_T * K)`` integer compares. Useful
-  work is ``K`` blocks per token, so the MMA efficiency is ``K / U``:
-  * local selections (recent blocks plus a few shared far ones, the common case in
-    practice): neighbouring tokens select nearly the same blocks, ``U`` ~ ``K`` + a few,
-    efficiency close to 1, and each block is read once per tile instead of once per token;
-  * random selections among ``V`` visible blocks: ``U`` ~ ``V (1 - (1 - K/V)^BLOCK_T)``;
-    at the issue's benchmark shape (K 16, V 65..128, G 16) 4 tokens per tile (64 rows)
-    give U ~ 44-53 (efficiency ~ 1/3), 8 tokens U ~ 58-84 (~ 1/4). Smaller tiles cut the
-    waste but shrink the MMA M dimension; ``block_rows`` (rows per tile) is the knob
-    (``BLOCK_ROWS``, from the H200 sweep: the per-block overhead, not the MMA waste,
-    dominates there).
-  The same union walk is what flex_attention does with a block mask (its q-block of 128
-  tokens unions much more: the 13 TFLOP/s of NOTES.md); the per-token (M = G = 16) form
-  wastes nothing but runs its MMAs at M = 16.
-
-Tiers (the launcher's default; ``delegate_ratio=0`` turns them off). Which tile size wins
-depends on the selections, which the host cannot see without a sync: on the H200 the
-128-row tiles take 2.27 ms on local selections and 9.31 on random ones, the per-token
-16-row tiles (4 warps) 5.4 ms on both. So the launcher runs two passes of this kernel,
-decided per tile on the device. ``_tier_kernel`` (one small program per wide tile and KV
-head) counts the tile's union ``U``; when ``U * DELEGATE_RATIO`` exceeds the tile's valid
-entries (about the narrow tier's block iterations for those tokens, each ~3x cheaper) it
-writes 1 at the tile's slot of an int32 array (counting stops there), else 0, and appends
-the handed slot to a list. The WIDE
-pass (``TIER=1``, ``BLOCK_T`` tokens) computes the tiles marked 0 and returns at once
-from the others (session 19 did the count in the wide pass itself: ~0.37 ms of 5.77 at
-the issue's shape, one 8-warp program per SM counting). The NARROW pass
-(``TIER=2``, ``NARROW_ROWS`` rows: one token at G = 16, nested in the wide tiles since both
-are aligned to the request's first token) then runs only the tokens of handed-over tiles,
-one wave of programs striding over the list (``_prefill_kernel``, LISTED; a grid of one
-program per token cost 73 us with nothing handed over at the model shape, bf16 cache,
-H100), in the same stream order (no sync; graph-capturable). Both tiers follow the declared
-schedule (a row's own blocks in ascending order, one running max; with ``predecode`` the
-wide tier its own operand dtypes, Numerics below): a token's result is
-within the same bounds either way, but its bits may depend on which tier ran it, i.e. on
-the selections of the tokens sharing its wide tile (the tensor-core instruction differs:
-M = 128 vs M = 16). Tiles never straddle requests, so other requests never change it.
-
-Numerics: the rounding schedule declared in the registry (``SCHEDULE(model_dtype)``, act =
-the model dtype = q's dtype), exactly what the kernel does:
-- Operands as in the decode kernel (``kernels.attention_decode``, Numerics): fp8 with
-  scalar (or no) scales runs both products on fp16 operands (K/V exact, ``kv_dtype =
-  "float64"``, scales in fp32 outside the products; q row-scaled to fp16, ``q_dtype =
-  "float16"``; P in fp16; e5m2fnuz on bf16 operands, its values / 2^111, with q and P in
-  bf16: ``kernels._attention.operand_dtypes``); per-slot scales and 16-bit caches: K/V, P
-  in act, q as given.
-- The wide tier on predecoded pages (``predecode``: fp8 with scalar scales, the values
-  decoded once to act by ``kernels.kv_predecode``): K/V exact in act, scales in fp32
-  outside the products as above, q as given, P in act: the second schedule of
-  ``PrefillSchedule``'s pair, which the adapter reports per row (``schedule_rows``). Its
-  rows' bits differ from the fp8 path's (bf16 P instead of fp16 for a bf16 model): why,
-  ``kernels.kv_predecode``.
-- ``S = q . K`` by ``tl.dot``, fp32 accumulation; logits in log2 units
-  ``S * fp32(softmax_scale * log2(e))``, taken inside the softmax step: the running max is
-  the unscaled max times that factor (the same fp32 value) and ``P = exp2(S * factor -
-  max)`` one fused multiply-add (the logit is not rounded on its own; session 31: one
-  product per logit fewer); online softmax with ``exp2``, one tile per KV block
-  in ascending block id (a row's own blocks in ascending order: ``p_max="running"``,
-  ``blocks_per_tile=1``, ``order="ascending"``; blocks the row does not take part in leave
-  its state unchanged); ``P @ V`` by ``tl.dot`` with fp32 accumulation, the row sum from
-  the unrounded fp32 P; no split-K; output rounded once
-  to act (RNE). Rows with no key give zeros.
-
-Masking (SPEC.md s.6): every K/V load is masked to keys ``j <= max position of the tile's
-tokens that selected the block`` (hence ``j < seq_len``) in a page whose block-table entry
-is in range; other lanes read 0, so NaN content past seq_len, in unused pages or in
-unselected blocks never enters any arithmetic. Keys loaded for some rows of the tile but
-not seen by others (a token that did not select the block, the causal cut inside the
-current block) are masked in the logits; a non-finite V in such a key would still reach
-the others through ``0 * NaN`` in the shared ``P @ V``. It then always leaves a NaN in
-the accumulator, so the first pass checks its accumulator once, after the loop
-(``kernels._attention.not_finite``; tiles of one token need no check) and appends the
-tile to a list (an atomic count); a second launch of the same kernel (``REPAIR=True``, one
-wave of programs striding over the listed tiles: none listed, a few microseconds)
-recomputes it, each block whose ``P @ V`` is
-non-finite by ``kernels._attention.guarded_pv`` (exact 0/1 counts of the non-finite values
-each row sees; ``repair_pv``). Inlined in the main pass, the guarded path's [N, D]
-temporaries made ptxas spill 1.5 KiB per thread at the model shape (sm_90, 4 warps); a
-per-block check cost a reduction and a branch in every iteration of the main loop.
-
-In-kernel guards (contents are only checked under ``validate=True``): entries outside
-``[0, p // P]`` or past the block table's width are ignored, repeats count once,
-block-table entries outside ``[0, num_pages)`` read nothing, tokens past ``T`` (a bad
-``cu_seqlens_q``) are skipped, tokens with ``p < 0`` (``seq_len < query_len``) see no key.
-Offsets are 64-bit.
+Design (docs/kernels/attention_prefill.md): one program per (query tile, KV head) walks
+the union of its tokens' selections, so tokens that share blocks share KV reads; two
+tiers (wide tiles, and per-token narrow tiles for tiles whose union is large) are
+chosen per tile on the device. Numerics: the rounding schedule declared in the registry
+(``PrefillSchedule``; with ``predecode``, a second schedule for the wide tier's rows).
+NaN content a row must not see never reaches it (a repair pass); bad contents are
+guarded, never an illegal access.
 
 ``sparse_attention_prefill(...)`` is the host launcher (validates dtypes, shapes, strides,
 formats and scales; raises ValueError naming the argument);
@@ -178,32 +74,23 @@ from kernels.fp8 import HW_FORMATS, asm_f16, fmt_code
 from kernels.kv_predecode import predecode_options, predecode_pages
 from reference.platforms import is_fp8
 
-#: Query rows (tokens x padded heads) per program by default; see the module docstring.
-#: H200, model shape, 8k new tokens on an 8k prefix (reports/bench_attention_prefill.json,
-#: 2026-11-30): 128 rows (8 tokens x 16 heads) beat 64 on both selection distributions
-#: (bf16 locality 2.26 vs 4.20 ms, random 9.4 vs 11.2 ms); 16 rows (per token) was best on
-#: random selections (7.6 ms) but 3.5x slower on local ones.
+#: Query rows (tokens x padded heads) per program by default; see the
+#: docs/kernels/attention_prefill.md: 128 rows (8 tokens x 16 heads) beat 64 on both local and
+#: random selections.
 BLOCK_ROWS = 128
-#: The narrow tier (module docstring, Tiers): rows per program, and per cache kind its warps,
-#: stages (16-bit: ``_num_stages``'s guess, fitted) and the most keys per online-softmax
-#: tile (``NARROW_KEYS*``; fewer when the page or ``block_keys`` is smaller: ``narrow_keys``).
-#: H100, model shape, random selections (session 31, ``reports/bench_attention_prefill_
-#: narrow31_h100.md``), one warp: no cross-warp reduction or barrier in the block loop:
-#: e4m3fn with 64-key tiles, 1 stage 3827 us (139.2 TFLOP/s useful) against 4384 with the
-#: session-20 choice (2 warps, whole blocks, 1 stage); 1 warp with 32-key tiles 4417, whole
-#: blocks 7525, 64-key tiles at 2 / 3 stages 4635 / 7010, 2 warps with 64-key tiles 6755;
-#: bf16 with 16-key tiles, 3 stages 4461 us (119.4) against 5258 (4 warps, whole blocks, 2
-#: stages); 32-key tiles 5022, 64-key tiles 9444 (spills). Session 19 (H200) had 16 rows x
-#: 4 warps best of 2, 4 and 8 warps at whole blocks.
+#: The narrow tier (docs/kernels/attention_prefill.md, Tiers): rows per program, and per cache
+#: kind its warps, stages (16-bit: ``_num_stages``'s guess, fitted) and the most keys per
+#: online-softmax tile (``NARROW_KEYS*``; fewer when the page or ``block_keys`` is smaller:
+#: ``narrow_keys``). One warp: no cross-warp reduction or barrier in the block loop; short key
+#: tiles keep the registers (fp8: 64 keys, 1 stage; 16-bit: 16 keys, 3 stages).
 NARROW_ROWS = 16
 NARROW_WARPS = 1
 NARROW_KEYS = 16
 NARROW_FP8 = {"num_warps": 1, "num_stages": 1}
 NARROW_KEYS_FP8 = 64
 #: A wide tile is handed to the narrow tier when ``U * DELEGATE_RATIO`` exceeds its valid
-#: entries: one block iteration of the 128-row, 8-warp program cost ~32 ns of the H200
-#: (9.31 ms / (4,096 programs x ~70 union blocks) on random selections; ~29 on local ones),
-#: one of the 16-row, 4-warp program ~10 ns (5.40 ms / 524,288).
+#: entries: one block iteration of the 128-row, 8-warp program costs about three of the
+#: 16-row, 4-warp program's.
 DELEGATE_RATIO = 3
 #: A delegate_ratio that hands every wide tile with a selection to the narrow tier (the
 #: registered implementation ``triton_narrow`` runs with it).
@@ -215,20 +102,17 @@ TIER_ENTRIES_PER_WARP = 512
 #: Default warps per program. sm_90, model shape (static, compiled on the CPU): the main
 #: pass needs 255 registers per thread either way; with 4 warps ptxas spills 344 bytes per
 #: thread (bf16), with 8 none, and shared memory (144 KiB) allows one program per SM
-#: anyway. The H200 sweep is to confirm.
+#: anyway.
 NUM_WARPS = 8
 #: ``predecode=None`` (the default) predecodes an fp8 cache with scalar (or no) scales when
 #: the batch has at least ``PREDECODE_MIN_TOKENS`` new tokens and its block table's token
 #: capacity (``B x W x P``) is at most ``PREDECODE_TABLE_RATIO`` times them: the scratch
 #: (``B x W`` pages, 2 bytes per value) and the decoding pass then stay proportional to the
-#: new tokens, whose wide tiles re-read the shared blocks many times. H200, model shape (8k
-#: new tokens on an 8k prefix, e4m3fn, session 28, ``reports/bench_attention_prefill_
-#: predecode.md``): locality 2.57 -> 2.08 ms (207.5 -> 255.7 TFLOP/s useful), random 4.69
-#: -> 4.71 ms (its tiles go to the narrow tier, which reads the codes). A server whose block
+#: new tokens, whose wide tiles re-read the shared blocks many times. A server whose block
 #: table spans the model's whole context (W = max_model_len / P) falls outside the rule
 #: and passes ``predecode=True`` to spend the B x W pages of scratch. With the tiers, the
 #: predecode kernel decodes only if ``_tier_kernel`` kept a wide tile with a block (a
-#: device flag; random selections, every tile narrow: ~20 us saved on the H100).
+#: device flag).
 PREDECODE_MIN_TOKENS = 1024
 PREDECODE_TABLE_RATIO = 4
 LOG2E = 1.4426950408889634
@@ -313,13 +197,13 @@ def _tier_kernel(cu_ptr, cu_s0, seq_ptr, seq_s0, num_reqs, search_steps, num_tok
                  list_ptr, count_ptr, wide_ptr,
                  BLOCK_T: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
                  PDL: tl.constexpr = False):
-    """The tiers' switch (module docstring, Tiers), one small program per (wide tile, KV
-    head): 1 at the tile's slot of ``tier_ptr`` when its union U has ``U *
-    delegate_ratio`` > its valid entries (counting stops there), else 0 (surplus programs
-    too); a handed tile's slot is also appended to the narrow pass's list at ``list_ptr``
-    (``count_ptr[0]`` entries, in no particular order); a tile kept with a block in its
-    union sets ``wide_ptr[0]`` to 1 (the wide pass reads pages: a predecode is needed).
-    PDL: ``kernels._triton.await_previous_kernel`` first (the launcher's ``pdl``)."""
+    """The tiers' switch (docs/kernels/attention_prefill.md, Tiers), one small program per (wide
+    tile, KV head): 1 at the tile's slot of ``tier_ptr`` when its union U has ``U *
+    delegate_ratio`` > its valid entries (counting stops there), else 0 (surplus programs too);
+    a handed tile's slot is also appended to the narrow pass's list at ``list_ptr``
+    (``count_ptr[0]`` entries, in no particular order); a tile kept with a block in its union
+    sets ``wide_ptr[0]`` to 1 (the wide pass reads pages: a predecode is needed). PDL:
+    ``kernels._triton.await_previous_kernel`` first (the launcher's ``pdl``)."""
     await_previous_kernel(PDL)
     tile = tl.program_id(0)
     g64 = tl.program_id(1).to(tl.int64)
@@ -369,11 +253,10 @@ def _prefill_kernel(
     about one wave of programs striding over the items of the list at ``list_ptr`` (int32,
     ``count_ptr[0]`` of them, each expanded to SUBS items in the narrow tier's first pass,
     whose list holds wide slots): a tier or a repair with nothing to do costs one wave of
-    programs that read a zero count, not a grid of empty programs (H100, model shape,
-    session 29: the narrow pass with no tile handed over took 73 us for a bf16 cache, 38
-    for fp8; the wide repair pass with none flagged 19 us). A first pass appends each tile
-    it flags for repair (module docstring, Masking) to the list at ``push_ptr``. TIER
-    (module docstring, Tiers): 0 every tile here; 1 the wide pass, which leaves the tiles
+    programs that read a zero count, not a grid of empty programs. A first pass appends each tile
+    it flags for repair (docs/kernels/attention_prefill.md, Masking) to the list at
+    ``push_ptr``. TIER (docs/kernels/attention_prefill.md, Tiers): 0 every tile here; 1 the wide
+    pass, which leaves the tiles
     ``_tier_kernel`` marked at ``tier_ptr`` to 2, the narrow pass (``BLOCK_T`` tokens
     nested in the wide tiles' ``WIDE_T``). PDL: ``kernels._triton.await_previous_kernel``
     first (the launcher's ``pdl``)."""
@@ -495,10 +378,7 @@ def _prefill_kernel(
                 # (static sm_90, wide tier, model shape). At every pipeline depth: with the
                 # page loaded a block ahead the branch no longer keeps Triton's pipeliner to
                 # one K/V buffer at 3 stages (static sm_90, tests/test_static_sm90.py), and
-                # timed against a branchless loop at 3 stages (H100, session 34, A/B of two
-                # rounds, reports/ab-attention-prefill-branchless-h100.md) it was as fast on
-                # locality selections (0.998 / 1.002) and on random ones with an e4m3fn
-                # cache (1.002), 1.2% faster with bf16 (the narrow tier's 3 stages).
+                # it is no slower than a branchless loop (docs/tuning.md).
                 seen = (takes > 0) & (t_pos32 >= first_key + BN - 1)
                 whole = (tl.min((seen | (t_ok == 0)).to(tl.int32), axis=0) > 0) & page_ok
                 if whole:
@@ -540,7 +420,7 @@ INTERPRETED = is_interpreted(_prefill_kernel)
 @dataclass(frozen=True)
 class PrefillSchedule:
     """The kernel's rounding schedule for a model dtype and a case's inputs (what the oracle
-    calls ``schedule_for(impl, model_dtype, case)``); see the module docstring.
+    calls ``schedule_for(impl, model_dtype, case)``); see docs/kernels/attention_prefill.md.
     ``block_keys`` / ``narrow_block_keys``: the launch knobs' tiles (``Schedule.tile_keys``;
     None or the page size: whole blocks; ``narrow_block_keys`` None: ``narrow_tile_keys``,
     the launcher's default)."""
@@ -667,7 +547,7 @@ def _num_stages(page: int, d: int, fp8: bool) -> int:
     shared memory for the dequantised operands and q (3 stages up to 32 KiB per stage, 2
     up to 64 KiB, else 1). The launcher lowers it
     until the compiled kernel fits (``fitting_stages``): with D = 256, P = 64, a 16-bit
-    cache and 16 heads per group, 2 stages asked for 240 KiB of the H200's 227."""
+    cache and 16 heads per group, 2 stages ask for 240 KiB where sm_90 has 227."""
     per_stage = 2 * page * d * (1 if fp8 else 2)
     return 3 if per_stage <= 32768 else 2 if per_stage <= 65536 else 1
 
@@ -696,59 +576,114 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     contiguous), written and returned. ``validate=True``: also check contents on the host
     (a sync): cu_seqlens_q against T and seq_lens, block-table entries of used blocks,
     selections in range without repeats, positive finite scales. Without it, bad contents
-    are guarded in the kernel (never an illegal access; see the module docstring).
-    block_rows: query rows (tokens x padded heads) per program of the wide tier, a power of
-    two (default ``BLOCK_ROWS``); num_warps / num_stages: its Triton launch options (default
-    ``NUM_WARPS``, and ``_num_stages``; a given num_stages is the first pass's, the repair
-    pass taking the deepest up to it that fits: static sm_90, model shape, bf16, 3 stages
-    fit the first pass, 229,408 B, with the next block's loads issued a whole block ahead,
-    where 2 stages wait for them at the top of the very next block; to time);
-    delegate_ratio: the tiers' switch (module docstring, Tiers; default
-    ``DELEGATE_RATIO``; 0: every tile in the wide tier; a huge value: every tile with a
-    selection in the narrow tier). The narrow tier runs narrow_rows (a power of two,
-    default ``NARROW_ROWS``: one token at G 16; more rows walk the union of a few tokens'
-    selections, reading a block once for the tokens that share it) rows per program when
-    they are fewer than the wide tier's (else the tiers are off), with
-    narrow_warps / narrow_stages (default: ``NARROW_FP8`` with an fp8 cache, else
-    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until it fits; at
-    least a warp per ``NARROW_ROWS`` rows);
-    narrow_max_registers: its ptxas register cap (``maxnreg``; default the compiler's
-    choice; sm_90, model shape, e4m3fn, the one-warp default: 255 registers, 8 programs
-    per SM by registers; with session 30's two warps 64-key tiles at 168 were 1.04x
-    slower, ``reports/bench_attention_prefill_narrow31_h100.md``).
-    block_keys: keys per online-softmax tile in both tiers, a power of two dividing P,
-    >= 16 (default P: one tile per block; declared as ``Schedule.tile_keys`` through
-    ``PrefillSchedule(block_keys=...)``); smaller tiles take less shared memory per
-    pipeline stage and fewer registers (the default stage depth follows the tile's bytes).
-    H200, model shape, random selections, e4m3fn (session 26,
-    ``reports/bench_attention_prefill_block_keys.md``): 4.73 ms with whole blocks, 5.41
-    with 64-key tiles: the default stays whole blocks.
+    are guarded in the kernel (never an illegal access; see docs/kernels/attention_prefill.md).
+    Launch knobs (speed only): block_rows, num_warps, num_stages, delegate_ratio,
+    narrow_rows, narrow_warps, narrow_stages, narrow_max_registers, block_keys,
+    narrow_block_keys, predecode_rows, predecode_warps (``_prefill_knobs``).
     predecode: True (an fp8 cache with scalar (or no) scales only): the batch's pages
     decoded once to their exact values in the model dtype (``kernels.kv_predecode``; a
     scratch of ``B x max_blocks`` pages of 2-byte values) and the wide tier run on them as
     on a 16-bit cache in act, the scales in fp32 outside the products: q as given and P in
-    act (the module docstring's second schedule, ``PrefillSchedule``), where the fp8 path
-    row-scales q to fp16 and rounds P to fp16; the narrow tier reads the fp8 codes on the
-    fp8 path. None (default): True where ``default_predecode`` says so, else False.
-    predecode_rows / predecode_warps: the predecode's rows of a page per program (a power of
-    two dividing P) and warps per program (default ``kv_predecode.PREDECODE_ROWS``, 16,
-    and ``PREDECODE_WARPS``, 1; checked whether or not the predecode runs).
-    pdl: programmatic dependent launch of every kernel of the call (compiled, sm_90; a
-    no-op interpreted): each launch may be scheduled while the stream's previous kernel
-    finishes, its programs waiting for that kernel's completion before touching memory
-    (``kernels._triton.await_previous_kernel``), so the results are a plain launch's; what
-    it saves is the gaps between the call's 3-6 launches (tier switch, predecode, each
-    tier's two passes) and the next launch's set-up during a pass's last wave.
-    narrow_block_keys: the narrow tier's own key tiles (default: ``narrow_tile_keys``, the
-    wide tier's capped at ``NARROW_KEYS_FP8`` / ``NARROW_KEYS``; declared as
-    ``PrefillSchedule(narrow_block_keys=...)``, the narrow rows' schedule).
-    schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills
-    (no sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
+    act (docs/kernels/attention_prefill.md's second schedule, ``PrefillSchedule``), where the
+    fp8 path row-scales q to fp16 and rounds P to fp16; the narrow tier reads the fp8 codes on
+    the fp8 path. None (default): True where ``default_predecode`` says so, else False. pdl:
+    programmatic dependent launch of every kernel of the call (compiled, sm_90; a no-op
+    interpreted): each launch may be scheduled while the stream's previous kernel finishes, its
+    programs waiting for that kernel's completion before touching memory
+    (``kernels._triton.await_previous_kernel``), so the results are a plain launch's.
+    schedule_rows: None, or an integer tensor ``[T, Hq]`` on q's device that the call fills (no
+    sync) with each (token, head) row's schedule, the index into ``PrefillSchedule``'s
     schedules: 0 the wide tier on the cache, 1 on predecoded pages, 2 the narrow tier."""
     p = plan_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                                k_scale, v_scale, softmax_scale, out, validate)
     if p.t == 0:
         return p.out
+    kn = _prefill_knobs(p, block_rows, num_warps, num_stages, delegate_ratio, narrow_rows,
+                        narrow_warps, narrow_stages, narrow_max_registers, block_keys,
+                        narrow_block_keys, predecode_rows, predecode_warps)
+    pdl_kw = pdl_options(pdl, INTERPRETED)
+    ensure_ready(_prefill_kernel)
+    tiers = kn.ratio > 0 and kn.narrow_t < kn.block_t
+    const = _prefill_const(p, q, kv_cache, kv_fmt, kn)
+    # The lists' counts (handed wide tiles; flagged wide and narrow tiles) and whether a
+    # wide tile reads pages (set by ``_tier_kernel``): one fill.
+    counts = torch.zeros(4, dtype=torch.int32, device=q.device)
+    tier = handed = None
+    if tiers:
+        tier, handed = _switch_tiers(p, kn, const, cu_seqlens_q, seq_lens, topk, block_table,
+                                     counts, pdl_kw)
+    if predecode is None:
+        predecode = default_predecode(p, const["SCALAR"], block_table.shape[1])
+    if not isinstance(predecode, bool):
+        fail("predecode", f"must be True, False or None, got {predecode!r}")
+    _wide_pass(p, kn, const, predecode, tiers, tier, counts, q, kv_cache, block_table,
+               cu_seqlens_q, seq_lens, topk, num_stages, pdl_kw)
+    if tiers:
+        _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, kn.grp,
+                      tier, handed, counts[2:3], {**const, "BLOCK_T": kn.narrow_t, "TIER": 2,
+                                                  "WIDE_T": kn.block_t, "BN": kn.bn_narrow,
+                                                  **kn.narrow, **pdl_kw},
+                      "num_stages" not in kn.narrow)
+    if schedule_rows is not None:
+        schedule_rows.copy_(_row_schedules(p, cu_seqlens_q, tier, kn.block_t, kn.grp,
+                                           predecode))
+    return p.out
+
+
+@dataclass(frozen=True)
+class _PrefillKnobs:
+    """The launch knobs checked and defaulted (``_prefill_knobs``)."""
+
+    grp: int
+    g_p: int
+    block_t: int  # tokens per wide tile
+    narrow_t: int  # tokens per narrow tile
+    ratio: int
+    opts: dict  # the wide tier's launch options
+    narrow: dict  # the narrow tier's launch options
+    bn: int
+    bn_narrow: int
+    pre_rows: int
+    pre_warps: int
+
+
+def _prefill_knobs(p, block_rows, num_warps, num_stages, delegate_ratio, narrow_rows,
+                   narrow_warps, narrow_stages, narrow_max_registers, block_keys,
+                   narrow_block_keys, predecode_rows, predecode_warps) -> _PrefillKnobs:
+    """The launch knobs, speed only (ValueError naming them when invalid).
+
+    block_rows      query rows (tokens x padded heads) per program of the wide tier, a power
+                    of two (default ``BLOCK_ROWS``).
+    num_warps, num_stages
+                    its Triton launch options (default ``NUM_WARPS``, and ``_num_stages``);
+                    a given num_stages is the first pass's, the repair pass taking the
+                    deepest up to it that fits.
+    delegate_ratio  the tiers' switch (docs/kernels/attention_prefill.md, Tiers; default
+    ``DELEGATE_RATIO``;
+                    0: every tile in the wide tier; a huge value: every tile with a
+                    selection in the narrow tier).
+    narrow_rows     rows per program of the narrow tier (a power of two, default
+                    ``NARROW_ROWS``: one token at G 16; more rows walk the union of a few
+                    tokens' selections, reading a block once for the tokens that share it)
+                    when they are fewer than the wide tier's (else the tiers are off).
+    narrow_warps, narrow_stages
+                    its launch options (default: ``NARROW_FP8`` with an fp8 cache, else
+                    ``NARROW_WARPS`` and, as the wide tier, ``_num_stages`` lowered until
+                    it fits; at least a warp per ``NARROW_ROWS`` rows).
+    narrow_max_registers
+                    its ptxas register cap (``maxnreg``; default the compiler's choice).
+    block_keys      keys per online-softmax tile in both tiers, a power of two dividing P,
+                    >= 16 (default P: one tile per block, faster than smaller tiles;
+                    declared as ``Schedule.tile_keys`` through
+                    ``PrefillSchedule(block_keys=...)``); smaller tiles take less shared
+                    memory per pipeline stage and fewer registers.
+    narrow_block_keys
+                    the narrow tier's own key tiles (default: ``narrow_tile_keys``;
+                    declared as ``PrefillSchedule(narrow_block_keys=...)``).
+    predecode_rows, predecode_warps
+                    the predecode's rows of a page per program (a power of two dividing P)
+                    and warps per program (default ``kv_predecode.PREDECODE_ROWS`` and
+                    ``PREDECODE_WARPS``; checked whether or not the predecode runs)."""
     grp = p.hq // p.hkv
     g_p = triton.next_power_of_2(grp)
     block_t = _block_t(block_rows, g_p)
@@ -762,7 +697,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
                                                                       1, 16)
     narrow = dict(NARROW_FP8) if p.fp8 else {"num_warps": NARROW_WARPS}
     # Wider narrow tiles (``narrow_rows``): at least a warp per 16 rows, as the default's
-    # one-token tiles have (static sm_90, model shape: two tokens on one warp spill).
+    # one-token tiles have (two tokens on one warp spill).
     narrow["num_warps"] = max(narrow["num_warps"], narrow_t * g_p // NARROW_ROWS)
     if narrow_warps is not None:
         narrow["num_warps"] = check_int(narrow_warps, "narrow_warps", 1, 16)
@@ -774,57 +709,53 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
     bn_narrow = narrow_tile_keys(bn, p.page, p.fp8) if narrow_block_keys is None else \
         check_block_keys(narrow_block_keys, p.page, "narrow_block_keys")
     pre_rows, pre_warps = predecode_options(predecode_rows, predecode_warps, p.page)
-    pdl_kw = pdl_options(pdl, INTERPRETED)
-    ensure_ready(_prefill_kernel)
-    tiers = ratio > 0 and narrow_t < block_t
-    const = dict(G_P=g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
-                 FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
-                 SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
-                 SAME=not p.fp8 and kv_cache.dtype == q.dtype,
-                 ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), BN=bn)
-    tier = handed = None
-    # The lists' counts (handed wide tiles; flagged wide and narrow tiles) and whether a
-    # wide tile reads pages (set by ``_tier_kernel``): one fill.
-    counts = torch.zeros(4, dtype=torch.int32, device=q.device)
-    if tiers:
-        tier = _program_slots(p, block_t, q.device)
-        handed = _item_list(tier.numel(), counts[0:1])
-        grid = _grid(p, block_t)
-        _tier_kernel[grid](cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0),
-                           p.batch, binary_search_steps(p.batch), p.t,
-                           topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
-                           block_table.shape[1], tier, ratio, *handed, counts[3:4],
-                           BLOCK_T=block_t,
-                           KP=const["KP"], P=p.page,
-                           num_warps=max(1, min(8, block_t * const["KP"]
-                                                // TIER_ENTRIES_PER_WARP)), **pdl_kw)
-    if predecode is None:
-        predecode = default_predecode(p, const["SCALAR"], block_table.shape[1])
-    if not isinstance(predecode, bool):
-        fail("predecode", f"must be True, False or None, got {predecode!r}")
+    return _PrefillKnobs(grp, g_p, block_t, narrow_t, ratio, opts, narrow, bn, bn_narrow,
+                         pre_rows, pre_warps)
+
+
+def _prefill_const(p, q, kv_cache, kv_fmt, kn) -> dict:
+    """The constexprs both tiers share."""
+    return dict(G_P=kn.g_p, D=p.d, P=p.page, KP=topk_width(p.topk_k), FP8=p.fp8,
+                FMT=fmt_code(kv_fmt) if p.fp8 else 0, HW=p.fp8 and kv_fmt in HW_FORMATS,
+                SCALAR=p.ks_strides == (0, 0) and p.vs_strides == (0, 0),
+                SAME=not p.fp8 and kv_cache.dtype == q.dtype,
+                ASM=p.fp8 and asm_f16(kv_fmt, INTERPRETED), BN=kn.bn)
+
+
+def _switch_tiers(p, kn, const, cu_seqlens_q, seq_lens, topk, block_table, counts, pdl_kw):
+    """The tier switch (``_tier_kernel``): each wide tile's slot and the list of tiles it
+    hands to the narrow tier. Returns (tier, handed)."""
+    tier = _program_slots(p, kn.block_t, counts.device)
+    handed = _item_list(tier.numel(), counts[0:1])
+    _tier_kernel[_grid(p, kn.block_t)](
+        cu_seqlens_q, cu_seqlens_q.stride(0), seq_lens, seq_lens.stride(0),
+        p.batch, binary_search_steps(p.batch), p.t,
+        topk, topk.stride(0), topk.stride(1), topk.stride(2), p.topk_k,
+        block_table.shape[1], tier, kn.ratio, *handed, counts[3:4],
+        BLOCK_T=kn.block_t, KP=const["KP"], P=p.page,
+        num_warps=max(1, min(8, kn.block_t * const["KP"] // TIER_ENTRIES_PER_WARP)),
+        **pdl_kw)
+    return tier, handed
+
+
+def _wide_pass(p, kn, const, predecode, tiers, tier, counts, q, kv_cache, block_table,
+               cu_seqlens_q, seq_lens, topk, num_stages, pdl_kw):
+    """The wide tier's passes, on the cache or (``predecode``) on its predecoded pages."""
     wide_p, wide_kv, wide_bt, wide_const = p, kv_cache, block_table, const
     if predecode:
         if not (p.fp8 and const["SCALAR"]):
             fail("predecode", "needs an fp8 cache with scalar (or no) scales")
         wide_kv, wide_bt = predecode_pages(kv_cache, block_table, seq_lens, const["FMT"],
                                            const["HW"], const["ASM"], q.dtype,
-                                           counts[3:4] if tiers else None, pre_rows,
-                                           pre_warps, pdl=bool(pdl_kw))
+                                           counts[3:4] if tiers else None, kn.pre_rows,
+                                           kn.pre_warps, pdl=bool(pdl_kw))
         wide_p = replace(p, num_pages=wide_kv.shape[0])
         wide_const = {**const, "PRE": True}
-    _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, grp,
+    _prefill_pass(wide_p, q, wide_kv, wide_bt, cu_seqlens_q, seq_lens, topk, kn.grp,
                   tier, None, counts[1:2],
-                  {**wide_const, "BLOCK_T": block_t, "TIER": int(tiers), **opts, **pdl_kw},
+                  {**wide_const, "BLOCK_T": kn.block_t, "TIER": int(tiers), **kn.opts,
+                   **pdl_kw},
                   num_stages is None)
-    if tiers:
-        _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp,
-                      tier, handed, counts[2:3], {**const, "BLOCK_T": narrow_t, "TIER": 2,
-                                                  "WIDE_T": block_t, "BN": bn_narrow,
-                                                  **narrow, **pdl_kw},
-                      "num_stages" not in narrow)
-    if schedule_rows is not None:
-        schedule_rows.copy_(_row_schedules(p, cu_seqlens_q, tier, block_t, grp, predecode))
-    return p.out
 
 
 def _row_schedules(p: PrefillPlan, cu_seqlens_q, tier, block_t: int, grp: int,
@@ -857,14 +788,13 @@ def default_predecode(p: PrefillPlan, scalar: bool, width: int) -> bool:
 def binary_search_steps(batch: int) -> int:
     """``_tile_request``'s binary-search steps over ``batch`` requests: ceil(log2(B)), 0 for
     one request, whose tiles need no search (each step is a dependent load at the head of
-    every program's chain: H100, session 36, the wide grid's empty programs ~0.65 us a
-    wave with one step)."""
+    every program's chain)."""
     return (batch - 1).bit_length()
 
 
 def _grid(p: PrefillPlan, block_t: int) -> tuple[int, int]:
     """Programs of a pass with ``block_t`` tokens per tile: (tiles, KV heads); tiles never
-    straddle requests, hence up to one surplus per request (module docstring)."""
+    straddle requests, hence up to one surplus per request (docs/kernels/attention_prefill.md)."""
     return p.t // block_t + p.batch, p.hkv
 
 
@@ -889,11 +819,11 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     """One tier's launches: the main pass (over the grid of wide tiles, or LISTED over
     ``items``, the list of handed wide slots ``_tier_kernel`` wrote: the narrow tier), then
     the repair pass, LISTED over the tiles the main pass appended to its repair list, whose
-    count is ``count`` (one zero int32; module docstring; tiles of one token never need
-    it). fit_stages: num_stages is ``_num_stages``'s guess lowered until both passes fit
-    shared memory; else the first pass takes ``const["num_stages"]`` as given and the
-    repair pass the deepest up to it that fits (a caller's ``num_stages=3`` at the model
-    shape: 3 for the first pass, 2 for the repair pass)."""
+    count is ``count`` (one zero int32; docs/kernels/attention_prefill.md; tiles of one token
+    never need it). fit_stages: num_stages is ``_num_stages``'s guess lowered until both passes
+    fit shared memory; else the first pass takes ``const["num_stages"]`` as given and the repair
+    pass the deepest up to it that fits (a caller's ``num_stages=3`` at the model shape: 3 for
+    the first pass, 2 for the repair pass)."""
     block_t = const["BLOCK_T"]
     wide_t = const["WIDE_T"] if const.get("TIER") == 2 else block_t  # the slots' tile
     slots = _grid(p, wide_t)
@@ -925,8 +855,8 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
             fitting_stages(_prefill_kernel, args(r), {**const, "REPAIR": r, "LISTED": li},
                            q.device, deepest=deepest)
             for r, li in passes)
-    # Two passes (module docstring): the tiles whose P @ V met a non-finite V that some of
-    # their rows must not see are listed by the first and recomputed by the second.
+    # Two passes (docs/kernels/attention_prefill.md): the tiles whose P @ V met a non-finite V
+    # that some of their rows must not see are listed by the first and recomputed by the second.
     for repair, li in passes:
         kw = {**const, "REPAIR": repair, "LISTED": li}
         # A caller's depth is the first pass's; the repair pass's guarded P @ V takes more

@@ -29,9 +29,8 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 #: the sources of the kernels' library, one translation unit per kernel family, activation
 #: dtype (and head dim where the kernel is large) so that they compile in parallel: variant
 #: 5's split loops, variants 1 and 2, variant 3, variant 0 and the launcher, variant 4, the
-#: GPU test entry points. Slowest first (compile seconds on a 2-core CI machine, session 18:
-#: 14.5, 15, 9, 9, 8, 2): ``_run`` starts them in this order, as many at a time as there are
-#: CPUs.
+#: GPU test entry points. Slowest first (docs/tuning.md): ``_run`` starts them in this
+#: order, as many at a time as there are CPUs.
 LIB_SOURCES = (*(f"nri_split_{a}_d{d}.cu" for a in ("bf16", "f16") for d in (128, 256, 64)),
                "nri_vec_shfl_bf16.cu", "nri_vec_shfl_f16.cu",
                "nri_vec_global_bf16.cu", "nri_vec_global_f16.cu",
@@ -102,7 +101,7 @@ def _cpus() -> int:
 def _run(cmds: list[list[str]], jobs: int | None = None) -> str:
     """Runs the commands in parallel, at most ``jobs`` (default: the CPUs this process may
     use) at a time, started in the given order as slots free up (callers list the slowest
-    first: more processes than cores slowed the H200's cold build from 10 s to 15.7 s);
+    first: more processes than cores slow the cold build down);
     raises BuildError with the failures' output, else returns what they printed
     (warnings), each under its command. Output goes to temporary files (no pipe to fill)."""
     jobs = jobs or _cpus()
@@ -173,9 +172,8 @@ def build(sources=None, flags=NVCC_FLAGS, name: str = LIB_NAME, cache_dir=None,
 def prebuild() -> None:
     """On a CUDA machine, build the library once in this process before it starts workers
     (pytest-xdist, fuzz, falsealarm): each would otherwise build it at its first CUDA-kernel
-    call, all at once (14 parallel cold builds took 150 s each on the H200's 16 cores,
-    against 10 s for one). A failed build is left to the calls that need the library,
-    which report it."""
+    call, all at once, each far slower than one build alone. A failed build is left to the calls
+    that need the library, which report it."""
     from kernels import _cuda_available
 
     if not _cuda_available():
@@ -193,8 +191,8 @@ def build_warnings(lib: Path) -> str:
 
 def main(argv=None) -> int:
     """``python -m kernels.cuda_build [--cold]``: build (or find) the library and print the
-    seconds it took; ``--cold`` builds into an empty cache directory (the cold build time
-    issue 6 bounds at 15 s on the H200), then finds it there again (the cached time)."""
+    seconds it took; ``--cold`` builds into an empty cache directory (the cold build
+    time), then finds it there again (the cached time)."""
     import argparse
     import time
 

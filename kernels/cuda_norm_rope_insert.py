@@ -1,5 +1,5 @@
 """The CUDA fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert
-(csrc/norm_rope_insert.cu; issue 6), bound with ctypes: no torch headers, no extension build.
+(csrc/norm_rope_insert.cu), bound with ctypes: no torch headers, no extension build.
 
 ``norm_rope_insert(...)`` has the signature and contract of the Triton launcher
 ``kernels.norm_rope_insert.norm_rope_insert`` (plus its own launch knobs ``variant``,
@@ -16,6 +16,9 @@ cached by a hash of the sources) and loaded once per process. oracle/impls/cuda.
 registers it (through the Triton kernel's adapter, the launchers sharing a signature) as
 implementation ``"cuda"`` of op ``"norm_rope_insert"`` when a CUDA device and nvcc are
 present.
+
+The kernel variants (``variant=``; ``VARIANTS`` lists them, ``DEFAULT_VARIANT`` the
+default) are described in docs/kernels/norm_rope_insert_cuda.md.
 
 Numerics (declared to the oracle with the default ``Fp32Arith``; every variant): fp32 sums
 of squares in warp-shuffle order, ``rsqrtf`` (2 ulp), the division by a K/V scale as two
@@ -36,10 +39,10 @@ import torch
 
 from kernels import cuda_build
 from kernels._host import fail, plan_norm_rope_insert
+from reference.formats import FORMATS
 
-#: cvt::Format codes of csrc/fp8_convert.h.
-FORMAT_CODES = {"e4m3fn": 0, "e5m2": 1, "e4m3fnuz": 2, "e5m2fnuz": 3, "bfloat16": 4,
-                "float16": 5}
+#: cvt::Format codes of csrc/fp8_convert.h: the table's kernel codes.
+FORMAT_CODES = {name: f.kernel_code for name, f in FORMATS.items()}
 
 _C_TYPES = {"void*": ctypes.c_void_p, "const void*": ctypes.c_void_p,
             "const float*": ctypes.c_void_p, "int64_t": ctypes.c_int64,
@@ -159,15 +162,10 @@ def _stream(dev: torch.device) -> int:
 #: variant 4 with every head in split lanes when R = D / 2 (a lane holds both halves of
 #: its RoPE pairs: no partner shuffles; other R run variant 4).
 VARIANTS = (0, 1, 2, 3, 4, 5)
-#: The default: variant 5, the fastest on the H200 (model shape, 16,384 tokens; session 14,
-#: the other heads in split lanes too: bf16 199.2 us against 215.7 with q alone in them,
-#: e4m3 203.2 against 223.6, reports/ab-insert-cuda-v5-split-rest-h200.md; session 13:
-#: bf16 215.9 us against 226.5 for variant 4 and 395.4 for variant 0; e4m3 223.9 against
-#: 234.7 and 435.0, reports/tune-insert-cuda-v5-h200.json; variant 4 had been 234.6 / 308.6
-#: against the best variant 3's 293 bf16, reports/tune-insert-cuda-v4-h200.json).
+#: The default: variant 5, the fastest at the model shape for bf16 and e4m3 caches.
 DEFAULT_VARIANT = 5
 #: Variant 0's launch shape: 4 warps per block, one head per warp at a time, 32 heads per
-#: block (tuned on the H200: benchmarks/tune_insert.py).
+#: block (the fastest of benchmarks/tune_insert.py's sweep).
 V0_WARPS, V0_BLOCK_H = 4, 32
 #: Variants 1 and 2 by default: 2 warps per block, 2 passes of 256 / D heads per warp.
 VEC_WARPS, VEC_ROUNDS = 2, 2
@@ -182,11 +180,8 @@ STREAM_STAGE_CHOICES = tuple(range(2, 9))
 #: Variants 4 and 5 by default (csrc/nri_device.cuh's kPersistDefaultWarps, kPersistRounds):
 #: 8 warps per block, 2 passes of 256 / D heads per warp and item.
 PERSIST_WARPS, PERSIST_ROUNDS = 8, 2
-#: Their passes per item: 2 only. 1 pass was the slowest shape on the H200 (247-300 us bf16
-#: against 230-235), 4 passes slower than 2 at every block width (188.5-192.1 us against
-#: 183.5-184.4, reports/tune-insert-v5-h200-s17.json); variants 3-5 compile one pass count
-#: each so that the cold build of csrc/ stays within 15 s on the H200 (31 s with 1, 2 and 4
-#: for variant 3 and 2 and 4 for variants 4 and 5; 13.2-14.7 s as now, session 19).
+#: Their passes per item: 2 only, the fastest; variants 3-5 compile one pass count each
+#: so that the cold build of csrc/ stays short.
 PERSIST_ROUND_CHOICES = (2,)
 
 
@@ -198,8 +193,29 @@ def launch_shape(head_dim, variant=DEFAULT_VARIANT, block_h=None, warps_per_bloc
                  heads_per_warp=None, num_stages=None, heads_fast=False):
     """(variant, warps_per_block, heads_per_warp, heads_per_block, stages) of a launch,
     defaults filled in (stages 0: variant 3's automatic choice, or not variant 3);
-    ValueError naming the argument for an unsupported combination (see
-    ``norm_rope_insert``)."""
+    ValueError naming the argument for an unsupported combination.
+
+    Launch knobs (every combination computes the same function; for tuning sweeps):
+
+    - ``variant``: 5 (default, ``DEFAULT_VARIANT``) or 0-4
+      (docs/kernels/norm_rope_insert_cuda.md).
+    - ``block_h``: heads per CUDA block. Variant 0: a power of two (default 32, tuned; the
+      4 warps loop over them). Variants 1-4: must be ``warps_per_block * heads_per_warp``
+      (the default; variant 3: heads per block and pass over a token).
+    - ``num_stages``: variant 3 only: shared-memory stages of the pipeline, 2 .. 8 (default
+      None: 3, or fewer when the row is too wide); a count whose stages do not fit the
+      device's shared memory per block raises ValueError. As Triton's knob.
+    - ``heads_fast``: grid order (variants 0-2; 3 and 4 are persistent). False (default):
+      grid (N, head blocks), one head block's tokens adjacent in launch order; True: a 1-D
+      grid with a token's head blocks adjacent (the rows walked in memory order; needs
+      N * head blocks < 2^31).
+    - ``warps_per_block``: variant 0: 4 only; variants 1, 2: 1, 2, 4 or 8 (default 2);
+      variant 3: 1, 2, 4 or 8 (default 4); variants 4, 5: 1, 2, 4 or 8 (default 8).
+    - ``heads_per_warp``: variant 0: 1 only; variants 1, 2: (256 / D) x {1, 2, 4} passes;
+      variants 3-5: (256 / D) x 2 passes only (csrc compiles one count for them). Default
+      2 passes (4 heads at D = 128, 8 at 64, 2 at 256); variant 3 processes them together
+      in each pass over a token; variant 4: the heads of one item, whose loads are issued
+      together."""
     if not _is_int(variant) or variant not in VARIANTS:
         fail("variant", f"must be one of {list(VARIANTS)}, got {variant!r}")
     if heads_fast not in (False, True, 0, 1):
@@ -261,54 +277,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     """Fused norm + RoPE + insert of packed rows ``[N, q | k | v | index_q | index_k]`` on
     the GPU: the contract of ``kernels.norm_rope_insert.norm_rope_insert`` (see there).
 
-    Launch knobs (every combination computes the same function; for tuning sweeps):
-
-    - ``variant``: 5 (default, ``DEFAULT_VARIANT``) or 0-4. 0: the original kernel, a warp
-      per head: lane l holds D/32 dims, RoPE partners through shared memory, 4 warps per
-      block;
-      1: 16-byte lanes (a lane holds 8 contiguous dims, a head D/8 lanes, a warp 256/D heads
-      per instruction), all x loads of a warp's heads issued before the first reduction,
-      RoPE partners by warp shuffles inside the head's lanes (8 per lane and pass when
-      R/2 % 8 is 0 or 4, else 16), cos/sin read once per warp straight from the table;
-      2: as 1, but each lane re-reads its partner dims' x and weight from global memory
-      (L1/L2 hits; 16-byte loads when R/2 % 8 == 0) instead of shuffling;
-      3: persistent (a grid of SMs x resident blocks, each block owning whole tokens in
-      turn), every token's row bytes, table row and slots copied into a pipeline of
-      ``num_stages`` shared-memory stages by cp.async (loads in flight cost no registers),
-      then the lanes of 1 and 2 compute from shared memory (RoPE partners through a per-warp
-      shared scratch): csrc/nri_stream.cuh. Rows not 16-byte aligned (base or row stride),
-      a table not 4-byte aligned, or (with ``num_stages=None``) a row too wide for two
-      stages in the device's shared memory run variant 1 instead (the same bits).
-      4: persistent warps (SMs x resident blocks of ``warps_per_block`` warps), each
-      walking a contiguous range of (token, head chunk) items, the q heads' items apart
-      from the others' (1 + w_q in registers for the whole launch, a token's cos / sin
-      widened once for its q items, no kind dispatch on the q path), the lanes and shuffles
-      of 1: csrc/nri_persist.cuh.
-      5: variant 4 with every head in split lanes when R = D / 2 (D / 16 lanes per head,
-      a lane holding the dims 4j .. 4j + 3 of both rotated halves and 8 pass-through
-      dims, the Triton kernel's segment layout: no partner shuffles, one butterfly per 16
-      values; the q items, then one loop per kind of the other heads); other R run
-      variant 4 exactly. Its warps take their items strided (gw, gw + nw, ...: the
-      warps in flight work on neighbouring items, sharing DRAM pages), cos / sin per item.
-      Variants 1-4 give bit-identical results; variant 0 may differ from them by fp32
-      roundings (another summation order), and variant 5 at R = D / 2 likewise.
-    - ``block_h``: heads per CUDA block. Variant 0: a power of two (default 32, tuned; the
-      4 warps loop over them). Variants 1-4: must be ``warps_per_block * heads_per_warp``
-      (the default; variant 3: heads per block and pass over a token).
-    - ``num_stages``: variant 3 only: shared-memory stages of the pipeline, 2 .. 8 (default
-      None: 3, or fewer when the row is too wide); a count whose stages do not fit the
-      device's shared memory per block raises ValueError. As Triton's knob.
-    - ``heads_fast``: grid order (variants 0-2; 3 and 4 are persistent). False (default):
-      grid (N, head blocks), one head block's tokens adjacent in launch order; True: a 1-D
-      grid with a token's head blocks adjacent (the rows walked in memory order; needs
-      N * head blocks < 2^31).
-    - ``warps_per_block``: variant 0: 4 only; variants 1, 2: 1, 2, 4 or 8 (default 2);
-      variant 3: 1, 2, 4 or 8 (default 4); variants 4, 5: 1, 2, 4 or 8 (default 8).
-    - ``heads_per_warp``: variant 0: 1 only; variants 1, 2: (256 / D) x {1, 2, 4} passes;
-      variants 3-5: (256 / D) x 2 passes only (csrc compiles one count for them). Default
-      2 passes (4 heads at D = 128, 8 at 64, 2 at 256); variant 3 processes them together
-      in each pass over a token; variant 4: the heads of one item, whose loads are issued
-      together.
+    Launch knobs (variant, block_h, num_stages, heads_fast, warps_per_block,
+    heads_per_warp; every combination computes the same function): ``launch_shape``.
 
     Raises ValueError (naming the argument) for bad arguments, including tensors that are
     not on a CUDA device, and RuntimeError with the CUDA error text if the launch fails."""

@@ -5,7 +5,7 @@ The format is a constexpr int (``FMT_E4M3FN``, ``FMT_E5M2``, ``FMT_E4M3FNUZ``,
 ``FMT_E5M2FNUZ``; ``FMT_CODES`` maps reference.codec's names to them) and so is the branch:
 
 ``HW=True``   the hardware casts ``.to(tl.float8e4nv)`` / ``.to(tl.float8e5)`` (satfinite and
-              RNE-exact on the H200, reports/probe-h200.json) and the hardware fp8 -> fp32
+              RNE-exact on sm_90, reports/probe-h200.json) and the hardware fp8 -> fp32
               conversion. Only for the OCP formats: NVIDIA rejects the fnuz Triton types.
               A NaN input is mapped to the canonical NaN code 0x7F explicitly, so the byte
               does not depend on which NaN the hardware emits.
@@ -27,16 +27,17 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import ensure_ready, is_interpreted, tl, triton
+from reference.formats import FORMATS, FP8_FORMATS, native_fp8
 
 FMT_E4M3FN: tl.constexpr = tl.constexpr(0)
 FMT_E5M2: tl.constexpr = tl.constexpr(1)
 FMT_E4M3FNUZ: tl.constexpr = tl.constexpr(2)
 FMT_E5M2FNUZ: tl.constexpr = tl.constexpr(3)
 
-#: reference.codec format name -> the constexpr int the device functions take.
-FMT_CODES = {"e4m3fn": 0, "e5m2": 1, "e4m3fnuz": 2, "e5m2fnuz": 3}
+#: format name -> the constexpr int the device functions take (the table's kernel code).
+FMT_CODES = {name: FORMATS[name].kernel_code for name in FP8_FORMATS}
 #: formats the hardware branch supports (NVIDIA converts only the OCP formats).
-HW_FORMATS = ("e4m3fn", "e5m2")
+HW_FORMATS = native_fp8("cuda")
 
 # Specials conventions (reference.codec.FloatFormat.specials) as constexpr ints.
 _FN: tl.constexpr = tl.constexpr(0)  # no Inf, 0x7F/0xFF NaN
@@ -243,7 +244,7 @@ def decode_fp8_to(c, FMT: tl.constexpr, HW: tl.constexpr, DTYPE: tl.constexpr):
     top byte of its fp16) and that to DTYPE, with no fp32 step and no scale (the attention
     kernels' operands when the scales are applied outside the products). Not the direct
     ``.to(tl.bfloat16)``: Triton 3.6 lowers e5m2 -> bf16 by bit arithmetic (shift, rebias
-    multiply) that turns the Inf and NaN codes into finite values on the H200, while the
+    multiply) that turns the Inf and NaN codes into finite values on sm_90, while the
     fp16 -> bf16 ``cvt`` keeps them."""
     tl.static_assert(DTYPE == tl.bfloat16 or DTYPE == tl.float16, "DTYPE: bf16 or fp16")
     if HW:
@@ -292,9 +293,7 @@ _E4M3FNUZ_F16X4: tl.constexpr = tl.constexpr(
 #: sign-replicating selectors on z's bit 7), v the sign bytes or r; per half, the magnitude
 #: byte (prmt) times 128 plus v one byte up and r in the low byte (prmt):
 #: s|0eeee|mmm0000000, and 0xFFFF (a NaN) for 0x80 (r is 0 elsewhere). 11 instructions for
-#: four codes, no conversion (``_E4M3FNUZ_F16X4``: 19). H200, decode at the model shape,
-#: with key streams (session 28, ``reports/ab-attention-decode-fnuz-unit11-streams-h200.md``):
-#: e4m3fnuz batch 64 58.5 -> 56.3 us against a 12-instruction form (z - (z >> 7) for r).
+#: four codes, no conversion (``_E4M3FNUZ_F16X4``: 19).
 _E4M3FNUZ_F16X4_UNIT: tl.constexpr = tl.constexpr(
     "{ .reg .b32 m, t, z, r, v, a, b; "
     "and.b32 m, $2, 0x7F7F7F7F; add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; "
@@ -338,8 +337,7 @@ _E5M2FNUZ_F16X4: tl.constexpr = tl.constexpr(
 #: twice its value, is an ordinary bf16 exponent), so only 0x80 (NaN; placed: -0) needs a
 #: patch: as ``_E4M3FNUZ_F16X4_UNIT`` with 32 for 128 (0x80 -> 0xFFFF, a bf16 NaN; no
 #: carry crosses a half: at most 0xFE0 + 0x8000). 11 instructions for four codes
-#: (``_E5M2FNUZ_F16X4``: 19). H200, decode at the model shape, with key streams (session
-#: 28): batch 64 63.5 -> 56.4 us against a 13-instruction form without streams.
+#: (``_E5M2FNUZ_F16X4``: 19).
 _E5M2FNUZ_BF16X4_UNIT: tl.constexpr = tl.constexpr(
     "{ .reg .b32 m, t, z, r, v, a, b; "
     "and.b32 m, $2, 0x7F7F7F7F; add.u32 t, m, 0x7F7F7F7F; not.b32 t, t; "
@@ -361,9 +359,8 @@ def asm_f16(fmt: str, interpreted: bool) -> bool:
     ``ASM``; V, and the fnuz formats' K too): compiled, and a format it has assembly for:
     all four. e5m2fnuz's assembly (``_E5M2FNUZ_F16X4``; static sm_90 at the model shape:
     decode, 3 stages, 3,480 SASS, no spills, against 5,824 and 136 B of spills on the fp32
-    software path it replaced, which took 131.4 us at batch 64 on the H200; prefill 7,912
-    against 9,504)."""
-    return not interpreted and fmt in (*HW_FORMATS, "e4m3fnuz", "e5m2fnuz")
+    software path it replaced; prefill 7,912 against 9,504)."""
+    return not interpreted and fmt in FP8_FORMATS
 
 
 @triton.jit
@@ -379,12 +376,11 @@ def decode_fp8_f16(c, FMT: tl.constexpr, HW: tl.constexpr, ASM: tl.constexpr,
     conversion it stores fp16 to shared memory and reads it with ``ldmatrix.trans``. (For
     K, a K-major operand, the pure conversion in registers is the better one: staging K
     as well removed ~110 register moves per decode block but its shared-memory round trip
-    made the H200 slower.) e4m3fnuz (no conversion of its own on NVIDIA) likewise in
+    costs more.) e4m3fnuz (no conversion of its own on NVIDIA) likewise in
     assembly, through the e4m3fn ``cvt`` with its three differing codes patched and the
     result halved (``_E4M3FNUZ_F16X4``; sm_89+, as the hardware formats); PURE marks it
     pure, for e4m3fnuz's K (kernels._attention.kv_tiles: converted in registers like the
-    hardware formats' K; staged through shared memory it made decode at batch 64 96.0 us
-    instead of 78.0 on the H200).
+    hardware formats' K; staged through shared memory it is slower).
     Otherwise (interpreter, other software formats): ``decode_fp8_to(c, FMT, HW, fp16)``.
     UNIT: the value / ``times_f16_unit``'s factor instead (e4m3fnuz in assembly: by bit placement,
     ``_E4M3FNUZ_F16X4_UNIT``; its subnormals become fp16 subnormals); the caller multiplies

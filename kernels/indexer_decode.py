@@ -1,4 +1,4 @@
-"""Decode indexer in ONE Triton kernel (SPEC.md section 5; issue 7): block scores and top-k
+"""Decode indexer in ONE Triton kernel (SPEC.md section 5): block scores and top-k
 selection for 1..4 query rows per request, fused, split over key blocks with an exact merge
 of the partial top-k lists in the same launch.
 
@@ -39,18 +39,8 @@ exact fp32 widening (fp8 via ``kernels.fp8.decode_fp8``), exact products, fp32
 accumulation in another order than the reference's, inside the oracle's fp32 bound
 (gamma(D) |q||k|, any order); "mma": exact products, the MMA's accumulation (declared).
 
-Design numbers (model shape: Hi 4, 1 row, D 128, P 128, K 16; B 64 x 32k tokens; sm_90
-static numbers from ``benchmarks/static_sm90.py``; H200 times from graph replay, copy
-bandwidth 4.27 TB/s, ``reports/bench_indexer.json``), per key block and thread of 4 warps:
-
-    =================  ===========================  =========================================
-                       "fma" (LANES 4, BLOCK_N 32)  "mma" (whole blocks, STAGES 3)
-    =================  ===========================  =========================================
-    registers          bf16 233, e4m3 226           bf16 128, e4m3 (fp8 wgmma) 78
-    shared memory      bf16 64 KB, e4m3 32 KB       bf16 68 KB, e4m3 35 KB (2 tiles)
-    SASS per block     bf16 897, e4m3 945           bf16 296 (16 HGMMA), e4m3 269 (8 QGMMA)
-    H200, B 64         bf16 281 us, e4m3 192 us     bf16 144 us (87%), e4m3 86.5 us (73%)
-    =================  ===========================  =========================================
+The MMA scan is the compiled default: at the model shape it takes about half the FMA
+scan's registers and a third of its instructions per key block (docs/tuning.md).
 
 The knobs (``num_splits`` / ``blocks_per_split``, ``lanes_d``, ``block_n``, ``num_warps``,
 ``num_stages``, ``merge_chunk``, ``scan``) are for the GPU tuning run
@@ -64,6 +54,7 @@ under ``validate=True``); oracle/impls/triton.py registers it as implementation
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -203,7 +194,7 @@ MIN_BLOCKS_PER_SPLIT = 4
 #: Default pipeline depth of the MMA scan's key tiles (``scan="mma"``).
 MMA_STAGES = 3
 #: The MMA scan's default grid: one wave of at most this many programs per SM
-#: (``wave_splits``; more, though resident, made the H200 slower).
+#: (``wave_splits``; more, though resident, are slower).
 MAX_PROGRAMS_PER_SM = 4
 
 
@@ -244,10 +235,7 @@ def wave_splits(slots: int, b: int, width: int) -> tuple[int, int]:
     """(S, blocks per split) of the compiled MMA scan's default: as many splits per request
     as fill ``slots`` programs in ONE wave (B x S <= slots: a second, partial wave is a tail
     that costs more than it hides), at least MIN_BLOCKS_PER_SPLIT blocks per split. The
-    launcher passes the GPU's resident programs, at most MAX_PROGRAMS_PER_SM per SM. H200,
-    model shape, B 64 (``reports/gpu-out/s6run*``): bf16 (3 resident per SM) S 2 / 4 / 6 /
-    8 / 12 / 16: 202 / 147 / 144 / 173 / 153 / 159 us; e4m3 on fp8 tensor cores (6
-    resident per SM) S 4 / 8 / 12 / 16: 106 / 86.5 / 109 / 102 us."""
+    launcher passes the GPU's resident programs, at most MAX_PROGRAMS_PER_SM per SM."""
     w = max(width, 1)
     s = max(1, min(slots // max(b, 1), w))
     bps = max(triton.cdiv(w, s), min(MIN_BLOCKS_PER_SPLIT, w))
@@ -349,6 +337,51 @@ def _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out,
                             const, trace, workspace)
 
 
+@dataclass
+class _DecodePlan:
+    """The decode launch's checked shapes and chosen strategy: every constexpr but those
+    that depend on the split (``_decode_const`` adds them)."""
+
+    t: int
+    hi: int
+    d: int
+    page: int
+    num_pages: int
+    fp8: bool
+    code: int
+    hw: bool
+    k: int
+    loc: int
+    ini: int
+    q_rows: int
+    b: int
+    width: int
+    scan: str = "dot"
+    rows: int = 0
+    bn: int = 0
+    bd: int = 0
+    ch: int = 1
+    vec: bool = False
+    lanes: int = 1
+    warps: int = 4
+    stages: int = 1
+    chain: bool = False
+    pairs: bool = False
+    bk: int = 0
+    splits: int = 0
+    bps: int = 0
+    mc: int = 1
+    sort: bool = True
+
+    @property
+    def fma(self) -> bool:
+        return self.scan == "fma"
+
+    @property
+    def mma(self) -> bool:
+        return self.scan == "mma"
+
+
 def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_per_request,
                    *, topk, local_blocks=1, initial_blocks=0, out=None, num_splits=None,
                    blocks_per_split=None, validate=False, scan=None, lanes_d=None,
@@ -375,203 +408,219 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                       counters all zero.
     Returns ``out``.
 
-    Tuning knobs (ValueError naming them when invalid):
-    scan              "mma" (compiled default: ``kernels._indexer.scan_blocks_mma``, one
-                      tensor-core dot per key block; its knobs num_warps, num_stages and
-                      blocks_per_step 1, 2 or 4: blocks stacked in one dot), "fma"
-                      (``scan_blocks_fma``, exact fp32 FMA chains, no padded rows,
-                      cp.async-pipelined key tiles) or "dot" (interpreted default:
-                      ``scan_blocks``, the prefill kernel's strategy; its knobs block_n,
-                      block_d, blocks_per_step, vec as there).
-    lanes_d, block_n, num_warps, num_stages
-                      "fma": lanes along D, keys per tile, warps, pipeline stages of the
-                      block loop (see ``fma_strategy``).
-    pairs             "fma", bf16 cache: read keys as int32 pairs (default: when the cache's
-                      address and page / row strides allow 4-byte words).
-    fma_chain         "fma": each thread's products of a key as one FMA chain (a tuple
-                      reduction; default compiled) or ``tl.sum`` of products (default
-                      interpreted, where the chain's combine runs element by element).
-    merge_chunk       partial lists merged per step by the last split (power of two;
-                      default min(next_pow2(S), 256 / BK)); not with vec.
-    merge             the partial lists' merge (compiled): "sorted" (default: each split
-                      sorts its list, ``kernels._indexer.store_partial``, and the last one
-                      runs the bitonic top-k's last steps alone) or "topk" (the whole
-                      ``tl.topk`` of unsorted lists).
-    grid              "split" (default: program (r, s) per request and key-block split) or
-                      "flat" (``kernels/indexer_decode_flat.py``: the batch's key blocks
-                      laid end to end and shared out evenly over ``num_programs`` programs,
-                      default one wave; the "mma" scan; not with num_splits,
-                      blocks_per_split, blocks_per_step). For batches of mixed lengths:
-                      the split grid sizes its splits by the table's width, so a short
-                      request's programs idle (H200, batch 64, e4m3, contexts 4k-60k:
-                      flat 77.5 us, split 97.0); on uniform lengths the split grid is
-                      faster (71.0 against 78.9 at 32k). Not chosen automatically: the
-                      lengths are on the device (a host sync to look).
-                      "proportional" (the same kernel): each request cut into its own
-                      programs, cdiv(nb_r, U) of them with U the fewest blocks per program
-                      that fit the grid (searched in the kernel), so no program straddles
-                      two requests and the uniform model shape gets the split grid's
-                      partition (64 x 8 programs of 32 blocks); at least B programs
-                      (``num_programs`` raised to B), so each program scans one segment,
-                      inlined. H200 (session 23): ragged e4m3 78.1 us, bf16 136.8 (as the
-                      flat grid); uniform 32k 75.1 / 135.7, ~6% behind the split grid (a
-                      1.6 us set-up over seq_lens, ~2 us slower scans).
-    trace             a diagnostic (``kernels._trace``, compiled "mma" / "fma" scans): an
-                      int64 buffer ``[>= B * S, TRACE_SLOTS]``; program (r, s) writes row
-                      r * S + s: its SM, then the timer at its start (slot 1), when it
-                      knows its key blocks (6; the flat kernel: after its partition's
-                      arithmetic over seq_lens), after its scan (partial list stored, 2)
-                      and at its end (3; after the merge, if it drew the last ticket); the
-                      merging program also when it drew the ticket (4) and when the merged
-                      list was written (5).
-    workspace         a ``kernels._host.Workspace`` kept across calls (its ticket counters
-                      stay zero between launches, its partial lists are reused): no
-                      allocation and no counter fill per call, as a server runs; one per
-                      stream of concurrent calls. None (default): fresh buffers per call.
-    pdl               programmatic dependent launch (``kernels._triton.
-                      await_previous_kernel``; compiled, sm_90): the launch may start
-                      while the stream's previous kernel finishes, its programs waiting
-                      for it before touching memory. A no-op interpreted."""
+    Tuning knobs (ValueError naming them when invalid): the scan and its knobs (scan,
+    lanes_d, block_n, block_d, num_warps, num_stages, blocks_per_step, vec, pairs,
+    fma_chain: ``_plan_scan``), the merge (merge_chunk, merge: ``_plan_merge``), the grid
+    (grid, num_programs: ``_check_grid``), ``trace`` (``kernels._trace``), ``workspace``
+    (``_launch_split``) and ``pdl`` (``kernels._triton.pdl_options``)."""
     workspace = check_workspace(workspace)
     pdl_kw = pdl_options(pdl, INTERPRETED)
-    t, hi, d, page, num_pages, fp8, code, hw, k, loc, ini = ix.check_index_args(
-        index_q, index_cache, index_fmt, block_table, seq_lens, topk, local_blocks,
-        initial_blocks)
+    p, out = _check_decode_args(index_q, index_cache, index_fmt, block_table, seq_lens,
+                                rows_per_request, topk, local_blocks, initial_blocks, out)
     dev = index_cache.device
-    q_rows = check_int(rows_per_request, "rows_per_request", *DECODE_ROWS_RANGE)
-    b, width = block_table.shape
-    if t != b * q_rows:
-        fail("index_q", f"must have B * rows_per_request = {b} * {q_rows} = {b * q_rows} rows "
-                        f"(B from block_table / seq_lens), got {t}")
-    out = ix.check_out(out, hi, t, k, dev)
     flat = _check_grid(grid, num_programs, scan, num_splits, blocks_per_split,
                        blocks_per_step)
     if scan is None:
         scan = "mma" if flat else "dot" if INTERPRETED or vec else "mma"
     if scan not in ("fma", "dot", "mma"):
         fail("scan", f"must be 'fma', 'mma' or 'dot', got {scan!r}")
-    nr = q_rows * hi
-    fma = scan == "fma"
-    mma = scan == "mma"
-    bk = triton.next_power_of_2(k)
-    wave = mma and num_splits is None and blocks_per_split is None and not INTERPRETED \
+    p.scan, p.bk = scan, triton.next_power_of_2(p.k)
+    wave = p.mma and num_splits is None and blocks_per_split is None and not INTERPRETED \
         and dev.type == "cuda" and not flat
     # The flat grid sizes its ranges itself (_launch_flat); the wave grid after compiling.
-    splits, bps = (0, 0) if wave or flat else _splits(num_splits, blocks_per_split, b, width,
-                                                      dev, bk if fma or mma else 0)
-    chain = False
-    if mma:
+    p.splits, p.bps = (0, 0) if wave or flat else _splits(
+        num_splits, blocks_per_split, p.b, p.width, dev, p.bk if p.fma or p.mma else 0)
+    _plan_scan(p, index_fmt, index_cache, lanes_d, block_n, block_d, num_warps, num_stages,
+               blocks_per_step, vec, pairs, fma_chain)
+    _plan_merge(p, merge_chunk, merge)
+    if validate:
+        _validate_decode(p, block_table, seq_lens, workspace)
+    if p.t == 0:
+        return out
+    if flat:
+        const = _flat_const(p, index_fmt, grid)
+        return _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out,
+                            p.k, p.loc, p.ini, trace, dev, merge_chunk, workspace,
+                            dict(const, **pdl_kw))
+    return _launch_split(p, wave, merge_chunk, index_q, index_cache, index_fmt, block_table,
+                         seq_lens, out, trace, workspace, pdl_kw)
+
+
+def _check_decode_args(index_q, index_cache, index_fmt, block_table, seq_lens,
+                       rows_per_request, topk, local_blocks, initial_blocks, out):
+    """(plan with the checked shapes, out): the indexer's common checks, then
+    rows_per_request and index_q's row count against the batch."""
+    t, hi, d, page, num_pages, fp8, code, hw, k, loc, ini = ix.check_index_args(
+        index_q, index_cache, index_fmt, block_table, seq_lens, topk, local_blocks,
+        initial_blocks)
+    q_rows = check_int(rows_per_request, "rows_per_request", *DECODE_ROWS_RANGE)
+    b, width = block_table.shape
+    if t != b * q_rows:
+        fail("index_q", f"must have B * rows_per_request = {b} * {q_rows} = {b * q_rows} rows "
+                        f"(B from block_table / seq_lens), got {t}")
+    out = ix.check_out(out, hi, t, k, index_cache.device)
+    return _DecodePlan(t, hi, d, page, num_pages, fp8, code, hw, k, loc, ini, q_rows, b,
+                       width), out
+
+
+def _plan_scan(p, index_fmt, index_cache, lanes_d, block_n, block_d, num_warps, num_stages,
+               blocks_per_step, vec, pairs, fma_chain):
+    """The scan's tiles and knobs, each knob checked against the scan it applies to.
+
+    "mma"  whole key blocks per ``tl.dot``: num_warps, num_stages (default ``MMA_STAGES``),
+           blocks_per_step 1, 2 or 4 (blocks stacked in one dot).
+    "fma"  exact fp32 FMA chains (``fma_strategy``: lanes_d, block_n, num_warps,
+           num_stages); pairs: a bf16 cache read as int32 pairs (default: when the address
+           and page / row strides allow 4-byte words); fma_chain: each thread's products
+           as one FMA chain (default compiled) or ``tl.sum`` (default interpreted, where
+           the chain's combine runs element by element).
+    "dot"  the prefill kernel's strategy (``kernels._indexer.strategy``: block_n, block_d,
+           blocks_per_step, vec), num_warps."""
+    nr = p.q_rows * p.hi
+    if p.mma:
         for name, v in (("block_d", block_d), ("vec", vec), ("lanes_d", lanes_d),
                         ("block_n", block_n), ("pairs", pairs), ("fma_chain", fma_chain)):
             if v is not None:
                 fail(name, "does not apply to scan='mma' (whole key blocks per tl.dot)")
-        warps = 4 if num_warps is None else ix.pow2_arg("num_warps", num_warps, 1)
-        stages = MMA_STAGES if num_stages is None else check_int(num_stages, "num_stages", 1)
-        ch = 1 if blocks_per_step is None else ix.pow2_arg("blocks_per_step",
-                                                            blocks_per_step, 1)
-        if ch > 4:
-            fail("blocks_per_step", f"must be 1, 2 or 4 with scan='mma', got {ch}")
-        rows, bn, bd, vec, lanes = triton.next_power_of_2(nr), page, d, False, 1
-    elif fma:
-        for name, v in (("block_d", block_d), ("blocks_per_step", blocks_per_step)):
-            if v is not None:
-                fail(name, "applies to scan='dot' only")
-        if vec:
-            fail("vec", "applies to scan='dot' only (the FMA scan's lists merge by bitonic "
-                        "top-k)")
-        lanes, bn, warps, stages = fma_strategy(nr, page, d, fp8, lanes_d, block_n, num_warps,
-                                                num_stages)
-        rows, bd, ch, vec = triton.next_power_of_2(nr), d, 1, False
-        words = (index_fmt == "bfloat16" and index_cache.data_ptr() % 4 == 0
-                 and index_cache.stride(0) % 2 == 0 and index_cache.stride(1) % 2 == 0)
-        chain = not INTERPRETED if fma_chain is None else fma_chain
-        if chain not in (True, False):
-            fail("fma_chain", f"must be a bool, got {fma_chain!r}")
-        if pairs is None:
-            pairs = words
-        elif pairs not in (True, False) or (pairs and not words):
-            fail("pairs", f"must be a bool, True only for a bf16 cache with a 4-byte aligned "
-                          f"address and even page / row strides, got {pairs!r}")
+        p.warps = 4 if num_warps is None else ix.pow2_arg("num_warps", num_warps, 1)
+        p.stages = MMA_STAGES if num_stages is None else check_int(num_stages, "num_stages", 1)
+        p.ch = 1 if blocks_per_step is None else ix.pow2_arg("blocks_per_step",
+                                                              blocks_per_step, 1)
+        if p.ch > 4:
+            fail("blocks_per_step", f"must be 1, 2 or 4 with scan='mma', got {p.ch}")
+        p.rows, p.bn, p.bd, p.vec, p.lanes = triton.next_power_of_2(nr), p.page, p.d, False, 1
+    elif p.fma:
+        _plan_fma(p, nr, index_fmt, index_cache, lanes_d, block_n, block_d, num_warps,
+                  num_stages, blocks_per_step, vec, pairs, fma_chain)
     else:
         for name, v in (("lanes_d", lanes_d), ("num_stages", num_stages), ("pairs", pairs),
                         ("fma_chain", fma_chain)):
             if v is not None:
                 fail(name, "applies to scan='fma' only")
-        rows, bn, bd, ch, vec, bk = ix.strategy(
-            nr, hi, page, d, bps, k, INTERPRETED, None, block_n, block_d, blocks_per_step, vec)
-        if rows < nr:
-            fail("blocks_per_step", f"leaves {rows} rows per program, fewer than "
+        p.rows, p.bn, p.bd, p.ch, p.vec, p.bk = ix.strategy(
+            nr, p.hi, p.page, p.d, p.bps, p.k, INTERPRETED, None, block_n, block_d,
+            blocks_per_step, vec)
+        if p.rows < nr:
+            fail("blocks_per_step", f"leaves {p.rows} rows per program, fewer than "
                                     f"rows_per_request * Hi = {nr}")
-        lanes, stages = 1, 1
-        warps = 4 if num_warps is None else ix.pow2_arg("num_warps", num_warps, 1)
+        p.lanes, p.stages = 1, 1
+        p.warps = 4 if num_warps is None else ix.pow2_arg("num_warps", num_warps, 1)
+
+
+def _plan_fma(p, nr, index_fmt, index_cache, lanes_d, block_n, block_d, num_warps,
+              num_stages, blocks_per_step, vec, pairs, fma_chain):
+    """The FMA scan's part of ``_plan_scan``."""
+    for name, v in (("block_d", block_d), ("blocks_per_step", blocks_per_step)):
+        if v is not None:
+            fail(name, "applies to scan='dot' only")
+    if vec:
+        fail("vec", "applies to scan='dot' only (the FMA scan's lists merge by bitonic "
+                    "top-k)")
+    p.lanes, p.bn, p.warps, p.stages = fma_strategy(nr, p.page, p.d, p.fp8, lanes_d, block_n,
+                                                    num_warps, num_stages)
+    p.rows, p.bd, p.ch, p.vec = triton.next_power_of_2(nr), p.d, 1, False
+    words = (index_fmt == "bfloat16" and index_cache.data_ptr() % 4 == 0
+             and index_cache.stride(0) % 2 == 0 and index_cache.stride(1) % 2 == 0)
+    p.chain = not INTERPRETED if fma_chain is None else fma_chain
+    if p.chain not in (True, False):
+        fail("fma_chain", f"must be a bool, got {fma_chain!r}")
+    if pairs is None:
+        pairs = words
+    elif pairs not in (True, False) or (pairs and not words):
+        fail("pairs", f"must be a bool, True only for a bf16 cache with a 4-byte aligned "
+                      f"address and even page / row strides, got {pairs!r}")
+    p.pairs = pairs
+
+
+def _plan_merge(p, merge_chunk, merge):
+    """The partial lists' merge. merge_chunk: lists merged per step by the last split (a
+    power of two; default min(next_pow2(S), 256 / BK)); not with vec. merge (compiled):
+    "sorted" (default: each split sorts its list, ``kernels._indexer.store_partial``, and
+    the last one runs the bitonic top-k's last steps alone) or "topk" (the whole
+    ``tl.topk`` of unsorted lists)."""
     if merge_chunk is None:
-        mc = min(triton.next_power_of_2(max(splits, 1)), max(1, 256 // bk))
+        p.mc = min(triton.next_power_of_2(max(p.splits, 1)), max(1, 256 // p.bk))
     else:
-        mc = ix.pow2_arg("merge_chunk", merge_chunk, 1)
-        if vec:
+        p.mc = ix.pow2_arg("merge_chunk", merge_chunk, 1)
+        if p.vec:
             fail("merge_chunk", "does not apply with vec=True (rank merges)")
     if merge not in (None, "sorted", "topk"):
         fail("merge", f"must be 'sorted' or 'topk', got {merge!r}")
-    if merge is not None and vec:
+    if merge is not None and p.vec:
         fail("merge", "does not apply with vec=True (rank merges)")
-    sort = merge != "topk"
-    if validate:
-        lens = seq_lens.detach().cpu()
-        short = (lens != 0) & (lens < q_rows)
-        if bool(short.any()):
-            r = int(short.nonzero()[0, 0])
-            fail("seq_lens", f"must be 0 (padding) or >= rows_per_request ({q_rows}), got "
-                             f"seq_lens[{r}] = {int(lens[r])}")
-        ix.validate_block_table(block_table, seq_lens, page, num_pages)
-        if workspace is not None:
-            workspace.check_counters()
-    if t == 0:
-        return out
+    p.sort = merge != "topk"
 
-    def call(splits, bps, part, cnt, trace=None):
-        args = (index_q, index_q.stride(0), index_q.stride(1),
-                index_cache, index_cache.stride(0), index_cache.stride(1), num_pages,
-                block_table, block_table.stride(0), block_table.stride(1), width, seq_lens, t,
-                out, out.stride(0), out.stride(1), out.stride(2), part, cnt,
-                cnt if trace is None else trace, hi, q_rows, k, loc, ini, bps, splits)
-        const = dict(P=page, D=d, BLOCK_N=bn, BLOCK_D=bd, ROWS=rows, BK=bk, CH=ch, VEC=vec,
-                     SPLIT=splits > 1, FP8=fp8, FMT=code, HW=hw, FMA=fma,
-                     HI=hi if fma or mma else 1, QR=q_rows if fma or mma else 1, LANES=lanes,
-                     STAGES=stages, MC=mc, PAIRS=bool(fma and pairs),
-                     DIRECT=(fma or mma) and bps <= bk, CHAIN=chain, MMA=mma,
-                     F8MMA=mma and fp8_mma(index_fmt), MR=max(16, rows), SORTED=sort,
-                     num_warps=warps)
-        if trace is not None:
-            const["TRACE"] = True
-        return args, const
 
-    if flat:
-        return _launch_flat(num_programs, index_q, index_cache, block_table, seq_lens, out, k,
-                            loc, ini, trace, dev, merge_chunk, workspace,
-                            dict(P=page, D=d, ROWS=rows, BK=bk, FP8=fp8, FMT=code, HW=hw,
-                                 HI=hi, QR=q_rows, STAGES=stages, F8MMA=fp8_mma(index_fmt),
-                                 MR=max(16, rows), MIN_BLOCKS=flat_grid.MIN_BLOCKS,
-                                 RB=flat_grid.tile_requests(b, grid == "proportional"),
-                                 SORTED=sort, PROP=grid == "proportional",
-                                 num_warps=warps, **pdl_kw))
+def _validate_decode(p, block_table, seq_lens, workspace):
+    """``validate=True``'s content checks (a host sync)."""
+    lens = seq_lens.detach().cpu()
+    short = (lens != 0) & (lens < p.q_rows)
+    if bool(short.any()):
+        r = int(short.nonzero()[0, 0])
+        fail("seq_lens", f"must be 0 (padding) or >= rows_per_request ({p.q_rows}), got "
+                         f"seq_lens[{r}] = {int(lens[r])}")
+    ix.validate_block_table(block_table, seq_lens, p.page, p.num_pages)
+    if workspace is not None:
+        workspace.check_counters()
+
+
+def _flat_const(p, index_fmt, grid):
+    """The flat kernel's constexprs (its merge chunk is ``_launch_flat``'s)."""
+    return dict(P=p.page, D=p.d, ROWS=p.rows, BK=p.bk, FP8=p.fp8, FMT=p.code, HW=p.hw,
+                HI=p.hi, QR=p.q_rows, STAGES=p.stages, F8MMA=fp8_mma(index_fmt),
+                MR=max(16, p.rows), MIN_BLOCKS=flat_grid.MIN_BLOCKS,
+                RB=flat_grid.tile_requests(p.b, grid == "proportional"),
+                SORTED=p.sort, PROP=grid == "proportional", num_warps=p.warps)
+
+
+def _split_args(p, index_fmt, index_q, index_cache, block_table, seq_lens, out, splits, bps,
+                part, cnt, trace=None):
+    """(args, constexprs) of the split kernel for S splits of bps blocks."""
+    args = (index_q, index_q.stride(0), index_q.stride(1),
+            index_cache, index_cache.stride(0), index_cache.stride(1), p.num_pages,
+            block_table, block_table.stride(0), block_table.stride(1), p.width, seq_lens, p.t,
+            out, out.stride(0), out.stride(1), out.stride(2), part, cnt,
+            cnt if trace is None else trace, p.hi, p.q_rows, p.k, p.loc, p.ini, bps, splits)
+    fma, mma = p.fma, p.mma
+    const = dict(P=p.page, D=p.d, BLOCK_N=p.bn, BLOCK_D=p.bd, ROWS=p.rows, BK=p.bk, CH=p.ch,
+                 VEC=p.vec, SPLIT=splits > 1, FP8=p.fp8, FMT=p.code, HW=p.hw, FMA=fma,
+                 HI=p.hi if fma or mma else 1, QR=p.q_rows if fma or mma else 1,
+                 LANES=p.lanes, STAGES=p.stages, MC=p.mc, PAIRS=bool(fma and p.pairs),
+                 DIRECT=(fma or mma) and bps <= p.bk, CHAIN=p.chain, MMA=mma,
+                 F8MMA=mma and fp8_mma(index_fmt), MR=max(16, p.rows), SORTED=p.sort,
+                 num_warps=p.warps)
+    if trace is not None:
+        const["TRACE"] = True
+    return args, const
+
+
+def _launch_split(p, wave, merge_chunk, index_q, index_cache, index_fmt, block_table,
+                  seq_lens, out, trace, workspace, pdl_kw):
+    """The split grid's launch ``(B, S)``. The wave grid (``wave_splits``) sizes S from the
+    compiled kernel's resident programs first. ``workspace``: a ``kernels._host.Workspace``
+    kept across calls (counters stay zero between launches, partial lists reused: no
+    allocation nor counter fill per call); None: fresh buffers per call."""
+    dev = index_cache.device
+    tensors = (index_q, index_cache, block_table, seq_lens, out)
     ensure_ready(_indexer_decode_kernel)
     if wave:  # one full wave of programs (``wave_splits``), sized from the compiled kernel
-        tmpl = call(2, bk + 1, torch.empty(1, dtype=torch.int64, device=dev),
-                    torch.empty(1, dtype=torch.int32, device=dev))
+        tmpl = _split_args(p, index_fmt, *tensors, 2, p.bk + 1,
+                           torch.empty(1, dtype=torch.int64, device=dev),
+                           torch.empty(1, dtype=torch.int32, device=dev))
         slots = min(resident_programs(_indexer_decode_kernel, *tmpl, dev),
                     MAX_PROGRAMS_PER_SM * _sm_count(dev.index or 0))
-        splits, bps = wave_splits(slots, b, width)
+        p.splits, p.bps = wave_splits(slots, p.b, p.width)
         if merge_chunk is None:
-            mc = min(triton.next_power_of_2(splits), max(1, 256 // bk))
-    ws = splits > 1 or fma or mma  # the FMA/MMA scans always merge through the workspace
-    if trace is not None and not (fma or mma):
+            p.mc = min(triton.next_power_of_2(p.splits), max(1, 256 // p.bk))
+    ws = p.splits > 1 or p.fma or p.mma  # the FMA/MMA scans always merge through the workspace
+    if trace is not None and not (p.fma or p.mma):
         fail("trace", "applies to the compiled 'mma' and 'fma' scans only")
-    check_trace(trace, b * splits, INTERPRETED, dev)
-    part = take_scratch(workspace, "index_partials", (b, splits, rows, bk) if ws else (1,),
-                        torch.int64, dev)
-    cnt = take_counters(workspace, b if ws else 1, dev)
-    args, const = call(splits, bps, part, cnt, trace)
-    _indexer_decode_kernel[(b, splits)](*args, **const, **pdl_kw)
+    check_trace(trace, p.b * p.splits, INTERPRETED, dev)
+    part = take_scratch(workspace, "index_partials",
+                        (p.b, p.splits, p.rows, p.bk) if ws else (1,), torch.int64, dev)
+    cnt = take_counters(workspace, p.b if ws else 1, dev)
+    args, const = _split_args(p, index_fmt, *tensors, p.splits, p.bps, part, cnt, trace)
+    _indexer_decode_kernel[(p.b, p.splits)](*args, **const, **pdl_kw)
     return out
 
 

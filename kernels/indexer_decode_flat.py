@@ -1,11 +1,10 @@
-"""The decode indexer's flat grid (``indexer_decode(..., grid="flat")``; issue 7): the same
+"""The decode indexer's flat grid (``indexer_decode(..., grid="flat")``): the same
 selection as the split grid of ``kernels/indexer_decode.py``, with the key blocks of the
 whole batch shared out evenly over a fixed number of programs instead of request by request.
 
 Why: the split grid gives every request S programs of equal size, B x S of them in one
-wave; at the model shape (B 64, S 8) 116 of the H200's 132 SMs then hold 4 programs and
-16 hold 3, and the fuller SMs finish ~2 us later (session 21's timeline: median end 64.6
-against 62.4 us of a ~70 us launch), which bounds the launch. In a ragged batch the
+wave; when B x S is not a multiple of the SM count some SMs hold one program more than
+others and finish later, which bounds the launch. In a ragged batch the
 imbalance is the requests' lengths themselves. Here the batch's T key blocks are laid end
 to end (request by request, ``nb_r = min(cdiv(seq_r, P), W)`` each) and program p of the
 first G' = min(G, T // MIN_BLOCKS) (at least 1) takes blocks ``floor(p T / G') ..
@@ -36,19 +35,11 @@ list, one ticket each), a request's partial lists number S_r, and the uniform mo
 gets the split grid's partition (64 x 8 programs of 32 blocks). The launch gives it at
 least B programs, so a program has one assignment at most and scans it inlined: the ranges'
 segments, in a loop, are a called function, and ptxas serialises the tensor-core dots of a
-scan across a call (C7510: each wgmma waits for the one before). Removing the call did
-not make it faster (H200, session 23: uniform e4m3 74.9 -> 75.1 us, the split grid 71.1;
-ragged 77.1 -> 78.1, the split grid 97.3): its time goes to the set-up over seq_lens (1.6
-us to "ready" against the split grid's 0.4, every program at once, the memory idle) and
-slower scans on the same shares (~2 us; cause open: the loop bodies are alike, 310 SASS
-per block against the split kernel's 302 as launched at this shape).
+scan across a call (C7510: each wgmma waits for the one before).
 
-Measured (H200, batch 64, 1 ms CUDA-graph replays; reports/bench_indexer_ragged*.md,
-bench_indexer_flat*.md): contexts spread 4k-60k tokens, e4m3 77.5 us against the split
-grid's 97.0 (bf16 136.3 / 169.6); uniform 32k contexts 78.9 against 71.0: the scans end
-~2.5 us later (a range's second segment restarts the pipeline, stores a second list, draws
-a second ticket) and a request's 9-10 lists merge in two steps (ticket -> written 3.2 us
-against 1.6 for the split grid's 8). 396 or 264 programs: slower (82.2, 103.0 us).
+On mixed lengths the flat grid is faster than the split grid, whose short requests'
+programs idle; on uniform lengths the split grid is faster (docs/tuning.md). Not chosen
+automatically: the lengths are on the device.
 
 The launch (``launch``) is called by ``indexer_decode`` after its argument checks; the
 grid size G defaults to one wave of resident programs (at most

@@ -1,4 +1,4 @@
-"""Prefill indexer in ONE Triton kernel (SPEC.md section 5; issue 7): block scores and the
+"""Prefill indexer in ONE Triton kernel (SPEC.md section 5): block scores and the
 top-k block selection of every new token of a ragged batch, per index head.
 
 Grid ``(token tiles, B)``: program (j, r) owns tokens ``j*TT .. (j+1)*TT - 1`` of request r

@@ -1,5 +1,5 @@
 """The pages a prefill batch reads, decoded once from fp8 to their exact values in the model
-dtype, in one Triton kernel (issue 9: e4m3 prefill at least as fast as bf16).
+dtype, in one Triton kernel.
 
 Why. The prefill's wide tier multiplies each union block with 128 query rows on the tensor
 cores, whose operands must sit in shared memory as 16-bit values: an fp8 block is loaded,
@@ -73,11 +73,8 @@ INTERPRETED = is_interpreted(_predecode_kernel)
 
 #: Rows of a page per program (None: the whole page, one program per page and KV head) and
 #: warps per program (``sparse_attention_prefill``'s ``predecode_rows`` /
-#: ``predecode_warps`` knobs). H100, model shape, locality selections, e4m3fn (session 34,
-#: ``reports/bench_attention_prefill_predecode34_h100.md``, torch.profiler per launch):
-#: whole pages with 4 warps 17.9 us (161 registers, 3 programs per SM: 1.3 waves of 512),
-#: 32 rows / 4 warps 16.6, 32 rows / 2 warps 15.8, 16 rows / 1 warp 15.7 us: 16.8 MB read
-#: and 33.5 MB written at 3.2 TB/s, the copy bandwidth (3.04 TB/s measured).
+#: ``predecode_warps`` knobs): small programs of 16 rows and one warp reach the copy
+#: bandwidth.
 PREDECODE_ROWS = 16
 PREDECODE_WARPS = 1
 

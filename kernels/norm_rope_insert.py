@@ -1,5 +1,5 @@
 """Fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert in ONE Triton
-kernel (SPEC.md sections 3, 4; issue 5).
+kernel (SPEC.md sections 3, 4).
 
 One launch per batch, a persistent grid: every program strides over the work items
 (token, block of BLOCK_H heads) of q, then those of k (a k item also inserts its K and V
@@ -13,7 +13,7 @@ in fp32, then rotate-half RoPE with the table row of the token's position, as gi
 even R <= D: a head is loaded as three contiguous segments, the rotated halves [0, R/2) and
 [R/2, R) (each other's RoPE partners, element by element) and the pass-through dims [R, D),
 each padded to a power of two and masked, so R/2 need not be a power of two and every load
-is a vector load (a gathered partner load cost instructions on the H200). ``half`` = R/2 is
+is a vector load (a gathered partner load costs instructions). ``half`` = R/2 is
 a runtime argument, not a constexpr: one compile serves every R with the same padded
 segment widths (a constexpr R/2 compiled the kernel anew for each of the D/2 values, which
 kept a random-shape fuzz run compiling). Triton specialises it by divisibility as any
@@ -313,14 +313,10 @@ INTERPRETED = is_interpreted(_norm_rope_insert_kernel)
 
 # ---------------------------------------------------------------------------- launcher
 
-#: Launch defaults, tuned on the H200 (benchmarks/tune_insert.py; reports/tune-insert-h200.json).
+#: Launch defaults: the fastest of benchmarks/tune_insert.py's sweep (docs/tuning.md).
 BLOCK_H, NUM_WARPS, NUM_STAGES = 8, 2, 3
-#: Registers per thread (ptxas maxnreg; 0: the compiler's choice). With the token-blocked
-#: k / index loops the compiler takes 162 for a bf16 cache (6 programs of 2 warps per SM)
-#: and 128 for e4m3 (8); capped at 128, bf16 compiles to 122 with no spill and 8 programs:
-#: H200 bf16 194.2 -> 181.0 us, e4m3 178.5 / 178.7 (reports/tune-insert-token-blocks-
-#: h200.json; 112 spills: 240 us). (Session 8, before the token blocks, a cap of 96 had
-#: timed the same as the compiler's 114 for e4m3.)
+#: Registers per thread (ptxas maxnreg; 0: the compiler's choice): 128 fits more programs
+#: per SM without spilling at D <= 128.
 MAX_REGISTERS = 128
 
 
@@ -359,8 +355,8 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     the platform's e4m3 for a uint8 index cache, the model dtype otherwise.
     ``skip_index=True``: the index heads are neither transformed nor inserted (rows keep
     them as they are; no index cache is needed).
-    Tuning knobs (defaults from benchmarks/tune_insert.py on the H200): ``block_h`` rows
-    (heads x tokens) per work item, ``num_warps``, ``num_stages`` (depth of the loads' shared-memory
+    Tuning knobs (defaults: the module's tuned constants): ``block_h`` rows (heads x
+    tokens) per work item, ``num_warps``, ``num_stages`` (depth of the loads' shared-memory
     pipeline), ``programs`` (the persistent grid; default: as many as the GPU holds at once,
     ``kernels._triton.resident_programs``; never more than the work items),
     ``max_registers`` (ptxas ``maxnreg``; default MAX_REGISTERS for D <= 128, else 0: the
@@ -381,9 +377,25 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         v_scale=v_scale, index_cache=index_cache, index_fmt=index_fmt,
         index_slot_mapping=index_slot_mapping, q_out=q_out, index_q_out=index_q_out,
         skip_index=skip_index, validate=validate)
-    n, hq, hkv, hi, d, out = p.n, p.hq, p.hkv, p.hi, p.d, p.out
-    if n == 0:
-        return out
+    if p.n == 0:
+        return p.out
+    block_h, items = _work_items(p, block_h)
+    ensure_ready(_norm_rope_insert_kernel)
+    args = _insert_args(p, rows, positions, rope_table, w_q, w_k, w_index_q, w_index_k,
+                        kv_cache, slot_mapping, eps, rotary_dim)
+    kwargs = _insert_const(p, block_h, rotary_dim, num_stages, num_warps, max_registers)
+    if programs is None:
+        programs = 4 if INTERPRETED else resident_programs(_norm_rope_insert_kernel, args,
+                                                           kwargs, rows.device)
+    check_int(programs, "programs", 1, 2**31 - 1)
+    _norm_rope_insert_kernel[(min(programs, items),)](*args, **kwargs)
+    return p.out
+
+
+def _work_items(p, block_h) -> tuple[int, int]:
+    """(rows per work item, work items): block_h (default ``BLOCK_H``, 64 interpreted) capped
+    at the largest head count; the items of the longest loop, q's."""
+    hq, hkv, hi, n = p.hq, p.hkv, p.hi, p.n
     if block_h is None:
         block_h = 64 if INTERPRETED else BLOCK_H
     if block_h <= 0 or block_h & (block_h - 1):
@@ -392,20 +404,32 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
     items = n * max(triton.cdiv(hq, block_h), 1)  # the longest loop: q
     if n * triton.cdiv(max(hq, hkv, hi, 1), block_h) >= 2**31:
         fail("rows", f"N x head blocks must stay below 2^31 (int32 work items), got N = {n}")
+    return block_h, items
+
+
+def _insert_args(p, rows, positions, rope_table, w_q, w_k, w_index_q, w_index_k, kv_cache,
+                 slot_mapping, eps, rotary_dim) -> tuple:
+    """The kernel's runtime arguments (unused weights and index_q strides as placeholders)."""
+    out = p.out
     iq = out.get("index_q", rows)
     iq_s = (iq.stride(0), iq.stride(1)) if "index_q" in out else (0, 0)
-    ensure_ready(_norm_rope_insert_kernel)
-    args = (
-        rows, rows.stride(0), positions, rope_table, rope_table.stride(0), rope_table.shape[0], n,
-        w_q, w_k, w_index_q if p.transform_iq else w_q, w_index_k if p.write_ik else w_q,
+    return (
+        rows, rows.stride(0), positions, rope_table, rope_table.stride(0), rope_table.shape[0],
+        p.n, w_q, w_k, w_index_q if p.transform_iq else w_q,
+        w_index_k if p.write_ik else w_q,
         out["q"], out["q"].stride(0), out["q"].stride(1), iq, iq_s[0], iq_s[1],
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), p.page,
         p.num_slots, slot_mapping, p.ks, *p.ks_strides, p.vs, *p.vs_strides,
         p.ic, *p.ic_strides, p.ic_page, p.ic_slots, p.islots,
-        hq, hkv, hi if p.transform_iq else 0, float(eps), rotary_dim // 2)
+        p.hq, p.hkv, p.hi if p.transform_iq else 0, float(eps), rotary_dim // 2)
+
+
+def _insert_const(p, block_h, rotary_dim, num_stages, num_warps, max_registers) -> dict:
+    """The kernel's constexprs and launch options."""
+    d = p.d
     kwargs = dict(
-        D=d, BLOCK_H=block_h, **_token_blocks("KV", block_h, hkv),
-        **_token_blocks("IQ", block_h, max(hi, 1)), IK_TB=block_h,
+        D=d, BLOCK_H=block_h, **_token_blocks("KV", block_h, p.hkv),
+        **_token_blocks("IQ", block_h, max(p.hi, 1)), IK_TB=block_h,
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
         BLOCK_REST=triton.next_power_of_2(max(d - rotary_dim, 1)), HAS_REST=rotary_dim < d,
@@ -416,16 +440,11 @@ def norm_rope_insert(rows, positions, rope_table, w_q, w_k, *, num_q_heads, num_
         KV_ASM=p.kv_fp8 and encode_asm(p.kv_fmt, True, INTERPRETED),
         SCALAR_SCALES=p.kv_fp8 and not any((*p.ks_strides, *p.vs_strides)),
         NUM_STAGES=num_stages or NUM_STAGES, num_warps=num_warps or NUM_WARPS)
-    if max_registers is None:  # the cap is measured at D <= 128; at D 256 it spills 192 B
+    if max_registers is None:  # the cap holds at D <= 128; at D 256 it spills
         max_registers = MAX_REGISTERS if d <= 128 else 0
     if check_int(max_registers, "max_registers", 0, 255) and not INTERPRETED:
         kwargs["maxnreg"] = max_registers
-    if programs is None:
-        programs = 4 if INTERPRETED else resident_programs(_norm_rope_insert_kernel, args,
-                                                           kwargs, rows.device)
-    check_int(programs, "programs", 1, 2**31 - 1)
-    _norm_rope_insert_kernel[(min(programs, items),)](*args, **kwargs)
-    return out
+    return kwargs
 
 
 def compile_signatures():

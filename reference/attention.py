@@ -25,15 +25,15 @@ its fp32 accumulation order / exp2 / division errors are left to the tolerance b
 exact schedule (``EXACT``, the default) is plain float64 math with an unrounded float64
 output; ``exact(out_dtype)`` rounds only the output; ``vllm_schedule(act)`` is vLLM's.
 
-Two forms exist: the fast block-centric form here, and a literal per-row form in
-``tests/test_ref_attention.py`` that reads like the formulas above and cross-checks this
-one. The fast form works per KV head and chunk of rows: every selected (request, block) is
-decoded once (fp8 and bf16/fp16 by a per-code table, a scalar scale folded in) and
-multiplied with all the rows that selected it in one float64 BLAS matmul; logits are kept
-per (row, block) pair; pass 1 gives each pair's max, reduced exactly to the row / split /
-tile maxima; pass 2 forms P, its sums and P @ V block by block. All bookkeeping is float64
-and exact up to float64 rounding (agreement with the literal form: ~1e-15 relative). KV
-heads run in parallel threads for large calls (``THREADS``); results do not depend on it.
+Two forms exist: the fast block-centric form, and the literal per-row form
+(``attention_literal``) that reads like the formulas above and cross-checks it. The fast
+form works per KV head and chunk of rows: every selected (request, block) is decoded once
+(fp8 and bf16/fp16 by a per-code table, a scalar scale folded in) and multiplied with all
+the rows that selected it in one float64 BLAS matmul; logits are kept per (row, block)
+pair; pass 1 gives each pair's max, reduced exactly to the row / split / tile maxima; pass
+2 forms P, its sums and P @ V block by block. All bookkeeping is float64 and exact up to
+float64 rounding (agreement with the literal form: ~1e-15 relative). KV heads run in
+parallel threads for large calls (``THREADS``); results do not depend on it.
 """
 
 from __future__ import annotations
@@ -47,9 +47,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from reference.codec import FORMATS, ROUNDING_DTYPES, bf16_from_f32, round_dtype
+from reference.codec import (
+    FORMATS,
+    ROUNDING_DTYPES,
+    bf16_from_f32,
+    decode,
+    round_by_table,
+    round_dtype,
+)
 from reference.domain import DECODE_ROWS_RANGE, check_in_range
-from reference.kv_cache import check_scales
+from reference.kv_cache import check_scales, scale_at, token_slots
 
 ACT_DTYPES = ("bfloat16", "float16")
 
@@ -61,7 +68,7 @@ _UNIT_ELEMS = 1 << 19
 _HEAVY_PAIRS = 4
 # KV heads run in up to THREADS threads when a call is large (NumPy and BLAS release the
 # GIL); results do not depend on it. Threads on top of a multi-threaded BLAS oversubscribe
-# the cores (measured: prefill 7.4 s -> 10.4 s on 2 cores), so the default is one thread
+# the cores (slower, measured on 2 cores), so the default is one thread
 # unless BLAS is pinned to one (OPENBLAS_NUM_THREADS=1 or OMP_NUM_THREADS=1), then the
 # cores. REFERENCE_ATTENTION_THREADS overrides; the module attribute may be set too.
 _BLAS_PINNED = "1" in (os.environ.get("OPENBLAS_NUM_THREADS"), os.environ.get("OMP_NUM_THREADS"))
@@ -610,18 +617,53 @@ def _attend_chunk(qg, sel, req, pos, seq, bt, page, g, kdec, vdec, sched, bps, b
     unit, P = exp(logits - max) (rounded as scheduled), the pair sums, and P @ V."""
     n, grp, d = qg.shape
     ns = sel.shape[1] // bps
+    pr = _pairs(sel, req, pos, seq, bt, page, bps, d)
+    logits, pmax = _logits(qg, pr, g, kdec, page, buf)
+    stream = pr.u_blk[pr.pu] % sched.key_streams  # a tile's stream: its index in its block
+    m, ref, factor = _maxima(pmax, pr.pi, pr.pk, pr.pc, n, ns, bps, sched, stream)
+    num, psum = _weighted_values(pr, g, vdec, logits, ref, factor, sched, n, ns, grp, d)
+    if factor is not None:
+        psum *= factor
+    l_sum = np.zeros((n, ns, grp))
+    np.add.at(l_sum, (pr.pi, pr.pc), psum)
+    return _combine(num, m, l_sum, sched)
+
+
+@dataclass
+class _Pairs:
+    """The (row, block) pairs of a chunk, sorted by unit, and its units (see
+    ``_attend_chunk``): per pair its row, selection slot, unit, visible keys, partial flag
+    and split; per unit its page and key count; and the batches of units decoded at once,
+    each (u0, u1, light pairs, heavy units, partial pairs)."""
+
+    pi: np.ndarray
+    pk: np.ndarray
+    pu: np.ndarray
+    p_vis: np.ndarray
+    partial: np.ndarray
+    pc: np.ndarray
+    u_blk: np.ndarray
+    u_page: np.ndarray
+    u_len: np.ndarray
+    bounds: np.ndarray
+    n_full: np.ndarray
+    light_pair: np.ndarray
+    batches: list
+
+
+def _pairs(sel, req, pos, seq, bt, page, bps, d) -> _Pairs:
+    """The pairs and units of a chunk's selections, and the unit batches that bound the
+    decoded keys' size (``_UNIT_ELEMS``)."""
     pi, pk = np.nonzero(sel >= 0)
     pb = sel[pi, pk]
     width = bt.shape[1]
     units, pu = np.unique(req[pi] * width + pb, return_inverse=True)
     u_req, u_blk = units // width, units % width
-    u_page = bt[u_req, u_blk]
     u_len = np.minimum(page, seq[u_req] - u_blk * page)  # keys of the block < seq_len
     p_vis = np.minimum(u_len[pu], pos[pi] + 1 - pb * page)  # keys the pair's row sees
     partial = p_vis < u_len[pu]
     order = np.lexsort((partial, pu))
     pi, pk, pu, p_vis, partial = pi[order], pk[order], pu[order], p_vis[order], partial[order]
-    pc = pk // bps  # the pair's split
     bounds = np.searchsorted(pu, np.arange(units.size + 1))
     n_full = np.bincount(pu[~partial], minlength=units.size)
     heavy_unit = n_full >= _HEAVY_PAIRS
@@ -636,46 +678,59 @@ def _attend_chunk(qg, sel, req, pos, seq, bt, page, g, kdec, vdec, sched, bps, b
             light = slice(light[0], light[-1] + 1)  # contiguous: views instead of copies
         batches.append((u0, u1, light, np.flatnonzero(heavy_unit[u0:u1]) + u0,
                         np.flatnonzero(partial[a:b]) + a))
+    return _Pairs(pi, pk, pu, p_vis, partial, pk // bps, u_blk, bt[u_req, u_blk], u_len,
+                  bounds, n_full, light_pair, batches)
 
-    def decode(dec, u0, u1, light):
-        """Decoded blocks of units u0..u1, and one per light pair (no copy if the same)."""
-        x = dec(u_page[u0:u1], u_len[u0:u1], g)
-        idx = pu[light] - u0
-        if idx.size == u1 - u0 and np.array_equal(idx, np.arange(u1 - u0)):
-            return x, x
-        return x, x[idx]
 
+def _decoded(dec, pr, g, u0, u1, light):
+    """Decoded blocks of units u0..u1, and one per light pair (no copy if the same)."""
+    x = dec(pr.u_page[u0:u1], pr.u_len[u0:u1], g)
+    idx = pr.pu[light] - u0
+    if idx.size == u1 - u0 and np.array_equal(idx, np.arange(u1 - u0)):
+        return x, x
+    return x, x[idx]
+
+
+def _logits(qg, pr, g, kdec, page, buf):
+    """Pass 1: every pair's logits ``[pairs, G, P]`` (in ``buf``; only the keys the pair
+    sees are written) and their maxima ``[pairs, G]``."""
+    grp, d = qg.shape[1], qg.shape[2]
+    pi, pu = pr.pi, pr.pu
     logits = buf[:pi.size]  # every entry used is written below
     pmax = np.empty((pi.size, grp))
     with np.errstate(invalid="ignore"):
-        for u0, u1, light, heavy, parts in batches:
-            kd, kl = decode(kdec, u0, u1, light)
+        for u0, u1, light, heavy, parts in pr.batches:
+            kd, kl = _decoded(kdec, pr, g, u0, u1, light)
             if kl.shape[0]:
                 s = np.matmul(qg[pi[light]], kl.transpose(0, 2, 1))
-                lens = u_len[pu[light]]
+                lens = pr.u_len[pu[light]]
                 if (lens < page).any():
                     s = np.where(np.arange(page)[None, None, :] < lens[:, None, None], s,
                                  -np.inf)
                 logits[light] = s
                 pmax[light] = s.max(axis=2)
             for u in heavy:
-                a, nf, nu = bounds[u], n_full[u], u_len[u]
+                a, nf, nu = pr.bounds[u], pr.n_full[u], pr.u_len[u]
                 qu = qg[pi[a:a + nf]].reshape(-1, d)
                 s = np.matmul(qu, kd[u - u0, :nu].T).reshape(nf, grp, nu)
                 logits[a:a + nf, :, :nu] = s
                 pmax[a:a + nf] = s.max(axis=2)
             for e in parts:
-                v = p_vis[e]
+                v = pr.p_vis[e]
                 s = qg[pi[e]] @ kd[pu[e] - u0, :v].T
                 logits[e, :, :v] = s
                 pmax[e] = s.max(axis=1)
+    return logits, pmax
 
-    stream = u_blk[pu] % sched.key_streams  # a tile's stream: its index in its block
-    m, ref, factor = _maxima(pmax, pi, pk, pc, n, ns, bps, sched, stream)
 
+def _weighted_values(pr, g, vdec, logits, ref, factor, sched, n, ns, grp, d):
+    """Pass 2: the split numerators ``sum P @ V`` ``[n, ns, G, D]`` and each pair's sum of
+    P ``[pairs, G]`` (unscaled by ``factor``), P = exp(logits - ref) rounded to the
+    schedule's ``p_dtype``."""
+    pi, pc, pu = pr.pi, pr.pc, pr.pu
     num = np.zeros((n, ns, grp, d))
     psum = np.empty((pi.size, grp))
-    light_all = np.flatnonzero(light_pair)
+    light_all = np.flatnonzero(pr.light_pair)
     w_light = np.empty((light_all.size, grp, d))
     filled = 0
 
@@ -687,38 +742,41 @@ def _attend_chunk(qg, sel, req, pos, seq, bt, page, g, kdec, vdec, sched, bps, b
         return round_dtype(x, sched.p_dtype)
 
     with np.errstate(invalid="ignore", over="ignore"):
-        for u0, u1, light, heavy, parts in batches:
-            vd, vl = decode(vdec, u0, u1, light)
+        for u0, u1, light, heavy, parts in pr.batches:
+            vd, vl = _decoded(vdec, pr, g, u0, u1, light)
             if vl.shape[0]:
                 x = logits[light]
                 k = vl.shape[0]
                 np.matmul(probs(x, light), vl, out=w_light[filled:filled + k])
                 filled += k
             for u in heavy:
-                a, nf, nu = bounds[u], n_full[u], u_len[u]
-                pr = probs(logits[a:a + nf, :, :nu], slice(a, a + nf))
-                res = (pr.reshape(-1, nu) @ vd[u - u0, :nu]).reshape(nf, grp, d)
+                a, nf, nu = pr.bounds[u], pr.n_full[u], pr.u_len[u]
+                p = probs(logits[a:a + nf, :, :nu], slice(a, a + nf))
+                res = (p.reshape(-1, nu) @ vd[u - u0, :nu]).reshape(nf, grp, d)
                 if factor is not None:
                     res *= factor[a:a + nf, :, None]
                 num[pi[a:a + nf], pc[a:a + nf]] += res  # a unit holds a row once
             for e in parts:
-                v = p_vis[e]
+                v = pr.p_vis[e]
                 res = probs(logits[e, :, :v], e) @ vd[pu[e] - u0, :v]
                 num[pi[e], pc[e]] += res if factor is None else res * factor[e][:, None]
-    if light_all.size:  # light pairs may repeat (row, split): segmented sums
-        if factor is not None:
-            w_light *= factor[light_all][..., None]
-        key = pi[light_all] * ns + pc[light_all]
-        srt = np.argsort(key, kind="stable")
-        if not np.array_equal(srt, np.arange(srt.size)):
-            key, w_light = key[srt], w_light[srt]
-        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        num.reshape(n * ns, grp, d)[key[starts]] += np.add.reduceat(w_light, starts, axis=0)
+    if light_all.size:
+        _add_light(num, w_light, light_all, pr, factor, ns)
+    return num, psum
+
+
+def _add_light(num, w_light, light_all, pr, factor, ns):
+    """Adds the light pairs' P @ V to their (row, split) numerators: light pairs may repeat
+    (row, split), so by segmented sums."""
+    n, grp, d = num.shape[0], num.shape[2], num.shape[3]
     if factor is not None:
-        psum *= factor
-    l_sum = np.zeros((n, ns, grp))
-    np.add.at(l_sum, (pi, pc), psum)
-    return _combine(num, m, l_sum, sched)
+        w_light *= factor[light_all][..., None]
+    key = pr.pi[light_all] * ns + pr.pc[light_all]
+    srt = np.argsort(key, kind="stable")
+    if not np.array_equal(srt, np.arange(srt.size)):
+        key, w_light = key[srt], w_light[srt]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    num.reshape(n * ns, grp, d)[key[starts]] += np.add.reduceat(w_light, starts, axis=0)
 
 
 def _maxima(pmax, pi, pk, pc, n, ns, bps, sched, stream):
@@ -767,3 +825,128 @@ def _combine(num, m, l_sum, sched):
                        0.0)
         lse = np.where(has, top0[:, 0] + np.log(safe_t), -np.inf)
     return out, lse
+
+
+# ----------------------------------------------------------------------------- literal form
+# The module docstring's formulas written out per row, per query head, per split chunk and
+# per key tile, with every rounding of the schedule by the codec's table path. Slow; it
+# shares nothing with the fast form but the codec and the cache addressing, and the tests
+# hold the fast form to it.
+
+
+def attention_literal(q, kv_cache, kv_fmt, block_table, seq_lens, topk, row_req, row_pos,
+                      k_scale=None, v_scale=None, schedule=EXACT, softmax_scale=None):
+    """(unrounded output [T, Hq, D], lse [T, Hq]) of every query row ``t`` of request
+    ``row_req[t]`` at position ``row_pos[t]`` (negative: a padding row, zeros), one row and
+    query head at a time. Inputs are trusted (no validation)."""
+    t_rows, hq, d = q.shape
+    grp = hq // kv_cache.shape[1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    out, lse = np.zeros((t_rows, hq, d)), np.full((t_rows, hq), -np.inf)
+    for t in range(t_rows):
+        r, p = int(row_req[t]), int(row_pos[t])
+        if p < 0:
+            continue
+        for qh in range(hq):
+            g = qh // grp
+            kv = _LiteralKV(kv_cache, kv_fmt, block_table[r], g, k_scale, v_scale,
+                            schedule.kv_dtype)
+            keys_seen = min(p + 1, int(seq_lens[r]))
+            blocks = _literal_blocks(topk[g, t, :], schedule.order)
+            out[t, qh], lse[t, qh] = _literal_row(q[t, qh], scale, kv, blocks, keys_seen,
+                                                  schedule)
+    return out, lse
+
+
+@dataclass(frozen=True)
+class _LiteralKV:
+    """One request's KV head g, read key by key through its block-table row."""
+
+    cache: np.ndarray
+    fmt: str
+    bt_row: np.ndarray
+    g: int
+    k_scale: object
+    v_scale: object
+    kv_dtype: str
+
+    def read(self, keys, half):
+        """Scheduled K (half 0) or V (half 1) at key positions ``keys``:
+        ``round_kv(round_fp32(round_kv(decode(code)) * round_fp32(scale)))``."""
+        page, d = self.cache.shape[2], self.cache.shape[3] // 2
+        slots = token_slots(self.bt_row, keys, page)
+        codes = self.cache[slots // page, self.g, slots % page, half * d:(half + 1) * d]
+        x = decode(codes, self.fmt)
+        scale = self.k_scale if half == 0 else self.v_scale
+        s = 1.0 if scale is None else np.reshape(scale_at(scale, self.g, slots), (-1, 1))
+        if self.kv_dtype == "float64":
+            return x * s
+        s32 = round_by_table(s, "float32")
+        if self.kv_dtype == "float32":
+            return round_by_table(x * s32, "float32")
+        x = round_by_table(x, self.kv_dtype)
+        return round_by_table(round_by_table(x * s32, "float32"), self.kv_dtype)
+
+
+def _literal_blocks(selection, order):
+    """The selected blocks as a set, in entry order or ascending."""
+    blocks = []
+    for b in selection:
+        if b >= 0 and int(b) not in blocks:
+            blocks.append(int(b))
+    return sorted(blocks) if order == "ascending" else blocks
+
+
+def _literal_spans(chunk, page, s):
+    """Key positions of each tile of a chunk: ``blocks_per_tile`` whole blocks, or each
+    block's tiles of ``tile_keys`` keys in key order."""
+    if s.tile_keys is None:
+        return [[j for b in chunk[t0:t0 + s.blocks_per_tile]
+                 for j in range(b * page, (b + 1) * page)]
+                for t0 in range(0, len(chunk), s.blocks_per_tile)]
+    return [list(range(j0, j0 + s.tile_keys)) for b in chunk
+            for j0 in range(b * page, (b + 1) * page, s.tile_keys)]
+
+
+def _literal_row(q_row, scale, kv, blocks, keys_seen, s):
+    """(output, lse) of one row and head: each split chunk's softmax, then their merge."""
+    page = kv.cache.shape[2]
+    bps = s.blocks_per_split or len(blocks)
+    parts = []
+    for c0 in range(0, len(blocks), bps):
+        tiles = []
+        for span in _literal_spans(blocks[c0:c0 + bps], page, s):
+            keys = np.array([j for j in span if j < keys_seen], dtype=np.int64)
+            if keys.size:  # a tile wholly past the row's position has nothing to attend
+                stream = (span[0] % page) // s.tile_keys if s.key_streams > 1 else 0
+                tiles.append((scale * (kv.read(keys, 0) @ q_row), kv.read(keys, 1), stream))
+        parts.append(_literal_softmax(tiles, s))
+    if s.blocks_per_split is None:
+        return parts[0]
+    return _literal_merge(parts, s)
+
+
+def _literal_softmax(tiles, s):
+    """(P @ V / sum P, lse) over a chunk's tiles of (logits, V, stream): P = exp(logit - ref)
+    rounded to ``p_dtype``, ref the chunk max or the stream's running max, then rescaled to
+    the chunk max."""
+    m = max(float(np.max(lg)) for lg, _, _ in tiles)
+    acc, total, run = np.zeros(tiles[0][1].shape[1]), 0.0, {}
+    for lg, v, w in tiles:
+        run[w] = max(run.get(w, -np.inf), float(np.max(lg)))
+        ref = run[w] if s.p_max == "running" else m
+        p_raw = np.exp(lg - ref)
+        total += p_raw.sum() * math.exp(ref - m)
+        acc += (round_by_table(p_raw, s.p_dtype) * math.exp(ref - m)) @ v
+    return acc / total, m + math.log(total)
+
+
+def _literal_merge(parts, s):
+    """Split-K merge: outputs rounded to ``partial_dtype`` and lse to ``lse_dtype``, weighted
+    by exp(lse - max lse)."""
+    outs = [round_by_table(o, s.partial_dtype) for o, _ in parts]
+    lses = [float(round_by_table(lse, s.lse_dtype)) for _, lse in parts]
+    top = max(lses)
+    w = [math.exp(x - top) for x in lses]
+    o = sum(wi * oi for wi, oi in zip(w, outs, strict=True)) / sum(w)
+    return o, top + math.log(sum(w))

@@ -1,6 +1,6 @@
 """Bit-exact codecs for the fp8 formats (and bf16/fp16) in float64 NumPy.
 
-One table (``FORMATS``) defines every format by its bit split, bias and special-value
+``reference.formats.FORMATS`` defines every format by its bit split, bias and special-value
 conventions; ``decode`` and ``encode`` are derived from it and nothing else.
 
 Encoding is round-to-nearest-even onto the format's finite grid (subnormals included),
@@ -23,125 +23,12 @@ second rounding can never cross a midpoint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 import numpy as np
 
+# The table is re-exported: the codec's callers name formats through it.
+from reference.formats import FORMATS, FP8_FORMATS, FloatFormat, get_format  # noqa: F401
+
 POLICIES = ("satfinite", "nonsaturating")
-
-
-@dataclass(frozen=True)
-class FloatFormat:
-    """A binary floating-point format of at most 16 bits.
-
-    ``specials`` names the convention of the special values:
-      ``ieee``  top exponent reserved: mantissa 0 is +-Inf, others NaN (e5m2, bf16, fp16)
-      ``fn``    no Inf; only the all-ones code (both signs) is NaN (e4m3fn)
-      ``fnuz``  no Inf, no -0; the single code 1000...0 is NaN (e4m3fnuz, e5m2fnuz)
-    """
-
-    name: str
-    exp_bits: int
-    man_bits: int
-    bias: int
-    specials: str
-    nan_code: int  # the canonical NaN a writer emits
-
-    @property
-    def bits(self) -> int:
-        return 1 + self.exp_bits + self.man_bits
-
-    @property
-    def sign_bit(self) -> int:
-        return 1 << (self.bits - 1)
-
-    @property
-    def code_dtype(self):
-        return np.uint8 if self.bits == 8 else np.uint16
-
-    @property
-    def max_code(self) -> int:
-        """The positive code of the largest finite value."""
-        top = self.sign_bit - 1
-        if self.specials == "ieee":
-            return ((1 << self.exp_bits) - 1 << self.man_bits) - 1
-        return top - 1 if self.specials == "fn" else top
-
-    @property
-    def inf_code(self) -> int | None:
-        return ((1 << self.exp_bits) - 1) << self.man_bits if self.specials == "ieee" else None
-
-    @property
-    def negative_zero_code(self) -> int | None:
-        return None if self.specials == "fnuz" else self.sign_bit
-
-    @cached_property
-    def values(self) -> np.ndarray:
-        """float64 value of every code 0 .. 2^bits - 1 (the decode table)."""
-        code = np.arange(1 << self.bits, dtype=np.int64)
-        sign = np.where(code & self.sign_bit, -1.0, 1.0)
-        e = (code >> self.man_bits) & ((1 << self.exp_bits) - 1)
-        f = code & ((1 << self.man_bits) - 1)
-        frac = f / float(1 << self.man_bits)
-        magnitude = np.where(
-            e == 0,
-            np.ldexp(frac, 1 - self.bias),
-            np.ldexp(1.0 + frac, (e - self.bias).astype(np.int32)),
-        )
-        value = sign * magnitude
-        top_e = e == (1 << self.exp_bits) - 1
-        if self.specials == "ieee":
-            value = np.where(top_e & (f == 0), sign * np.inf, value)
-            value = np.where(top_e & (f != 0), np.nan, value)
-        elif self.specials == "fn":
-            value = np.where(top_e & (f == (1 << self.man_bits) - 1), np.nan, value)
-        else:
-            value = np.where(code == self.sign_bit, np.nan, value)
-        return value
-
-    @property
-    def max_finite(self) -> float:
-        return float(self.values[self.max_code])
-
-    @property
-    def min_normal(self) -> float:
-        return float(self.values[1 << self.man_bits])
-
-    @property
-    def min_subnormal(self) -> float:
-        return float(self.values[1])
-
-    @cached_property
-    def _grid(self) -> np.ndarray:
-        """Finite magnitudes of codes 0..max_code, plus the first value past max (what the
-        code max_code + 1 would be worth if the exponent range went on): the overflow
-        threshold is the midpoint to it, and tie-to-even decides that midpoint."""
-        finite = self.values[: self.max_code + 1]
-        return np.append(finite, 2 * finite[-1] - finite[-2])
-
-
-FORMATS: dict[str, FloatFormat] = {
-    f.name: f
-    for f in (
-        FloatFormat("e4m3fn", 4, 3, 7, "fn", 0x7F),
-        FloatFormat("e5m2", 5, 2, 15, "ieee", 0x7F),
-        FloatFormat("e4m3fnuz", 4, 3, 8, "fnuz", 0x80),
-        FloatFormat("e5m2fnuz", 5, 2, 16, "fnuz", 0x80),
-        FloatFormat("bfloat16", 8, 7, 127, "ieee", 0x7FC0),
-        FloatFormat("float16", 5, 10, 15, "ieee", 0x7E00),
-    )
-}
-FP8_FORMATS = ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")
-
-
-def get_format(fmt: str | FloatFormat) -> FloatFormat:
-    if isinstance(fmt, FloatFormat):
-        return fmt
-    try:
-        return FORMATS[fmt]
-    except (KeyError, TypeError):
-        raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}") from None
 
 
 def as_float64(x, name: str = "x") -> np.ndarray:
@@ -223,6 +110,19 @@ def round_to(x, fmt: str | FloatFormat) -> np.ndarray:
     if name in ("bfloat16", "float16"):
         return round_dtype(as_float64(x), name)
     return decode(encode(x, fmt, "nonsaturating"), fmt)
+
+
+def round_by_table(x, dtype: str) -> np.ndarray:
+    """float64 values of x rounded once (RNE, non-saturating) to ``dtype`` by ``encode`` and
+    ``decode`` (float32: NumPy's cast): the slow path the literal forms use, independent of
+    ``round_dtype``'s bit tricks."""
+    x = np.asarray(x, dtype=np.float64)
+    if dtype == "float64":
+        return x
+    if dtype == "float32":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float32).astype(np.float64)
+    return decode(encode(x, dtype, "nonsaturating"), dtype)
 
 
 def round_dtype(x, dtype: str) -> np.ndarray:

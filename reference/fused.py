@@ -11,11 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from reference.codec import as_float64, decode, encode, get_format
+from reference.formats import INDEX_FP8_FORMATS
 from reference.kv_cache import check_slots, insert_index_k, insert_kv
 from reference.norm_rope import check_representable, transform_qkv_rows
 from reference.platforms import check_model_dtype, is_fp8
-
-INDEX_FP8_FORMATS = ("e4m3fn", "e4m3fnuz")  # the platforms' e4m3 (SPEC.md s.2)
 
 
 def fused_qknorm_rope_insert(rows, positions, layout, weights, table, rotary_dim, eps,

@@ -45,26 +45,27 @@ vectors give bit-identical dots in practice, and where all partial sums are exac
 exponent range, as in the tests' grid data) the scores are the exact values. Oracles
 should add this (tiny) reference error to their bounds.
 
-Implementation (the fast block-centric form; a literal per-row loop lives in
-tests/test_ref_indexer.py as the cross-check): per request, keys are decoded in chunks of
-whole blocks that stay in cache (bf16 by a 16-bit shift into float32 bits, fp8 and fp16
-by table lookup), one matmul per chunk covers all the request's tokens and heads, the
-block maxima come from a reshape to ``[..., blocks, P]``; a token's own (last visible)
-block is recomputed with its causal mask and later blocks are set to -inf, so cache
-content past p or past seq_len (which may be NaN) never reaches a score. Selection is one
-vectorised lexsort per chunk of tokens.
+Implementation (the fast block-centric form; the literal per-row loops,
+``indexer_literal`` with ``block_scores_literal`` and ``select_literal``, are the cross-
+check): per request, keys are decoded in chunks of whole blocks that stay in cache (bf16
+by a 16-bit shift into float32 bits, fp8 and fp16 by table lookup), one matmul per chunk
+covers all the request's tokens and heads, the block maxima come from a reshape to ``[...,
+blocks, P]``; a token's own (last visible) block is recomputed with its causal mask and
+later blocks are set to -inf, so cache content past p or past seq_len (which may be NaN)
+never reaches a score. Selection is one vectorised lexsort per chunk of tokens.
 
 Validation raises ValueError whose message starts with the argument's name.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from reference.codec import FORMATS
+from reference.codec import FORMATS, decode
 from reference.domain import DECODE_ROWS_RANGE, PAGE_SIZES, TOPK_RANGE
 
 # Work sizes of the fast form (elements of float64): decoded keys per chunk (fits L2/L3)
@@ -478,3 +479,68 @@ def selections_equivalent(sel_a, sel_b, exact_scores, bound, num_visible, local_
     details = dict(a=det_a, b=det_b, rows_differing=int((only_a > 0).sum()),
                    blocks_swapped=int(only_a.sum()))
     return ok_a and ok_b, details
+
+
+# ----------------------------------------------------------------------------- literal form
+# The module docstring's definitions written out per row, per head, per block and per key:
+# each dot an exactly rounded sum (math.fsum of exact products), keys fetched one by one
+# through the block table and decoded by the codec, the selection a Python sort. It shares
+# nothing with the fast form but the codec; the tests hold the fast form to it.
+
+
+def indexer_literal(q, cache, fmt, block_table, starts, counts, seq_lens, topk,
+                    local_blocks, initial_blocks, magnitudes=True):
+    """(topk [Hi, T, K], scores, mags) of the rows ``starts[r] .. starts[r] + counts[r]`` of
+    each request r (the last ``counts[r]`` positions of its ``seq_lens[r]`` keys), with
+    ``scores[(h, t)]`` / ``mags[(h, t)]`` the lists of the visible blocks' scores and
+    magnitudes. Inputs are trusted (no validation)."""
+    t_total, hi, _ = q.shape
+    page = cache.shape[1]
+    out = np.full((hi, t_total, topk), -1, np.int32)
+    scores, mags = {}, {}
+    for r in range(len(seq_lens)):
+        seq_len, count = int(seq_lens[r]), int(counts[r])
+        keys = [decode(cache[block_table[r][j // page], j % page], fmt).tolist()
+                for j in range(seq_len if count else 0)]
+        for i in range(count):
+            t, p = int(starts[r]) + i, seq_len - count + i
+            for h in range(hi):
+                row_s, row_m = block_scores_literal(q[t, h].tolist(), keys, p, page,
+                                                    magnitudes)
+                scores[(h, t)], mags[(h, t)] = row_s, row_m
+                out[h, t] = select_literal(row_s, topk, local_blocks, initial_blocks)
+    return out, scores, mags
+
+
+def block_scores_literal(q_row, keys, p, page, magnitudes=True):
+    """(scores, magnitudes) of the blocks 0 .. p // page seen from position p: per block,
+    the max over its keys j <= p of q . k_j (NaN if any dot is NaN) and of sum |q_d k_jd|."""
+    row_s, row_m = [], []
+    for b in range(p // page + 1):
+        best, mag = -math.inf, 0.0
+        for j in range(b * page, min(b * page + page, p + 1)):
+            products = [x * y for x, y in zip(q_row, keys[j], strict=True)]
+            dot = math.fsum(products)
+            best = math.nan if math.isnan(dot) or math.isnan(best) else max(best, dot)
+            if magnitudes:
+                mag = max(mag, math.fsum(abs(x) for x in products))
+        row_s.append(best)
+        row_m.append(mag)
+    return row_s, row_m
+
+
+def select_literal(row_scores, topk, local_blocks, initial_blocks):
+    """One row's selection: forced blocks (initial, then local, each ascending, the initial
+    ones winning when they do not all fit), then the others by descending score, NaN last,
+    equal scores to the lower id; then -1."""
+    num_visible = len(row_scores)
+    n = min(topk, num_visible)
+    initial = [b for b in range(num_visible) if b < initial_blocks]
+    local = [b for b in range(num_visible)
+             if b >= num_visible - local_blocks and b not in initial]
+    chosen = (initial + local)[:n]
+    others = [b for b in range(num_visible) if b not in initial and b not in local]
+    others.sort(key=lambda b: (math.isnan(row_scores[b]),
+                               0.0 if math.isnan(row_scores[b]) else -row_scores[b], b))
+    chosen += others[: n - len(chosen)]
+    return chosen + [-1] * (topk - n)

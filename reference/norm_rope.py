@@ -74,7 +74,7 @@ def _f32(x):
     computed in float64 and rounded once, i.e. correctly rounded float32 arithmetic (up to
     a double rounding within a few float64 ulps of a float32 tie, ~1e-8 of values). Not
     NumPy's float32 kernels: on AVX512 CPUs its float32 pow is off by an ulp for ~1 in 6
-    exponents (numpy 2.3, session 21), which moved whole columns of the table away from
+    exponents (numpy 2.3), which moved whole columns of the table away from
     torch's float32 recipe, and a table must not depend on the CPU it was built on."""
     return np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
 

@@ -167,58 +167,13 @@ def sparse_step(mode, rows, seq_lens, *, layout, weights, table, rotary_dim, eps
     Both caches are written in place (the prefix content is left as it was). Returns a
     ``PipelineResult``.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    if not isinstance(layout, QKVLayout):
-        raise ValueError(f"layout must be a QKVLayout, got {type(layout).__name__}")
-    if not layout.has_index_k or layout.num_index_heads != layout.num_kv_heads:
-        raise ValueError(f"layout must have index_k and Hi = Hkv index heads (sparse "
-                         f"attention reads topk[g] for KV head g), got Hi = "
-                         f"{layout.num_index_heads}, Hkv = {layout.num_kv_heads}, has_index_k"
-                         f" = {layout.has_index_k}")
-    # Checked here, before anything is written (later stages validate their own arguments;
-    # these are the ones they would only see after the caches were written).
-    if isinstance(topk, bool) or not isinstance(topk, numbers.Integral) or not (
-            TOPK_RANGE[0] <= topk <= TOPK_RANGE[1]):
-        raise ValueError(f"topk must be an integer in {list(TOPK_RANGE)}, got {topk!r}")
-    if schedule is not None and not isinstance(schedule, Schedule):
-        raise ValueError(f"schedule must be a Schedule or None, got {type(schedule).__name__}")
-    kv_shape, ic_shape = np.shape(kv_cache), np.shape(index_cache)
-    if len(kv_shape) != 4 or len(ic_shape) != 3:
-        raise ValueError(f"kv_cache must be [num_pages, Hkv, P, 2*D] and index_cache "
-                         f"[num_pages, P, D], got {kv_shape} and {ic_shape}")
-    page = kv_shape[2]
-    if ic_shape[1] != page:
-        raise ValueError(f"index_cache page size {ic_shape[1]} must equal the KV cache's "
-                         f"P = {page} (a page is a sparse block of both)")
-    n_rows = np.shape(rows)[0] if np.ndim(rows) else 0
-    seq = np.asarray(seq_lens)
-    if seq.dtype.kind not in "iu" or seq.ndim != 1:
-        raise ValueError(f"seq_lens must be a 1-D integer array, got {seq.dtype} of shape "
-                         f"{seq.shape}")
-    if seq.size and seq.min() < 0:
-        raise ValueError(f"seq_lens must be >= 0, got {seq.min()}")
-    if mode == "prefill":
-        if rows_per_request is not None:
-            raise ValueError("rows_per_request is for decode; prefill takes cu_seqlens_q")
-        if cu_seqlens_q is None:
-            raise ValueError("cu_seqlens_q is required in prefill")
-        requests, positions = prefill_positions(cu_seqlens_q, seq, n_rows)
-    else:
-        if cu_seqlens_q is not None:
-            raise ValueError("cu_seqlens_q is for prefill; decode takes rows_per_request")
-        if isinstance(rows_per_request, np.integer):
-            rows_per_request = int(rows_per_request)
-        check_in_range("rows_per_request", rows_per_request, *DECODE_ROWS_RANGE)
-        if n_rows != seq.size * rows_per_request:
-            raise ValueError(f"rows must have len(seq_lens) * rows_per_request = "
-                             f"{seq.size * rows_per_request} rows, got {n_rows}")
-        requests, positions = decode_positions(seq, rows_per_request)
+    page = _check_step(mode, layout, topk, schedule, kv_cache, index_cache)
+    seq, rows_per_request, requests, positions = _step_rows(
+        mode, rows, seq_lens, cu_seqlens_q, rows_per_request)
     index_bt = block_table if index_block_table is None else index_block_table
-    slots = new_token_slots(block_table, requests, positions, page, kv_shape[0])
-    index_slots = new_token_slots(index_bt, requests, positions, page, ic_shape[0],
-                                  "index_block_table")
-
+    slots = new_token_slots(block_table, requests, positions, page, np.shape(kv_cache)[0])
+    index_slots = new_token_slots(index_bt, requests, positions, page,
+                                  np.shape(index_cache)[0], "index_block_table")
     fused = fused_qknorm_rope_insert(
         rows, np.maximum(positions, 0), layout, weights, table, rotary_dim, eps, model_dtype,
         kv_cache, kv_fmt, slots, k_scale=k_scale, v_scale=v_scale, index_cache=index_cache,
@@ -244,3 +199,57 @@ def sparse_step(mode, rows, seq_lens, *, layout, weights, table, rotary_dim, eps
     scheduled = None if schedule is None else attend(schedule)
     return PipelineResult(mode, requests, positions, slots, index_slots, fused, idx, exact,
                           scheduled)
+
+
+def _check_step(mode, layout, topk, schedule, kv_cache, index_cache) -> int:
+    """The arguments the later stages would only see after the caches were written, checked
+    before anything is; returns the page size."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    if not isinstance(layout, QKVLayout):
+        raise ValueError(f"layout must be a QKVLayout, got {type(layout).__name__}")
+    if not layout.has_index_k or layout.num_index_heads != layout.num_kv_heads:
+        raise ValueError(f"layout must have index_k and Hi = Hkv index heads (sparse "
+                         f"attention reads topk[g] for KV head g), got Hi = "
+                         f"{layout.num_index_heads}, Hkv = {layout.num_kv_heads}, has_index_k"
+                         f" = {layout.has_index_k}")
+    if isinstance(topk, bool) or not isinstance(topk, numbers.Integral) or not (
+            TOPK_RANGE[0] <= topk <= TOPK_RANGE[1]):
+        raise ValueError(f"topk must be an integer in {list(TOPK_RANGE)}, got {topk!r}")
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise ValueError(f"schedule must be a Schedule or None, got {type(schedule).__name__}")
+    kv_shape, ic_shape = np.shape(kv_cache), np.shape(index_cache)
+    if len(kv_shape) != 4 or len(ic_shape) != 3:
+        raise ValueError(f"kv_cache must be [num_pages, Hkv, P, 2*D] and index_cache "
+                         f"[num_pages, P, D], got {kv_shape} and {ic_shape}")
+    page = kv_shape[2]
+    if ic_shape[1] != page:
+        raise ValueError(f"index_cache page size {ic_shape[1]} must equal the KV cache's "
+                         f"P = {page} (a page is a sparse block of both)")
+    return page
+
+
+def _step_rows(mode, rows, seq_lens, cu_seqlens_q, rows_per_request):
+    """(seq_lens array, rows_per_request, request and position of each row), checked."""
+    n_rows = np.shape(rows)[0] if np.ndim(rows) else 0
+    seq = np.asarray(seq_lens)
+    if seq.dtype.kind not in "iu" or seq.ndim != 1:
+        raise ValueError(f"seq_lens must be a 1-D integer array, got {seq.dtype} of shape "
+                         f"{seq.shape}")
+    if seq.size and seq.min() < 0:
+        raise ValueError(f"seq_lens must be >= 0, got {seq.min()}")
+    if mode == "prefill":
+        if rows_per_request is not None:
+            raise ValueError("rows_per_request is for decode; prefill takes cu_seqlens_q")
+        if cu_seqlens_q is None:
+            raise ValueError("cu_seqlens_q is required in prefill")
+        return (seq, rows_per_request, *prefill_positions(cu_seqlens_q, seq, n_rows))
+    if cu_seqlens_q is not None:
+        raise ValueError("cu_seqlens_q is for prefill; decode takes rows_per_request")
+    if isinstance(rows_per_request, np.integer):
+        rows_per_request = int(rows_per_request)
+    check_in_range("rows_per_request", rows_per_request, *DECODE_ROWS_RANGE)
+    if n_rows != seq.size * rows_per_request:
+        raise ValueError(f"rows must have len(seq_lens) * rows_per_request = "
+                         f"{seq.size * rows_per_request} rows, got {n_rows}")
+    return (seq, rows_per_request, *decode_positions(seq, rows_per_request))

@@ -1,9 +1,8 @@
 """Which storage format a ``kv_cache_dtype`` string means on each platform (SPEC.md s.2).
 
-Platforms: ``cuda`` (NVIDIA sm89+), ``rocm-ocp`` (gfx950) and ``rocm-fnuz`` (gfx942, MI300).
-The OCP platforms store fp8 as e4m3fn / e5m2; MI300 stores e4m3fnuz / e5m2fnuz. A format
-name here is a key of ``reference.codec.FORMATS``; the unquantised strings resolve to the
-model (activation) dtype, ``bfloat16`` or ``float16``.
+The platforms and which fp8 format each stores are rows of ``reference.formats.FORMATS``
+(its ``native`` platforms); a format name here is a key of that table. The unquantised
+strings resolve to the model (activation) dtype, ``bfloat16`` or ``float16``.
 
 vLLM's fused insert on MI300 rejects ``fp8_e5m2``; mapping it to e5m2fnuz there is this
 project's generalisation (tested by emulation), so ``OPS_FORMATS`` allows it for every op.
@@ -12,16 +11,9 @@ Index caches in fp8 always use the platform's e4m3 format.
 
 from __future__ import annotations
 
-PLATFORMS = ("cuda", "rocm-ocp", "rocm-fnuz")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
-MODEL_DTYPES = ("bfloat16", "float16")
+from reference.formats import KV_CACHE_FP8_KINDS, MODEL_DTYPES, PLATFORMS, platform_fp8
 
-_FP8 = {
-    "cuda": {"e4m3": "e4m3fn", "e5m2": "e5m2"},
-    "rocm-ocp": {"e4m3": "e4m3fn", "e5m2": "e5m2"},
-    "rocm-fnuz": {"e4m3": "e4m3fnuz", "e5m2": "e5m2fnuz"},
-}
-_KV_KIND = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
+KV_CACHE_DTYPES = ("auto", *MODEL_DTYPES, *KV_CACHE_FP8_KINDS)
 
 # The platform a machine would run natively; the others are emulated through the
 # storage-format argument of the kernels.
@@ -52,13 +44,13 @@ def kv_cache_format(kv_cache_dtype: str, platform: str, model_dtype: str = "bflo
         return model_dtype
     if kv_cache_dtype in MODEL_DTYPES:
         return kv_cache_dtype
-    return _FP8[platform][_KV_KIND[kv_cache_dtype]]
+    return platform_fp8(KV_CACHE_FP8_KINDS[kv_cache_dtype], platform)
 
 
 def index_cache_format(fp8: bool, platform: str, model_dtype: str = "bfloat16") -> str:
     """Storage format of the index cache: the platform's e4m3, or the model dtype."""
     check_platform(platform)
-    return _FP8[platform]["e4m3"] if fp8 else check_model_dtype(model_dtype)
+    return platform_fp8("e4m3", platform) if fp8 else check_model_dtype(model_dtype)
 
 
 def platform_formats(platform: str, model_dtype: str = "bfloat16") -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """The block-sparse GQA attention reference (reference/attention.py, SPEC.md s.6).
 
-Cross-checks: a literal per-row form written here from the formulas (loops over rows,
-heads, split chunks and tiles), and dense causal attention by torch's float64
+Cross-checks: the literal per-row form (reference.attention.attention_literal: loops over
+rows, heads, split chunks and tiles), and dense causal attention by torch's float64
 scaled_dot_product_attention on the CPU. Invariances: layouts, page tables, selection order,
 invisible content (NaN-filled), decode vs prefill. The rounding schedule against its
 definition and its expected effect on the result. Bad input raises ValueError naming the
@@ -29,7 +29,14 @@ from reference.attention import (
     sparse_attention_prefill,
     vllm_schedule,
 )
-from reference.codec import FORMATS, FP8_FORMATS, decode, encode, round_dtype, round_to
+from reference.codec import (
+    FORMATS,
+    FP8_FORMATS,
+    decode,
+    round_by_table,
+    round_dtype,
+    round_to,
+)
 from reference.domain import (
     ACTIVATION_DTYPES,
     DECODE_ROWS_RANGE,
@@ -181,100 +188,13 @@ def make_case(seed, *, mode="prefill", page=16, topk=4, group=2, kv_heads=2, hea
 # ----------------------------------------------------------------------------- literal form
 
 
-def _r(x, dtype):
-    """Rounding by the reference codec's generic table path (encode/decode by searchsorted
-    on the format's grid), independent of the fast ``codec.round_dtype``."""
-    x = np.asarray(x, dtype=np.float64)
-    if dtype == "float64":
-        return x
-    if dtype == "float32":
-        with np.errstate(over="ignore"):
-            return x.astype(np.float32).astype(np.float64)
-    return decode(encode(x, dtype, "nonsaturating"), dtype)
-
-
-def _dequant(case, r, g, keys, half, kv_dtype):
-    """Scheduled K (half 0) or V (half 1) of one request's KV head at positions keys."""
-    d = case.cache.shape[3] // 2
-    slots = token_slots(case.block_table[r], keys, case.page)
-    codes = case.cache[slots // case.page, g, slots % case.page, half * d:(half + 1) * d]
-    x = decode(codes, case.fmt)
-    scale = case.k_scale if half == 0 else case.v_scale
-    s = 1.0 if scale is None else np.reshape(scale_at(scale, g, slots), (-1, 1))
-    if kv_dtype == "float64":
-        return x * s
-    if kv_dtype == "float32":
-        return _r(x * _r(s, "float32"), "float32")
-    return _r(_r(_r(x, kv_dtype) * _r(s, "float32"), "float32"), kv_dtype)
-
-
 def literal_attention(case, schedule=EXACT, softmax_scale=None):
-    """Per row, per query head, per split chunk, per tile, as SPEC.md s.6 and the Schedule
-    docstring state it. Returns (unrounded output, lse)."""
-    s_ = schedule
-    req, pos = case.rows_and_positions()
-    t_rows, hq, d = case.q.shape
-    hkv = case.cache.shape[1]
-    grp = hq // hkv
-    page = case.page
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    out = np.zeros((t_rows, hq, d))
-    lse = np.full((t_rows, hq), -np.inf)
-    for t in range(t_rows):
-        r, p = req[t], pos[t]
-        if p < 0:
-            continue  # padding row: zeros
-        for qh in range(hq):
-            g = qh // grp
-            blocks = []
-            for b in case.topk[g, t, :]:
-                if b >= 0 and int(b) not in blocks:
-                    blocks.append(int(b))
-            if s_.order == "ascending":
-                blocks.sort()
-            bps = s_.blocks_per_split or len(blocks)
-            parts = []
-            for c0 in range(0, len(blocks), bps):
-                chunk = blocks[c0:c0 + bps]
-                tiles = []
-                if s_.tile_keys is None:  # tiles of blocks_per_tile blocks
-                    spans = [[j for b in chunk[t0:t0 + s_.blocks_per_tile]
-                              for j in range(b * page, (b + 1) * page)]
-                             for t0 in range(0, len(chunk), s_.blocks_per_tile)]
-                else:  # each block's tiles of tile_keys keys, in key order
-                    spans = [list(range(j0, j0 + s_.tile_keys)) for b in chunk
-                             for j0 in range(b * page, (b + 1) * page, s_.tile_keys)]
-                for span in spans:
-                    keys = [j for j in span if j <= p and j < case.seq_lens[r]]
-                    if not keys:
-                        continue  # a tile past the row's position: nothing to attend
-                    # key_streams: a tile's stream is its index within its block
-                    stream = (span[0] % page) // s_.tile_keys if s_.key_streams > 1 else 0
-                    keys = np.array(keys, dtype=np.int64)
-                    k = _dequant(case, r, g, keys, 0, s_.kv_dtype)
-                    v = _dequant(case, r, g, keys, 1, s_.kv_dtype)
-                    tiles.append((scale * (k @ case.q[t, qh]), v, stream))
-                m = max(float(np.max(lg)) for lg, _, _ in tiles)
-                acc, total, run = np.zeros(d), 0.0, {}
-                for lg, v, w in tiles:
-                    run[w] = max(run.get(w, -np.inf), float(np.max(lg)))
-                    ref = run[w] if s_.p_max == "running" else m
-                    p_raw = np.exp(lg - ref)
-                    total += p_raw.sum() * math.exp(ref - m)
-                    acc += (_r(p_raw, s_.p_dtype) * math.exp(ref - m)) @ v
-                parts.append((acc / total, m + math.log(total)))
-            if s_.blocks_per_split is None:
-                (o, l_), = parts
-            else:
-                os_ = [_r(o, s_.partial_dtype) for o, _ in parts]
-                ls_ = [float(_r(l_, s_.lse_dtype)) for _, l_ in parts]
-                top = max(ls_)
-                w = [math.exp(x - top) for x in ls_]
-                o = sum(wi * oi for wi, oi in zip(w, os_, strict=True)) / sum(w)
-                l_ = top + math.log(sum(w))
-            out[t, qh] = o
-            lse[t, qh] = l_
-    return out, lse
+    """The reference's literal per-row form on a case (rows and positions written out here
+    from SPEC.md s.6). Returns (unrounded output, lse)."""
+    return attn.attention_literal(case.q, case.cache, case.fmt, case.block_table,
+                                  case.seq_lens, case.topk, *case.rows_and_positions(),
+                                  k_scale=case.k_scale, v_scale=case.v_scale,
+                                  schedule=schedule, softmax_scale=softmax_scale)
 
 
 # ----------------------------------------------------------------------------- rounding
@@ -295,11 +215,12 @@ def test_fast_rounding_matches_the_codec(dtype):
                                 2.0**-149, 2.0**-134, 3 * 2.0**-135, 65520.0, 65519.99]])
     with np.errstate(over="ignore"):
         ours = round_dtype(x, dtype)
-    theirs = _r(x, dtype)
+    theirs = round_by_table(x, dtype)
     same = (ours == theirs) | (np.isnan(ours) & np.isnan(theirs))
     assert same.all(), x[~same][:5]
     grid_2d = x[:1000].reshape(50, 20)[:, ::-1]  # any shape and strides, 0-d too
-    assert np.array_equal(round_dtype(grid_2d, dtype), _r(grid_2d, dtype), equal_nan=True)
+    assert np.array_equal(round_dtype(grid_2d, dtype), round_by_table(grid_2d, dtype),
+                          equal_nan=True)
     assert np.shape(round_dtype(np.float64(1 + 2.0**-8 + 2.0**-30), dtype)) == ()
 
 
@@ -401,7 +322,7 @@ def test_fast_form_equals_literal_form(case_schedule):
     finite = np.isfinite(lse)
     assert np.array_equal(finite, np.isfinite(res.lse))
     assert_close(res.lse[finite], lse[finite])
-    assert np.array_equal(res.out, _r(res.unrounded, sched.out_dtype), equal_nan=True)
+    assert np.array_equal(res.out, round_by_table(res.unrounded, sched.out_dtype), equal_nan=True)
 
 
 def test_lse_is_the_log_sum_exp_of_the_scaled_logits():

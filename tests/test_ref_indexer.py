@@ -1,10 +1,10 @@
 """The reference indexer (SPEC.md s.5) against a literal per-row form, and its properties.
 
-The literal form below reads like the math: for every request, token, head and visible
-block, the max over visible keys of an exactly rounded dot product (math.fsum of exact
-products), keys fetched one by one through the block table and decoded by the codec; the
-selection is the forced blocks followed by a Python sort. It shares no code with the fast
-block-centric form in reference/indexer.py beyond the codec.
+The literal form (reference.indexer.indexer_literal) reads like the math: for every
+request, token, head and visible block, the max over visible keys of an exactly rounded dot
+product (math.fsum of exact products), keys fetched one by one through the block table and
+decoded by the codec; the selection is the forced blocks followed by a Python sort. It
+shares no code with the fast block-centric form beyond the codec.
 
 Random inputs come from oracle/core/rand.py (raw bits through the project's transforms). Two
 value kinds: "grid" (small integers times powers of two: every float64 sum is exact, so
@@ -12,7 +12,6 @@ both forms give bit-identical scores and ties are frequent) and "normal" (normal
 to the format: generic values).
 """
 
-import math
 
 import numpy as np
 import pytest
@@ -25,73 +24,16 @@ from reference.domain import PAGE_SIZES
 from reference.indexer import (
     decode_keys,
     indexer_decode,
+    indexer_literal,
     indexer_prefill,
     required_blocks,
     select_blocks,
+    select_literal,
     selection_admissible,
     selections_equivalent,
 )
 
 CACHE_FORMATS = ("bfloat16", "float16") + FP8_FORMATS
-
-
-# --------------------------------------------------------------------- the literal form
-
-
-def literal_indexer(q, cache, fmt, block_table, starts, counts, seq_lens, topk,
-                    local_blocks, initial_blocks, magnitudes=True):
-    """Per row, per block, per key loops. Returns (topk [Hi, T, K], scores dict, mags dict)
-    with scores[(h, t)] = list of the visible blocks' scores."""
-    t_total, hi, d = q.shape
-    page = cache.shape[1]
-    out = np.full((hi, t_total, topk), -1, np.int32)
-    scores, mags = {}, {}
-    for r in range(len(seq_lens)):
-        seq_len, count = int(seq_lens[r]), int(counts[r])
-        if count == 0:
-            continue
-        key = [decode(cache[block_table[r][j // page], j % page], fmt).tolist()
-               for j in range(seq_len)]
-        for i in range(count):
-            t = int(starts[r]) + i
-            p = seq_len - count + i
-            num_visible = p // page + 1
-            for h in range(hi):
-                qv = q[t, h].tolist()
-                row_s, row_m = [], []
-                for b in range(num_visible):
-                    best, mag = -math.inf, 0.0
-                    for j in range(b * page, min(b * page + page, p + 1)):
-                        products = [x * y for x, y in zip(qv, key[j], strict=True)]
-                        dot = math.fsum(products)
-                        if math.isnan(dot) or math.isnan(best):
-                            best = math.nan
-                        else:
-                            best = max(best, dot)
-                        if magnitudes:
-                            mag = max(mag, math.fsum(abs(x) for x in products))
-                    row_s.append(best)
-                    row_m.append(mag)
-                scores[(h, t)], mags[(h, t)] = row_s, row_m
-                out[h, t] = literal_select(row_s, topk, local_blocks, initial_blocks)
-    return out, scores, mags
-
-
-def literal_select(row_scores, topk, local_blocks, initial_blocks):
-    """SPEC.md s.5 selection of one row, written out: forced blocks (initial, then local,
-    each ascending, the initial ones winning when they do not all fit), then the others by
-    descending score, NaN last, equal scores to the lower id; then -1."""
-    num_visible = len(row_scores)
-    n = min(topk, num_visible)
-    initial = [b for b in range(num_visible) if b < initial_blocks]
-    local = [b for b in range(num_visible)
-             if b >= num_visible - local_blocks and b not in initial]
-    chosen = (initial + local)[:n]
-    others = [b for b in range(num_visible) if b not in initial and b not in local]
-    others.sort(key=lambda b: (math.isnan(row_scores[b]),
-                               0.0 if math.isnan(row_scores[b]) else -row_scores[b], b))
-    chosen += others[: n - len(chosen)]
-    return chosen + [-1] * (topk - n)
 
 
 # ----------------------------------------------------------------------- random inputs
@@ -173,7 +115,7 @@ def test_prefill_equals_the_literal_loops(c):
     swaps within float64 summation error, which in practice never occur), its scores equal
     the literal max of exact dots (bit-equal on grid data), and so do its magnitudes."""
     res, (q, cache, bt, cu) = run_prefill_case(c)
-    lit, lit_s, lit_m = literal_indexer(q, cache, c["fmt"], bt, cu[:-1], np.diff(cu),
+    lit, lit_s, lit_m = indexer_literal(q, cache, c["fmt"], bt, cu[:-1], np.diff(cu),
                                         c["seq_lens"], c["topk"], c["local"], c["initial"])
     assert res.topk.dtype == np.int32 and res.topk.shape == lit.shape
     if c["kind"] == "grid" or np.array_equal(res.topk, lit):
@@ -206,7 +148,7 @@ def test_model_shape_decode_equals_the_literal_loops():
         got = indexer_decode(q, cache, fmt, bt, np.array(seq_lens), 2, 16)
         starts = np.arange(len(seq_lens)) * 2
         counts = [2 if s else 0 for s in seq_lens]
-        lit, _, _ = literal_indexer(q, cache, fmt, bt, starts, counts, seq_lens, 16, 1, 0,
+        lit, _, _ = indexer_literal(q, cache, fmt, bt, starts, counts, seq_lens, 16, 1, 0,
                                     magnitudes=False)
         np.testing.assert_array_equal(got, lit)
 
@@ -250,7 +192,7 @@ def test_forced_block_precedence_when_they_do_not_fit(nvis, k, local, initial, e
     scores = np.arange(nvis, dtype=np.float64)[None, None]  # later blocks score higher
     got = select_blocks(scores, np.array([nvis]), k, local, initial)
     assert got[0, 0].tolist() == expected
-    assert literal_select(scores[0, 0].tolist(), k, local, initial) == expected
+    assert select_literal(scores[0, 0].tolist(), k, local, initial) == expected
 
 
 def test_tied_blocks_resolve_to_the_lower_id():
