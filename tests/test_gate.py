@@ -3,7 +3,6 @@ it applies (oracle/core/diff.py) and the determinism it relies on."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from oracle.core import diff
+from oracle.core import diff, report
 from oracle.core.checks import run_check
 from oracle.core.report import differential_cases, machine_info
 from oracle.tools import baseline
@@ -174,7 +173,7 @@ def test_the_gate_fails_a_kernel_one_code_worse_and_passes_the_honest_one(tmp_pa
     r = _pytest(tmp_path)
     assert r.returncode == 0 and "No baseline" in r.stdout, r.stdout[-3000:]
     written = baseline.accept(tmp_path / "last.json", "cpu", tmp_path / "base")
-    assert json.loads(written[0].read_text())["cells"] and written[1].exists()
+    assert report.load(written[0])["cells"] and written[0].name == "cpu.json.gz"
 
     r = _pytest(tmp_path, nudge=True)
     assert "1 passed" in r.stdout and r.returncode == 1, r.stdout[-3000:]

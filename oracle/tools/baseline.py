@@ -1,6 +1,6 @@
 """Committed baselines of the differential cells, one per device kind, and the gate.
 
-``reports/baseline/<kind>.json`` (kind: ``cpu``, ``h100``, ``h200``, ...) holds the oracle
+``reports/baseline/<kind>.json.gz`` (kind: ``cpu``, ``h100``, ``h200``, ...) holds the oracle
 report of the differential cells a plain ``pytest`` (CPU) or ``pytest -m gpu`` run checks on
 that kind of device. Every pytest run writes its own report to ``out/last-run-<kind>.json``
 (oracle/tools/pytest_gate.py); the gate compares the cells that run checked with the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from oracle.core import diff, render, report
+from oracle.core import diff, report
 
 ROOT = report.ROOT
 BASELINE_DIR = ROOT / "reports" / "baseline"
@@ -39,7 +39,8 @@ def device_kind(name: str | None = None) -> str:
 
 
 def baseline_path(kind: str, directory: Path = BASELINE_DIR) -> Path:
-    return Path(directory) / f"{kind}.json"
+    """Compressed: a baseline is read by the gate, not by people (``baseline show``)."""
+    return Path(directory) / f"{kind}.json.gz"
 
 
 def last_run_path(kind: str, directory: Path = OUT_DIR) -> Path:
@@ -64,8 +65,8 @@ def gate(run: dict, baseline_file: Path) -> tuple[str, bool]:
 
 def accept(source: Path, kind: str, directory: Path = BASELINE_DIR,
            merge: bool = False) -> list[Path]:
-    """Write the report ``source`` (a run's) as the baseline of ``kind`` with its Markdown
-    beside it; ``merge``: replace only the cells the run checked, keep the others. A report
+    """Write the report ``source`` (a run's) as the baseline of ``kind``; ``merge``: replace
+    only the cells the run checked, keep the others. A report
     without differential cells is refused (it would gate nothing)."""
     doc = report.load(source)
     if not doc["cells"]:
@@ -76,7 +77,4 @@ def accept(source: Path, kind: str, directory: Path = BASELINE_DIR,
         ran = {diff.cell_key(c) for c in doc["cells"]}
         kept = [c for c in report.load(dest)["cells"] if diff.cell_key(c) not in ran]
         doc = {**doc, "cells": sorted(kept + doc["cells"], key=diff.cell_key)}
-    path = report.write_json(doc, dest)
-    md = path.with_suffix(".md")
-    md.write_text(render.markdown(doc))
-    return [path, md]
+    return [report.write_json(doc, dest)]
