@@ -389,6 +389,7 @@ def insert_adapter(launch):
 
         w = {kind: _values(x[f"weights_{kind}"], act, dev)
              for kind in ("q", "k", "index_q", "index_k")}
+        islots = x.get("index_slot_mapping")
         out = launch(
             rows, _ints(x["positions"], dev), _values(x["rope_table"], act, dev), w["q"],
             w["k"], num_q_heads=x["num_q_heads"], num_kv_heads=x["num_kv_heads"], head_dim=d,
@@ -397,6 +398,7 @@ def insert_adapter(launch):
             has_index_k=x["has_index_k"], w_index_q=w["index_q"], w_index_k=w["index_k"],
             k_scale=scale_in(x["k_scale"], dev), v_scale=scale_in(x["v_scale"], dev),
             index_cache=ic, index_fmt=index_fmt if ic is not None else None, q_out=q_out,
+            index_slot_mapping=None if islots is None else _ints(islots, dev),
             validate=validate)
         res = {key: codes_of(t) for key, t in out.items()}
         res["kv_cache"] = codes_of(kv)

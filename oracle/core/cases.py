@@ -331,17 +331,45 @@ def _insert_inputs(case: Case, bg, sg, fused: bool) -> dict:
     w_std = 4.0 if near else 0.3
     weights = {kind: to_model(w_std * rand.normal(bg, (d,)), case.model_dtype)
                for kind in ("q", "k", "index_q", "index_k")}
-    index_cache = None
+    index_cache, index_slots = None, None
     if not dense:
-        index_cache = empty_index_cache(num_pages, page, d, case.index_fmt,
-                                        fill_code=poison_code(case.index_fmt))
+        index_cache, index_slots = _index_target(case, bg, sg, n, num_slots, page, d)
     out.update(rows=rows, positions=positions, num_q_heads=g * hkv, num_kv_heads=hkv,
                head_dim=d, num_index_heads=hi, has_index_k=not dense, rotary_dim=rotary,
                eps=MODEL.eps, weights_q=weights["q"], weights_k=weights["k"],
                weights_index_q=weights["index_q"], weights_index_k=weights["index_k"],
                rope_table=rope_table(max_pos, rotary, MODEL.rope_base, case.model_dtype),
-               index_cache=index_cache, index_fmt=case.index_fmt if not dense else None)
+               index_cache=index_cache, index_fmt=case.index_fmt if not dense else None,
+               index_slot_mapping=index_slots)
     return out
+
+
+#: Page sizes an index cache of its own takes (the main cache's P among them, or not).
+INDEX_PAGE_SIZES = (16, 32, 64)
+
+
+def _index_target(case: Case, bg, sg, n: int, num_slots: int, page: int, d: int):
+    """(index cache, index_slot_mapping) of a fused insert, drawn after everything else so
+    that the other inputs do not depend on it. A third of the cases share the main slots
+    (``index_slot_mapping`` None, the default) in an index cache of at least as many slots,
+    whose page size may differ from the main cache's, so a slot's page and offset differ
+    between the caches; the others give the index cache its own page size, page count and
+    a slot mapping of its own (a random permutation of its slots, negative on about 10% of
+    the tokens independently of ``slot_mapping``), so index_k written at the main slots,
+    or a token skipped on the other mapping's -1, shows. Model shapes keep the main P."""
+    own = pick(sg, (False, True, True))
+    ic_page = page if case.shape_class == "model" else pick(sg, INDEX_PAGE_SIZES)
+    if own:
+        ic_pages = -(-n // ic_page) + _between(sg, 1, 3)
+    else:
+        ic_pages = -(-num_slots // ic_page)
+    cache = empty_index_cache(ic_pages, ic_page, d, case.index_fmt,
+                              fill_code=poison_code(case.index_fmt))
+    if not own:
+        return cache, None
+    islots = rand.permutation(bg, ic_pages * ic_page)[:n].astype(np.int64)
+    islots[rand.uniform(bg, (n,)) < 0.1] = -1
+    return cache, islots
 
 
 def _long_contexts(bg, decode: bool, heads: int) -> np.ndarray:
