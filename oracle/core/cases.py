@@ -312,7 +312,7 @@ def _insert_inputs(case: Case, bg, sg, fused: bool) -> dict:
         out.update(k=k, v=v)
         return out
     dense = case.shape_class != "model" and rand.uniform(sg, ())[()] < 0.2
-    hi = 0 if dense else hkv
+    hi = 0 if dense else _index_heads(sg, case.shape_class, hkv)
     layout = QKVLayout(g * hkv, hkv, d, num_index_heads=hi, has_index_k=not dense)
     rotary = MODEL.rotary_dim if case.shape_class == "model" else 2 * _between(
         sg, 1, min(d, 128) // 2 if case.shape_class == "sweep" else d // 2)
@@ -334,14 +334,46 @@ def _insert_inputs(case: Case, bg, sg, fused: bool) -> dict:
     index_cache, index_slots = None, None
     if not dense:
         index_cache, index_slots = _index_target(case, bg, sg, n, num_slots, page, d)
+    # Drawn last, like the index target: Gemma's 1e-6 mostly, and values a kernel that
+    # hard-codes it (or drops it) gets visibly wrong.
+    eps = MODEL.eps if case.shape_class == "model" else pick(bg, EPS_CHOICES)
     out.update(rows=rows, positions=positions, num_q_heads=g * hkv, num_kv_heads=hkv,
                head_dim=d, num_index_heads=hi, has_index_k=not dense, rotary_dim=rotary,
-               eps=MODEL.eps, weights_q=weights["q"], weights_k=weights["k"],
+               eps=eps, weights_q=weights["q"], weights_k=weights["k"],
                weights_index_q=weights["index_q"], weights_index_k=weights["index_k"],
                rope_table=rope_table(max_pos, rotary, MODEL.rope_base, case.model_dtype),
                index_cache=index_cache, index_fmt=case.index_fmt if not dense else None,
                index_slot_mapping=index_slots)
     return out
+
+
+def _index_pad(sg, shape_class: str) -> int:
+    """Codes of padding after each index-cache row (0: contiguous), as ``_layout`` pads
+    the KV cache's."""
+    return 0 if shape_class == "model" else pick(sg, (0, 0, 8))
+
+
+def with_row_padding(cache: np.ndarray, pad: int, fmt: str) -> np.ndarray:
+    """``cache`` ([..., D] codes of ``fmt``) as a view of a buffer with ``pad`` poison codes
+    after each row: the same contents through non-contiguous strides."""
+    if not pad:
+        return cache
+    phys = np.full(cache.shape[:-1] + (cache.shape[-1] + pad,), poison_code(fmt), cache.dtype)
+    phys[..., :cache.shape[-1]] = cache
+    return phys[..., :cache.shape[-1]]
+
+
+#: The RMSNorm epsilons a fused insert case draws (the model's, none, and one as large as
+#: the rows' mean square, not a power of two).
+EPS_CHOICES = (MODEL.eps, MODEL.eps, 0.0, 0.3)
+
+
+def _index_heads(sg, shape_class: str, hkv: int) -> int:
+    """Index query heads of a fused insert with index_k: the model's, else mostly Hkv (as
+    the model), sometimes none (index_k alone) or another count."""
+    if shape_class == "model":
+        return MODEL.num_index_heads
+    return pick(sg, (hkv, hkv, 0, 1, 3))
 
 
 #: Page sizes an index cache of its own takes (the main cache's P among them, or not).
@@ -365,6 +397,7 @@ def _index_target(case: Case, bg, sg, n: int, num_slots: int, page: int, d: int)
         ic_pages = -(-num_slots // ic_page)
     cache = empty_index_cache(ic_pages, ic_page, d, case.index_fmt,
                               fill_code=poison_code(case.index_fmt))
+    cache = with_row_padding(cache, _index_pad(sg, case.shape_class), case.index_fmt)
     if not own:
         return cache, None
     islots = rand.permutation(bg, ic_pages * ic_page)[:n].astype(np.int64)
@@ -461,6 +494,7 @@ def _index_inputs(case: Case, bg, sg, decode: bool) -> dict:
     topk = _draw_topk(sg, case.shape_class, seq, page)
     local = MODEL.local_blocks if case.shape_class == "model" else _between(bg, 0, 2)
     initial = MODEL.initial_blocks if case.shape_class == "model" else _between(bg, 0, 2)
+    cache = with_row_padding(cache, _index_pad(sg, case.shape_class), fmt)  # drawn last
     out = dict(index_q=q, index_cache=cache, index_fmt=fmt, block_table=table, seq_lens=seq,
                topk=topk, local_blocks=local, initial_blocks=initial,
                model_dtype=case.model_dtype)
