@@ -27,6 +27,7 @@ from kernels._host import (
     check_last_dim_contiguous,
     check_tensor,
     fail,
+    ints_in,
     scale_arg,
     scale_in,
     strided_codes_in,
@@ -467,9 +468,9 @@ def adapter_tensors(x: dict):
     """A case's inputs (impl_torch's conventions) as the attention kernels take them, the
     way servers hold them: q with padded head strides, the cache in its format's storage
     (through strides), topk as the transposed view of a token-major ``[T, Hkv, K]`` int32
-    buffer, the block table as int32, the scales, and a zeroed output seen token-major
-    through a head-major buffer. Returns ``(q, kv, topk, block_table, k_scale, v_scale,
-    out, dev)``."""
+    buffer, the block table in its own dtype (int32 or int64), the scales, and a zeroed
+    output seen token-major through a head-major buffer. Returns ``(q, kv, topk,
+    block_table, k_scale, v_scale, out, dev)``."""
     from oracle.impls.torch_peer import HALF_DTYPES, _values, device
 
     dev = device()
@@ -481,7 +482,7 @@ def adapter_tensors(x: dict):
     kv = strided_codes_in(x["kv_cache"], dev, HALF_FORMATS.get(x["kv_fmt"]))
     tk_np = np.asarray(x["topk"])
     topk = torch.from_numpy(np.ascontiguousarray(tk_np.transpose(1, 0, 2), np.int32)).to(dev)
-    bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
+    bt = ints_in(x["block_table"], dev)
     out = torch.zeros((hq, t, d), dtype=act, device=dev).transpose(0, 1)
     return (q, kv, topk.permute(1, 0, 2), bt, scale_in(x["k_scale"], dev),
             scale_in(x["v_scale"], dev), out, dev)

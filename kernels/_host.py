@@ -153,6 +153,15 @@ def strided_codes_in(codes: np.ndarray, dev, torch_dtype=None) -> torch.Tensor:
     return t if torch_dtype is None else t.view(torch_dtype)
 
 
+def ints_in(a, dev) -> torch.Tensor:
+    """An oracle input's index array (slots, positions, block table, lengths) on the device
+    in its own dtype, int32 or int64 (any other integer type as int64): the cases draw both,
+    as servers pass both."""
+    a = np.asarray(a)
+    dtype = a.dtype if a.dtype in (np.int32, np.int64) else np.int64
+    return torch.from_numpy(np.ascontiguousarray(a, dtype)).to(dev)
+
+
 def scale_in(s, dev):
     """An oracle input's scale (None, a float32 scalar or array) as a float32 tensor."""
     if s is None:
@@ -366,7 +375,7 @@ def insert_adapter(launch):
     place otherwise, so the differential cases exercise both."""
 
     def run(inputs: dict, validate: bool = True) -> dict:
-        from oracle.impls.torch_peer import HALF_DTYPES, _ints, _values, device
+        from oracle.impls.torch_peer import HALF_DTYPES, _values, device
 
         x = inputs
         dev = device()
@@ -391,14 +400,14 @@ def insert_adapter(launch):
              for kind in ("q", "k", "index_q", "index_k")}
         islots = x.get("index_slot_mapping")
         out = launch(
-            rows, _ints(x["positions"], dev), _values(x["rope_table"], act, dev), w["q"],
+            rows, ints_in(x["positions"], dev), _values(x["rope_table"], act, dev), w["q"],
             w["k"], num_q_heads=x["num_q_heads"], num_kv_heads=x["num_kv_heads"], head_dim=d,
             rotary_dim=x["rotary_dim"], eps=x["eps"], kv_cache=kv, kv_fmt=kv_fmt,
-            slot_mapping=_ints(x["slot_mapping"], dev), num_index_heads=x["num_index_heads"],
+            slot_mapping=ints_in(x["slot_mapping"], dev), num_index_heads=x["num_index_heads"],
             has_index_k=x["has_index_k"], w_index_q=w["index_q"], w_index_k=w["index_k"],
             k_scale=scale_in(x["k_scale"], dev), v_scale=scale_in(x["v_scale"], dev),
             index_cache=ic, index_fmt=index_fmt if ic is not None else None, q_out=q_out,
-            index_slot_mapping=None if islots is None else _ints(islots, dev),
+            index_slot_mapping=None if islots is None else ints_in(islots, dev),
             validate=validate)
         res = {key: codes_of(t) for key, t in out.items()}
         res["kv_cache"] = codes_of(kv)

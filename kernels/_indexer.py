@@ -785,7 +785,7 @@ def adapter(launch, decode: bool):
     odd and head-major otherwise, so the differential cases exercise both."""
 
     def run(inputs: dict, validate: bool = True) -> dict:
-        from kernels._host import strided_codes_in
+        from kernels._host import ints_in, strided_codes_in
         from oracle.impls.torch_peer import device
 
         x = inputs
@@ -793,8 +793,7 @@ def adapter(launch, decode: bool):
         fmt = x["index_fmt"]
         q = index_q_in(np.asarray(x["index_q"], np.float64), fmt, dev)
         ic = strided_codes_in(x["index_cache"], dev, HALF_FORMATS.get(fmt))
-        bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
-        seq = torch.from_numpy(np.ascontiguousarray(x["seq_lens"], np.int32)).to(dev)
+        bt, seq = ints_in(x["block_table"], dev), ints_in(x["seq_lens"], dev)
         t, hi, _ = q.shape
         k = int(x["topk"])
         out = out_buffer(hi, t, k, dev, token_major=t % 2 == 1)
@@ -804,7 +803,7 @@ def adapter(launch, decode: bool):
             launch(q, ic, fmt, bt, seq, int(x["rows_per_request"]), **common)
         else:
             cu_np = np.asarray(x["cu_seqlens_q"], np.int64)
-            cu = torch.from_numpy(cu_np.astype(np.int32)).to(dev)
+            cu = ints_in(x["cu_seqlens_q"], dev)
             launch(q, ic, fmt, bt, cu, seq, max_query_len=int(np.diff(cu_np).max(initial=0)),
                    **common)
         return {"topk": out.cpu().numpy().astype(np.int32)}

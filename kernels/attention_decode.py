@@ -157,6 +157,7 @@ from kernels._host import (
     check_workspace,
     codes_of,
     fail,
+    ints_in,
     take_counters,
     take_scratch,
 )
@@ -894,12 +895,10 @@ def run(inputs: dict, validate: bool = True, blocks_per_split: int | None = None
     """Oracle adapter (op ``attention_decode``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
-    keep it), the block table as int32 and the output through a padded strided view;
+    keep it), the index arrays in their own dtypes and the output through a padded strided view;
     ``workspace`` as ``sparse_attention_decode``'s."""
-    from oracle.impls.torch_peer import _ints
-
     q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
-    sparse_attention_decode(q, kv, inputs["kv_fmt"], bt, _ints(inputs["seq_lens"], dev), topk,
+    sparse_attention_decode(q, kv, inputs["kv_fmt"], bt, ints_in(inputs["seq_lens"], dev), topk,
                             int(inputs["rows_per_request"]), ks, vs, out=out,
                             blocks_per_split=blocks_per_split, validate=validate,
                             block_keys=block_keys, key_streams=key_streams,

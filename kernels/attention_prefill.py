@@ -166,6 +166,7 @@ from kernels._host import (
     check_int,
     codes_of,
     fail,
+    ints_in,
 )
 from kernels._triton import (
     await_previous_kernel,
@@ -1004,15 +1005,13 @@ def run(inputs: dict, validate: bool = True, **knobs) -> dict:
     """Oracle adapter (op ``attention_prefill``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. q reaches the kernel with padded head
     strides, topk as the transposed view of a token-major ``[T, Hkv, K]`` buffer (as servers
-    keep it), the block table and cu_seqlens_q as int32, seq_lens as int64, and the output
+    keep it), the index arrays in their own dtypes, and the output
     through a head-major buffer seen token-major. knobs: the launcher's tuning keywords
     (block_rows, delegate_ratio, ...)."""
-    from oracle.impls.torch_peer import _ints
-
     q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
-    cu = torch.from_numpy(np.ascontiguousarray(inputs["cu_seqlens_q"], np.int32)).to(dev)
+    cu = ints_in(inputs["cu_seqlens_q"], dev)
     rows = torch.zeros(q.shape[:2], dtype=torch.int32, device=dev)
-    sparse_attention_prefill(q, kv, inputs["kv_fmt"], bt, cu, _ints(inputs["seq_lens"], dev),
+    sparse_attention_prefill(q, kv, inputs["kv_fmt"], bt, cu, ints_in(inputs["seq_lens"], dev),
                              topk, ks, vs, out=out, validate=validate, schedule_rows=rows,
                              **knobs)
     return {"out": codes_of(out), "schedule_rows": rows.cpu().numpy()}

@@ -40,6 +40,7 @@ from kernels._host import (
     check_tensor,
     codes_of,
     fail,
+    ints_in,
     scale_arg,
     scale_in,
     strided_codes_in,
@@ -206,7 +207,7 @@ def run(inputs: dict, validate: bool = True) -> dict:
     """Oracle adapter (op ``reshape_and_cache``): impl_torch's input/output conventions;
     returns numpy codes; never modifies its inputs. K has padded head strides; V is
     head-major when N is odd, padded otherwise, so the differential cases exercise both."""
-    from oracle.impls.torch_peer import HALF_DTYPES, _ints, device
+    from oracle.impls.torch_peer import HALF_DTYPES, device
 
     x = inputs
     dev = device()
@@ -215,7 +216,7 @@ def run(inputs: dict, validate: bool = True) -> dict:
     v = _strided_heads(np.asarray(x["v"]), act, dev, transposed=k.shape[0] % 2 == 1)
     kv_fmt = x["kv_fmt"]
     kv = strided_codes_in(x["kv_cache"], dev, HALF_DTYPES.get(kv_fmt))
-    reshape_and_cache(k, v, kv, kv_fmt, _ints(x["slot_mapping"], dev),
+    reshape_and_cache(k, v, kv, kv_fmt, ints_in(x["slot_mapping"], dev),
                       scale_in(x["k_scale"], dev), scale_in(x["v_scale"], dev),
                       validate=validate)
     return {"kv_cache": codes_of(kv)}

@@ -128,3 +128,23 @@ def test_index_mutant_fails_the_differential_check(name):
         res = run_check(case, mutant, x)
         assert not res.passed, f"{name} passed {case.id}"
         assert any("index_cache" in f for f in res.failures), res.summary()
+
+
+def test_generated_index_arrays_come_in_both_integer_widths():
+    """Across the differential test's CPU cases, every index array of every op (slots,
+    positions, block tables, lengths) arrives as int32 in some cases and int64 in others,
+    and the adapters hand it on in its own dtype."""
+    from kernels._host import ints_in
+    from oracle.core.cases import INDEX_ARRAYS, OPS
+
+    for op in OPS:
+        keys = INDEX_ARRAYS.get(op, ("block_table", "seq_lens"))
+        seen = {key: set() for key in keys}
+        for case in differential_cases(op, gpu=False)[:16]:
+            x = make_inputs(case)
+            for key in keys:
+                if x.get(key) is not None:
+                    seen[key].add(np.asarray(x[key]).dtype)
+                    assert str(ints_in(x[key], "cpu").dtype) == f"torch.{x[key].dtype}"
+        assert all(dtypes == {np.dtype(np.int32), np.dtype(np.int64)}
+                   for dtypes in seen.values()), (op, seen)

@@ -654,6 +654,24 @@ def config_formats(op: str, shape_class: str, config: int) -> dict:
         return fields
 
 
+#: The index arrays of each op, each drawn int32 or int64 (the kernels take both).
+INDEX_ARRAYS = {
+    "norm_rope_insert": ("positions", "slot_mapping", "index_slot_mapping"),
+    "reshape_and_cache": ("slot_mapping",),
+}
+_TABLE_ARRAYS = ("block_table", "seq_lens", "cu_seqlens_q")
+
+
+def _with_index_dtypes(bg, op: str, out: dict) -> dict:
+    """``out`` with each index array (slots, positions, block tables, lengths) in int32 or
+    int64, drawn per array and last, so that the other inputs do not depend on it."""
+    for key in INDEX_ARRAYS.get(op, _TABLE_ARRAYS):
+        dtype = pick(bg, (np.int64, np.int32))
+        if out.get(key) is not None:
+            out[key] = np.asarray(out[key]).astype(dtype)
+    return out
+
+
 def make_inputs(case: Case) -> dict:
     """The input set of a case (numpy arrays and scalars), a pure function of the case."""
     bg = rand.generator(rand.seed_of(case.id))
@@ -666,4 +684,4 @@ def make_inputs(case: Case) -> dict:
         "attention_prefill": lambda: _attention_inputs(case, bg, sg, decode=False),
         "attention_decode": lambda: _attention_inputs(case, bg, sg, decode=True),
     }
-    return makers[case.op]()
+    return _with_index_dtypes(bg, case.op, makers[case.op]())

@@ -65,7 +65,7 @@ def moved(x: dict, caches, extra: int, tables=(), slots=(), scales=()) -> dict:
             continue
         # An absent index_slot_mapping defaults to slot_mapping: shifted by the pages of
         # the cache it addresses, whose page size may differ, so it is given explicitly.
-        s = np.array(x[key] if x.get(key) is not None else x["slot_mapping"], copy=True)
+        s = np.array(x[key] if x.get(key) is not None else x["slot_mapping"], np.int64)
         s[s >= 0] += extra * x[cache].shape[-2]
         y[key] = s
     for key in scales:
