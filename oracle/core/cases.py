@@ -40,8 +40,8 @@ poisoned with NaN codes and max codes, so a leak is catastrophic, not a 2e-4 wob
 Beyond shapes and values, the cases vary every argument of each op's contract (the audit is
 docs/coverage.md): the fused insert's index cache has its own page size and, in two cases of
 three, its own ``index_slot_mapping``; its index query heads, RMSNorm epsilon and the
-strides of every cache vary; each index array comes as int32 or int64. Those draws come
-after the others, so they leave the rest of a case's inputs as they were.
+strides of every cache vary; each index array comes as int32 or int64. The index target,
+epsilon, index-cache padding and integer widths are drawn after the other inputs.
 """
 
 from __future__ import annotations
