@@ -21,6 +21,7 @@ from oracle.core.cases import Case, make_inputs
 from oracle.core.checks import run_check
 from oracle.core.registry import implementations
 from oracle.core.report import differential_cases
+from reference.codec import decode
 
 INSERT = "norm_rope_insert"
 
@@ -148,3 +149,36 @@ def test_generated_index_arrays_come_in_both_integer_widths():
                     assert str(ints_in(x[key], "cpu").dtype) == f"torch.{x[key].dtype}"
         assert all(dtypes == {np.dtype(np.int32), np.dtype(np.int64)}
                    for dtypes in seen.values()), (op, seen)
+
+
+def _nan_keys_dropped(op):
+    """The reference indexer with its NaN keys read as zeros (an fmax-style block maximum
+    that drops NaN), so a NaN-scored block ranks by its other keys instead of last."""
+    (ref,) = implementations(op, ["reference"])
+    run = reference_run.indexer_decode if op == "indexer_decode" else reference_run.indexer_prefill
+
+    def mutant(x: dict) -> dict:
+        cache = np.array(x["index_cache"], copy=True)
+        cache[np.isnan(decode(cache, x["index_fmt"]))] = 0
+        return {"topk": run(dict(x, index_cache=cache)).astype(np.int32)}
+
+    return ref, dataclasses.replace(ref, name="reference-nan_keys_dropped", run=mutant)
+
+
+@pytest.mark.parametrize("op", ["indexer_prefill", "indexer_decode"])
+def test_nan_score_mutant_fails_the_differential_check(op):
+    """The generated outliers cases put NaN codes among the visible index keys: the
+    reference passes them, and an indexer that drops NaN keys from a block's maximum fails
+    at least one of them."""
+    ref, mutant = _nan_keys_dropped(op)
+    cases = [c for c in differential_cases(op, gpu=False)
+             if c.dist == "outliers" and c.shape_class == "tiny"]
+    failed = 0
+    for case in cases:
+        x = make_inputs(case)
+        assert np.isnan(decode(np.asarray(x["index_cache"]), x["index_fmt"])).any(), case.id
+        assert run_check(case, ref, x).passed, case.id
+        res = run_check(case, mutant, x)
+        assert res.passed or res.failures[0].startswith("topk:"), res.summary()
+        failed += not res.passed
+    assert failed, f"no generated {op} case separates NaN-dropping maxima from the contract"

@@ -25,7 +25,8 @@ one KV head reach 128k tokens).
 Distributions (values before rounding to their storage dtype):
   normal         N(0, 1); attention queries 2.5 N(0, 1) (NOTES.md's accuracy setup)
   outliers       N(0, 1) plus N(0, 10^2) on 0.1% of entries (FlashAttention-3's fp8 setup);
-                 insert ops: V also holds -0, +-Inf and NaN on 1% of entries (SPEC.md s.4)
+                 insert ops: V also holds -0, +-Inf and NaN on 1% of entries (SPEC.md s.4);
+                 indexer ops: a few visible index keys hold a NaN code (NaN scores)
   near_overflow  V around the fp8 format's max on both sides; K and index keys pushed there
                  by small k scales and large norm weights (the indexer ops: keys and
                  index_q at the index format's max); attention queries N(0, 48^2), so
@@ -501,6 +502,8 @@ def _index_inputs(case: Case, bg, sg, decode: bool) -> dict:
     local = MODEL.local_blocks if case.shape_class == "model" else _between(bg, 0, 2)
     initial = MODEL.initial_blocks if case.shape_class == "model" else _between(bg, 0, 2)
     cache = with_row_padding(cache, _index_pad(sg, case.shape_class), fmt)  # drawn last
+    if case.dist == "outliers":
+        _with_nan_keys(bg, cache, table, seq, page, fmt)
     out = dict(index_q=q, index_cache=cache, index_fmt=fmt, block_table=table, seq_lens=seq,
                topk=topk, local_blocks=local, initial_blocks=initial,
                model_dtype=case.model_dtype)
@@ -509,6 +512,18 @@ def _index_inputs(case: Case, bg, sg, decode: bool) -> dict:
     else:
         out["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
     return out
+
+
+def _with_nan_keys(bg, cache, table, seq, page, fmt):
+    """A NaN code in one element of 1 + seq_len // 128 random visible keys of each request
+    (in place): their blocks score NaN, which ranks below every number (SPEC.md s.5)."""
+    for r, s in enumerate(seq):
+        if s <= 0:
+            continue
+        count = 1 + int(s) // 128
+        pos = rand.integers(bg, 0, int(s), (count,))
+        dims = rand.integers(bg, 0, cache.shape[-1], (count,))
+        cache[table[r, pos // page], pos % page, dims] = poison_code(fmt)
 
 
 def _with_ties(bg, keys, table, seq, page):
