@@ -210,7 +210,8 @@ def indexer_failures(case: Case, out: dict) -> list[str]:
     res = indexer_result(case)
     d = inputs(case)["index_q"].shape[2]
     bound = (gamma(d) + F64_REL) * res.magnitudes * (1 + 1e-6)
-    ok, det = res.admits(out["topk"], bound)
+    # A block with a NaN key scores NaN: it ranks by rule (last, lower id first).
+    ok, det = res.admits(out["topk"], np.nan_to_num(bound, nan=0.0))
     return [] if ok else [f"topk: {det['rows_failed']} of {det['rows']} rows not admissible "
                           f"({det['failures'][:2]}), needed bound {det['needed_bound']:.3g}"]
 
