@@ -14,7 +14,10 @@ indices, head ownership) is simulated on the CPU (csrc/nri_lanes_host.cpp, g++)
 exhaustively over every even R <= D, and the kernels of variants 1-4 themselves run on the
 CPU against csrc/cuda_sim.h (warps, and for variant 3 whole blocks with their barriers and
 shared memory, as coroutines; cp.async copies complete at once, so the simulation cannot
-judge the copies' asynchrony, the occupancy query or timing: the gpu tests do).
+judge the copies' asynchrony, the occupancy query or timing: the gpu tests do). The
+default variant also runs, on the CPU, the differential test's own ``tiny`` cases (every
+platform, format, distribution and scale kind the ``cuda`` implementation claims), fed
+through its adapter and judged by the oracle's checks.
 """
 
 from __future__ import annotations
@@ -953,6 +956,78 @@ def test_stream_kernel_on_the_cpu_needs_aligned_rows_table_and_slots(stream_sim)
     assert c16 == c4 == 0
     for key in out16:
         assert _same_bits(out16[key], out4[key]), key
+
+
+# ------------------------------- the oracle's own cases on the CPU build (default variant)
+
+
+def _oracle_cases_on_the_cpu():
+    """The differential test's ``tiny`` cases of the fused insert (every platform, storage
+    format, distribution and scale kind it draws; tiny: what the g++ build runs in
+    seconds), as the ``cuda`` implementation claims them (every platform, format and model
+    dtype)."""
+    from oracle.core.registry import Implementation
+    from oracle.core.report import differential_cases
+
+    claims = Implementation("cuda", "norm_rope_insert", run=None, devices=("cuda",),
+                            shape_classes=("tiny",))
+    return [c.id for c in differential_cases("norm_rope_insert", gpu=True)
+            if c.shape_class == "tiny" and claims.supports(c)[0]]
+
+
+@needs_cpu_tensors
+@pytest.mark.parametrize("case_id", _oracle_cases_on_the_cpu())
+def test_cuda_kernel_on_the_cpu_passes_the_oracles_cases(sim, case_id):
+    """The CUDA kernel's default variant (its source on the CPU: g++ against
+    csrc/cuda_sim.h), fed a generated case's inputs through the CUDA implementation's own
+    adapter and host checks (``insert_adapter`` over ``launch_params``), is admitted by the
+    oracle's check of the op: the same cases, distributions (tiny and near_overflow
+    included), formats (e5m2 and the fnuz formats included), scale kinds and index slot
+    mappings as the generic differential test, judged by ``oracle.core.checks``."""
+    from oracle.core.cases import Case, make_inputs
+    from oracle.core.checks import run_check
+
+    case = Case.from_id(case_id)
+    res = run_check(case, _sim_impl(sim, cnri.DEFAULT_VARIANT), make_inputs(case))
+    assert res.passed, res.summary()
+
+
+@needs_cpu_tensors
+def test_cuda_kernel_on_the_cpu_fails_a_case_when_index_slots_are_dropped(sim):
+    """The CPU runner reaches the kernel's index_slot_mapping: run with it dropped (index_k
+    then lands at the main slots), the kernel fails the first generated case whose index
+    slots differ from its main slots, on the index cache."""
+    import dataclasses
+
+    from oracle.core.cases import Case, make_inputs
+    from oracle.core.checks import run_check
+
+    impl = _sim_impl(sim, cnri.DEFAULT_VARIANT)
+    dropped = dataclasses.replace(impl, run=lambda x: impl.run(dict(x, index_slot_mapping=None)))
+    for case_id in _oracle_cases_on_the_cpu():
+        case = Case.from_id(case_id)
+        x = make_inputs(case)
+        s = x.get("index_slot_mapping")
+        if s is not None and np.any(s[s >= 0] != x["slot_mapping"][s >= 0]):
+            res = run_check(case, dropped, x)
+            assert not res.passed and any("index_cache" in f for f in res.failures), \
+                res.summary()
+            return
+    pytest.fail("no generated case has index slots apart from its main slots")
+
+
+def test_oracle_cases_on_the_cpu_cover_every_distribution_and_format():
+    """The CPU build's oracle cases span every distribution of the insert cases, every
+    storage format of every platform, and each scale kind."""
+    from oracle.core.cases import Case
+    from oracle.core.report import DEFAULT_DISTS
+    from reference.platforms import KV_CACHE_DTYPES, PLATFORMS, kv_cache_format
+
+    cases = [Case.from_id(c) for c in _oracle_cases_on_the_cpu()]
+    assert {c.dist for c in cases} == set(DEFAULT_DISTS)
+    assert {c.kv_fmt for c in cases} == {kv_cache_format(kv, p) for p in PLATFORMS
+                                        for kv in KV_CACHE_DTYPES}
+    assert {c.scales for c in cases} == {"none", "tensor", "slot"}
 
 
 # --------------------------------------------------------------------- the launcher

@@ -25,7 +25,8 @@ one KV head reach 128k tokens).
 Distributions (values before rounding to their storage dtype):
   normal         N(0, 1); attention queries 2.5 N(0, 1) (NOTES.md's accuracy setup)
   outliers       N(0, 1) plus N(0, 10^2) on 0.1% of entries (FlashAttention-3's fp8 setup);
-                 insert ops: V also holds -0, +-Inf and NaN on 1% of entries (SPEC.md s.4)
+                 insert ops: V also holds -0, +-Inf and NaN on 1% of entries (SPEC.md s.4);
+                 indexer ops: a few visible index keys hold a NaN code (NaN scores)
   near_overflow  V around the fp8 format's max on both sides; K and index keys pushed there
                  by small k scales and large norm weights (the indexer ops: keys and
                  index_q at the index format's max); attention queries N(0, 48^2), so
@@ -36,6 +37,12 @@ Attention selections: a quarter of the rows keep only part of their blocks, -1 e
                  or copies plus a one-ulp change (near ties)
 Content a query must not see (other pages, keys past seq_len, unselected blocks) is
 poisoned with NaN codes and max codes, so a leak is catastrophic, not a 2e-4 wobble.
+
+Beyond shapes and values, the cases vary every argument of each op's contract (the audit is
+docs/coverage.md): the fused insert's index cache has its own page size and, in two cases of
+three, its own ``index_slot_mapping``; its index query heads, RMSNorm epsilon and the
+strides of every cache vary; each index array comes as int32 or int64. The index target,
+epsilon, index-cache padding and integer widths are drawn after the other inputs.
 """
 
 from __future__ import annotations
@@ -312,7 +319,7 @@ def _insert_inputs(case: Case, bg, sg, fused: bool) -> dict:
         out.update(k=k, v=v)
         return out
     dense = case.shape_class != "model" and rand.uniform(sg, ())[()] < 0.2
-    hi = 0 if dense else hkv
+    hi = 0 if dense else _index_heads(sg, case.shape_class, hkv)
     layout = QKVLayout(g * hkv, hkv, d, num_index_heads=hi, has_index_k=not dense)
     rotary = MODEL.rotary_dim if case.shape_class == "model" else 2 * _between(
         sg, 1, min(d, 128) // 2 if case.shape_class == "sweep" else d // 2)
@@ -331,17 +338,78 @@ def _insert_inputs(case: Case, bg, sg, fused: bool) -> dict:
     w_std = 4.0 if near else 0.3
     weights = {kind: to_model(w_std * rand.normal(bg, (d,)), case.model_dtype)
                for kind in ("q", "k", "index_q", "index_k")}
-    index_cache = None
+    index_cache, index_slots = None, None
     if not dense:
-        index_cache = empty_index_cache(num_pages, page, d, case.index_fmt,
-                                        fill_code=poison_code(case.index_fmt))
+        index_cache, index_slots = _index_target(case, bg, sg, n, num_slots, page, d)
+    # Drawn last, like the index target: Gemma's 1e-6 mostly, and values a kernel that
+    # hard-codes it (or drops it) gets visibly wrong.
+    eps = MODEL.eps if case.shape_class == "model" else pick(bg, EPS_CHOICES)
     out.update(rows=rows, positions=positions, num_q_heads=g * hkv, num_kv_heads=hkv,
                head_dim=d, num_index_heads=hi, has_index_k=not dense, rotary_dim=rotary,
-               eps=MODEL.eps, weights_q=weights["q"], weights_k=weights["k"],
+               eps=eps, weights_q=weights["q"], weights_k=weights["k"],
                weights_index_q=weights["index_q"], weights_index_k=weights["index_k"],
                rope_table=rope_table(max_pos, rotary, MODEL.rope_base, case.model_dtype),
-               index_cache=index_cache, index_fmt=case.index_fmt if not dense else None)
+               index_cache=index_cache, index_fmt=case.index_fmt if not dense else None,
+               index_slot_mapping=index_slots)
     return out
+
+
+def _index_pad(sg, shape_class: str) -> int:
+    """Codes of padding after each index-cache row (0: contiguous), as ``_layout`` pads
+    the KV cache's."""
+    return 0 if shape_class == "model" else pick(sg, (0, 0, 8))
+
+
+def with_row_padding(cache: np.ndarray, pad: int, fmt: str) -> np.ndarray:
+    """``cache`` ([..., D] codes of ``fmt``) as a view of a buffer with ``pad`` poison codes
+    after each row: the same contents through non-contiguous strides."""
+    if not pad:
+        return cache
+    phys = np.full(cache.shape[:-1] + (cache.shape[-1] + pad,), poison_code(fmt), cache.dtype)
+    phys[..., :cache.shape[-1]] = cache
+    return phys[..., :cache.shape[-1]]
+
+
+#: The RMSNorm epsilons a fused insert case draws (the model's, none, and one as large as
+#: the rows' mean square, not a power of two).
+EPS_CHOICES = (MODEL.eps, MODEL.eps, 0.0, 0.3)
+
+
+def _index_heads(sg, shape_class: str, hkv: int) -> int:
+    """Index query heads of a fused insert with index_k: the model's, else mostly Hkv (as
+    the model), sometimes none (index_k alone) or another count."""
+    if shape_class == "model":
+        return MODEL.num_index_heads
+    return pick(sg, (hkv, hkv, 0, 1, 3))
+
+
+#: Page sizes an index cache of its own takes (the main cache's P among them, or not).
+INDEX_PAGE_SIZES = (16, 32, 64)
+
+
+def _index_target(case: Case, bg, sg, n: int, num_slots: int, page: int, d: int):
+    """(index cache, index_slot_mapping) of a fused insert, drawn after everything else so
+    that the other inputs do not depend on it. A third of the cases share the main slots
+    (``index_slot_mapping`` None, the default) in an index cache of at least as many slots,
+    whose page size may differ from the main cache's, so a slot's page and offset differ
+    between the caches; the others give the index cache its own page size, page count and
+    a slot mapping of its own (a random permutation of its slots, negative on about 10% of
+    the tokens independently of ``slot_mapping``), so index_k written at the main slots,
+    or a token skipped on the other mapping's -1, shows. Model shapes keep the main P."""
+    own = pick(sg, (False, True, True))
+    ic_page = page if case.shape_class == "model" else pick(sg, INDEX_PAGE_SIZES)
+    if own:
+        ic_pages = -(-n // ic_page) + _between(sg, 1, 3)
+    else:
+        ic_pages = -(-num_slots // ic_page)
+    cache = empty_index_cache(ic_pages, ic_page, d, case.index_fmt,
+                              fill_code=poison_code(case.index_fmt))
+    cache = with_row_padding(cache, _index_pad(sg, case.shape_class), case.index_fmt)
+    if not own:
+        return cache, None
+    islots = rand.permutation(bg, ic_pages * ic_page)[:n].astype(np.int64)
+    islots[rand.uniform(bg, (n,)) < 0.1] = -1
+    return cache, islots
 
 
 def _long_contexts(bg, decode: bool, heads: int) -> np.ndarray:
@@ -433,6 +501,9 @@ def _index_inputs(case: Case, bg, sg, decode: bool) -> dict:
     topk = _draw_topk(sg, case.shape_class, seq, page)
     local = MODEL.local_blocks if case.shape_class == "model" else _between(bg, 0, 2)
     initial = MODEL.initial_blocks if case.shape_class == "model" else _between(bg, 0, 2)
+    cache = with_row_padding(cache, _index_pad(sg, case.shape_class), fmt)  # drawn last
+    if case.dist == "outliers":
+        _with_nan_keys(bg, cache, table, seq, page, fmt)
     out = dict(index_q=q, index_cache=cache, index_fmt=fmt, block_table=table, seq_lens=seq,
                topk=topk, local_blocks=local, initial_blocks=initial,
                model_dtype=case.model_dtype)
@@ -441,6 +512,18 @@ def _index_inputs(case: Case, bg, sg, decode: bool) -> dict:
     else:
         out["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
     return out
+
+
+def _with_nan_keys(bg, cache, table, seq, page, fmt):
+    """A NaN code in one element of 1 + seq_len // 128 random visible keys of each request
+    (in place): their blocks score NaN, which ranks below every number (SPEC.md s.5)."""
+    for r, s in enumerate(seq):
+        if s <= 0:
+            continue
+        count = 1 + int(s) // 128
+        pos = rand.integers(bg, 0, int(s), (count,))
+        dims = rand.integers(bg, 0, cache.shape[-1], (count,))
+        cache[table[r, pos // page], pos % page, dims] = poison_code(fmt)
 
 
 def _with_ties(bg, keys, table, seq, page):
@@ -592,6 +675,24 @@ def config_formats(op: str, shape_class: str, config: int) -> dict:
         return fields
 
 
+#: The index arrays of each op, each drawn int32 or int64 (the kernels take both).
+INDEX_ARRAYS = {
+    "norm_rope_insert": ("positions", "slot_mapping", "index_slot_mapping"),
+    "reshape_and_cache": ("slot_mapping",),
+}
+_TABLE_ARRAYS = ("block_table", "seq_lens", "cu_seqlens_q")
+
+
+def _with_index_dtypes(bg, op: str, out: dict) -> dict:
+    """``out`` with each index array (slots, positions, block tables, lengths) in int32 or
+    int64, drawn per array and last, so that the other inputs do not depend on it."""
+    for key in INDEX_ARRAYS.get(op, _TABLE_ARRAYS):
+        dtype = pick(bg, (np.int64, np.int32))
+        if out.get(key) is not None:
+            out[key] = np.asarray(out[key]).astype(dtype)
+    return out
+
+
 def make_inputs(case: Case) -> dict:
     """The input set of a case (numpy arrays and scalars), a pure function of the case."""
     bg = rand.generator(rand.seed_of(case.id))
@@ -604,4 +705,4 @@ def make_inputs(case: Case) -> dict:
         "attention_prefill": lambda: _attention_inputs(case, bg, sg, decode=False),
         "attention_decode": lambda: _attention_inputs(case, bg, sg, decode=True),
     }
-    return makers[case.op]()
+    return _with_index_dtypes(bg, case.op, makers[case.op]())

@@ -209,7 +209,8 @@ def check_norm_rope_insert(x, out, impl) -> tuple[Tally, list, dict]:
     failures += _check_kv_writes(x, out, exact["k"], bounds["k"], parts["v"], impl)
     if x.get("index_cache") is not None and "index_k" in exact:
         failures += untouched_failures("index_cache", x["index_cache"], out["index_cache"],
-                                       slots, x["index_cache"].shape[1])
+                                       written_slots(index_slots_of(x)),
+                                       x["index_cache"].shape[1])
         failures += _check_index_writes(x, out, exact["index_k"], bounds["index_k"])
     return t, failures, {}
 
@@ -258,8 +259,15 @@ def _check_kv_writes(x, out, k_exact, k_bound, v, impl) -> list[str]:
     return out_lines
 
 
+def index_slots_of(x) -> np.ndarray:
+    """Where a fused insert writes index_k: ``index_slot_mapping``, or ``slot_mapping`` when
+    the inputs give none (the op's default)."""
+    s = x.get("index_slot_mapping")
+    return np.asarray(x["slot_mapping"] if s is None else s, np.int64)
+
+
 def _check_index_writes(x, out, exact, bound) -> list[str]:
-    s = np.asarray(x["slot_mapping"], np.int64)
+    s = index_slots_of(x)
     tok = np.flatnonzero(s >= 0)
     page = x["index_cache"].shape[1]
     codes = out["index_cache"][s[tok] // page, s[tok] % page]
@@ -299,6 +307,8 @@ def check_indexer(x, out, impl) -> tuple[Tally, list, dict]:
     res = run(x, return_scores=True)
     d = x["index_q"].shape[-1]
     bound = res.magnitudes * (gamma(d) + score_rel_for(impl, x) + d * 2.0**-53) * 1.000001
+    # A block with a NaN key scores NaN: it ranks by rule (last, lower id first), no tolerance.
+    bound = np.nan_to_num(bound, nan=0.0)
     sel = np.asarray(out["topk"])
     if sel.shape != res.topk.shape:
         return Tally(), [f"topk: shape {sel.shape} != {res.topk.shape}"], {}

@@ -35,7 +35,8 @@ def norm_rope_insert(x: dict) -> dict:
     out = fused.fused_qknorm_rope_insert(
         x["rows"], x["positions"], layout_of(x), weights_of(x), x["rope_table"],
         x["rotary_dim"], x["eps"], x["model_dtype"], kv, x["kv_fmt"], x["slot_mapping"],
-        x["k_scale"], x["v_scale"], ic, x["index_fmt"])
+        x["k_scale"], x["v_scale"], ic, x["index_fmt"],
+        index_slot_mapping=x.get("index_slot_mapping"))
     res = {"q": model_codes(out["q"], x["model_dtype"]),
            "k": model_codes(out["k"], x["model_dtype"]), "kv_cache": kv}
     if "index_q" in out:

@@ -15,7 +15,7 @@ from oracle.impls.io import (
     HALF_DTYPES,
     codes_of,
     device,
-    ints,
+    ints_in,
     scale_in,
     strided_codes_in,
     values,
@@ -53,14 +53,16 @@ def insert_adapter(launch):
 
         w = {kind: values(x[f"weights_{kind}"], act, dev)
              for kind in ("q", "k", "index_q", "index_k")}
+        islots = x.get("index_slot_mapping")
         out = launch(
-            rows, ints(x["positions"], dev), values(x["rope_table"], act, dev), w["q"],
+            rows, ints_in(x["positions"], dev), values(x["rope_table"], act, dev), w["q"],
             w["k"], num_q_heads=x["num_q_heads"], num_kv_heads=x["num_kv_heads"], head_dim=d,
             rotary_dim=x["rotary_dim"], eps=x["eps"], kv_cache=kv, kv_fmt=kv_fmt,
-            slot_mapping=ints(x["slot_mapping"], dev), num_index_heads=x["num_index_heads"],
+            slot_mapping=ints_in(x["slot_mapping"], dev), num_index_heads=x["num_index_heads"],
             has_index_k=x["has_index_k"], w_index_q=w["index_q"], w_index_k=w["index_k"],
             k_scale=scale_in(x["k_scale"], dev), v_scale=scale_in(x["v_scale"], dev),
             index_cache=ic, index_fmt=index_fmt if ic is not None else None, q_out=q_out,
+            index_slot_mapping=None if islots is None else ints_in(islots, dev),
             validate=validate)
         res = {key: codes_of(t) for key, t in out.items()}
         res["kv_cache"] = codes_of(kv)
@@ -97,7 +99,7 @@ def reshape_and_cache_adapter(launch):
         v = _strided_heads(np.asarray(x["v"]), act, dev, transposed=k.shape[0] % 2 == 1)
         kv_fmt = x["kv_fmt"]
         kv = strided_codes_in(x["kv_cache"], dev, HALF_DTYPES.get(kv_fmt))
-        launch(k, v, kv, kv_fmt, ints(x["slot_mapping"], dev),
+        launch(k, v, kv, kv_fmt, ints_in(x["slot_mapping"], dev),
                scale_in(x["k_scale"], dev), scale_in(x["v_scale"], dev), validate=validate)
         return {"kv_cache": codes_of(kv)}
 
@@ -139,8 +141,7 @@ def indexer_adapter(launch, decode: bool):
         fmt = x["index_fmt"]
         q = index_q_in(np.asarray(x["index_q"], np.float64), fmt, dev)
         ic = strided_codes_in(x["index_cache"], dev, HALF_DTYPES.get(fmt))
-        bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
-        seq = torch.from_numpy(np.ascontiguousarray(x["seq_lens"], np.int32)).to(dev)
+        bt, seq = ints_in(x["block_table"], dev), ints_in(x["seq_lens"], dev)
         t, hi, _ = q.shape
         k = int(x["topk"])
         out = out_buffer(hi, t, k, dev, token_major=t % 2 == 1)
@@ -150,7 +151,7 @@ def indexer_adapter(launch, decode: bool):
             launch(q, ic, fmt, bt, seq, int(x["rows_per_request"]), **common)
         else:
             cu_np = np.asarray(x["cu_seqlens_q"], np.int64)
-            cu = torch.from_numpy(cu_np.astype(np.int32)).to(dev)
+            cu = ints_in(x["cu_seqlens_q"], dev)
             launch(q, ic, fmt, bt, cu, seq, max_query_len=int(np.diff(cu_np).max(initial=0)),
                    **common)
         return {"topk": out.cpu().numpy().astype(np.int32)}
@@ -176,7 +177,7 @@ def adapter_tensors(x: dict):
     kv = strided_codes_in(x["kv_cache"], dev, HALF_DTYPES.get(x["kv_fmt"]))
     tk_np = np.asarray(x["topk"])
     topk = torch.from_numpy(np.ascontiguousarray(tk_np.transpose(1, 0, 2), np.int32)).to(dev)
-    bt = torch.from_numpy(np.ascontiguousarray(x["block_table"], np.int32)).to(dev)
+    bt = ints_in(x["block_table"], dev)
     out = torch.zeros((hq, t, d), dtype=act, device=dev).transpose(0, 1)
     return (q, kv, topk.permute(1, 0, 2), bt, scale_in(x["k_scale"], dev),
             scale_in(x["v_scale"], dev), out, dev)
@@ -192,7 +193,7 @@ def attention_decode_adapter(launch):
             workspace=None, block_keys: int | None = None,
             key_streams: int | None = None) -> dict:
         q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
-        launch(q, kv, inputs["kv_fmt"], bt, ints(inputs["seq_lens"], dev), topk,
+        launch(q, kv, inputs["kv_fmt"], bt, ints_in(inputs["seq_lens"], dev), topk,
                int(inputs["rows_per_request"]), ks, vs, out=out,
                blocks_per_split=blocks_per_split, validate=validate, block_keys=block_keys,
                key_streams=key_streams, workspace=workspace)
@@ -209,9 +210,9 @@ def attention_prefill_adapter(launch):
 
     def run(inputs: dict, validate: bool = True, **knobs) -> dict:
         q, kv, topk, bt, ks, vs, out, dev = adapter_tensors(inputs)
-        cu = torch.from_numpy(np.ascontiguousarray(inputs["cu_seqlens_q"], np.int32)).to(dev)
+        cu = ints_in(inputs["cu_seqlens_q"], dev)
         rows = torch.zeros(q.shape[:2], dtype=torch.int32, device=dev)
-        launch(q, kv, inputs["kv_fmt"], bt, cu, ints(inputs["seq_lens"], dev), topk, ks, vs,
+        launch(q, kv, inputs["kv_fmt"], bt, cu, ints_in(inputs["seq_lens"], dev), topk, ks, vs,
                out=out, validate=validate, schedule_rows=rows, **knobs)
         return {"out": codes_of(out), "schedule_rows": rows.cpu().numpy()}
 

@@ -27,6 +27,15 @@ def ints(a, dev) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.asarray(a), dtype=np.int64)).to(dev)
 
 
+def ints_in(a, dev) -> torch.Tensor:
+    """A case's index array (slots, positions, block table, lengths) on the device in its own
+    dtype, int32 or int64 (any other integer type as int64): the cases draw both, as servers
+    pass both."""
+    a = np.asarray(a)
+    dtype = a.dtype if a.dtype in (np.int32, np.int64) else np.int64
+    return torch.from_numpy(np.ascontiguousarray(a, dtype)).to(dev)
+
+
 def codes_in(codes: np.ndarray, dev) -> torch.Tensor:
     """A contiguous COPY of a code array (any strides) on the device: uint8, or int16 bits
     of uint16 codes (torch's uint16 supports too few ops)."""

@@ -265,7 +265,8 @@ def _fused(x: dict, flags: _Flags) -> dict:
         ik = y["index_k"][:, 0]  # [N, D]
         res["index_k"] = encode(ik.to(act), md)
         ic = codes_in(x["index_cache"], dev)
-        slots_np = np.asarray(x["slot_mapping"])
+        islots = x.get("index_slot_mapping")
+        slots_np = np.asarray(x["slot_mapping"] if islots is None else islots)
         keep = np.flatnonzero(slots_np >= 0)
         if keep.size:
             codes = encode(ik[ints(keep, dev)], index_fmt)

@@ -20,12 +20,14 @@ import numpy as np
 #: Default size a moved cache passes: 2^31 + 2^24 elements (a few GB per cache).
 LARGE_CACHE_ELEMENTS = 2**31 + 2**24
 
-#: Per op: the caches to move, the block tables and slot arrays to shift, the per-slot
-#: scales to pad.
+#: Per op: the caches to move, the block tables to shift, the slot arrays to shift with
+#: the cache each addresses, the per-slot scales to pad.
 MOVES = {
-    "norm_rope_insert": dict(caches=("kv_cache", "index_cache"), slots=("slot_mapping",),
+    "norm_rope_insert": dict(caches=("kv_cache", "index_cache"),
+                             slots=(("slot_mapping", "kv_cache"),
+                                    ("index_slot_mapping", "index_cache")),
                              scales=("k_scale", "v_scale")),
-    "reshape_and_cache": dict(caches=("kv_cache",), slots=("slot_mapping",),
+    "reshape_and_cache": dict(caches=("kv_cache",), slots=(("slot_mapping", "kv_cache"),),
                               scales=("k_scale", "v_scale")),
     "indexer_decode": dict(caches=("index_cache",), tables=("block_table",)),
     "indexer_prefill": dict(caches=("index_cache",), tables=("block_table",)),
@@ -44,8 +46,8 @@ def extra_pages(cache: np.ndarray, elements: int = LARGE_CACHE_ELEMENTS) -> int:
 
 def moved(x: dict, caches, extra: int, tables=(), slots=(), scales=()) -> dict:
     """x with each cache of ``caches`` (absent ones skipped) behind ``extra`` zero pages,
-    the block tables' entries and the slots (>= 0) shifted by as much, per-slot scales
-    padded with 1.0."""
+    the block tables' entries and the slots (>= 0) shifted by as much (``slots``: pairs
+    of a slot array and the cache it addresses), per-slot scales padded with 1.0."""
     y = dict(x)
     caches = [k for k in caches if x.get(k) is not None]
     for key in caches:
@@ -58,9 +60,13 @@ def moved(x: dict, caches, extra: int, tables=(), slots=(), scales=()) -> dict:
         t = np.array(x[key], copy=True)
         t[t >= 0] += extra
         y[key] = t
-    for key in slots:
-        s = np.array(x[key], copy=True)
-        s[s >= 0] += extra * page
+    for key, cache in slots:
+        if x.get(cache) is None:
+            continue
+        # An absent index_slot_mapping defaults to slot_mapping: shifted by the pages of
+        # the cache it addresses, whose page size may differ, so it is given explicitly.
+        s = np.array(x[key] if x.get(key) is not None else x["slot_mapping"], np.int64)
+        s[s >= 0] += extra * x[cache].shape[-2]
         y[key] = s
     for key in scales:
         s = x.get(key)
