@@ -579,10 +579,16 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                                  num_warps=warps, **pdl_kw))
     ensure_ready(_indexer_decode_kernel)
     if wave:  # one full wave of programs (``wave_splits``), sized from the compiled kernel
-        tmpl = call(2, bk + 1, torch.empty(1, dtype=torch.int64, device=dev),
+        cap = MAX_PROGRAMS_PER_SM * _sm_count(dev.index or 0)
+        # Probe with the split the cap alone gives: the launch's own constexprs (MC, DIRECT,
+        # SPLIT) unless the occupancy lowers the split, so one compile per shape, not two.
+        splits, bps = wave_splits(cap, b, width)
+        if merge_chunk is None:
+            mc = min(triton.next_power_of_2(splits), max(1, 256 // bk))
+        tmpl = call(splits, bps, torch.empty(1, dtype=torch.int64, device=dev),
                     torch.empty(1, dtype=torch.int32, device=dev))
-        slots = min(resident_programs(_indexer_decode_kernel, *tmpl, dev),
-                    MAX_PROGRAMS_PER_SM * _sm_count(dev.index or 0))
+        slots = min(resident_programs(_indexer_decode_kernel, tmpl[0], {**tmpl[1], **pdl_kw},
+                                      dev), cap)
         splits, bps = wave_splits(slots, b, width)
         if merge_chunk is None:
             mc = min(triton.next_power_of_2(splits), max(1, 256 // bk))
