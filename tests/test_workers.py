@@ -142,3 +142,20 @@ def test_without_xdist_the_header_says_how_to_go_faster(tmp_path):
     header says once how to spread it."""
     out, where = _run(tmp_path, "-p", "fakecuda", "-p", "noxdist", "-p", "no:xdist", "-m", "gpu")
     assert where == ["- -"] * 4 and out.count("install pytest-xdist") == 1
+
+
+def test_the_sm90_compile_checks_are_not_gpu_tests():
+    """The sm_90 compile checks (for GPU-less machines) carry neither ``gpu`` nor ``interp``
+    (which a CUDA machine turns into ``gpu``): ``-m "gpu or interp"`` collects none of
+    them, while the default run collects them all."""
+    files = ["tests/test_compile_sm90.py", "tests/test_static_sm90.py"]
+
+    def collected(*args):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                            "--collect-only", "-q", *args, *files], cwd=ROOT,
+                           capture_output=True, text=True, env={**os.environ,
+                                                                "PYTHONPATH": str(ROOT)})
+        return [ln for ln in r.stdout.splitlines() if "::" in ln]
+
+    assert collected("-m", "gpu or interp") == []
+    assert len(collected()) >= 10
