@@ -32,6 +32,7 @@ GPU_BYTES_PER_WORKER = 4 * GIB
 
 FASTER = ("sparse-attn-oracle: `pytest -m gpu` runs in one process; install pytest-xdist "
           "to spread it over every core and GPU")
+_ADVICE = pytest.StashKey[str]()  # the header line of a run that could go faster
 
 
 def worker_count(cores: int, host_bytes: int, gpu_bytes: list[int]) -> int:
@@ -109,9 +110,6 @@ def pytest_configure(config):
     workers = worker_count(usable_cores(), host_memory(), gpu_bytes)
     if workers:
         distribute(option, workers, len(gpu_bytes))
-
-
-_ADVICE = pytest.StashKey[str]()
 
 
 def pytest_report_header(config):
