@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,13 @@ class Probe:
         yield
         self.tests += 1
         self.test_s += time.perf_counter() - t0
+        self.save()  # after every test: a run stopped by --timeout still tells its share
+
+    def save(self) -> None:
+        out = Path(os.environ[PROBE_ENV]) / f"probe-{os.getpid()}.json"
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.record()))
+        os.replace(tmp, out)
 
     def record(self) -> dict:
         from oracle.core import refcache
@@ -91,26 +99,33 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     probe = config.pluginmanager.get_plugin("bench_loop_probe")
-    if probe is None:
-        return
-    out = Path(os.environ[PROBE_ENV]) / f"probe-{os.getpid()}.json"
-    out.write_text(json.dumps(probe.record()))
+    if probe is not None:
+        probe.save()
 
 
 # ------------------------------------------------------------------------- the runs
 
 
-def run_pytest(pytest_args: list[str], env: dict, probes: Path) -> dict:
-    """One pytest run in a subprocess with the probe loaded; its wall time, exit code and
-    the probes' sums."""
+def run_pytest(pytest_args: list[str], env: dict, probes: Path,
+               timeout: float | None = None) -> dict:
+    """One pytest run in a subprocess with the probe loaded; its wall time, exit code (124:
+    stopped at ``timeout`` seconds, its workers with it) and the probes' sums."""
     probes.mkdir(parents=True, exist_ok=True)
     for f in probes.glob("probe-*.json"):
         f.unlink()
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
            "benchmarks.bench_loop", "-q", *pytest_args]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, env={**env, PROBE_ENV: str(probes)},
-                       capture_output=True, text=True)
+    p = subprocess.Popen(cmd, cwd=ROOT, env={**env, PROBE_ENV: str(probes)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        output, _ = p.communicate(timeout=timeout)
+        code = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        output, _ = p.communicate()
+        code = 124
     wall = time.perf_counter() - t0
     totals = dict(tests=0, test_s=0.0, jit_s=0.0, jit_count=0, reference_s=0.0, ref_hits=0,
                   ref_misses=0, ref_rejected=0)
@@ -118,17 +133,18 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path) -> dict:
         for k, v in json.loads(f.read_text()).items():
             totals[k] += v
     totals["other_s"] = max(0.0, totals["test_s"] - totals["jit_s"] - totals["reference_s"])
-    tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
-    return dict(wall_s=wall, exit_code=r.returncode, summary=tail[0], **totals)
+    tail = output.strip().splitlines()[-1:] or [""]
+    return dict(wall_s=wall, exit_code=code, summary=tail[0], **totals)
 
 
-def measure(pytest_args: list[str], touch: Path, work: Path, environ=os.environ) -> dict:
+def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | None = None,
+            environ=os.environ) -> dict:
     """The cold run (empty caches under ``work``), then the warm one (``touch`` touched)."""
     env = dict(environ, TRITON_CACHE_DIR=str(work / "triton"),
                ORACLE_REFERENCE_CACHE=str(work / "reference"))
-    runs = {"cold": run_pytest(pytest_args, env, work / "probes")}
+    runs = {"cold": run_pytest(pytest_args, env, work / "probes", timeout)}
     os.utime(touch)
-    runs["warm"] = run_pytest(pytest_args, env, work / "probes")
+    runs["warm"] = run_pytest(pytest_args, env, work / "probes", timeout)
     return dict(schema=SCHEMA, pytest_args=pytest_args, touched=str(touch.relative_to(ROOT)),
                 device=_device(), runs=runs)
 
@@ -171,6 +187,9 @@ def main(argv=None) -> int:
                     help="pytest's arguments, one shell-quoted string (default: -m gpu)")
     ap.add_argument("--touch", default="kernels/indexer_decode.py",
                     help="the kernel file whose mtime the warm run follows")
+    ap.add_argument("--timeout", type=float,
+                    help="seconds per run; a run stopped there reports exit 124 and the "
+                         "tests it finished")
     ap.add_argument("--work", type=Path,
                     help="where the caches live (default: a fresh temporary directory)")
     a = ap.parse_args(argv)
@@ -181,7 +200,7 @@ def main(argv=None) -> int:
         work = a.work or Path(tmp)
         if any(p.exists() for p in (work / "triton", work / "reference")):
             ap.error(f"--work must not hold a cache yet (the cold run needs empty ones): {work}")
-        doc = measure(shlex.split(a.pytest_args), touch, work)
+        doc = measure(shlex.split(a.pytest_args), touch, work, a.timeout)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "loop.json").write_text(json.dumps(doc, indent=1) + "\n")
     (a.out / "loop.md").write_text(markdown(doc))

@@ -42,3 +42,14 @@ def test_the_cold_run_refuses_a_filled_cache_directory(tmp_path, capsys):
     except SystemExit as e:
         assert e.code == 2
     assert "must not hold a cache yet" in capsys.readouterr().err
+
+
+def test_a_run_past_its_timeout_is_stopped_and_marked(tmp_path):
+    """--timeout stops a run (its whole process group) and records exit 124 for it, with
+    the JSON still written."""
+    out = tmp_path / "out"
+    rc = bench_loop.main(["--out", str(out), "--work", str(tmp_path / "work"),
+                          "--timeout", "0.5", "--pytest-args", "tests/test_oracle.py"])
+    doc = json.loads((out / "loop.json").read_text())
+    assert rc == 124 and [r["exit_code"] for r in doc["runs"].values()] == [124, 124]
+    assert all(r["wall_s"] < 60 for r in doc["runs"].values())
