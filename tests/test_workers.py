@@ -115,9 +115,10 @@ def test_plain_gpu_run_spawns_one_worker_per_core_each_on_its_gpu(tmp_path):
     assert {w.split()[0] for w in where} <= {"gw0", "gw1"}
 
 
-@pytest.mark.parametrize("args", [("-n", "0"), ("-p", "no:xdist")])
+@pytest.mark.parametrize("args", [("-n", "0"), ("-p", "no:xdist"), ("--pdb",)])
 def test_the_users_choice_wins(tmp_path, args):
-    """``-n 0`` or ``-p no:xdist`` keeps the faked CUDA run in one process, silently."""
+    """``-n 0``, ``-p no:xdist`` or ``--pdb`` keeps the faked CUDA run in one process,
+    silently."""
     out, where = _run(tmp_path, "-p", "fakecuda", "-m", "gpu", *args)
     assert where == ["- -"] * 4 and "pytest-xdist" not in out
 

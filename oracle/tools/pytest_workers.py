@@ -57,8 +57,10 @@ def selects_gpu_tests(markexpr: str) -> bool:
 
 
 def user_chose_workers(option) -> bool:
-    """Whether the command line (or PYTEST_ADDOPTS) already says how to distribute."""
+    """Whether the command line (or PYTEST_ADDOPTS) already says how to distribute, or
+    debugs in this process (--pdb, --trace)."""
     return (getattr(option, "numprocesses", None) is not None
+            or getattr(option, "usepdb", False) or getattr(option, "trace", False)
             or bool(getattr(option, "tx", None)) or getattr(option, "dist", "no") != "no")
 
 
