@@ -100,16 +100,33 @@ def test_a_hit_returns_the_stored_bits(tmp_path):
 
 
 def test_a_source_change_misses_and_the_key_has_no_kernel_in_it(tmp_path):
-    """Another sources hash (an edited reference or tolerance model) misses every entry;
-    the hashed sources are the reference's and oracle/core's, none of kernels/ or csrc/."""
+    """Another sources hash (an edited reference or tolerance model) misses the entry;
+    the hashed sources are the reference's and oracle/core's, none of kernels/, csrc/ or
+    the implementations'."""
     _entry(tmp_path, source="one")
     cache, want, _, _ = _entry(tmp_path, source="two")
     assert cache.misses == 1 and len(list(tmp_path.rglob("*.npz"))) == 2
-    files = refcache.hashed_files()
-    rel = {str(f.relative_to(ROOT)) for f in files}
-    assert {"reference/attention.py", "reference/indexer.py", "oracle/core/bounds.py",
-            "oracle/core/attention_bound.py", "oracle/core/checks.py"} <= rel
-    assert not any(r.startswith(("kernels/", "csrc/", "oracle/impls/")) for r in rel)
+    for kind in refcache.KIND_MODULES:
+        rel = {str(f.relative_to(ROOT)) for f in refcache.hashed_files(kind)}
+        assert {"reference/codec.py", "oracle/core/checks.py",
+                "oracle/core/reference_run.py", "reference/__init__.py"} <= rel
+        assert all(r.startswith(("reference/", "oracle/core/", "oracle/__init__"))
+                   for r in rel), rel
+
+
+@pytest.mark.parametrize("kind, uses, not_uses", [
+    ("indexer_decode", "reference/indexer.py", "reference/attention.py"),
+    ("attention", "reference/attention.py", "oracle/core/bounds.py"),
+    ("attention_bound", "oracle/core/bounds.py", "reference/indexer.py"),
+])
+def test_a_reference_change_invalidates_the_kinds_that_use_it(kind, uses, not_uses):
+    """A kind's entries follow the modules that compute them, transitively (attention's
+    bound: bounds.py through attention_bound.py), and not a module they never import (an
+    edit to the attention reference keeps the indexer's entries)."""
+    rel = {str(f.relative_to(ROOT)) for f in refcache.hashed_files(kind)}
+    assert uses in rel and not_uses not in rel
+    with pytest.raises(ValueError, match="kind must be one of"):
+        refcache.hashed_files("nonsense")
 
 
 def test_two_implementations_share_the_references_entries(tmp_path, monkeypatch):

@@ -3,9 +3,10 @@ indexer's scores), so that a run after a kernel change recomputes no float64 ref
 
 A key is the sha256 of: what is computed (``kind``), the case's input hash, the arguments
 beyond the inputs (a schedule, an implementation's declared arithmetic) and the hash of the
-sources that compute it (``sources_hash``: reference/*.py, the tolerance model's modules in
-oracle/core, numpy's and ml_dtypes' versions). Nothing of a kernel enters a key, so a kernel
-change hits every entry; a change to the reference or the tolerance model misses them all.
+sources that compute it (``sources_hash``: the kind's modules and what they import from
+reference/ and oracle/core/, the checks' calling code, numpy's and ml_dtypes' versions).
+Nothing of a kernel enters a key, so a kernel change hits every entry; a change to a
+reference or tolerance-model module misses the entries of the kinds that use it.
 
 Where: ``ORACLE_REFERENCE_CACHE=<dir>``, or ``$XDG_CACHE_HOME/sparse-attn-oracle/reference``
 (``~/.cache/...`` without it); ``ORACLE_REFERENCE_CACHE=off`` disables it.
@@ -20,6 +21,7 @@ entry, whichever wins.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import os
@@ -33,9 +35,19 @@ import numpy as np
 
 ENV = "ORACLE_REFERENCE_CACHE"
 ROOT = Path(__file__).resolve().parents[2]
-#: The modules whose code decides a cached value (besides reference/*.py).
-CORE_SOURCES = ("bounds", "intervals", "attention_bound", "reference_run", "checks", "cases",
-                "refcache")
+#: Per kind of entry, the modules whose functions compute it: an entry depends on them and
+#: on everything they import from reference/ and oracle/core/ (``hashed_files``).
+KIND_MODULES = {
+    "indexer_decode": ("reference.indexer",),
+    "indexer_prefill": ("reference.indexer",),
+    "attention": ("reference.attention",),
+    "attention_exact_baseline": ("reference.attention",),
+    "attention_bound": ("oracle.core.attention_bound",),
+}
+#: The code between a check and the reference (the calls, the cache): in every key, their
+#: imports not followed (checks.py imports the whole tolerance model).
+CALLERS = ("oracle.core.checks", "oracle.core.reference_run", "oracle.core.refcache")
+_OURS = ("reference", "oracle.core")
 _KEY = "__key__"
 _DIGEST = "__sha256__"
 
@@ -44,20 +56,50 @@ class RefCacheWarning(UserWarning):
     """A cache entry that could not be trusted (recomputed) or written."""
 
 
-def hashed_files() -> list[Path]:
-    """The source files whose contents key every entry."""
-    files = sorted((ROOT / "reference").glob("*.py"))
-    return files + [ROOT / "oracle" / "core" / f"{name}.py" for name in CORE_SOURCES]
+def _file(module: str) -> Path | None:
+    path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+    return path if path.is_file() else None
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules of reference/ and oracle/core/ that a source file imports, anywhere in
+    it (function-local imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m.startswith(_OURS) and _file(m) is not None}
+
+
+def hashed_files(kind: str) -> list[Path]:
+    """The source files whose contents key the entries of ``kind``: its modules and what
+    they import from reference/ and oracle/core/, transitively, the callers, and their
+    packages' ``__init__.py``."""
+    if kind not in KIND_MODULES:
+        raise ValueError(f"kind must be one of {sorted(KIND_MODULES)}, got {kind!r}")
+    seen, todo = set(), list(KIND_MODULES[kind])
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(_imports(_file(m)))
+    modules = seen | set(CALLERS)
+    packages = {m.rsplit(".", i)[0] for m in modules for i in range(1, m.count(".") + 1)}
+    inits = {ROOT.joinpath(*p.split("."), "__init__.py") for p in packages}
+    return sorted({_file(m) for m in modules} | {f for f in inits if f.is_file()})
 
 
 @functools.cache
-def sources_hash() -> str:
-    """sha256 of the sources that compute the cached values and of the numeric libraries'
-    versions (a new numpy may sum in another order)."""
+def sources_hash(kind: str) -> str:
+    """sha256 of the sources that compute entries of ``kind`` and of the numeric
+    libraries' versions (a new numpy may sum in another order)."""
     import ml_dtypes
 
     h = hashlib.sha256(f"numpy {np.__version__} ml_dtypes {ml_dtypes.__version__}".encode())
-    for f in hashed_files():
+    for f in hashed_files(kind):
         h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -84,17 +126,18 @@ def default_dir(environ=os.environ) -> Path | None:
 
 
 class RefCache:
-    """The cache in directory ``root`` (None: every lookup computes). ``source``: the
-    sources' hash (default ``sources_hash()``). Counts its hits, misses and rejected
-    entries."""
+    """The cache in directory ``root`` (None: every lookup computes). ``source``: one
+    sources' hash for every kind (default: each kind's ``sources_hash``). Counts its hits,
+    misses and rejected entries."""
 
     def __init__(self, root: Path | None, source: str | None = None):
         self.root = None if root is None else Path(root)
-        self.source = sources_hash() if source is None else source
+        self.source = source
         self.hits = self.misses = self.rejected = 0
 
     def key(self, kind: str, input_hash: str, args) -> str:
-        text = f"{kind}\0{input_hash}\0{args!r}\0{self.source}"
+        source = sources_hash(kind) if self.source is None else self.source
+        text = f"{kind}\0{input_hash}\0{args!r}\0{source}"
         return hashlib.sha256(text.encode()).hexdigest()
 
     def path(self, key: str) -> Path:
