@@ -6,7 +6,9 @@
 - Tests marked ``gpu`` are skipped with a reason when no CUDA device is present. On a CUDA
   machine the ``interp`` tests run compiled and count as ``gpu`` tests too: ``pytest -m
   gpu`` there runs every kernel test on the GPU.
-- ``ORACLE_GPUS=N pytest -m gpu -n N``: each xdist worker on its own GPU (oracle/tools/gpus.py).
+- ``pytest -m gpu`` on a CUDA machine with pytest-xdist: as many workers as the machine
+  holds, one GPU each on several GPUs, unless ``-n`` says otherwise
+  (oracle/tools/pytest_workers.py, oracle/tools/gpus.py).
 - Hypothesis profiles: ``ci`` (derandomized, bounded, chosen when CI=true), ``dev``
   (the default), ``nightly`` (long). Pick one with ``--hypothesis-profile``.
 """
@@ -14,6 +16,8 @@
 import os
 
 from oracle.tools.gpus import pin_worker_gpu
+
+pytest_plugins = ("oracle.tools.pytest_workers",)
 
 # ORACLE_GPUS=N with pytest-xdist: one GPU per worker, chosen before CUDA is initialised.
 pin_worker_gpu()

@@ -604,11 +604,17 @@ def _launch_split(p, wave, merge_chunk, index_q, index_cache, index_fmt, block_t
     tensors = (index_q, index_cache, block_table, seq_lens, out)
     ensure_ready(_indexer_decode_kernel)
     if wave:  # one full wave of programs (``wave_splits``), sized from the compiled kernel
-        tmpl = _split_args(p, index_fmt, *tensors, 2, p.bk + 1,
-                           torch.empty(1, dtype=torch.int64, device=dev),
-                           torch.empty(1, dtype=torch.int32, device=dev))
-        slots = min(resident_programs(_indexer_decode_kernel, *tmpl, dev),
-                    MAX_PROGRAMS_PER_SM * _sm_count(dev.index or 0))
+        cap = MAX_PROGRAMS_PER_SM * _sm_count(dev.index or 0)
+        # Probe with the split the cap alone gives: the launch's own constexprs (MC, DIRECT,
+        # SPLIT) unless the occupancy lowers the split, so one compile per shape, not two.
+        p.splits, p.bps = wave_splits(cap, p.b, p.width)
+        if merge_chunk is None:
+            p.mc = min(triton.next_power_of_2(p.splits), max(1, 256 // p.bk))
+        args, const = _split_args(p, index_fmt, *tensors, p.splits, p.bps,
+                                  torch.empty(1, dtype=torch.int64, device=dev),
+                                  torch.empty(1, dtype=torch.int32, device=dev))
+        slots = min(resident_programs(_indexer_decode_kernel, args, {**const, **pdl_kw}, dev),
+                    cap)
         p.splits, p.bps = wave_splits(slots, p.b, p.width)
         if merge_chunk is None:
             p.mc = min(triton.next_power_of_2(p.splits), max(1, 256 // p.bk))

@@ -51,7 +51,7 @@ _COMPILE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.interp
+@pytest.mark.sm90_compile
 @pytest.mark.parametrize("module", MODULES)
 def test_kernel_compiles_for_sm90(module, tmp_path):
     """The module's kernels compile to sm_90 PTX for every declared constexpr branch, and
@@ -59,8 +59,10 @@ def test_kernel_compiles_for_sm90(module, tmp_path):
     module declares it (``SERIALISED_WGMMA``)."""
     pytest.importorskip(module)
     env = dict(compile_env(tmp_path), TRITON_DUMP_PTXAS_LOG="1")
+    # No timeout: on a loaded 2-core machine a module's compiles take many minutes, and a
+    # time limit would fail a correct kernel; a hung compiler shows as the job's own limit.
     r = subprocess.run([sys.executable, "-c", _COMPILE, module], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True)
     if r.returncode and ("ptxas" in r.stderr and "not found" in r.stderr):
         pytest.skip(f"no CUDA compiler toolchain in this Triton install: {r.stderr[-300:]}")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -135,8 +135,8 @@ def test_generated_index_arrays_come_in_both_integer_widths():
     """Across the differential test's CPU cases, every index array of every op (slots,
     positions, block tables, lengths) arrives as int32 in some cases and int64 in others,
     and the adapters hand it on in its own dtype."""
-    from oracle.impls.io import ints_in
     from oracle.core.cases import INDEX_ARRAYS, OPS
+    from oracle.impls.io import ints_in
 
     for op in OPS:
         keys = INDEX_ARRAYS.get(op, ("block_table", "seq_lens"))

@@ -17,17 +17,20 @@ Only rigorous models decide pass/fail (``passed``):
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
+from oracle.core import refcache
 from oracle.core import reference_run as ref_impl
+from oracle.core.attention_bound import attention_bound
 from oracle.core.bounds import gamma, norm_rope_bound
 from oracle.core.cases import Case, input_hash, make_inputs
 from oracle.core.intervals import classify, joint_value_exists, preimage
 from oracle.core.registry import arith_for, implementations, schedule_for, score_rel_for
 from reference import norm_rope
 from reference.codec import decode, encode, get_format
+from reference.indexer import IndexerResult
 from reference.kv_cache import scale_at
 from reference.platforms import is_fp8
 
@@ -303,8 +306,7 @@ def check_indexer(x, out, impl) -> tuple[Tally, list, dict]:
     error bound: fp32 accumulation of D products (gamma(D) * magnitude) plus the
     implementation's declared extra relative error, plus the reference's own float64
     error (D * 2^-53 * magnitude)."""
-    run = ref_impl.indexer_decode if "rows_per_request" in x else ref_impl.indexer_prefill
-    res = run(x, return_scores=True)
+    res = indexer_reference(x)
     d = x["index_q"].shape[-1]
     bound = res.magnitudes * (gamma(d) + score_rel_for(impl, x) + d * 2.0**-53) * 1.000001
     # A block with a NaN key scores NaN: it ranks by rule (last, lower id first), no tolerance.
@@ -320,6 +322,28 @@ def check_indexer(x, out, impl) -> tuple[Tally, list, dict]:
     failures = [] if ok else [f"topk: {details['rows_failed']} rows not admissible, first: "
                               f"{details['failures']}"]
     return t, failures, {"needed_bound": details["needed_bound"]}
+
+
+def _cached(kind: str, x: dict, args, compute) -> dict:
+    """The reference's arrays for ``kind`` on these inputs and ``args``, through the
+    reference cache (``oracle.core.refcache``; the hash is taken now: inputs an
+    implementation modified key their own entry)."""
+    return refcache.default_cache().get(kind, input_hash(x), args, compute)
+
+
+def indexer_reference(x) -> IndexerResult:
+    """The reference indexer call on a case's inputs, with its scores (cached)."""
+    decode_op = "rows_per_request" in x
+    run = ref_impl.indexer_decode if decode_op else ref_impl.indexer_prefill
+    names = [f.name for f in fields(IndexerResult)]
+
+    def compute():
+        res = run(x, return_scores=True)
+        return {name: getattr(res, name) for name in names}
+
+    got = _cached("indexer_decode" if decode_op else "indexer_prefill", x, (), compute)
+    return IndexerResult(**{name: got[name] if got[name].ndim else got[name].item()
+                            for name in names})
 
 
 def check_attention(x, out, impl) -> tuple[Tally, list, dict]:
@@ -345,8 +369,6 @@ def scheduled_reference(x, impl, out) -> tuple[np.ndarray, np.ndarray]:
     ``out["schedule_rows"]`` (int ``[T, Hq]``, default all 0) which one each (token, head)
     row followed: each row is judged against its own, the reference run once per distinct
     schedule in use. A malformed report is a ValueError (a failed check)."""
-    from oracle.core.attention_bound import attention_bound
-
     declared = schedule_for(impl, x["model_dtype"], x)
     scheds = declared if isinstance(declared, tuple) else (declared,)
     t, hq = np.shape(x["q"])[:2]
@@ -362,14 +384,23 @@ def scheduled_reference(x, impl, out) -> tuple[np.ndarray, np.ndarray]:
         used.setdefault(scheds[i], []).append(i)
     unrounded = bound = None
     for sched, indices in used.items():
-        res = ref_impl.attention_call(x, schedule=sched, return_details=True)
-        b = attention_bound(x, sched, arith_for(impl, x), dot_rel=score_rel_for(impl, x))
+        ref, b = _scheduled_run(x, sched, arith_for(impl, x), score_rel_for(impl, x))
         if unrounded is None:
-            unrounded, bound = res.unrounded, b
+            unrounded, bound = ref, b
         else:
             mine = np.isin(rows, indices)[..., None]
-            unrounded, bound = np.where(mine, res.unrounded, unrounded), np.where(mine, b, bound)
+            unrounded, bound = np.where(mine, ref, unrounded), np.where(mine, b, bound)
     return unrounded, bound
+
+
+def _scheduled_run(x, sched, arith, dot_rel) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's unrounded output under one schedule and the bound around it
+    (cached)."""
+    ref = _cached("attention", x, sched, lambda: {"unrounded": ref_impl.attention_call(
+        x, schedule=sched, return_details=True).unrounded})
+    bound = _cached("attention_bound", x, (sched, arith, dot_rel), lambda: {
+        "bound": attention_bound(x, sched, arith, dot_rel=dot_rel)})
+    return ref["unrounded"], bound["bound"]
 
 
 def _nan_admitted_for_inf(codes, exact, md) -> tuple[np.ndarray, int]:
@@ -404,9 +435,14 @@ def _exact_and_baseline(x) -> tuple[np.ndarray, np.ndarray]:
 
     if _BASELINES[0] is not x:
         md = x["model_dtype"]
-        exact = ref_impl.attention_call(x, schedule=attention.exact()).astype(np.float64)
-        _BASELINES[:] = [x, (exact, ref_impl.attention_call(
-            x, schedule=attention.vllm_schedule(md)))]
+
+        def compute():
+            exact = ref_impl.attention_call(x, schedule=attention.exact()).astype(np.float64)
+            return {"exact": exact, "baseline": ref_impl.attention_call(
+                x, schedule=attention.vllm_schedule(md))}
+
+        got = _cached("attention_exact_baseline", x, md, compute)
+        _BASELINES[:] = [x, (got["exact"], got["baseline"])]
     return _BASELINES[1]
 
 

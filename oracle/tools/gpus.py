@@ -2,8 +2,10 @@
 worker ``gwK`` the GPU ``K mod N`` alone, by setting ``CUDA_VISIBLE_DEVICES`` before anything
 initialises CUDA (conftest.py calls ``pin_worker_gpu`` first thing). Unset, or N <= 1, or a
 ``CUDA_VISIBLE_DEVICES`` the user set: nothing changes (every worker shares the visible
-GPUs, as on the one-GPU machine). xdist shards the test ids deterministically (the
-differential test's parameters are a pure function of the registry and ORACLE_SEED).
+GPUs, as on the one-GPU machine). A plain ``pytest -m gpu`` sets ORACLE_GPUS to the number
+of visible GPUs itself (oracle/tools/pytest_workers.py). xdist shards the test ids
+deterministically (the differential test's parameters are a pure function of the registry
+and ORACLE_SEED).
 """
 
 from __future__ import annotations
@@ -44,3 +46,15 @@ def pin_worker_gpu(environ=os.environ) -> int | None:
     if worker_gpu(worker, gpus) is None:
         return None
     return pin_gpu(int(worker[2:]), gpus, environ)
+
+
+def gpu_memories() -> list[int]:
+    """Total memory in bytes of each visible CUDA GPU; empty without torch or CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory
+            for i in range(torch.cuda.device_count())]

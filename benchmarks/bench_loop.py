@@ -1,0 +1,212 @@
+"""The kernel-change loop timed: ``pytest -m gpu`` (or ``--pytest-args``) run cold, with an
+empty Triton cache (``TRITON_CACHE_DIR``) and an empty reference cache
+(``ORACLE_REFERENCE_CACHE``), then warm, with both caches as the cold run left them and one
+kernel file's mtime touched (``--touch``; Triton keys its cache by source contents, so a
+touch alone recompiles nothing: the warm number is the floor of an edit's loop).
+
+Each run's wall time, and where its tests' time went, from this module loaded as a pytest
+plugin into every pytest process of the run (controller and xdist workers):
+- ``jit``: Triton's compiles (``kernels._triton.CompileClock``: every in-memory cache miss,
+  disk-cache loads included);
+- ``reference``: the differential checks' reference side (``oracle.core.checks._cached``:
+  cache lookups and, on a miss, the float64 reference and its bounds), with the reference
+  cache's hits, misses and rejected entries;
+- ``kernels and the rest``: the tests' remaining time (the launches, input sets, the
+  torch peers, the kernel tests' own references).
+
+Writes ``loop.json`` and ``loop.md`` under ``--out``. Runs on the CPU too (the interpreter
+compiles nothing); ``--pytest-args`` narrows the selection, e.g. for a quick CPU check:
+
+    python -m benchmarks.bench_loop --out /tmp/loop --pytest-args "-m gpu -k indexer_decode"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE_ENV = "BENCH_LOOP_PROBE_DIR"
+SCHEMA = "bench-loop/1"
+
+
+# ------------------------------------------------------------ the probe (a pytest plugin)
+
+
+class Probe:
+    """Seconds of one pytest process: its tests, Triton's compiles, the reference side."""
+
+    def __init__(self):
+        from kernels._triton import CompileClock
+
+        self.clock = CompileClock().install()
+        self.tests = 0
+        self.test_s = 0.0
+        self.reference_s = 0.0
+
+    def timed_reference(self, cached):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return cached(*args, **kwargs)
+            finally:
+                self.reference_s += time.perf_counter() - t0
+
+        return timed
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item):
+        t0 = time.perf_counter()
+        yield
+        self.tests += 1
+        self.test_s += time.perf_counter() - t0
+        self.save()  # after every test: a run stopped by --timeout still tells its share
+
+    def save(self) -> None:
+        out = Path(os.environ[PROBE_ENV]) / f"probe-{os.getpid()}.json"
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.record()))
+        os.replace(tmp, out)
+
+    def record(self) -> dict:
+        from oracle.core import refcache
+
+        cache = refcache.default_cache()
+        return dict(tests=self.tests, test_s=self.test_s, jit_s=self.clock.seconds,
+                    jit_count=self.clock.count, reference_s=self.reference_s,
+                    ref_hits=cache.hits, ref_misses=cache.misses, ref_rejected=cache.rejected)
+
+
+def pytest_configure(config):
+    if not os.environ.get(PROBE_ENV):
+        return
+    from oracle.core import checks
+
+    probe = Probe()
+    checks._cached = probe.timed_reference(checks._cached)
+    config.pluginmanager.register(probe, "bench_loop_probe")
+
+
+def pytest_unconfigure(config):
+    probe = config.pluginmanager.get_plugin("bench_loop_probe")
+    if probe is not None:
+        probe.save()
+
+
+# ------------------------------------------------------------------------- the runs
+
+
+def run_pytest(pytest_args: list[str], env: dict, probes: Path,
+               timeout: float | None = None) -> dict:
+    """One pytest run in a subprocess with the probe loaded; its wall time, exit code (124:
+    stopped at ``timeout`` seconds, its workers with it) and the probes' sums."""
+    probes.mkdir(parents=True, exist_ok=True)
+    for f in probes.glob("probe-*.json"):
+        f.unlink()
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
+           "benchmarks.bench_loop", "-q", *pytest_args]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=ROOT, env={**env, PROBE_ENV: str(probes)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        output, _ = p.communicate(timeout=timeout)
+        code = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        output, _ = p.communicate()
+        code = 124
+    wall = time.perf_counter() - t0
+    totals = dict(tests=0, test_s=0.0, jit_s=0.0, jit_count=0, reference_s=0.0, ref_hits=0,
+                  ref_misses=0, ref_rejected=0)
+    for f in probes.glob("probe-*.json"):
+        for k, v in json.loads(f.read_text()).items():
+            totals[k] += v
+    totals["other_s"] = max(0.0, totals["test_s"] - totals["jit_s"] - totals["reference_s"])
+    tail = output.strip().splitlines()[-1:] or [""]
+    return dict(wall_s=wall, exit_code=code, summary=tail[0], **totals)
+
+
+def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | None = None,
+            environ=os.environ) -> dict:
+    """The cold run (empty caches under ``work``), then the warm one (``touch`` touched)."""
+    env = dict(environ, TRITON_CACHE_DIR=str(work / "triton"),
+               ORACLE_REFERENCE_CACHE=str(work / "reference"))
+    runs = {"cold": run_pytest(pytest_args, env, work / "probes", timeout)}
+    os.utime(touch)
+    runs["warm"] = run_pytest(pytest_args, env, work / "probes", timeout)
+    return dict(schema=SCHEMA, pytest_args=pytest_args, touched=str(touch.relative_to(ROOT)),
+                device=_device(), runs=runs)
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    except ImportError:
+        pass
+    return f"CPU ({os.cpu_count()} cores, Triton interpreter)"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
+
+
+def markdown(doc: dict) -> str:
+    """The report as a Markdown table (shares of the tests' summed seconds)."""
+    lines = [f"# The `pytest {shlex.join(doc['pytest_args'])}` loop on {doc['device']}", "",
+             f"Warm: both caches from the cold run, `{doc['touched']}` touched.", "",
+             "| run | wall (s) | tests | test time (s) | JIT | reference | kernels and the "
+             "rest | compiles | reference hits / misses / rejected | exit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in doc["runs"].items():
+        t = r["test_s"]
+        lines.append(
+            f"| {name} | {r['wall_s']:.1f} | {r['tests']} | {t:.1f} | {_share(r['jit_s'], t)} "
+            f"| {_share(r['reference_s'], t)} | {_share(r['other_s'], t)} | {r['jit_count']} "
+            f"| {r['ref_hits']} / {r['ref_misses']} / {r['ref_rejected']} | {r['exit_code']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path, help="directory for loop.json / loop.md")
+    ap.add_argument("--pytest-args", default="-m gpu",
+                    help="pytest's arguments, one shell-quoted string (default: -m gpu)")
+    ap.add_argument("--touch", default="kernels/indexer_decode.py",
+                    help="the kernel file whose mtime the warm run follows")
+    ap.add_argument("--timeout", type=float,
+                    help="seconds per run; a run stopped there reports exit 124 and the "
+                         "tests it finished")
+    ap.add_argument("--work", type=Path,
+                    help="where the caches live (default: a fresh temporary directory)")
+    a = ap.parse_args(argv)
+    touch = ROOT / a.touch
+    if not touch.is_file():
+        ap.error(f"--touch must name a file of the repository, got {a.touch!r}")
+    with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
+        work = a.work or Path(tmp)
+        if any(p.exists() for p in (work / "triton", work / "reference")):
+            ap.error(f"--work must not hold a cache yet (the cold run needs empty ones): {work}")
+        doc = measure(shlex.split(a.pytest_args), touch, work, a.timeout)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "loop.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (a.out / "loop.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return max(r["exit_code"] for r in doc["runs"].values())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""``pytest -m gpu`` typed plainly uses the whole machine.
+
+On a CUDA machine with pytest-xdist installed, a run that selects the ``gpu`` tests and
+names no worker count gets as many xdist workers as the cores, the host memory and the
+GPUs' memory allow, ``--dist loadgroup`` (the implementations of a case share one worker),
+and with several GPUs one GPU per worker (``ORACLE_GPUS``, read by ``pin_worker_gpu`` in
+each worker). A ``-n``/``--tx``/``--dist`` the user gives wins, ``-n 0`` and
+``-p no:xdist`` included. Without pytest-xdist the run stays in one process and its header
+says once how to go faster. The CPU run (``-m "not gpu ..."``) is never touched.
+
+The root conftest.py registers this module as a plugin; its ``pytest_configure`` runs
+before xdist's (which is ``trylast`` and creates the distributed session from
+``config.option.dist`` and ``config.option.tx``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from _pytest.mark.expression import Expression
+
+from oracle.tools.gpus import gpu_memories
+
+GIB = 1 << 30
+# Room for a worker's float64 reference, its model-shape cases and its imports (torch,
+# Triton); erring large: fewer workers beat swapping.
+HOST_BYTES_PER_WORKER = 4 * GIB
+# A CUDA context plus the largest test's tensors and Triton's workspace.
+GPU_BYTES_PER_WORKER = 4 * GIB
+
+FASTER = ("sparse-attn-oracle: `pytest -m gpu` runs in one process; install pytest-xdist "
+          "to spread it over every core and GPU")
+_ADVICE = pytest.StashKey[str]()  # the header line of a run that could go faster
+
+
+def worker_count(cores: int, host_bytes: int, gpu_bytes: list[int]) -> int:
+    """Workers for a ``-m gpu`` run: the fewest that the cores, the host memory and the
+    GPUs allow (workers go round-robin over the GPUs, so the smallest GPU sets each one's
+    share); 0 (stay in one process) with no GPU or room for fewer than two workers."""
+    if cores < 1 or host_bytes < 0 or any(b < 0 for b in gpu_bytes):
+        raise ValueError(f"cores must be >= 1 and memory sizes >= 0, got cores={cores}, "
+                         f"host_bytes={host_bytes}, gpu_bytes={gpu_bytes}")
+    if not gpu_bytes:
+        return 0
+    by_gpu = min(gpu_bytes) // GPU_BYTES_PER_WORKER * len(gpu_bytes)
+    n = min(cores, host_bytes // HOST_BYTES_PER_WORKER, by_gpu)
+    return n if n >= 2 else 0
+
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether the ``-m`` expression selects a test marked ``gpu`` alone."""
+    if not markexpr:
+        return False
+    return Expression.compile(markexpr).evaluate(lambda name, **_: name == "gpu")
+
+
+def user_chose_workers(option) -> bool:
+    """Whether the command line (or PYTEST_ADDOPTS) already says how to distribute, or
+    debugs in this process (--pdb, --trace)."""
+    return (getattr(option, "numprocesses", None) is not None
+            or getattr(option, "usepdb", False) or getattr(option, "trace", False)
+            or bool(getattr(option, "tx", None)) or getattr(option, "dist", "no") != "no")
+
+
+def xdist_installed() -> bool:
+    """Whether pytest-xdist can be imported (loaded as a plugin or not)."""
+    return importlib.util.find_spec("xdist") is not None
+
+
+def host_memory() -> int:
+    """Bytes of host memory available now (MemAvailable), or the total where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def distribute(option, workers: int, gpus: int, environ=os.environ) -> None:
+    """Set xdist's options as ``-n workers --dist loadgroup`` would, and with several GPUs
+    put each worker on its own (``ORACLE_GPUS``, inherited by the workers)."""
+    option.numprocesses = workers
+    option.dist = "loadgroup"
+    option.tx = ["popen"] * workers
+    if gpus > 1 and "CUDA_VISIBLE_DEVICES" not in environ:
+        environ.setdefault("ORACLE_GPUS", str(gpus))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    option = config.option
+    if (hasattr(config, "workerinput") or option.collectonly
+            or not selects_gpu_tests(option.markexpr) or user_chose_workers(option)):
+        return
+    gpu_bytes = gpu_memories()
+    if not gpu_bytes:
+        return
+    if not config.pluginmanager.hasplugin("xdist"):
+        if not xdist_installed():  # absent, not switched off with -p no:xdist
+            config.stash[_ADVICE] = FASTER
+        return
+    workers = worker_count(usable_cores(), host_memory(), gpu_bytes)
+    if workers:
+        distribute(option, workers, len(gpu_bytes))
+
+
+def pytest_report_header(config):
+    return config.stash.get(_ADVICE, None)

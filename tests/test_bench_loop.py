@@ -1,0 +1,55 @@
+"""benchmarks/bench_loop.py on the CPU with a tiny selection: the cold run fills the
+reference cache (misses), the warm run after the touch reads it (hits, no miss), both
+runs' times are split into JIT, reference and the rest, and the JSON and Markdown are
+written."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_loop
+
+SELECTION = "tests/test_oracle.py -k replay_reproduces_inputs_and_verdict and indexer_decode"
+
+
+def test_cold_then_warm_loop_on_a_tiny_selection(tmp_path):
+    """Cold: the reference lookups miss; warm: every one hits; the reference's seconds
+    are part of the tests' seconds; the interpreter compiles nothing; the Markdown has a
+    row per run."""
+    out = tmp_path / "out"
+    rc = bench_loop.main(["--out", str(out), "--work", str(tmp_path / "work"),
+                          "--pytest-args", SELECTION.replace("-k ", "-k '") + "'"])
+    assert rc == 0
+    doc = json.loads((out / "loop.json").read_text())
+    cold, warm = doc["runs"]["cold"], doc["runs"]["warm"]
+    assert cold["tests"] == warm["tests"] == 1
+    assert cold["ref_misses"] > 0  # (the test checks its case twice: the second one hits)
+    assert warm["ref_misses"] == 0 and warm["ref_hits"] == cold["ref_misses"] + cold["ref_hits"]
+    for r in (cold, warm):
+        assert 0 < r["reference_s"] <= r["test_s"] <= r["wall_s"]
+        assert r["jit_count"] == 0 and r["exit_code"] == 0
+        assert abs(r["other_s"] - (r["test_s"] - r["reference_s"] - r["jit_s"])) < 1e-9
+    md = (out / "loop.md").read_text()
+    assert "| cold |" in md and "| warm |" in md
+
+
+def test_the_cold_run_refuses_a_filled_cache_directory(tmp_path, capsys):
+    """--work holding a cache already is refused before any run (a cold run needs empty
+    caches)."""
+    (tmp_path / "reference").mkdir()
+    try:
+        bench_loop.main(["--out", str(tmp_path / "o"), "--work", str(tmp_path)])
+    except SystemExit as e:
+        assert e.code == 2
+    assert "must not hold a cache yet" in capsys.readouterr().err
+
+
+def test_a_run_past_its_timeout_is_stopped_and_marked(tmp_path):
+    """--timeout stops a run (its whole process group) and records exit 124 for it, with
+    the JSON still written."""
+    out = tmp_path / "out"
+    rc = bench_loop.main(["--out", str(out), "--work", str(tmp_path / "work"),
+                          "--timeout", "0.5", "--pytest-args", "tests/test_oracle.py"])
+    doc = json.loads((out / "loop.json").read_text())
+    assert rc == 124 and [r["exit_code"] for r in doc["runs"].values()] == [124, 124]
+    assert all(r["wall_s"] < 60 for r in doc["runs"].values())

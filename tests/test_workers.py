@@ -1,0 +1,162 @@
+"""``pytest -m gpu`` typed plainly spreads over the machine (oracle/tools/pytest_workers.py):
+the worker count from cores and memory, the user's ``-n`` winning, and a run with a faked
+CUDA machine that spawns its xdist workers, one GPU each."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from oracle.tools import pytest_workers as pw
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("cores, host, gpus, want", [
+    (16, 128 * GIB, [80 * GIB], 16),            # one H100, 16 cores: the cores limit
+    (16, 40 * GIB, [80 * GIB], 10),             # host memory limits
+    (64, 512 * GIB, [16 * GIB], 4),             # a small GPU's memory limits
+    (64, 512 * GIB, [80 * GIB, 16 * GIB], 8),   # round-robin: the smaller GPU sets each share
+    (32, 256 * GIB, [80 * GIB, 80 * GIB], 32),  # two GPUs, the cores limit
+    (1, 128 * GIB, [80 * GIB], 0),              # one core: one process
+    (16, 6 * GIB, [80 * GIB], 0),               # room for one worker only: one process
+    (16, 128 * GIB, [], 0),                     # no GPU
+])
+def test_worker_count_is_the_tightest_limit(cores, host, gpus, want):
+    """The worker count is the least of the cores, host memory / 4 GiB and the GPUs'
+    share (the smallest GPU's memory / 4 GiB, times the GPUs); fewer than two is none."""
+    assert pw.worker_count(cores, host, gpus) == want
+
+
+def test_worker_count_rejects_nonsense():
+    """Zero cores or negative memory is a clear error naming the arguments."""
+    with pytest.raises(ValueError, match="cores must be >= 1"):
+        pw.worker_count(0, GIB, [GIB])
+    with pytest.raises(ValueError, match="memory sizes >= 0"):
+        pw.worker_count(4, -1, [GIB])
+
+
+@pytest.mark.parametrize("expr, want", [
+    ("gpu", True), ("gpu and not slow", True), ("gpu or interp", True),
+    ("not gpu and not fuzz", False), ("interp", False), ("", False), ("not gpu", False),
+])
+def test_only_a_selection_of_gpu_tests_counts(expr, want):
+    """Only a ``-m`` expression that selects a test marked ``gpu`` turns the plugin on (the
+    CPU default ``not gpu and not fuzz`` never does)."""
+    assert pw.selects_gpu_tests(expr) is want
+
+
+def test_the_root_conftest_registers_the_plugin():
+    """conftest.py names the plugin in ``pytest_plugins`` (how the runs below load it)."""
+    tree = ast.parse((ROOT / "conftest.py").read_text())
+    names = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+             and any(getattr(t, "id", "") == "pytest_plugins" for t in node.targets)]
+    assert names and "oracle.tools.pytest_workers" in names[0]
+
+
+_FAKE = textwrap.dedent("""
+    # A CUDA machine with two 80 GiB GPUs, 2 cores and 64 GiB free, as the plugin sees it.
+    import oracle.tools.pytest_workers as pw
+    pw.gpu_memories = lambda: [80 << 30, 80 << 30]
+    pw.usable_cores = lambda: 2
+    pw.host_memory = lambda: 64 << 30
+""")
+_NO_XDIST = "import oracle.tools.pytest_workers as pw\npw.xdist_installed = lambda: False\n"
+_TEST = textwrap.dedent("""
+    import os, pathlib, pytest
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("i", range(4))
+    def test_where(i):
+        env = os.environ
+        pathlib.Path(env["WHERE"], str(i)).write_text(
+            f"{env.get('PYTEST_XDIST_WORKER', '-')} {env.get('ORACLE_GPUS', '-')}")
+""")
+
+
+def _run(tmp_path, *args, rc=0):
+    """Run pytest on the tiny gpu test in tmp_path; returns (stdout, where each test ran)."""
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n    gpu: needs CUDA\n"
+        # The fakes import the plugin before pytest does: nothing of it to rewrite.
+        "filterwarnings =\n    ignore::pytest.PytestAssertRewriteWarning\n")
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ("oracle.tools.pytest_workers",)\n')
+    (tmp_path / "fakecuda.py").write_text(_FAKE)
+    (tmp_path / "noxdist.py").write_text(_NO_XDIST)
+    (tmp_path / "test_tiny.py").write_text(_TEST)
+    where = tmp_path / "where"
+    where.mkdir(exist_ok=True)
+    for f in where.iterdir():
+        f.unlink()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ORACLE_GPUS", "CUDA_VISIBLE_DEVICES", "PYTEST_ADDOPTS",
+                        "PYTEST_XDIST_WORKER")}
+    env.update(WHERE=str(where), PYTHONPATH=f"{ROOT}:{tmp_path}")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == rc, r.stdout[-2000:] + r.stderr[-2000:]
+    return r.stdout, sorted(f.read_text() for f in where.iterdir())
+
+
+def test_plain_gpu_run_spawns_one_worker_per_core_each_on_its_gpu(tmp_path):
+    """``pytest -m gpu`` on a (faked) two-GPU CUDA machine with 2 cores runs in 2 xdist
+    workers with ``--dist loadgroup``, each told of the 2 GPUs (ORACLE_GPUS) so that
+    conftest's pin_worker_gpu puts it on its own."""
+    out, where = _run(tmp_path, "-p", "fakecuda", "-m", "gpu")
+    assert "2 workers [4 items]" in out, out
+    assert len(where) == 4 and all(w.startswith("gw") and w.endswith(" 2") for w in where)
+    assert {w.split()[0] for w in where} <= {"gw0", "gw1"}
+
+
+@pytest.mark.parametrize("args", [("-n", "0"), ("-p", "no:xdist"), ("--pdb",)])
+def test_the_users_choice_wins(tmp_path, args):
+    """``-n 0``, ``-p no:xdist`` or ``--pdb`` keeps the faked CUDA run in one process,
+    silently."""
+    out, where = _run(tmp_path, "-p", "fakecuda", "-m", "gpu", *args)
+    assert where == ["- -"] * 4 and "pytest-xdist" not in out
+
+
+def test_an_explicit_worker_count_wins(tmp_path):
+    """``-n 1`` on the faked two-GPU machine gives one worker, and no ORACLE_GPUS."""
+    _, where = _run(tmp_path, "-p", "fakecuda", "-m", "gpu", "-n", "1")
+    assert where == ["gw0 -"] * 4
+
+
+def test_no_cuda_or_no_gpu_selection_stays_in_one_process(tmp_path):
+    """Without CUDA (this machine as it is), or with a ``-m`` that selects no gpu test,
+    the run is left alone."""
+    _, where = _run(tmp_path, "-m", "gpu")
+    assert where == ["- -"] * 4
+    out, where = _run(tmp_path, "-p", "fakecuda", "-m", "not gpu", rc=5)  # all deselected
+    assert where == [] and "workers" not in out
+
+
+def test_without_xdist_the_header_says_how_to_go_faster(tmp_path):
+    """With pytest-xdist absent (faked) the faked CUDA run stays in one process and its
+    header says once how to spread it."""
+    out, where = _run(tmp_path, "-p", "fakecuda", "-p", "noxdist", "-p", "no:xdist", "-m", "gpu")
+    assert where == ["- -"] * 4 and out.count("install pytest-xdist") == 1
+
+
+def test_the_sm90_compile_checks_are_not_gpu_tests():
+    """The sm_90 compile checks (for GPU-less machines) carry neither ``gpu`` nor ``interp``
+    (which a CUDA machine turns into ``gpu``): ``-m "gpu or interp"`` collects none of
+    them, while the default run collects them all."""
+    files = ["tests/test_compile_sm90.py", "tests/test_static_sm90.py"]
+
+    def collected(*args):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                            "--collect-only", "-q", *args, *files], cwd=ROOT,
+                           capture_output=True, text=True, env={**os.environ,
+                                                                "PYTHONPATH": str(ROOT)})
+        return [ln for ln in r.stdout.splitlines() if "::" in ln]
+
+    assert collected("-m", "gpu or interp") == []
+    assert len(collected()) >= 10
