@@ -147,7 +147,7 @@ def _pytest(tmp_path, *args, nudge=False, env=()):
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node,
-         "--baseline", str(tmp_path / "base" / "cpu.json"),
+         "--baseline", str(tmp_path / "base" / "cpu.json.gz"),
          "--last-run", str(tmp_path / "last.json"), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -158,15 +158,21 @@ def test_the_gate_fails_a_kernel_one_code_worse_and_passes_the_honest_one(tmp_pa
     fails the pytest run against the honest kernel's accepted baseline, with the Markdown
     naming the cell; the honest kernel passes it; without a baseline, or with the gate off,
     the run passes and says so."""
+    from oracle.core import registry
+    from oracle.core.cases import Case
+    from oracle.impls import catalog
+
+    catalog.load_all()
+    saved = {op: dict(impls) for op, impls in registry.REGISTRY.items()}
     (tmp_path / "gate_kernels.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("ORACLE_PLUGINS", "gate_kernels")
     monkeypatch.setenv("GATE_NUDGE", "1")
-    from oracle.core import registry
-    from oracle.core.cases import Case
-
-    monkeypatch.setattr(registry, "_LOADED", False)
+    catalog.load_all()  # imports the plugin, which registers plugin_gate
     (impl,) = registry.implementations("attention_decode", ["plugin_gate"])
+    registry.REGISTRY.clear()
+    registry.REGISTRY.update(saved)
+    sys.modules.pop("gate_kernels", None)
     nudged = run_check(Case.from_id(_gate_case()), impl)
     assert nudged.passed and nudged.tally.admissible_not_nearest >= 1, nudged.summary()
 
@@ -190,6 +196,10 @@ DETERMINISM = textwrap.dedent("""
     import numpy as np
     import torch
     torch.set_num_threads(int(sys.argv[1]))
+    import kernels
+    kernels.use_interpreter_without_gpu()
+    from oracle.impls import catalog
+    catalog.load_all()
     from oracle.core.cases import Case, make_inputs
     from oracle.core.registry import implementations
     from oracle.core.reference_run import attention_call

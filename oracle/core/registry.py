@@ -106,6 +106,9 @@ def register(impl: Implementation) -> Implementation:
 def implementations(op: str, names=None, device: str | None = None) -> list[Implementation]:
     """Registered implementations of an op, optionally only the named ones or those that
     run on a device (entry points register them first: ``oracle.impls.catalog.load_all``)."""
+    if not REGISTRY:  # a new entry point that forgot to load: say so, not "must be among []"
+        raise RuntimeError("no implementation is registered: call "
+                           "oracle.impls.catalog.load_all() first")
     found = list(REGISTRY.get(op, {}).values())
     if names:
         unknown = set(names) - {i.name for impls in REGISTRY.values() for i in impls.values()}
