@@ -38,6 +38,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROBE_ENV = "BENCH_LOOP_PROBE_DIR"
 SCHEMA = "bench-loop/1"
+LOG_LINES = 400  # of each run's pytest output kept in loop.json: its failures and summary
 
 
 # ------------------------------------------------------------ the probe (a pytest plugin)
@@ -133,18 +134,22 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
         for k, v in json.loads(f.read_text()).items():
             totals[k] += v
     totals["other_s"] = max(0.0, totals["test_s"] - totals["jit_s"] - totals["reference_s"])
-    tail = output.strip().splitlines()[-1:] or [""]
-    return dict(wall_s=wall, exit_code=code, summary=tail[0], **totals)
+    lines = output.strip().splitlines()
+    return dict(wall_s=wall, exit_code=code, summary=(lines[-1:] or [""])[0],
+                output_tail="\n".join(lines[-LOG_LINES:]), **totals)
 
 
 def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | None = None,
-            environ=os.environ) -> dict:
-    """The cold run (empty caches under ``work``), then the warm one (``touch`` touched)."""
+            environ=os.environ, total: float | None = None) -> dict:
+    """The cold run (empty caches under ``work``), then the warm one (``touch`` touched).
+    ``total``: seconds for both together; the warm run gets what the cold one left."""
     env = dict(environ, TRITON_CACHE_DIR=str(work / "triton"),
                ORACLE_REFERENCE_CACHE=str(work / "reference"))
     runs = {"cold": run_pytest(pytest_args, env, work / "probes", timeout)}
     os.utime(touch)
-    runs["warm"] = run_pytest(pytest_args, env, work / "probes", timeout)
+    left = None if total is None else max(1.0, total - runs["cold"]["wall_s"])
+    warm_timeout = left if timeout is None else min(timeout, left or timeout)
+    runs["warm"] = run_pytest(pytest_args, env, work / "probes", warm_timeout)
     return dict(schema=SCHEMA, pytest_args=pytest_args, touched=str(touch.relative_to(ROOT)),
                 device=_device(), runs=runs)
 
@@ -190,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float,
                     help="seconds per run; a run stopped there reports exit 124 and the "
                          "tests it finished")
+    ap.add_argument("--total", type=float,
+                    help="seconds for both runs together: the warm run gets what is left")
     ap.add_argument("--work", type=Path,
                     help="where the caches live (default: a fresh temporary directory)")
     a = ap.parse_args(argv)
@@ -200,7 +207,7 @@ def main(argv=None) -> int:
         work = a.work or Path(tmp)
         if any(p.exists() for p in (work / "triton", work / "reference")):
             ap.error(f"--work must not hold a cache yet (the cold run needs empty ones): {work}")
-        doc = measure(shlex.split(a.pytest_args), touch, work, a.timeout)
+        doc = measure(shlex.split(a.pytest_args), touch, work, a.timeout, total=a.total)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "loop.json").write_text(json.dumps(doc, indent=1) + "\n")
     (a.out / "loop.md").write_text(markdown(doc))
