@@ -447,7 +447,7 @@ def _exact_and_baseline(x) -> tuple[np.ndarray, np.ndarray]:
 
 
 def reported_attention_stats(x, got) -> dict:
-    """Reported, never gating (until calibrated on a clean run, issue 11):
+    """Reported, never gating (the false-alarm run calibrates them on clean cases):
 
     ``fa_ratio``: FlashAttention's test criterion, the implementation's max error against the
     exact float64 output over that of a same-precision baseline (the reference with vLLM's
