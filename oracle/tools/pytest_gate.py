@@ -33,7 +33,7 @@ def pytest_addoption(parser):
                     help=f"do not compare the differential cells with the committed baseline "
                          f"(also {GATE_ENV}=off)")
     group.addoption("--baseline", metavar="PATH",
-                    help="the baseline to compare with (default reports/baseline/KIND.json, "
+                    help="the baseline to compare with (default reports/baseline/KIND.json.gz, "
                          "KIND: cpu, h100, h200... from the device)")
     group.addoption("--last-run", metavar="PATH",
                     help="where the run's report goes (default out/last-run-KIND.json; "
