@@ -3,7 +3,7 @@
 Every run records its differential checks (oracle/tools/suite.py's recorder, on the
 controller: with pytest-xdist the workers' reports come to it), writes them as an oracle
 report to ``out/last-run-<kind>.json`` (and to ``--suite-report PATH`` when given), and
-compares the cells it checked with ``reports/baseline/<kind>.json`` (oracle/tools/baseline.py).
+compares the cells it checked with ``reports/baseline/<kind>.json.gz`` (oracle/tools/baseline.py).
 A cell that got worse by ``oracle diff``'s rules fails the run (exit status 1, with the
 Markdown a reviewer pastes into a pull request); a cell without a baseline is listed, not
 failed. ``--no-baseline-gate`` or ``ORACLE_BASELINE_GATE=off`` turns the comparison off
