@@ -418,7 +418,7 @@ def run_modes(r: Runner, modes: list[str]) -> None:
     if "ab" in modes:
         run_ab(r)
     if "loop" in modes:
-        r.run(r.stage("loop", [*PY, "-m", "benchmarks.bench_loop", "--out", f"{r.out}/loop.json"]))
+        r.run(r.stage("loop", [*PY, "-m", "benchmarks.bench_loop", "--out", str(r.out)]))
     if "timeline" in modes:
         run_timeline(r)
     if "profile" in modes:

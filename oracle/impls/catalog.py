@@ -27,7 +27,7 @@ MODULES = (
     "oracle.impls.cuda",
 )
 #: Comma-separated modules, importable from ``sys.path``, that register implementations of
-#: their own (a user's kernels: see README "Registering your own kernel"); imported after
+#: their own (a user's kernels: see README "Testing your own kernel"); imported after
 #: the project's, so the tests, reports, fuzzing and replays see them like any other.
 PLUGINS_ENV = "ORACLE_PLUGINS"
 #: The project modules that registered nothing here, and why.
