@@ -288,7 +288,7 @@ register(Mutant(
     "an inclusive/exclusive mix-up passed K - 1 as the selection width, so the last column "
     "of every row kept the buffer's stale content",
     patch("kernels.indexer_decode",
-          ("                cnt if trace is None else trace, hi, q_rows, k, loc, ini, bps, "
+          ("            cnt if trace is None else trace, p.hi, p.q_rows, p.k, p.loc, p.ini, bps, "
            "splits)\n",
-           "                cnt if trace is None else trace, hi, q_rows, k - 1, loc, ini, bps, "
-           "splits)\n"))))
+           "            cnt if trace is None else trace, p.hi, p.q_rows, p.k - 1, p.loc, p.ini, "
+           "bps, splits)\n"))))
