@@ -143,10 +143,11 @@ def _cache_failures(x, out_cache, k_exact, v_exact, k_bound, v_bound):
     vs = _scale_per(x["v_scale"], s, hkv) if is_fp8(fmt) else None
     rel = _div_rel(x)
     ke, ve = k_exact[keep], v_exact[keep]
-    fails += _code_failures("kv_cache K", rows[..., :d], ke,
-                            k_bound[keep] + rel * np.abs(ke), fmt, ks)
-    fails += _code_failures("kv_cache V", rows[..., d:], ve,
-                            v_bound + rel * np.abs(ve), fmt, vs)
+    with np.errstate(invalid="ignore"):  # rel * |Inf| with rel 0 (no division): NaN bound
+        fails += _code_failures("kv_cache K", rows[..., :d], ke,
+                                k_bound[keep] + rel * np.abs(ke), fmt, ks)
+        fails += _code_failures("kv_cache V", rows[..., d:], ve,
+                                v_bound + rel * np.abs(ve), fmt, vs)
     return fails
 
 
