@@ -38,6 +38,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROBE_ENV = "BENCH_LOOP_PROBE_DIR"
 SCHEMA = "bench-loop/1"
+INTERRUPT_GRACE_S = 30  # for an interrupted pytest to write its reports
 LOG_LINES = 400  # of each run's pytest output kept in loop.json: its failures and summary
 
 
@@ -124,8 +125,14 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
         output, _ = p.communicate(timeout=timeout)
         code = p.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        output, _ = p.communicate()
+        # SIGINT first: pytest stops its workers and still writes its reports (the gate's
+        # last-run report of the tests it finished); SIGKILL if it does not end soon.
+        os.killpg(p.pid, signal.SIGINT)
+        try:
+            output, _ = p.communicate(timeout=INTERRUPT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            output, _ = p.communicate()
         code = 124
     wall = time.perf_counter() - t0
     totals = dict(tests=0, test_s=0.0, jit_s=0.0, jit_count=0, reference_s=0.0, ref_hits=0,
