@@ -17,7 +17,9 @@ import os
 
 from oracle.tools.gpus import pin_worker_gpu
 
-pytest_plugins = ("oracle.tools.pytest_workers",)
+# The worker count of a plain ``pytest -m gpu``, and the run's report with the baseline gate
+# (one tuple: a second assignment would drop the first).
+pytest_plugins = ("oracle.tools.pytest_workers", "oracle.tools.pytest_gate")
 
 # ORACLE_GPUS=N with pytest-xdist: one GPU per worker, chosen before CUDA is initialised.
 pin_worker_gpu()
@@ -42,8 +44,6 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from kernels import _cuda_available  # noqa: E402
 from oracle.impls.catalog import load_all  # noqa: E402
 from reference.platforms import PLATFORMS  # noqa: E402
-
-pytest_plugins = ("oracle.tools.pytest_gate",)  # the run's report and the baseline gate
 
 settings.register_profile(
     "ci",

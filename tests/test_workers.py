@@ -53,12 +53,16 @@ def test_only_a_selection_of_gpu_tests_counts(expr, want):
     assert pw.selects_gpu_tests(expr) is want
 
 
-def test_the_root_conftest_registers_the_plugin():
-    """conftest.py names the plugin in ``pytest_plugins`` (how the runs below load it)."""
+def test_the_root_conftest_registers_the_plugin(request):
+    """conftest.py assigns ``pytest_plugins`` once (a second assignment silently drops the
+    first) naming this plugin and the gate, and this very run has both loaded."""
     tree = ast.parse((ROOT / "conftest.py").read_text())
     names = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
              and any(getattr(t, "id", "") == "pytest_plugins" for t in node.targets)]
-    assert names and "oracle.tools.pytest_workers" in names[0]
+    assert len(names) == 1, names
+    assert {"oracle.tools.pytest_workers", "oracle.tools.pytest_gate"} <= set(names[0])
+    for plugin in ("oracle.tools.pytest_workers", "oracle.tools.pytest_gate"):
+        assert request.config.pluginmanager.hasplugin(plugin), plugin
 
 
 _FAKE = textwrap.dedent("""
