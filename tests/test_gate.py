@@ -253,3 +253,16 @@ def test_the_interpreters_dot_sums_in_index_order():
         want[i, m, n] = s
     got = fixed_order_matmul(a, b)
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_a_named_commit_stands_for_a_copied_tree(monkeypatch):
+    """$ORACLE_COMMIT (a GPU machine's copy of the tree has no reliable git state) is the
+    report's commit, the tree taken as clean; without it, git's HEAD."""
+    from oracle.core.report import COMMIT_ENV, source_state
+
+    monkeypatch.setenv(COMMIT_ENV, "0123abc")
+    assert source_state() == {"commit": "0123abc", "dirty": False}
+    monkeypatch.delenv(COMMIT_ENV)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    assert source_state()["commit"] == head

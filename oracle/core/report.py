@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import platform as host_platform
 import subprocess
 import time
@@ -149,9 +150,18 @@ def add_result(cells: dict, case: Case, r: CheckResult) -> None:
         "violations": t.violations, "seconds": round(r.seconds, 4), **r.extra})
 
 
+#: Names the commit of a tree copied without its git state (a remote GPU machine's copy of
+#: the working tree): taken as the commit, the tree as clean.
+COMMIT_ENV = "ORACLE_COMMIT"
+
+
 def source_state(root: Path = ROOT) -> dict:
     """The commit the tree is at and whether tracked files differ from it (a report of a
-    dirty tree is not reproducible from its commit); None for both outside a git tree."""
+    dirty tree is not reproducible from its commit); None for both outside a git tree;
+    ``$ORACLE_COMMIT`` where set."""
+    if os.environ.get(COMMIT_ENV):
+        return {"commit": os.environ[COMMIT_ENV], "dirty": False}
+
     def git(*args):
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                               timeout=60)
