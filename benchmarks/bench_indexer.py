@@ -8,7 +8,7 @@ caches: ``bf16`` (cache and index_q bf16) and ``e4m3`` (cache and index_q uint8 
 codes). Block tables: each request's 256 pages drawn at random from a pool twice the size
 needed (harness.shuffled_block_table); cache content N(0, 1) (torch's cast for fp8).
 The output is a token-major ``[T, Hi, K]`` int32 buffer passed as its transposed
-``[Hi, T, K]`` view, as servers keep it (SPEC.md s.5).
+``[Hi, T, K]`` view, as servers keep it (contract.md s.5).
 
 Implementations, on the same input sets (harness.py: graph replay, rotating sets > 2 x L2;
 at the model shape one set already moves 0.5 / 0.27 GB):

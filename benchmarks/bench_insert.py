@@ -3,14 +3,14 @@
 Shape: Hq 64, Hkv 4, Hi 4 with index_k, D 128, R 64, P 128, bf16 model dtype, 16,384
 tokens (one prefill batch: positions 0..N-1, slots in shuffled pages of a pool twice the
 size needed). Two caches: ``bf16`` (KV and index caches bf16) and ``e4m3`` (KV and index
-caches e4m3fn codes; index_q emitted as e4m3 codes, SPEC.md s.4). No KV scales (1.0).
+caches e4m3fn codes; index_q emitted as e4m3 codes, contract.md s.4). No KV scales (1.0).
 
 Implementations, all on the same input sets (harness.py: graph replay, rotating sets):
 - ``triton``: kernels.norm_rope_insert.norm_rope_insert; q, k, index_k (and bf16 index_q)
   IN PLACE in the packed rows, as servers call it (a separate q_out moves the same bytes);
   an fp8 index_q into a preallocated uint8 ``[N, Hi, D]`` buffer. With a bf16 cache the
   launcher's scale placeholders (``torch.ones(1)`` x 2) are two tiny fills in the graph.
-- ``torch_eager``: ``compose`` below, plain torch ops of SPEC.md s.3/4 (fp32 Gemma RMSNorm
+- ``torch_eager``: ``compose`` below, plain torch ops of contract.md s.3/4 (fp32 Gemma RMSNorm
   with (1 + w), rotate-half partial RoPE from the table, ``satfinite`` fp8 by clamp + torch's
   fp8 cast: acceptable in a speed baseline, never as a reference). Its kernels are replayed
   from a graph, so host launch overhead is not counted: a conservative baseline. It
@@ -30,9 +30,9 @@ per token: read the row (Hq + 2 Hkv + Hi + 1) D x 2 = 19,712 B, position and slo
 K/V 2 Hkv D x c = 2,048 (bf16) / 1,024 (e4m3), index_q Hi D x c = 1,024 / 512, index_k
 D x 2 = 256, index cache D x c = 256 / 128; plus the four norm weights once (1 KiB).
 bf16: 40,848 B/token -> 669.3 MB at 16,384 tokens (the commonly quoted ~669 MB). e4m3: 39,184
-B/token -> 642.0 MB. The commonly quoted ~650 MB (650.4) counts index_q at 2 B (bf16); SPEC.md s.4
-and the kernel emit e4m3 index_q codes (1 B), so 8.4 MB fewer must move; 642.0 MB is the
-figure used (the lower count makes the bandwidth fraction conservative).
+B/token -> 642.0 MB. The commonly quoted ~650 MB (650.4) counts index_q at 2 B (bf16);
+contract.md s.4 and the kernel emit e4m3 index_q codes (1 B), so 8.4 MB fewer must move;
+642.0 MB is the figure used (the lower count makes the bandwidth fraction conservative).
 tests/test_bench.py checks both counts.
 
 Targets (triton and cuda rows): >= 80% of the measured copy bandwidth, >= 5x the compiled
@@ -136,7 +136,7 @@ class InsertSet:
 
 
 def rope_table(max_pos: int, s: Shape, dev) -> torch.Tensor:
-    """SPEC.md s.3's table: fp32 angles and cos/sin, rounded to bf16."""
+    """contract.md s.3's table: fp32 angles and cos/sin, rounded to bf16."""
     j = torch.arange(0, s.rotary, 2, dtype=torch.float32, device=dev)
     inv_freq = 1.0 / s.rope_base ** (j / s.rotary)
     ang = torch.arange(max_pos, dtype=torch.float32, device=dev)[:, None] * inv_freq[None]

@@ -1,7 +1,7 @@
 """GPU timing harness: CUDA-graph replay over rotating input sets, timed with device
 events, and the machine's copy bandwidth (the roofline kernels are measured against).
 
-Method (NOTES.md "Timing"; .library METHOD.md):
+Method:
 - A call is given as one zero-argument callable per input set. The sets rotate so that
   one pass over them touches more than 2 x L2, and there are at least two of them
   (``rotation_count``: a set read again finds none of its bytes in L2); ``time_calls``

@@ -1,4 +1,4 @@
-// fp8 / bf16 / fp16 conversions of SPEC.md section 1, as __host__ __device__ inline
+// fp8 / bf16 / fp16 conversions of contract.md section 1, as __host__ __device__ inline
 // functions: the CPU tests (tests/test_csrc.py) compile this header with g++ and check every
 // function exhaustively against reference/codec.py; the kernels use the same code on the GPU.
 //

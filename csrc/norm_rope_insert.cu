@@ -1,4 +1,4 @@
-// Fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert (SPEC.md sections
+// Fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert (contract.md sections
 // 3 and 4): the CUDA twin of kernels/norm_rope_insert.py, same contract.
 //
 // nri_launch picks one of five kernels by NriParams::variant (all compute the same

@@ -9,7 +9,7 @@
 // (8, 16, 32 for D = 64, 128, 256), a warp holds G = 32 / LPH heads per instruction
 // (group g = lane / LPH, lanes g*LPH .. g*LPH + LPH - 1).
 //
-// RoPE partner of dim d (SPEC.md s.3, rotate half, hr = R/2): d + hr for d < hr, d - hr for
+// RoPE partner of dim d (contract.md s.3, rotate half, hr = R/2): d + hr for d < hr, d - hr for
 // hr <= d < R, none for d >= R. With hr = 8 a + b (0 <= b < 8), element j of lane l (dim
 // d = 8 l + j) finds its partner
 //   d < hr:       at dim 8 (l + a) + j + b : element (j + b) & 7 of lane l + a + (j + b >= 8)

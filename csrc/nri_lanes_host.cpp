@@ -1,7 +1,7 @@
 // Host simulation of the vectorised variants' lane arithmetic (csrc/nri_lanes.h), built
 // with g++ by tests/test_csrc.py (g++ -O2 -shared -fPIC -Icsrc): the same header code the
 // kernels run, with the warp shuffle replaced by a lookup into every lane's registers.
-// The tests compare the results with SPEC.md's partner rule, exhaustively over every even
+// The tests compare the results with contract.md's partner rule, exhaustively over every even
 // R <= D for D = 64, 128, 256.
 #include <stdint.h>
 

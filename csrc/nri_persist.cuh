@@ -1,4 +1,4 @@
-// Variant 4 of the fused insert (SPEC.md sections 3 and 4, the contract of
+// Variant 4 of the fused insert (contract.md sections 3 and 4, the contract of
 // csrc/norm_rope_insert.cu): persistent WARPS over (token, head chunk) items, the 16-byte
 // lanes of variants 1 and 2 with their RoPE partners by warp shuffles, no shared memory and
 // no block barrier. Instantiated by csrc/nri_persist_{bf16,f16}_d{64,128,256}.cu (variant 4)

@@ -1,4 +1,4 @@
-// Variant 3 of the fused insert (SPEC.md sections 3 and 4, the contract of
+// Variant 3 of the fused insert (contract.md sections 3 and 4, the contract of
 // csrc/norm_rope_insert.cu): a PERSISTENT kernel whose row loads are software-pipelined
 // through shared memory with cp.async, so that the bytes in flight cost no registers.
 // Instantiated by csrc/nri_stream_{bf16,f16}.cu (one translation unit per activation

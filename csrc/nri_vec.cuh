@@ -1,4 +1,4 @@
-// Variants 1 and 2 of the fused insert (SPEC.md sections 3 and 4, the contract of
+// Variants 1 and 2 of the fused insert (contract.md sections 3 and 4, the contract of
 // csrc/norm_rope_insert.cu): 16-byte lanes, several heads in flight per warp. Instantiated
 // by csrc/nri_vec_{shfl,global}_{bf16,f16}.cu (variant 1 / 2, bf16 / fp16 activations), one
 // translation unit each so that they compile in parallel.

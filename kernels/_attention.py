@@ -1,4 +1,4 @@
-"""Pieces shared by the block-sparse attention kernels (SPEC.md section 6): the device
+"""Pieces shared by the block-sparse attention kernels (contract.md section 6): the device
 functions that load a block's K/V operands (``kv_tiles``, with ``dequantize`` for per-slot
 scales) and that find and recompute ``P @ V`` over a tile whose rows do not all see the
 same keys (``not_finite``, ``repair_pv``, ``guarded_pv``); which fp8 schedule a case gets
@@ -32,7 +32,7 @@ from kernels.fp8 import BF16_UNIT, FMT_E5M2FNUZ, decode_fp8, decode_fp8_f16, tim
 from reference.attention import Q_TOP
 from reference.platforms import is_fp8
 
-#: Domain limits (SPEC.md s.7).
+#: Domain limits (contract.md s.7).
 MAX_GROUP = 16
 MAX_TOPK = 64
 

@@ -2,7 +2,7 @@
 decode kernels' kept workspace.
 
 Every check raises ``ValueError`` whose message starts with the argument's name and says
-the valid range, before anything is launched (SPEC.md section 7, "value checks"): shapes,
+the valid range, before anything is launched (contract.md section 7, "value checks"): shapes,
 dtypes and strides always; tensor *contents* (slot ranges, duplicate slots) only under
 ``validate=True``, because reading them back is a host sync.
 """
@@ -137,7 +137,7 @@ def validate_slots(slots: torch.Tensor, name: str, num_slots: int) -> None:
 def resolve_formats(kv_fmt, kv_cache_dtype, platform, model_dtype, index_cache=None,
                     index_fmt=None) -> tuple[str, str | None]:
     """(kv_fmt, index_fmt) from either explicit format names or vLLM's ``kv_cache_dtype``
-    string read on ``platform`` (SPEC.md s.2: "fp8" is e4m3fn on cuda, e4m3fnuz on
+    string read on ``platform`` (contract.md s.2: "fp8" is e4m3fn on cuda, e4m3fnuz on
     rocm-fnuz). An index cache without ``index_fmt`` is read by its dtype: uint8 means the
     platform's e4m3, otherwise the model dtype."""
     from reference.platforms import PLATFORMS, index_cache_format, kv_cache_format

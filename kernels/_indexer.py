@@ -1,6 +1,6 @@
 """Shared by the two indexer kernels (kernels/indexer_prefill.py, kernels/indexer_decode.py):
 the device helpers that score key blocks and keep a running top-k list and the host checks
-of their arguments. SPEC.md section 5 is the contract; the float64
+of their arguments. contract.md section 5 is the contract; the float64
 reference is reference/indexer.py.
 
 Rows. A program owns ROWS "rows": (query token, index head) pairs flattened token-major
@@ -19,7 +19,7 @@ order), so the registry declares ``score_rel = 0``. A NaN dot on a visible key m
 score NaN (tracked explicitly: hardware max drops NaNs; the FMA scan uses the
 NaN-propagating max); -0 is normalised to +0.
 
-Selection: one 64-bit key per (row, block) encodes the whole order of SPEC.md s.5 so that
+Selection: one 64-bit key per (row, block) encodes the whole order of contract.md s.5 so that
 "larger key" means "ranks first", and keys of one row are unique:
 
     key = class_and_score << 32 | (0xFFFFFFFF - b)

@@ -1,4 +1,4 @@
-"""Block-sparse GQA attention decode over a paged KV cache (SPEC.md section 6), in
+"""Block-sparse GQA attention decode over a paged KV cache (contract.md section 6), in
 two Triton kernels: a split-K attention kernel and a log-sum-exp merge.
 
 Contract. ``rows_per_request`` (1..4) query rows per request, request-major; row j of
@@ -87,7 +87,7 @@ DEFAULT_STAGES_FP8 = 3
 #: fixed chain; at larger batches the 4-warp default is faster.
 SMALL_GRID = 32
 SMALL_GRID_LAUNCH = {"num_warps": 8, "maxnreg": 128, "num_stages": 2}
-#: Domain limit (SPEC.md s.7); MAX_GROUP and MAX_TOPK: kernels._attention.
+#: Domain limit (contract.md s.7); MAX_GROUP and MAX_TOPK: kernels._attention.
 MAX_ROWS = 4
 LOG2E = 1.4426950408889634
 

@@ -1,4 +1,4 @@
-"""Block-sparse GQA attention prefill over a paged KV cache (SPEC.md section 6), in
+"""Block-sparse GQA attention prefill over a paged KV cache (contract.md section 6), in
 one Triton kernel.
 
 Contract. A ragged batch of new tokens: request r owns tokens ``cu_seqlens_q[r] ..

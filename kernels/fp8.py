@@ -1,5 +1,5 @@
 """The fp8 codec in Triton: encode (satfinite, RNE, correct subnormals) and decode of the four
-fp8 formats of SPEC.md section 1, as @triton.jit device functions, plus host launchers.
+fp8 formats of contract.md section 1, as @triton.jit device functions, plus host launchers.
 
 The format is a constexpr int (``FMT_E4M3FN``, ``FMT_E5M2``, ``FMT_E4M3FNUZ``,
 ``FMT_E5M2FNUZ``; ``FMT_CODES`` maps reference.codec's names to them) and so is the branch:

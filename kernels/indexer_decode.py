@@ -1,4 +1,4 @@
-"""Decode indexer in ONE Triton kernel (SPEC.md section 5): block scores and top-k
+"""Decode indexer in ONE Triton kernel (contract.md section 5): block scores and top-k
 selection for 1..4 query rows per request, fused, split over key blocks with an exact merge
 of the partial top-k lists in the same launch.
 
@@ -388,7 +388,7 @@ def indexer_decode(index_q, index_cache, index_fmt, block_table, seq_lens, rows_
                    block_n=None, num_warps=None, num_stages=None, merge_chunk=None, merge=None,
                    pairs=None, fma_chain=None, block_d=None, blocks_per_step=None, vec=None,
                    grid=None, num_programs=None, trace=None, workspace=None, pdl=False):
-    """Top-k key blocks of decode rows (SPEC.md s.5).
+    """Top-k key blocks of decode rows (contract.md s.5).
 
     index_q           ``[B * rows_per_request, Hi, D]`` request-major, in the index cache's
                       format (bf16/fp16, or uint8 fp8 codes); last dim contiguous.

@@ -1,4 +1,4 @@
-"""Prefill indexer in ONE Triton kernel (SPEC.md section 5): block scores and the
+"""Prefill indexer in ONE Triton kernel (contract.md section 5): block scores and the
 top-k block selection of every new token of a ragged batch, per index head.
 
 Grid ``(token tiles, B)``: program (j, r) owns tokens ``j*TT .. (j+1)*TT - 1`` of request r
@@ -75,7 +75,7 @@ def indexer_prefill(index_q, index_cache, index_fmt, block_table, cu_seqlens_q, 
                     topk, local_blocks=1, initial_blocks=0, out=None, max_query_len=None,
                     validate=False, block_rows=None, block_n=None, block_d=None,
                     blocks_per_step=None, vec=None, num_warps=None):
-    """Top-k key blocks of every new token of a ragged prefill batch (SPEC.md s.5).
+    """Top-k key blocks of every new token of a ragged prefill batch (contract.md s.5).
 
     index_q        ``[T, Hi, D]`` in the index cache's format: bf16/fp16 (the cache's
                    dtype) or uint8 fp8 codes; any token/head strides, last dim contiguous.
@@ -86,7 +86,7 @@ def indexer_prefill(index_q, index_cache, index_fmt, block_table, cu_seqlens_q, 
     block_table    int32/int64 ``[B, max_blocks]``: logical block -> page of the index cache.
     cu_seqlens_q   int32/int64 ``[B+1]``; seq_lens int32/int64 ``[B]`` (incl. new tokens):
                    token i of request r is at position seq_lens[r] - query_len[r] + i.
-    topk (1..64), local_blocks, initial_blocks (>= 0): SPEC.md s.5.
+    topk (1..64), local_blocks, initial_blocks (>= 0): contract.md s.5.
     out            int32 ``[Hi, T, K]`` with any strides (e.g. ``buf.transpose(0, 1)`` of a
                    token-major ``[T, Hi, K]`` buffer); allocated head-major when None.
     max_query_len  an upper bound of the requests' new-token counts (default T: no sync).

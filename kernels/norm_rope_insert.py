@@ -1,5 +1,5 @@
 """Fused Gemma RMSNorm + partial NeoX RoPE + paged KV / index-cache insert in ONE Triton
-kernel (SPEC.md sections 3, 4).
+kernel (contract.md sections 3, 4).
 
 One launch per batch, a persistent grid: every program strides over the work items
 (token, block of BLOCK_H heads) of q, then those of k (a k item also inserts its K and V

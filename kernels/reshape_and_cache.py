@@ -1,5 +1,5 @@
 """Separate (unfused) paged KV-cache insert, the "two-rounding" path, in one Triton kernel
-(SPEC.md section 4): K and V arrive already rounded to the model dtype (bf16/fp16).
+(contract.md section 4): K and V arrive already rounded to the model dtype (bf16/fp16).
 
 One launch per batch; the grid is ``(N, cdiv(Hkv, BLOCK_H))``: a program writes BLOCK_H KV
 heads of one token. For token t with slot s = slot_mapping[t] (negative: skip; past the

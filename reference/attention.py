@@ -1,4 +1,4 @@
-"""Block-sparse GQA attention over a paged KV cache (SPEC.md section 6), in float64 NumPy.
+"""Block-sparse GQA attention over a paged KV cache (contract.md section 6), in float64 NumPy.
 
 Semantics. A query row is a token at absolute position ``p`` of request ``r``; query head
 ``qh`` reads KV head ``g = qh // G`` (``G = Hq / Hkv``). Its selection is the SET of
@@ -247,7 +247,7 @@ def exact(out_dtype: str = "float64") -> Schedule:
 def vllm_schedule(act: str = "bfloat16", blocks_per_split: int | None = None,
                   order: str = "given", p_max: str = "running",
                   blocks_per_tile: int = 1) -> Schedule:
-    """vLLM's sparse attention schedule (SPEC.md s.6) for activation dtype ``act``.
+    """vLLM's sparse attention schedule (contract.md s.6) for activation dtype ``act``.
 
     K/V dequantised to act (fp8 -> act exactly; times the fp32 scale in fp32, re-rounded
     to act); P rounded to act for P@V, the row sum unrounded; split-K partials in act with
@@ -419,7 +419,7 @@ def decode_positions(seq_lens, rows_per_request):
 def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq_lens, topk,
                              k_scale=None, v_scale=None, softmax_scale=None, schedule=None,
                              validate=True, return_details=False):
-    """Block-sparse GQA attention of a ragged batch of new tokens (SPEC.md s.6).
+    """Block-sparse GQA attention of a ragged batch of new tokens (contract.md s.6).
 
     q: float ``[T, Hq, D]`` (model-dtype values); kv_cache: logical ``[num_pages, Hkv, P,
     2*D]`` codes of format ``kv_fmt`` (any strides); block_table: int ``[B, max_blocks]``;
@@ -442,7 +442,7 @@ def sparse_attention_prefill(q, kv_cache, kv_fmt, block_table, cu_seqlens_q, seq
 def sparse_attention_decode(q, kv_cache, kv_fmt, block_table, seq_lens, topk,
                             rows_per_request, k_scale=None, v_scale=None, softmax_scale=None,
                             schedule=None, validate=True, return_details=False):
-    """Block-sparse GQA attention of 1..4 query rows per request (SPEC.md s.6).
+    """Block-sparse GQA attention of 1..4 query rows per request (contract.md s.6).
 
     q: float ``[B * rows_per_request, Hq, D]``, rows request-major, row j of request r at
     position ``seq_lens[r] - rows_per_request + j``; requests with ``seq_lens[r] == 0`` are

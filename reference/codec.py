@@ -4,7 +4,7 @@
 conventions; ``decode`` and ``encode`` are derived from it and nothing else.
 
 Encoding is round-to-nearest-even onto the format's finite grid (subnormals included),
-then one of two overflow policies (SPEC.md section 1):
+then one of two overflow policies (contract.md section 1):
 
 ``satfinite``      NVIDIA ``cvt.rn.satfinite`` / vLLM KV writes: overflow and +-Inf become
                    +-max finite; NaN becomes the format's canonical NaN code.

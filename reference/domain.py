@@ -1,4 +1,4 @@
-"""The supported domain (SPEC.md section 7) and the model's numbers (SPEC.md preamble).
+"""The supported domain (contract.md section 7) and the model's numbers (contract.md preamble).
 
 Validators, hypothesis strategies and docs read these constants; no other module
 restates them.

@@ -1,4 +1,4 @@
-"""The fused norm + RoPE + KV insert op and the separate reshape_and_cache path (SPEC.md s.4).
+"""The fused norm + RoPE + KV insert op and the separate reshape_and_cache path (contract.md s.4).
 
 Both write into the given (possibly strided) caches in place, as the kernels do. The two
 differ in how K reaches the cache: the fused op quantises K from its exact post-RoPE value
@@ -84,7 +84,7 @@ def reshape_and_cache(k, v, kv_cache, kv_fmt, slot_mapping, k_scale, v_scale, mo
 
 
 def _check_index_fmt(index_fmt, index_cache, layout, model_dtype, skip_index):
-    """The index cache's format: the model dtype or an e4m3 format (SPEC.md s.2, s.4)."""
+    """The index cache's format: the model dtype or an e4m3 format (contract.md s.2, s.4)."""
     if index_cache is None and layout.has_index_k and not skip_index:
         raise ValueError("index_cache is required when the layout has index_k "
                          "(unless skip_index)")

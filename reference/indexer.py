@@ -1,4 +1,4 @@
-"""Indexer: block scores and top-k block selection (SPEC.md section 5), float64 NumPy.
+"""Indexer: block scores and top-k block selection (contract.md section 5), float64 NumPy.
 
 Semantics, for request r, index head h, a query token at absolute position p:
 
@@ -9,7 +9,7 @@ Semantics, for request r, index head h, a query token at absolute position p:
   dot product of the values as given, no scale. A NaN dot makes the block's score NaN
   (np.maximum semantics). Index keys are decoded exactly from their codes; ``index_q`` is
   used as given: when the index cache is fp8, pass index_q as decoded e4m3 values already
-  (``dec(e4m3(index_q))``, SPEC.md s.4); no rounding happens here.
+  (``dec(e4m3(index_q))``, contract.md s.4); no rounding happens here.
 - n = min(K, num_visible) blocks are selected. Forced blocks: the first L_init blocks
   (``b < L_init``) and the last L_loc visible blocks (``b >= num_visible - L_loc``), both
   within the visible range. Then the highest scores.
@@ -18,7 +18,7 @@ Ordering of the output (one total order, used for both the choice and the entrie
   1. forced blocks, in ascending block id. Every initial block has a lower id than every
      local block that is not also initial, so this is "initial blocks first, then local
      blocks"; when the forced blocks exceed n, the first n of this order are kept: initial
-     blocks win over local ones (SPEC.md s.5, vLLM's sentinels 1e30 > 1e29), and among
+     blocks win over local ones (contract.md s.5, vLLM's sentinels 1e30 > 1e29), and among
      local blocks the lower id wins, which is the tie rule applied to vLLM's equal local
      sentinels (so with L_init = 0 and L_loc > n the current block is the one dropped).
   2. the other visible blocks with a non-NaN score, by descending score; equal scores
@@ -27,7 +27,7 @@ Ordering of the output (one total order, used for both the choice and the entrie
 The n first blocks of this order are written to ``topk[h, t, :n]`` in this order; the
 remaining K - n entries are -1. Consumers treat the selection as a set.
 
-Output ``[Hi, T, K]`` int32 of LOGICAL block ids (head-major, as SPEC.md s.5; servers keep
+Output ``[Hi, T, K]`` int32 of LOGICAL block ids (head-major, as contract.md s.5; servers keep
 the buffer token-major and pass ``buf.transpose(1, 0, 2)``; this is value-identical).
 
 Scores for the oracle: with ``return_scores=True`` the entry points return an

@@ -1,4 +1,4 @@
-"""Gemma RMSNorm and partial NeoX RoPE over packed qkv rows (SPEC.md section 3).
+"""Gemma RMSNorm and partial NeoX RoPE over packed qkv rows (contract.md section 3).
 
 Everything is computed in float64 from model-dtype inputs. ``transform_qkv_rows`` returns
 both the exact post-RoPE value of every head (``"<kind>_exact"``: norm and RoPE in float64,
@@ -40,7 +40,7 @@ def rope_table(max_positions, rotary_dim, base, model_dtype="bfloat16", *, exact
     """The cos/sin table, float64 ``[max_positions, R]``; row p is
     ``[cos_0 .. cos_{R/2-1} | sin_0 .. sin_{R/2-1}]`` of the angles ``p * inv_freq_j``.
 
-    Default: the float32 recipe of SPEC.md s.3 (vLLM's ``RotaryEmbedding`` cache):
+    Default: the float32 recipe of contract.md s.3 (vLLM's ``RotaryEmbedding`` cache):
     ``inv_freq_j = 1 / base^(2j/R)`` with the exponent, the power and the reciprocal in
     float32; ``angle = float32(p) * inv_freq_j`` rounded to float32; cos/sin of that float32
     angle in float32; then rounded (RNE) to the model dtype. Every float32 step is
@@ -178,7 +178,7 @@ def transform_qkv_rows(rows, positions, layout, weights, table, rotary_dim, eps,
     present in the layout (model-dtype values, like the checkpoint's). Returns, for each
     present kind, ``kind_exact`` (float64 post-RoPE value) and ``kind`` (rounded once to the
     model dtype), plus ``v`` (a copy of the v part, ``[N, Hkv, D]``). q, k, index_q are
-    ``[N, H, D]``, index_k is ``[N, D]``. Choices where SPEC.md is silent: rows and weights
+    ``[N, H, D]``, index_k is ``[N, D]``. Choices where contract.md is silent: rows and weights
     must hold model-dtype values (ValueError otherwise); eps must be finite and >= 0."""
     if not isinstance(layout, QKVLayout):
         raise ValueError(f"layout must be a QKVLayout, got {type(layout).__name__}")

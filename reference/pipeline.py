@@ -1,4 +1,4 @@
-"""The end-to-end reference of one attention step of a sparse layer (SPEC.md s.3-s.6).
+"""The end-to-end reference of one attention step of a sparse layer (contract.md s.3-s.6).
 
 A batch of requests whose prefixes are already in the caches brings new tokens as packed
 qkv rows ``[q | k | v | index_q | index_k]``. One step is three calls, in this order:
@@ -16,7 +16,7 @@ qkv rows ``[q | k | v | index_q | index_k]``. One step is three calls, in this o
    Always with the EXACT schedule (float64, unrounded output); with ``schedule`` given, a
    second time under that schedule (what a kernel declaring it is judged against).
 
-Choices where SPEC.md is silent (all checked, ValueError naming the argument):
+Choices where contract.md is silent (all checked, ValueError naming the argument):
 
 - Positions: prefill token i of request r is at ``seq_lens[r] - query_len[r] + i``;
   decode row j at ``seq_lens[r] - rows_per_request + j`` (as in the indexer and attention).

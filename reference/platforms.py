@@ -1,4 +1,4 @@
-"""Which storage format a ``kv_cache_dtype`` string means on each platform (SPEC.md s.2).
+"""Which storage format a ``kv_cache_dtype`` string means on each platform (contract.md s.2).
 
 The platforms and which fp8 format each stores are rows of ``reference.formats.FORMATS``
 (its ``native`` platforms); a format name here is a key of that table. The unquantised

@@ -20,7 +20,7 @@ N = 16_384
 def test_minimal_bytes_match_the_issue():
     """At the model shape and 16,384 tokens the analytic count is the commonly quoted ~669 MB
     (bf16 caches) and, counting index_q at 2 B as that figure does, ~650 MB (e4m3 caches),
-    each within 1%; the count used for e4m3 (index_q as e4m3 codes, SPEC.md s.4) is exactly
+    each within 1%; the count used for e4m3 (index_q as e4m3 codes, contract.md s.4) is exactly
     Hi * D bytes per token below that convention."""
     bf16 = bench_insert.minimal_bytes(N, "bfloat16", "bfloat16")
     e4m3_issue = bench_insert.minimal_bytes(N, "e4m3fn", "e4m3fn", index_q_bytes=2)

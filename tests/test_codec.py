@@ -8,7 +8,7 @@ from oracle.tools import conformance
 from reference.codec import FORMATS, FP8_FORMATS, POLICIES, decode, encode, round_to
 
 # The format definitions written out independently of reference.codec (OCP FP8 spec v1.0
-# and the fnuz variants of AMD/Graphcore), as in SPEC.md section 1.
+# and the fnuz variants of AMD/Graphcore), as in contract.md section 1.
 DEFINITIONS = {
     "e4m3fn": dict(bias=7, max=448.0, max_code=0x7E, min_normal=2**-6, min_sub=2**-9,
                    inf=(), nan=(0x7F, 0xFF), neg_zero=0x80),
@@ -68,7 +68,7 @@ def test_encode_matches_ml_dtypes(sets, fmt, policy, source):
 
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
 def test_spec_examples_of_rounding_before_overflow(fmt):
-    """SPEC.md s.1: 464 -> 448 in e4m3fn; 61440 -> Inf in e5m2; 248 -> NaN in e4m3fnuz;
+    """contract.md s.1: 464 -> 448 in e4m3fn; 61440 -> Inf in e5m2; 248 -> NaN in e4m3fnuz;
     NaN -> 0x7F (OCP) / 0x80 (fnuz) under satfinite; -0 -> 0x80 (OCP) / 0x00 (fnuz)."""
     nan_code = 0x80 if "fnuz" in fmt else 0x7F
     assert encode(np.float32([np.nan]), fmt, "satfinite")[0] == nan_code

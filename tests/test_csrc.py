@@ -388,7 +388,7 @@ def test_page_offset_is_the_slots_page_and_offset(lanes):
 
 
 def _partner(d, rot):
-    """SPEC.md s.3's rotate-half partner of every dim (-1 beyond R)."""
+    """contract.md s.3's rotate-half partner of every dim (-1 beyond R)."""
     dims, hr = np.arange(d), rot // 2
     return np.where(dims < hr, dims + hr, np.where(dims < rot, dims - hr, -1))
 

@@ -27,7 +27,7 @@ from tests.helpers import assert_close
 
 MODES = ("prefill", "decode")
 DISTS = ("normal", "outliers", "near_overflow", "tiny")
-# kv format -> (platform, index cache format): SPEC.md s.2, written out independently here.
+# kv format -> (platform, index cache format): contract.md s.2, written out independently here.
 FORMAT_TABLE = {"bfloat16": ("cuda", "bfloat16"), "e4m3fn": ("cuda", "e4m3fn"),
                 "e5m2": ("cuda", "e4m3fn"), "e4m3fnuz": ("rocm-fnuz", "e4m3fnuz"),
                 "e5m2fnuz": ("rocm-fnuz", "e4m3fnuz")}
@@ -58,7 +58,7 @@ def _row(doc, mode, dist, fmt, scales="amax"):
 def test_cli_quick_writes_json_and_markdown_covering_every_format(quick):
     """`python -m oracle e2e --quick` exits 0 and writes a JSON whose rows are exactly every
     (mode, distribution, format, scale) -- bf16 once without scales, each of the four fp8
-    formats with amax and unit scales -- each with its platform and the index format SPEC.md
+    formats with amax and unit scales -- each with its platform and the index format contract.md
     s.2 pairs with it, finite non-negative metrics, positive scales where amax applies;
     the Markdown beside it has one table line per row."""
     r, doc, md = quick

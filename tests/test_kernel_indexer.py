@@ -293,7 +293,7 @@ def test_t_equal_to_hi_is_not_transposed():
 
 @pytest.mark.parametrize("local, initial", [(0, 0), (1, 0), (3, 0), (0, 2), (2, 2), (5, 4)])
 def test_forced_local_and_initial_blocks(local, initial):
-    """Forced blocks with SPEC.md s.5's precedence (initial before local, lower id first
+    """Forced blocks with contract.md s.5's precedence (initial before local, lower id first
     when they exceed n = min(K, visible)), K = 3 with 1..7 visible blocks, prefill and
     decode: exactly the reference."""
     kw = dict(kind="grid", topk=3, local=local, initial=initial, seed=13 + local)

@@ -1,4 +1,4 @@
-"""kv_cache_dtype strings -> storage formats per platform (SPEC.md section 2)."""
+"""kv_cache_dtype strings -> storage formats per platform (contract.md section 2)."""
 
 import pytest
 
@@ -11,7 +11,7 @@ from reference.platforms import (
     platform_formats,
 )
 
-EXPECTED = {  # written out from SPEC.md's table
+EXPECTED = {  # written out from contract.md's table
     ("cuda", "fp8"): "e4m3fn", ("cuda", "fp8_e4m3"): "e4m3fn", ("cuda", "fp8_e5m2"): "e5m2",
     ("rocm-ocp", "fp8"): "e4m3fn", ("rocm-ocp", "fp8_e4m3"): "e4m3fn",
     ("rocm-ocp", "fp8_e5m2"): "e5m2",
@@ -22,7 +22,7 @@ EXPECTED = {  # written out from SPEC.md's table
 
 @pytest.mark.parametrize("model_dtype", ["bfloat16", "float16"])
 def test_kv_cache_dtype_table(platform, model_dtype):
-    """Each string maps to SPEC.md's format; auto means the model dtype."""
+    """Each string maps to contract.md's format; auto means the model dtype."""
     for kv in KV_CACHE_DTYPES:
         got = kv_cache_format(kv, platform, model_dtype)
         want = EXPECTED.get((platform, kv), model_dtype if kv == "auto" else kv)

@@ -1,4 +1,4 @@
-"""The block-sparse GQA attention reference (reference/attention.py, SPEC.md s.6).
+"""The block-sparse GQA attention reference (reference/attention.py, contract.md s.6).
 
 Cross-checks: the literal per-row form (reference.attention.attention_literal: loops over
 rows, heads, split chunks and tiles), and dense causal attention by torch's float64
@@ -74,7 +74,7 @@ class Case:
         return self.cache.shape[2]
 
     def rows_and_positions(self):
-        """(request, position) of every query row, written out from SPEC.md s.6."""
+        """(request, position) of every query row, written out from contract.md s.6."""
         req, pos = [], []
         if self.mode == "prefill":
             for r in range(self.seq_lens.size):
@@ -190,7 +190,7 @@ def make_case(seed, *, mode="prefill", page=16, topk=4, group=2, kv_heads=2, hea
 
 def literal_attention(case, schedule=EXACT, softmax_scale=None):
     """The reference's literal per-row form on a case (rows and positions written out here
-    from SPEC.md s.6). Returns (unrounded output, lse)."""
+    from contract.md s.6). Returns (unrounded output, lse)."""
     return attn.attention_literal(case.q, case.cache, case.fmt, case.block_table,
                                   case.seq_lens, case.topk, *case.rows_and_positions(),
                                   k_scale=case.k_scale, v_scale=case.v_scale,
@@ -284,7 +284,7 @@ def schedules(draw):
 
 @st.composite
 def domain_cases(draw):
-    """Small cases over the whole domain of SPEC.md s.7 (shapes, formats, scales, modes)."""
+    """Small cases over the whole domain of contract.md s.7 (shapes, formats, scales, modes)."""
     page = draw(st.sampled_from(PAGE_SIZES))
     kw = dict(
         mode=draw(st.sampled_from(["prefill", "decode"])),
@@ -643,7 +643,7 @@ def test_key_tiles_with_no_query_tokens_give_an_empty_output():
 def test_act_dequantisation_is_exact_for_power_of_two_scales_only():
     """vLLM's K/V path (act(f32(act(code) * f32(scale)))) adds nothing for a scalar
     power-of-two scale (exact multiply) but changes results with random per-slot scales
-    (the re-rounding to act that triples vLLM's error, SPEC.md s.6)."""
+    (the re-rounding to act that triples vLLM's error, contract.md s.6)."""
     kv_act = Schedule(kv_dtype="bfloat16")
     pow2 = make_case(25, fmt="e4m3fn", scales="none").with_(k_scale=0.5, v_scale=2.0)
     assert np.array_equal(pow2.call(schedule=kv_act), pow2.call())

@@ -1,4 +1,4 @@
-"""The fused norm + RoPE + KV insert reference and reshape_and_cache (SPEC.md s.3, s.4)."""
+"""The fused norm + RoPE + KV insert reference and reshape_and_cache (contract.md s.3, s.4)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""The reference indexer (SPEC.md s.5) against a literal per-row form, and its properties.
+"""The reference indexer (contract.md s.5) against a literal per-row form, and its properties.
 
 The literal form (reference.indexer.indexer_literal) reads like the math: for every
 request, token, head and visible block, the max over visible keys of an exactly rounded dot
@@ -157,7 +157,7 @@ def test_model_shape_decode_equals_the_literal_loops():
 def test_count_padding_and_forced_blocks(c):
     """Stated directly (not through the literal form): n = min(K, p//P + 1) valid distinct
     ids in [0, p//P] come first, then -1; the forced blocks are all present when they fit,
-    and otherwise the selection is exactly the first n of initial-then-local (SPEC.md s.5:
+    and otherwise the selection is exactly the first n of initial-then-local (contract.md s.5:
     initial blocks win); the forced blocks come first among the entries."""
     res, _ = run_prefill_case(c)
     page, k = c["page"], c["topk"]
@@ -186,7 +186,7 @@ def test_count_padding_and_forced_blocks(c):
     (5, 3, 0, 0, [4, 3, 2]),  # nothing forced: highest scores (ascending in this row)
 ])
 def test_forced_block_precedence_when_they_do_not_fit(nvis, k, local, initial, expected):
-    """SPEC.md s.5 precedence written out by hand: forced blocks fill the selection in the
+    """contract.md s.5 precedence written out by hand: forced blocks fill the selection in the
     order initial blocks, then local blocks by ascending id, then the rest by score; the
     fast selection and the literal one agree with the hand-written rows."""
     scores = np.arange(nvis, dtype=np.float64)[None, None]  # later blocks score higher

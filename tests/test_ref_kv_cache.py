@@ -1,5 +1,5 @@
 """The paged KV cache and index cache model: insert by slot mapping, layouts, satfinite
-encoding, scales, gather (SPEC.md s.4)."""
+encoding, scales, gather (contract.md s.4)."""
 
 import numpy as np
 import pytest
@@ -116,7 +116,7 @@ def test_layouts_hold_the_same_logical_contents(fmt):
     assert not caches["HND", 5].flags.c_contiguous  # the padded case really is strided
 
 
-# Per SPEC.md s.1/s.4, from its format table: V = [-0, +Inf, -Inf, NaN, 1e30, -1e30, 0, 1].
+# Per contract.md s.1/s.4, from its format table: V = [-0, +Inf, -Inf, NaN, 1e30, -1e30, 0, 1].
 SATFINITE_SPECIALS = {
     "e4m3fn": [0x80, 0x7E, 0xFE, 0x7F, 0x7E, 0xFE, 0x00, 0x38],
     "e5m2": [0x80, 0x7B, 0xFB, 0x7F, 0x7B, 0xFB, 0x00, 0x3C],
@@ -185,7 +185,7 @@ def test_quantizing_from_the_value_or_the_model_dtype_differs_as_predicted(model
     """quantize_from="value" writes encode(k) (one rounding), "model_dtype" writes
     encode(round_to(k)) (two roundings). They differ when the model-dtype rounding lands on
     an fp8 midpoint that then ties the other way: probability ~ (model ulp / fp8 step) / 2
-    = 2^-(p_model - p_fp8) / 2 for N(0,1) values (3.1% for bf16 -> e4m3, SPEC.md s.4); the
+    = 2^-(p_model - p_fp8) / 2 for N(0,1) values (3.1% for bf16 -> e4m3, contract.md s.4); the
     measured rate on a seeded sample of >= 24k elements is within 40% of that."""
     bg = rand.generator(5)
     n, hkv, dim = 192, 2, 64  # wide heads: 24k elements in few encode calls

@@ -1,4 +1,4 @@
-"""Gemma RMSNorm, the RoPE table and partial NeoX RoPE over packed qkv rows (SPEC.md s.3)."""
+"""Gemma RMSNorm, the RoPE table and partial NeoX RoPE over packed qkv rows (contract.md s.3)."""
 
 import math
 
@@ -47,7 +47,7 @@ def rope_interleaved(x, positions, table, rotary_dim):
 
 
 def literal_norm_rope(x, w, eps, position, table, rotary_dim):
-    """SPEC.md s.3 as plain loops over one head vector (a list of D floats)."""
+    """contract.md s.3 as plain loops over one head vector (a list of D floats)."""
     dim = len(x)
     total = 0.0
     for d in range(dim):
@@ -253,7 +253,7 @@ def norm_rope_cases(draw):
 def test_vectorised_transform_matches_the_literal_loops(case):
     """On random cases over the domain (even D <= 256, any even R <= D, positions within
     the table), every transformed head of transform_qkv_rows equals the plain-loop form of
-    SPEC.md s.3 to 1e-12 of the magnitudes summed in each output element."""
+    contract.md s.3 to 1e-12 of the magnitudes summed in each output element."""
     layout, rotary_dim, dtype = case["layout"], case["rotary_dim"], case["model_dtype"]
     bg = rand.generator(case["seed"])
     n, dim = case["n_tokens"], layout.head_dim

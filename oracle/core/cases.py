@@ -7,12 +7,12 @@ A case id reads ``op:shape_class:dist:platform:kv_cache_dtype:model_dtype:scales
 carries the sha256 of its arrays (``input_hash``), recorded in reports and checked on replay.
 
 Shapes are drawn from the seed within the shape class: ``tiny`` (interpreter-sized),
-``small`` (the domain of SPEC.md s.7 at CPU-friendly sizes), ``model`` (the model's
+``small`` (the domain of contract.md s.7 at CPU-friendly sizes), ``model`` (the model's
 numbers: Hq 64, Hkv 4, D 128, R 64, P 128, K 16; 4 requests with contexts of up to 8k
 tokens; a prefill case appends up to 128 new tokens per request, so that its float64
 check, which grows with the rows times the selected keys, stays at seconds: the 2,048-token
 prefill is the benchmarks' and ``benchmarks/reference_speed.py``'s) and
-``sweep`` (insert ops, for compiled kernels: the whole domain of SPEC.md s.7 -- N 0..16,384
+``sweep`` (insert ops, for compiled kernels: the whole domain of contract.md s.7 -- N 0..16,384
 log-uniform, Hkv 1..8, G 1..16, D 64/128/256, any even R <= min(D, 128), P 16..128 -- with
 N capped so an input set stays under ``SWEEP_ELEMENTS`` elements, which keeps the float64
 reference check to seconds; narrow rows reach N = 16,384) and ``long`` (indexer and
@@ -23,9 +23,9 @@ or 16, D 128, P 16/64/128, K 16 or 1..64; the contexts' total times Hkv capped a
 one KV head reach 128k tokens).
 
 Distributions (values before rounding to their storage dtype):
-  normal         N(0, 1); attention queries 2.5 N(0, 1) (NOTES.md's accuracy setup)
+  normal         N(0, 1); attention queries 2.5 N(0, 1) (the accuracy study's setup)
   outliers       N(0, 1) plus N(0, 10^2) on 0.1% of entries (FlashAttention-3's fp8 setup);
-                 insert ops: V also holds -0, +-Inf and NaN on 1% of entries (SPEC.md s.4);
+                 insert ops: V also holds -0, +-Inf and NaN on 1% of entries (contract.md s.4);
                  indexer ops: a few visible index keys hold a NaN code (NaN scores)
   near_overflow  V around the fp8 format's max on both sides; K and index keys pushed there
                  by small k scales and large norm weights (the indexer ops: keys and
@@ -285,7 +285,7 @@ def _token_count(bg, shape_class: str, row_width: int) -> int:
 
 def _with_specials(bg, v: np.ndarray) -> np.ndarray:
     """v with -0, +Inf, -Inf and NaN on ~1% of its entries (the cache insert must apply
-    satfinite to them, SPEC.md s.4)."""
+    satfinite to them, contract.md s.4)."""
     v = np.array(v, copy=True)
     hit = rand.uniform(bg, v.shape) < 0.01
     kind = rand.integers(bg, 0, 4, v.shape)
@@ -516,7 +516,7 @@ def _index_inputs(case: Case, bg, sg, decode: bool) -> dict:
 
 def _with_nan_keys(bg, cache, table, seq, page, fmt):
     """A NaN code in one element of 1 + seq_len // 128 random visible keys of each request
-    (in place): their blocks score NaN, which ranks below every number (SPEC.md s.5)."""
+    (in place): their blocks score NaN, which ranks below every number (contract.md s.5)."""
     for r, s in enumerate(seq):
         if s <= 0:
             continue

@@ -1,5 +1,5 @@
 """PyTorch's flex_attention as a peer implementation of the block-sparse attention ops
-(SPEC.md section 6), registered as implementation ``"flex"`` of ``attention_prefill`` and
+(contract.md section 6), registered as implementation ``"flex"`` of ``attention_prefill`` and
 ``attention_decode`` and judged by the same oracle as the kernels.
 
 How the paged, selected attention becomes a flex_attention call (one call per batch):

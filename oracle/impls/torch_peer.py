@@ -34,7 +34,7 @@ Numerics (what the oracle judges it by):
 
 Broken variants for the oracle's power tests: ``make_torch_impl(op, bug)`` returns an
 unregistered ``Implementation`` named ``torch[<bug>]`` with one realistic bug from ``BUGS``
-(SPEC.md s.8).
+(contract.md s.8).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Mutants: realistic bugs (shared/SPEC.md section 8) applied to the project's real kernels,
+"""Mutants: realistic bugs (shared/contract.md section 8) applied to the project's real kernels,
 and the kill matrix that shows which part of the standard budget catches each.
 
 A ``Mutant`` names the registered implementation it corrupts (``base``: e.g. the Triton
@@ -61,7 +61,7 @@ class Mutant:
     name: str
     op: str
     base: str  # the registered implementation it corrupts
-    bug: str  # the bug class of SPEC.md section 8
+    bug: str  # the bug class of contract.md section 8
     incident: str  # one line: the real-world incident it models
     build: Callable[[Implementation], Callable[[dict], dict]]  # base -> corrupted run
     gpu_only: bool = False  # only a CUDA run can show it (e.g. 64-bit offsets)

@@ -1,7 +1,7 @@
 """Mutants of the KV insert kernels (``oracle.tools.mutants``): the fused Gemma RMSNorm + partial
 NeoX RoPE + paged insert (``kernels.norm_rope_insert``, op ``norm_rope_insert``) and the
 separate insert (``kernels.reshape_and_cache``, op ``reshape_and_cache``), both Triton, and
-the fp8 codec they share (``kernels.fp8``). Each is a bug class of shared/SPEC.md section 8
+the fp8 codec they share (``kernels.fp8``). Each is a bug class of shared/contract.md section 8
 with the kind of real incident it models. Kernel-internal bugs are patches of the kernel's
 (or the codec's) source; caller-side bugs (a scale not plumbed, a format string resolved on
 the wrong platform, a config value dropped) wrap the kernel's arguments."""

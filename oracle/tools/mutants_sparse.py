@@ -1,5 +1,5 @@
 """Mutants of the indexer and attention kernels (``oracle.tools.mutants``): each a bug class of
-shared/SPEC.md section 8 on the project's Triton kernels, with the incident it models."""
+shared/contract.md section 8 on the project's Triton kernels, with the incident it models."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ register(Mutant(
     "decode_fnuz_read_as_fn", "attention_decode", "triton",
     "fnuz bytes read as fn (rocm-fnuz KV cache decoded as OCP e4m3fn / e5m2)",
     "sparse attention on MI300 read its e4m3fnuz KV cache through an e4m3fn-labelled view: "
-    "every value doubled and +-240 turned into NaN, with no error raised (SPEC.md s.1)",
+    "every value doubled and +-240 turned into NaN, with no error raised (contract.md s.1)",
     wrap_inputs(_fnuz_as_fn)))
 
 
