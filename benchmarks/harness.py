@@ -38,6 +38,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from oracle.impls.io import FP8_DTYPES, HALF_DTYPES
+
 L2_FALLBACK_BYTES = 50 * 2**20  # H100/H200 L2, when the device properties lack it
 COPY_BYTES = 2 * 2**30
 #: A replay holding ONE call also times the graph's launch and the write-back of the L2
@@ -239,9 +241,6 @@ def source_state(paths=("kernels", "benchmarks")) -> dict:
 # Helpers of the paged-attention benchmarks (bench_indexer.py, bench_attention_decode.py):
 # their inputs, their result records and their report files.
 
-FP8_DTYPES = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz,
-              "e5m2": torch.float8_e5m2, "e5m2fnuz": torch.float8_e5m2fnuz}
-HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FILL_CHUNK_BYTES = 2**28
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 
+from kernels import _cuda_available
 from oracle.core.registry import REGISTRY
 
 #: The project's implementation modules, in registration order; each has ``register_all()``
@@ -40,11 +41,7 @@ _CANNOT_LOAD = {"oracle.impls.cuda": (OSError, RuntimeError)}
 
 def device_name() -> str:
     """``"cuda"`` when torch sees a CUDA device, else ``"cpu"`` (also without torch)."""
-    try:
-        import torch
-    except ImportError:
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if _cuda_available() else "cpu"
 
 
 def _load_module(name: str) -> None:

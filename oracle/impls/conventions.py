@@ -8,7 +8,7 @@ with -1 for no block, ``k_scale`` / ``v_scale`` None, a scalar or ``[Hkv, num_sl
 vLLM's conventions, and the helper converting to each:
 
 - fp8 caches are uint8 storage viewed with a torch fp8 dtype, the kernel's only signal of
-  the format: ``torch_dtype`` / ``oracle_format`` (one table, ``TORCH_DTYPES``),
+  the format: ``torch_dtype`` / ``oracle_format`` (one table, ``oracle.impls.io.TORCH_DTYPES``),
   ``cache_view``;
 - ``kv_cache_dtype`` strings ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")
   resolved per platform
@@ -30,11 +30,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from oracle.impls.torch_peer import FP8_DTYPES, HALF_DTYPES
+from oracle.impls.io import FP8_DTYPES, HALF_DTYPES, TORCH_DTYPES
 from reference.platforms import MODEL_DTYPES, PLATFORMS, kv_cache_format
 
-#: Storage format name -> the torch dtype a vLLM kernel views its cache with.
-TORCH_DTYPES: dict[str, torch.dtype] = {**FP8_DTYPES, **HALF_DTYPES}
 #: vLLM's fp8 ``kv_cache_dtype`` strings, each naming a kind the platform resolves.
 VLLM_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 LAYOUTS = ("NHD", "HND")

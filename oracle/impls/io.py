@@ -8,8 +8,13 @@ import numpy as np
 import torch
 
 from oracle.impls.catalog import device_name
+from reference.formats import FORMATS, FP8_FORMATS, MODEL_DTYPES
 
-HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Storage format -> the torch dtype that views it (fp8 caches: uint8 codes), from the one
+#: format table; its fp8 and 16-bit parts.
+TORCH_DTYPES = {name: getattr(torch, f.torch_dtype) for name, f in FORMATS.items()}
+FP8_DTYPES = {name: TORCH_DTYPES[name] for name in FP8_FORMATS}
+HALF_DTYPES = {name: TORCH_DTYPES[name] for name in MODEL_DTYPES}
 
 
 def device() -> torch.device:

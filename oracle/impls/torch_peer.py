@@ -47,17 +47,11 @@ import numpy as np
 import torch
 
 from oracle.core.registry import Implementation, register
-from oracle.impls.io import HALF_DTYPES, codes_in, codes_out, device, ints, values
+from oracle.impls.io import FP8_DTYPES, HALF_DTYPES, codes_in, codes_out, device, ints, values
 from reference.attention import Schedule
 from reference.codec import FORMATS
 from reference.platforms import is_fp8
 
-FP8_DTYPES = {
-    "e4m3fn": torch.float8_e4m3fn,
-    "e5m2": torch.float8_e5m2,
-    "e4m3fnuz": torch.float8_e4m3fnuz,
-    "e5m2fnuz": torch.float8_e5m2fnuz,
-}
 FN_OF_FNUZ = {"e4m3fnuz": "e4m3fn", "e5m2fnuz": "e5m2"}  # the fnuz-read-as-fn bug's mix-up
 
 

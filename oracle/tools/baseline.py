@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from oracle.core import diff, report
+from oracle.impls.catalog import device_name
 
 ROOT = report.ROOT
 BASELINE_DIR = ROOT / "reports" / "baseline"
@@ -25,12 +26,10 @@ def device_kind(name: str | None = None) -> str:
     name in lower case (``NVIDIA H100 80GB HBM3`` -> ``h100``), else the whole name made
     file-safe. ``name``: a CUDA device name (default: the current device's)."""
     if name is None:
-        try:
-            import torch
-        except ImportError:
+        if device_name() == "cpu":
             return "cpu"
-        if not torch.cuda.is_available():
-            return "cpu"
+        import torch  # present: device_name() found a CUDA device through it
+
         name = torch.cuda.get_device_name()
     m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
     if m:

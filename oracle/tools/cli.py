@@ -13,11 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _device() -> str:
-    from oracle.impls.catalog import device_name
-
-    return device_name()
+from oracle.impls.catalog import device_name
 
 
 def _split(value, flag: str):
@@ -82,7 +78,7 @@ def cmd_report(args) -> int:
     ops = _names("ops", args.ops, OPS) or list(OPS)
     platforms = _names("platforms", args.platforms, PLATFORMS) or list(PLATFORMS)
     impls = _names("impls", args.impls, sorted(known_names()))
-    device = _device()
+    device = device_name()
     default_classes = ["tiny", "small", "model"] if device == "cuda" else ["tiny", "small"]
     classes = _names("shape-classes", args.shape_classes, SHAPE_CLASSES) or default_classes
     cases = report.default_cases(ops, platforms, classes, args.budget)
@@ -220,9 +216,9 @@ def cmd_replay(args) -> int:
         print(f"input hash differs from the recorded {args.hash}: not the same inputs")
         return 1
     if args.impl and args.impl.startswith("mutant:"):  # printed by the kill matrix
-        impls = [_mutant(args.impl.split(":", 1)[1]).implementation(_device())]
+        impls = [_mutant(args.impl.split(":", 1)[1]).implementation(device_name())]
     else:
-        impls = implementations(case.op, [args.impl] if args.impl else None, _device())
+        impls = implementations(case.op, [args.impl] if args.impl else None, device_name())
     failed = 0
     for impl in impls:
         ok, why = impl.supports(case)
@@ -248,7 +244,7 @@ def cmd_fuzz(args) -> int:
     warmup = fuzz.check_budget(seconds, args.warmup)
     if args.report:
         _check_writable(Path(args.report), "--report")
-    device = _device()
+    device = device_name()
     impls = impls or fuzz.default_impls(device)
     salt = args.config_salt if args.config_salt is not None else \
         int.from_bytes(os.urandom(3), "little")
@@ -308,7 +304,7 @@ def cmd_mutants(args) -> int:
         return 0
     chosen = [_mutant(n) for n in _split(args.mutants, "mutants")] if args.mutants else list(
         known.values())
-    gpu = _device() == "cuda"
+    gpu = device_name() == "cuda"
     out = Path(args.out or f"reports/mutants-{'h200' if gpu else 'cpu'}.json")
     _check_writable(out, "--out")
     # Written after every mutant: a run stopped by a time limit keeps its finished rows.
@@ -336,7 +332,7 @@ def cmd_falsealarm(args) -> int:
     ops = _names("ops", args.ops, OPS) or list(OPS)
     impls = _names("impls", args.impls, sorted(known_names()))
     classes = _names("shape-classes", args.shape_classes, SHAPE_CLASSES) or ["tiny", "small"]
-    device = _device()
+    device = device_name()
     out = Path(args.out or f"reports/false-alarms-{'h200' if device == 'cuda' else 'cpu'}.json")
     _check_writable(out, "--out")
     from oracle.tools.fuzz import default_impls
@@ -392,7 +388,7 @@ def cmd_e2e(args) -> int:
     modes = _names("modes", args.modes, e2e.MODES) or list(e2e.MODES)
     dists = _names("dists", args.dists, e2e.DISTS) or list(e2e.DISTS)
     size = "tiny" if args.tiny else "quick" if args.quick else "default"
-    device = _device()
+    device = device_name()
     # The reference's own implementations run on the CPU: their report keeps its old name.
     stem = ("e2e-accuracy-cpu" if args.impl == "reference"
             else f"e2e-accuracy-{args.impl}-{device}")
@@ -451,7 +447,7 @@ def check_numbers(args) -> None:
 def cmd_impls(args) -> int:
     from oracle.impls.catalog import table
 
-    print(table(_device()))
+    print(table(device_name()))
     return 0
 
 
