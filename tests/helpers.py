@@ -1,5 +1,9 @@
 """Small assertions shared by several test modules."""
 
+import contextlib
+import os
+import sys
+
 import numpy as np
 
 
@@ -237,3 +241,29 @@ def register_broken_attention(monkeypatch, name: str = "broken_torch") -> str:
     bad = dataclasses.replace(torch_impl, name=name, run=broken)
     monkeypatch.setitem(registry.REGISTRY["attention_decode"], name, bad)
     return name
+
+
+@contextlib.contextmanager
+def plugins_registered(modules: str):
+    """The registry with the project's implementations and the plugin modules ``modules``
+    (comma-separated, as ``$ORACLE_PLUGINS`` names them) registered; afterwards the
+    registry, the variable and the modules' imports are as they were."""
+    from oracle.core import registry
+    from oracle.impls import catalog
+
+    catalog.load_all()  # the project's implementations first: restored as they are
+    saved = {op: dict(impls) for op, impls in registry.REGISTRY.items()}
+    before = os.environ.get(catalog.PLUGINS_ENV)
+    os.environ[catalog.PLUGINS_ENV] = modules
+    try:
+        catalog.load_all()
+        yield registry
+    finally:
+        registry.REGISTRY.clear()
+        registry.REGISTRY.update(saved)
+        if before is None:
+            os.environ.pop(catalog.PLUGINS_ENV, None)
+        else:
+            os.environ[catalog.PLUGINS_ENV] = before
+        for name in modules.split(","):
+            sys.modules.pop(name.strip(), None)

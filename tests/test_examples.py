@@ -21,8 +21,8 @@ from oracle.core.cases import Case
 from oracle.core.checks import run_check
 from oracle.core.reference_run import attention_call
 from oracle.core.registry import arith_for, schedule_for
-from oracle.impls import catalog
 from reference.codec import round_dtype
+from tests.helpers import plugins_registered
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = "examples.vllm_style_kernel,examples.vllm_style_kernel_mislabelled"
@@ -32,17 +32,8 @@ PLUGINS = "examples.vllm_style_kernel,examples.vllm_style_kernel_mislabelled"
 def example_impls():
     """The registry with both example plugins loaded through $ORACLE_PLUGINS; the
     project's registry and environment are restored afterwards."""
-    mp = pytest.MonkeyPatch()
-    catalog.load_all()
-    saved = {op: dict(impls) for op, impls in registry.REGISTRY.items()}
-    mp.setenv(catalog.PLUGINS_ENV, PLUGINS)
-    catalog.load_all()
-    yield {i.name: i for i in registry.implementations("attention_decode")}
-    registry.REGISTRY.clear()
-    registry.REGISTRY.update(saved)
-    mp.undo()
-    for name in PLUGINS.split(","):
-        sys.modules.pop(name, None)
+    with plugins_registered(PLUGINS) as reg:
+        yield {i.name: i for i in reg.implementations("attention_decode")}
 
 
 def _tiny_cases(platforms=("cuda", "rocm-ocp", "rocm-fnuz")):

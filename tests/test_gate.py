@@ -15,6 +15,7 @@ from oracle.core import diff, report
 from oracle.core.checks import run_check
 from oracle.core.report import differential_cases, machine_info
 from oracle.tools import baseline
+from tests.helpers import plugins_registered
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,21 +159,14 @@ def test_the_gate_fails_a_kernel_one_code_worse_and_passes_the_honest_one(tmp_pa
     fails the pytest run against the honest kernel's accepted baseline, with the Markdown
     naming the cell; the honest kernel passes it; without a baseline, or with the gate off,
     the run passes and says so."""
-    from oracle.core import registry
     from oracle.core.cases import Case
-    from oracle.impls import catalog
 
-    catalog.load_all()
-    saved = {op: dict(impls) for op, impls in registry.REGISTRY.items()}
     (tmp_path / "gate_kernels.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("ORACLE_PLUGINS", "gate_kernels")
+    monkeypatch.setenv("ORACLE_PLUGINS", "gate_kernels")  # for the pytest runs below
     monkeypatch.setenv("GATE_NUDGE", "1")
-    catalog.load_all()  # imports the plugin, which registers plugin_gate
-    (impl,) = registry.implementations("attention_decode", ["plugin_gate"])
-    registry.REGISTRY.clear()
-    registry.REGISTRY.update(saved)
-    sys.modules.pop("gate_kernels", None)
+    with plugins_registered("gate_kernels") as reg:
+        (impl,) = reg.implementations("attention_decode", ["plugin_gate"])
     nudged = run_check(Case.from_id(_gate_case()), impl)
     assert nudged.passed and nudged.tally.admissible_not_nearest >= 1, nudged.summary()
 

@@ -3,7 +3,6 @@ the user names registers its kernels and the oracle judges them like the project
 
 from __future__ import annotations
 
-import sys
 import textwrap
 
 import pytest
@@ -12,6 +11,7 @@ from oracle.core import registry
 from oracle.core.cases import Case
 from oracle.core.checks import run_check
 from oracle.impls import catalog
+from tests.helpers import plugins_registered
 
 # A user's module: an "external kernel" for attention_decode (here the reference's float64
 # attention rounded to the model dtype, or a broken copy that drops the last selected block)
@@ -44,14 +44,8 @@ def plugin_registry(tmp_path, monkeypatch):
     registry is restored afterwards."""
     (tmp_path / "my_kernels.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    catalog.load_all()  # the project's implementations first: restored as they are
-    saved = {op: dict(impls) for op, impls in registry.REGISTRY.items()}
-    monkeypatch.setenv(catalog.PLUGINS_ENV, " my_kernels , ")
-    catalog.load_all()
-    yield registry
-    registry.REGISTRY.clear()
-    registry.REGISTRY.update(saved)
-    sys.modules.pop("my_kernels", None)
+    with plugins_registered(" my_kernels , ") as reg:
+        yield reg
 
 
 def test_a_plugin_is_registered_and_judged_like_the_projects_kernels(plugin_registry):
