@@ -251,9 +251,9 @@ def plugins_registered(modules: str):
     from oracle.core import registry
     from oracle.impls import catalog
 
-    catalog.load_all()  # the project's implementations first: restored as they are
+    before = os.environ.pop(catalog.PLUGINS_ENV, None)
+    catalog.load_all()  # the project's implementations alone first: restored as they are
     saved = {op: dict(impls) for op, impls in registry.REGISTRY.items()}
-    before = os.environ.get(catalog.PLUGINS_ENV)
     os.environ[catalog.PLUGINS_ENV] = modules
     try:
         catalog.load_all()
