@@ -146,19 +146,28 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
                 output_tail="\n".join(lines[-LOG_LINES:]), **totals)
 
 
+RUNS = ("cold", "warm")
+
+
 def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | None = None,
-            environ=os.environ, total: float | None = None) -> dict:
+            environ=os.environ, total: float | None = None, runs=RUNS) -> dict:
     """The cold run (empty caches under ``work``), then the warm one (``touch`` touched).
-    ``total``: seconds for both together; the warm run gets what the cold one left."""
+    ``total``: seconds for both together; the warm run gets what the cold one left.
+    ``runs``: the runs to make (a warm run alone reuses the caches a cold one left in
+    ``work``, e.g. where one call cannot hold both)."""
     env = dict(environ, TRITON_CACHE_DIR=str(work / "triton"),
                ORACLE_REFERENCE_CACHE=str(work / "reference"))
-    runs = {"cold": run_pytest(pytest_args, env, work / "probes", timeout)}
-    os.utime(touch)
-    left = None if total is None else max(1.0, total - runs["cold"]["wall_s"])
-    warm_timeout = left if timeout is None else min(timeout, left or timeout)
-    runs["warm"] = run_pytest(pytest_args, env, work / "probes", warm_timeout)
+    done = {}
+    if "cold" in runs:
+        done["cold"] = run_pytest(pytest_args, env, work / "probes", timeout)
+    if "warm" in runs:
+        os.utime(touch)
+        spent = sum(r["wall_s"] for r in done.values())
+        left = None if total is None else max(1.0, total - spent)
+        warm_timeout = left if timeout is None else min(timeout, left or timeout)
+        done["warm"] = run_pytest(pytest_args, env, work / "probes", warm_timeout)
     return dict(schema=SCHEMA, pytest_args=pytest_args, touched=str(touch.relative_to(ROOT)),
-                device=_device(), runs=runs)
+                device=_device(), runs=done)
 
 
 def _device() -> str:
@@ -206,15 +215,22 @@ def main(argv=None) -> int:
                     help="seconds for both runs together: the warm run gets what is left")
     ap.add_argument("--work", type=Path,
                     help="where the caches live (default: a fresh temporary directory)")
+    ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
+                    help="which runs to make (default: both; warm alone needs --work "
+                         "holding a cold run's caches)")
     a = ap.parse_args(argv)
     touch = ROOT / a.touch
     if not touch.is_file():
         ap.error(f"--touch must name a file of the repository, got {a.touch!r}")
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         work = a.work or Path(tmp)
-        if any(p.exists() for p in (work / "triton", work / "reference")):
+        cached = [p.exists() for p in (work / "triton", work / "reference")]
+        if "cold" in a.runs and any(cached):
             ap.error(f"--work must not hold a cache yet (the cold run needs empty ones): {work}")
-        doc = measure(shlex.split(a.pytest_args), touch, work, a.timeout, total=a.total)
+        if a.runs == ["warm"] and not any(cached):
+            ap.error(f"--runs warm alone needs --work holding a cold run's caches: {work}")
+        doc = measure(shlex.split(a.pytest_args), touch, work, a.timeout, total=a.total,
+                      runs=a.runs)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "loop.json").write_text(json.dumps(doc, indent=1) + "\n")
     (a.out / "loop.md").write_text(markdown(doc))

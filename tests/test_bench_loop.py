@@ -22,6 +22,30 @@ def test_cold_then_warm_loop_on_a_tiny_selection(tmp_path):
     assert rc == 0
     doc = json.loads((out / "loop.json").read_text())
     cold, warm = doc["runs"]["cold"], doc["runs"]["warm"]
+    _assert_cold_then_warm(cold, warm)
+    md = (out / "loop.md").read_text()
+    assert "| cold |" in md and "| warm |" in md
+
+
+def test_a_warm_run_alone_reuses_a_cold_runs_caches(tmp_path, capsys):
+    """--runs warm alone is refused on a --work without caches; after a --runs cold call
+    it reads what that run left, as the warm half of one call would."""
+    work, sel = str(tmp_path / "work"), SELECTION.replace("-k ", "-k '") + "'"
+    try:
+        bench_loop.main(["--out", str(tmp_path / "o"), "--work", work, "--runs", "warm"])
+    except SystemExit as e:
+        assert e.code == 2
+    assert "needs --work holding a cold run's caches" in capsys.readouterr().err
+    runs = {}
+    for name in ("cold", "warm"):
+        out = tmp_path / name
+        assert bench_loop.main(["--out", str(out), "--work", work, "--runs", name,
+                                "--pytest-args", sel]) == 0
+        (runs[name],) = json.loads((out / "loop.json").read_text())["runs"].values()
+    _assert_cold_then_warm(runs["cold"], runs["warm"])
+
+
+def _assert_cold_then_warm(cold, warm):
     assert cold["tests"] == warm["tests"] == 1
     assert cold["ref_misses"] > 0  # (the test checks its case twice: the second one hits)
     assert warm["ref_misses"] == 0 and warm["ref_hits"] == cold["ref_misses"] + cold["ref_hits"]
@@ -29,8 +53,6 @@ def test_cold_then_warm_loop_on_a_tiny_selection(tmp_path):
         assert 0 < r["reference_s"] <= r["test_s"] <= r["wall_s"]
         assert r["jit_count"] == 0 and r["exit_code"] == 0
         assert abs(r["other_s"] - (r["test_s"] - r["reference_s"] - r["jit_s"])) < 1e-9
-    md = (out / "loop.md").read_text()
-    assert "| cold |" in md and "| warm |" in md
 
 
 def test_the_cold_run_refuses_a_filled_cache_directory(tmp_path, capsys):
