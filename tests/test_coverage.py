@@ -132,7 +132,7 @@ def test_index_mutant_fails_the_differential_check(name):
 
 
 def test_generated_index_arrays_come_in_both_integer_widths():
-    """Across the differential test's CPU cases, every index array of every op (slots,
+    """Across the differential test's tiny CPU cases, every index array of every op (slots,
     positions, block tables, lengths) arrives as int32 in some cases and int64 in others,
     and the adapters hand it on in its own dtype."""
     from oracle.core.cases import INDEX_ARRAYS, OPS
@@ -141,7 +141,9 @@ def test_generated_index_arrays_come_in_both_integer_widths():
     for op in OPS:
         keys = INDEX_ARRAYS.get(op, ("block_table", "seq_lens"))
         seen = {key: set() for key in keys}
-        for case in differential_cases(op, gpu=False)[:16]:
+        for case in differential_cases(op, gpu=False):
+            if case.shape_class != "tiny":
+                continue
             x = make_inputs(case)
             for key in keys:
                 if x.get(key) is not None:
@@ -172,7 +174,7 @@ def test_nan_score_mutant_fails_the_differential_check(op):
     at least one of them."""
     ref, mutant = _nan_keys_dropped(op)
     cases = [c for c in differential_cases(op, gpu=False)
-             if c.dist == "outliers" and c.shape_class == "tiny"]
+             if c.dist == "outliers"]
     failed = 0
     for case in cases:
         x = make_inputs(case)

@@ -24,9 +24,10 @@ SEED0 = int(os.environ.get("ORACLE_SEED", "0"))
 def _params():
     """CPU-capable implementations in the default run; every CUDA-capable one (a torch
     composition included) again under the ``gpu`` marker, model shapes added. Ordered by
-    case, and grouped by case for pytest-xdist (``--dist loadgroup``), so that the
-    implementations of one case run one after the other in one process and share its
-    input set (``_inputs``)."""
+    case, and grouped for pytest-xdist (``--dist loadgroup``) by shape config (by case
+    where it has none), so that the implementations of one case run one after the other
+    in one process and share its input set (``_inputs``), and the cases of one config
+    share the process's compiled kernels."""
     params = []
     for op in OPS:
         for impl in implementations(op):
@@ -38,11 +39,18 @@ def _params():
             for gpu, marks in runs:
                 for case in differential_cases(op, gpu=gpu, seed0=SEED0):
                     if impl.supports(case)[0]:
-                        params.append((gpu, case.id, impl.name, marks))
+                        params.append((gpu, case.id, impl.name, marks, _group(case)))
     params.sort(key=lambda p: (OPS.index(p[1].split(":")[0]), p[0], p[1]))
-    return [pytest.param(name, cid, marks=[*marks, pytest.mark.xdist_group(cid)],
+    return [pytest.param(name, cid, marks=[*marks, pytest.mark.xdist_group(group)],
                          id=f"{'cuda' if gpu else 'cpu'}|{name}|{cid}")
-            for gpu, cid, name, marks in params]
+            for gpu, cid, name, marks, group in params]
+
+
+def _group(case: Case) -> str:
+    """The xdist group of a case: its shape config, or the case itself."""
+    if case.config is None:
+        return case.id
+    return f"{case.op}:{case.shape_class}:c{case.config}"
 
 
 @functools.lru_cache(maxsize=2)

@@ -37,6 +37,9 @@ DEFAULT_DISTS = ("normal", "outliers", "near_overflow", "tiny")
 
 SWEPT_OPS = ("norm_rope_insert", "reshape_and_cache")
 LONG_OPS = ("indexer_prefill", "indexer_decode", "attention_prefill", "attention_decode")
+#: Classes whose differential cases draw their shapes from a config per platform and
+#: format: a GPU run compiles each kernel once per config instead of once per case.
+SHARED_SHAPE_CLASSES = ("tiny", "small")
 
 
 def differential_cases(op: str, gpu: bool, seed0: int = 0) -> list[Case]:
@@ -47,32 +50,46 @@ def differential_cases(op: str, gpu: bool, seed0: int = 0) -> list[Case]:
     case (contexts up to 128k tokens, prefill prefixes up to 64k; the kernels only: the
     torch and flex baselines stop at the model class). Scales rotate through none/tensor/slot; fp16
     activations on a rotating subset. The standard budget of the differential test and of
-    the mutants' kill matrix; ``seed0`` offsets every seed (a run exploring new shapes)."""
+    the mutants' kill matrix; ``seed0`` offsets every seed (a run exploring new shapes).
+    The tiny and small cases of one platform and format share one shape config
+    (``Case.config``): their distributions, scales and dtypes differ on one compiled
+    kernel, and the shapes differ across the formats."""
+    pairs = platform_formats()
     cases, i = [], 0
+    for f, (plat, kv, fmt) in enumerate(pairs):
+        fp8 = fmt not in ("bfloat16", "float16")
+        for d, dist in enumerate(DISTS_BY_OP.get(op, DEFAULT_DISTS)):
+            i += 1
+            scales = ("slot", "tensor", "none")[i % 3] if fp8 and "indexer" not in op \
+                else "none"
+            md = "float16" if i % 4 == 0 and kv == "auto" or kv == "float16" else "bfloat16"
+            kv_ = "auto" if kv == "float16" else kv
+            classes = ["tiny"] + (["small"] if i % 2 == 0 else [])
+            if gpu and d == 0:
+                classes.append("model")
+            if gpu and op in SWEPT_OPS and d < 2:
+                classes.append("sweep")
+            if gpu and op in LONG_OPS and d == 1:
+                classes.append("long")
+            for sc in classes:
+                config = seed0 * len(pairs) + f if sc in SHARED_SHAPE_CLASSES else None
+                cases.append(Case(op, sc, dist, plat, kv_, md, scales, seed0 + i,
+                                  config=config))
+    return cases
+
+
+def platform_formats() -> list[tuple[str, str, str]]:
+    """(platform, kv_cache_dtype, storage format) for each distinct storage format of each
+    platform, the first kv_cache_dtype naming it."""
+    pairs = []
     for plat in PLATFORMS:
         seen = set()
         for kv in KV_CACHE_DTYPES:
             fmt = kv_cache_format(kv, plat)
-            if fmt in seen:
-                continue
-            seen.add(fmt)
-            fp8 = fmt not in ("bfloat16", "float16")
-            for d, dist in enumerate(DISTS_BY_OP.get(op, DEFAULT_DISTS)):
-                i += 1
-                scales = ("slot", "tensor", "none")[i % 3] if fp8 and "indexer" not in op \
-                    else "none"
-                md = "float16" if i % 4 == 0 and kv == "auto" or kv == "float16" else "bfloat16"
-                kv_ = "auto" if kv == "float16" else kv
-                classes = ["tiny"] + (["small"] if i % 2 == 0 else [])
-                if gpu and d == 0:
-                    classes.append("model")
-                if gpu and op in SWEPT_OPS and d < 2:
-                    classes.append("sweep")
-                if gpu and op in LONG_OPS and d == 1:
-                    classes.append("long")
-                for sc in classes:
-                    cases.append(Case(op, sc, dist, plat, kv_, md, scales, seed0 + i))
-    return cases
+            if fmt not in seen:
+                seen.add(fmt)
+                pairs.append((plat, kv, fmt))
+    return pairs
 
 
 def default_cases(ops=OPS, platforms=PLATFORMS, shape_classes=("tiny", "small"),
