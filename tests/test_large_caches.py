@@ -1,5 +1,5 @@
 """Caches of more than 2^31 elements: every offset into them is 64-bit. Each
-test runs a kernel (through its oracle adapter) on a case, then on the same case with its
+test runs a Triton kernel (its registered implementation) on a case, then on the same case with its
 caches moved to the end of caches ``extra`` pages larger (block tables and slots shifted,
 per-slot scales padded): the outputs must be identical bit for bit, the moved content
 identical, and nothing written into the pages in front (zeros: a wrapped 32-bit offset
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from oracle.core.cases import Case, make_inputs
+from oracle.core.registry import implementations
 from oracle.tools.large import LARGE_CACHE_ELEMENTS, moved_op_inputs
 
 ELEMENTS = int(os.environ.get("LARGE_CACHE_ELEMENTS", LARGE_CACHE_ELEMENTS))
@@ -26,10 +27,10 @@ ELEMENTS = int(os.environ.get("LARGE_CACHE_ELEMENTS", LARGE_CACHE_ELEMENTS))
 pytestmark = pytest.mark.interp if "LARGE_CACHE_ELEMENTS" in os.environ else pytest.mark.gpu
 
 
-def _run(module: str, x: dict) -> dict:
-    import importlib
-
-    return importlib.import_module(module).run(x)
+def _run(op: str, x: dict) -> dict:
+    """The registered Triton implementation of ``op`` on ``x``."""
+    (impl,) = implementations(op, ["triton"])
+    return impl.run(x)
 
 
 def _assert_moved_cache(small: np.ndarray, big: np.ndarray, extra: int, name: str):
@@ -47,7 +48,7 @@ def test_fused_insert_writes_past_2_31_elements(case_id):
     x = make_inputs(Case.from_id(case_id))
     caches = ("kv_cache",) + (("index_cache",) if x.get("index_cache") is not None else ())
     y, extra = moved_op_inputs("norm_rope_insert", x, ELEMENTS)
-    small, big = _run("kernels.norm_rope_insert", x), _run("kernels.norm_rope_insert", y)
+    small, big = _run("norm_rope_insert", x), _run("norm_rope_insert", y)
     for key in small:
         if key in caches:
             _assert_moved_cache(small[key], big[key], extra, key)
@@ -61,7 +62,7 @@ def test_indexer_reads_past_2_31_elements(op):
     2^31 elements."""
     x = make_inputs(Case(op, "small", "normal", "cuda", "fp8", "bfloat16", "none", 5))
     y, extra = moved_op_inputs(op, x, ELEMENTS)
-    small, big = _run(f"kernels.{op}", x), _run(f"kernels.{op}", y)
+    small, big = _run(op, x), _run(op, y)
     assert np.array_equal(small["topk"], big["topk"])
 
 
@@ -72,5 +73,5 @@ def test_attention_reads_past_2_31_elements(op, scales):
     pages (and their per-slot scales) lie past 2^31 elements."""
     x = make_inputs(Case(op, "small", "normal", "cuda", "fp8", "bfloat16", scales, 6))
     y, extra = moved_op_inputs(op, x, ELEMENTS)
-    small, big = _run(f"kernels.{op}", x), _run(f"kernels.{op}", y)
+    small, big = _run(op, x), _run(op, y)
     assert np.array_equal(small["out"], big["out"])
