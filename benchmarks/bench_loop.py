@@ -14,7 +14,9 @@ plugin into every pytest process of the run (controller and xdist workers):
 - ``kernels and the rest``: the tests' remaining time (the launches, input sets, the
   torch peers, the kernel tests' own references).
 
-Writes ``loop.json`` and ``loop.md`` under ``--out``. Runs on the CPU too (the interpreter
+Writes ``loop.json`` and ``loop.md`` under ``--out``, and each run's gate report
+(``last-run-cold.json``, ``last-run-warm.json``: the cold one is the whole suite's, for
+``python -m oracle baseline accept --report``). Runs on the CPU too (the interpreter
 compiles nothing); ``--pytest-args`` narrows the selection, e.g. for a quick CPU check:
 
     python -m benchmarks.bench_loop --out /tmp/loop --pytest-args "-m gpu -k indexer_decode"
@@ -150,22 +152,31 @@ RUNS = ("cold", "warm")
 
 
 def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | None = None,
-            environ=os.environ, total: float | None = None, runs=RUNS) -> dict:
+            environ=os.environ, total: float | None = None, runs=RUNS,
+            reports: Path | None = None) -> dict:
     """The cold run (empty caches under ``work``), then the warm one (``touch`` touched).
     ``total``: seconds for both together; the warm run gets what the cold one left.
     ``runs``: the runs to make (a warm run alone reuses the caches a cold one left in
-    ``work``, e.g. where one call cannot hold both)."""
+    ``work``, e.g. where one call cannot hold both). ``reports``: where each run's gate
+    report goes (``last-run-<run>.json``, e.g. the cold one to accept as a baseline),
+    instead of both to ``out/last-run-<kind>.json``."""
     env = dict(environ, TRITON_CACHE_DIR=str(work / "triton"),
                ORACLE_REFERENCE_CACHE=str(work / "reference"))
+
+    def args(name: str) -> list[str]:
+        if reports is None:
+            return pytest_args
+        return [*pytest_args, "--last-run", str(reports / f"last-run-{name}.json")]
+
     done = {}
     if "cold" in runs:
-        done["cold"] = run_pytest(pytest_args, env, work / "probes", timeout)
+        done["cold"] = run_pytest(args("cold"), env, work / "probes", timeout)
     if "warm" in runs:
         os.utime(touch)
         spent = sum(r["wall_s"] for r in done.values())
         left = None if total is None else max(1.0, total - spent)
         warm_timeout = left if timeout is None else min(timeout, left or timeout)
-        done["warm"] = run_pytest(pytest_args, env, work / "probes", warm_timeout)
+        done["warm"] = run_pytest(args("warm"), env, work / "probes", warm_timeout)
     return dict(schema=SCHEMA, pytest_args=pytest_args, touched=str(touch.relative_to(ROOT)),
                 device=_device(), runs=done)
 
@@ -229,9 +240,9 @@ def main(argv=None) -> int:
             ap.error(f"--work must not hold a cache yet (the cold run needs empty ones): {work}")
         if a.runs == ["warm"] and not any(cached):
             ap.error(f"--runs warm alone needs --work holding a cold run's caches: {work}")
+        a.out.mkdir(parents=True, exist_ok=True)
         doc = measure(shlex.split(a.pytest_args), touch, work, a.timeout, total=a.total,
-                      runs=a.runs)
-    a.out.mkdir(parents=True, exist_ok=True)
+                      runs=a.runs, reports=a.out)
     (a.out / "loop.json").write_text(json.dumps(doc, indent=1) + "\n")
     (a.out / "loop.md").write_text(markdown(doc))
     print(markdown(doc))

@@ -9,28 +9,32 @@ import json
 
 from benchmarks import bench_loop
 
-SELECTION = "tests/test_oracle.py -k replay_reproduces_inputs_and_verdict and indexer_decode"
+SELECTION = ("tests/test_differential.py::test_implementation_matches_reference"
+             "[cpu|torch|indexer_decode:tiny:normal:cuda:auto:bfloat16:none:1:c0]")
 
 
 def test_cold_then_warm_loop_on_a_tiny_selection(tmp_path):
     """Cold: the reference lookups miss; warm: every one hits; the reference's seconds
     are part of the tests' seconds; the interpreter compiles nothing; the Markdown has a
-    row per run."""
+    row per run; each run's gate report is kept apart."""
     out = tmp_path / "out"
     rc = bench_loop.main(["--out", str(out), "--work", str(tmp_path / "work"),
-                          "--pytest-args", SELECTION.replace("-k ", "-k '") + "'"])
+                          "--pytest-args", SELECTION])
     assert rc == 0
     doc = json.loads((out / "loop.json").read_text())
     cold, warm = doc["runs"]["cold"], doc["runs"]["warm"]
     _assert_cold_then_warm(cold, warm)
     md = (out / "loop.md").read_text()
     assert "| cold |" in md and "| warm |" in md
+    for name in ("cold", "warm"):  # each run's own gate report, the cold one not overwritten
+        report = json.loads((out / f"last-run-{name}.json").read_text())
+        assert report["suite"]["outcomes"] == {"passed": 1}
 
 
 def test_a_warm_run_alone_reuses_a_cold_runs_caches(tmp_path, capsys):
     """--runs warm alone is refused on a --work without caches; after a --runs cold call
     it reads what that run left, as the warm half of one call would."""
-    work, sel = str(tmp_path / "work"), SELECTION.replace("-k ", "-k '") + "'"
+    work, sel = str(tmp_path / "work"), SELECTION
     try:
         bench_loop.main(["--out", str(tmp_path / "o"), "--work", work, "--runs", "warm"])
     except SystemExit as e:
@@ -47,7 +51,7 @@ def test_a_warm_run_alone_reuses_a_cold_runs_caches(tmp_path, capsys):
 
 def _assert_cold_then_warm(cold, warm):
     assert cold["tests"] == warm["tests"] == 1
-    assert cold["ref_misses"] > 0  # (the test checks its case twice: the second one hits)
+    assert cold["ref_misses"] > 0
     assert warm["ref_misses"] == 0 and warm["ref_hits"] == cold["ref_misses"] + cold["ref_hits"]
     for r in (cold, warm):
         assert 0 < r["reference_s"] <= r["test_s"] <= r["wall_s"]
