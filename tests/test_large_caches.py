@@ -24,7 +24,10 @@ from oracle.tools.large import LARGE_CACHE_ELEMENTS, moved_op_inputs
 
 ELEMENTS = int(os.environ.get("LARGE_CACHE_ELEMENTS", LARGE_CACHE_ELEMENTS))
 # GPU-sized by default; with the size lowered they are interpreter tests of the logic.
-pytestmark = pytest.mark.interp if "LARGE_CACHE_ELEMENTS" in os.environ else pytest.mark.gpu
+SIZED = pytest.mark.interp if "LARGE_CACHE_ELEMENTS" in os.environ else pytest.mark.gpu
+# One insert case at an interpreter size in the default CPU run, so that the GPU-sized
+# tests' own code (adapters, moved inputs) is exercised where CI runs.
+INTERP_ELEMENTS = 100_000
 
 
 def _run(op: str, x: dict) -> dict:
@@ -38,16 +41,21 @@ def _assert_moved_cache(small: np.ndarray, big: np.ndarray, extra: int, name: st
     assert not big[:extra].any(), f"{name}: a write landed in front of the moved pages"
 
 
-@pytest.mark.parametrize("case_id", [
-    "norm_rope_insert:tiny:normal:cuda:fp8:bfloat16:tensor:3",
-    "norm_rope_insert:tiny:outliers:rocm-fnuz:auto:bfloat16:none:4",
+@pytest.mark.parametrize("case_id, elements", [
+    pytest.param("norm_rope_insert:tiny:normal:cuda:fp8:bfloat16:tensor:3", ELEMENTS,
+                 marks=SIZED),
+    pytest.param("norm_rope_insert:tiny:outliers:rocm-fnuz:auto:bfloat16:none:4", ELEMENTS,
+                 marks=SIZED),
+    pytest.param("norm_rope_insert:tiny:normal:cuda:fp8:bfloat16:tensor:3", INTERP_ELEMENTS,
+                 marks=pytest.mark.interp),
 ])
-def test_fused_insert_writes_past_2_31_elements(case_id):
+def test_fused_insert_writes_past_2_31_elements(case_id, elements):
     """The Triton fused insert writes K/V (and index_k) of tokens whose slots lie past
-    2^31 elements exactly as into a small cache; its other outputs do not change."""
+    2^31 elements (past ``elements``) exactly as into a small cache; its other outputs do
+    not change."""
     x = make_inputs(Case.from_id(case_id))
     caches = ("kv_cache",) + (("index_cache",) if x.get("index_cache") is not None else ())
-    y, extra = moved_op_inputs("norm_rope_insert", x, ELEMENTS)
+    y, extra = moved_op_inputs("norm_rope_insert", x, elements)
     small, big = _run("norm_rope_insert", x), _run("norm_rope_insert", y)
     for key in small:
         if key in caches:
@@ -56,6 +64,7 @@ def test_fused_insert_writes_past_2_31_elements(case_id):
             assert np.array_equal(small[key], big[key]), key
 
 
+@SIZED
 @pytest.mark.parametrize("op", ["indexer_decode", "indexer_prefill"])
 def test_indexer_reads_past_2_31_elements(op):
     """The Triton indexer selects the same blocks when the index cache's pages lie past
@@ -66,6 +75,7 @@ def test_indexer_reads_past_2_31_elements(op):
     assert np.array_equal(small["topk"], big["topk"])
 
 
+@SIZED
 @pytest.mark.parametrize("op", ["attention_decode", "attention_prefill"])
 @pytest.mark.parametrize("scales", ["tensor", "slot"])
 def test_attention_reads_past_2_31_elements(op, scales):
