@@ -38,7 +38,8 @@ def test_mutant_builds_on_its_registered_base(name):
     assert {op: set(impls) for op, impls in REGISTRY.items()} == before
 
 
-@pytest.mark.interp
+# A verdict on the CPU budget, for the CPU machine: no ``interp`` marker, so a CUDA machine
+# does not rerun it compiled under ``-m gpu`` (the GPU's kill matrix is `oracle mutants`).
 @pytest.mark.parametrize("name", sorted(n for n, m in CATALOG.items() if not m.gpu_only))
 def test_cpu_budget_kills_the_mutant(name):
     """The tiny, then small, cases of the standard budget fail the mutant (a survivor is a

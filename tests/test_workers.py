@@ -150,10 +150,12 @@ def test_without_xdist_the_header_says_how_to_go_faster(tmp_path):
 
 
 def test_the_sm90_compile_checks_are_not_gpu_tests():
-    """The sm_90 compile checks (for GPU-less machines) carry neither ``gpu`` nor ``interp``
-    (which a CUDA machine turns into ``gpu``): ``-m "gpu or interp"`` collects none of
-    them, while the default run collects them all."""
-    files = ["tests/test_compile_sm90.py", "tests/test_static_sm90.py"]
+    """The sm_90 compile checks (for GPU-less machines) and the CPU budget's mutant kills
+    carry neither ``gpu`` nor ``interp`` (which a CUDA machine turns into ``gpu``):
+    ``-m "gpu or interp"`` collects none of them, while the default run collects them
+    all."""
+    files = ["tests/test_compile_sm90.py", "tests/test_static_sm90.py",
+             "tests/test_mutants.py::test_cpu_budget_kills_the_mutant"]
 
     def collected(*args):
         r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
