@@ -2,7 +2,7 @@
 
 On a CUDA machine with pytest-xdist installed, a run that selects the ``gpu`` tests and
 names no worker count gets as many xdist workers as the cores, the host memory and the
-GPUs' memory allow, ``--dist loadgroup`` (the implementations of a case share one worker),
+GPUs' memory allow, ``--dist loadgroup`` (the cases of one shape config share a worker),
 and with several GPUs one GPU per worker (``ORACLE_GPUS``, read by ``pin_worker_gpu`` in
 each worker). A ``-n``/``--tx``/``--dist`` the user gives wins, ``-n 0`` and
 ``-p no:xdist`` included. Without pytest-xdist the run stays in one process and its header
