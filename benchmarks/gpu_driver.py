@@ -81,7 +81,8 @@ MODES = {  # in the order they run
     "ab": "benchmarks.ab run: AB_BENCH with AB_ARGS on the base tree (.ab-base/, from "
           "`python -m benchmarks.ab prepare REV`, carried in) and on the working tree, "
           "AB_ROUNDS times (1); AB_ALSO='NAME=.ab-NAME ...' adds candidates; to ab.json",
-    "loop": "benchmarks.bench_loop, to loop.json",
+    "loop": "benchmarks.bench_loop, to loop.json: LOOP_RUNS cold, warm or both (default; "
+            "warm alone in a later call on the same machine reuses the cold call's caches)",
     "timeline": "per-program timelines of TIMELINE_CALLS (3) traced model-shape launches per "
                 "TIMELINE_SPECS entry ('bench cache knobs;...'), to timeline.log",
     "profile": "Nsight Compute on one model-shape launch per PROFILE_SPECS entry "
@@ -334,6 +335,21 @@ def run_bench(r: Runner) -> None:
         _remove(r, json_name.replace(".json", ".md"))
 
 
+LOOP_RUNS = {"": ["cold", "warm"], "both": ["cold", "warm"], "cold": ["cold"],
+             "warm": ["warm"]}
+LOOP_WORK = "out/loopwork"  # the caches a warm loop run in a later call reuses
+LOOP_MARGIN_S = 60  # for bench_loop to stop its run and write loop.json inside the stage
+
+
+def run_loop(r: Runner) -> None:
+    """benchmarks.bench_loop over LOOP_RUNS, its caches in LOOP_WORK, both runs bounded so
+    that its report is written before the stage's limit."""
+    runs = LOOP_RUNS[env_str("LOOP_RUNS")]
+    total = max(1.0, r.limit - LOOP_MARGIN_S)
+    r.run(r.stage("loop", [*PY, "-m", "benchmarks.bench_loop", "--out", str(r.out),
+                           "--work", LOOP_WORK, "--runs", *runs, "--total", f"{total:g}"]))
+
+
 def run_ab(r: Runner) -> None:
     also = [a for name in env_str("AB_ALSO").split() for a in ("--also", name)]
     r.run(r.stage("ab", [*PY, "-m", "benchmarks.ab", "run", "--bench", env_str("AB_BENCH"),
@@ -418,7 +434,7 @@ def run_modes(r: Runner, modes: list[str]) -> None:
     if "ab" in modes:
         run_ab(r)
     if "loop" in modes:
-        r.run(r.stage("loop", [*PY, "-m", "benchmarks.bench_loop", "--out", str(r.out)]))
+        run_loop(r)
     if "timeline" in modes:
         run_timeline(r)
     if "profile" in modes:
@@ -511,6 +527,8 @@ def check_args(modes: list[str]) -> str | None:
         return f"unknown mode {unknown[0]!r}: MODE must be one of {', '.join(MODES)}"
     if "suite" in modes and env_str("SUITE_PART") not in SUITE_PARTS:
         return f"SUITE_PART must be diff, rest, both or unset, got {env_str('SUITE_PART')!r}"
+    if "loop" in modes and env_str("LOOP_RUNS") not in LOOP_RUNS:
+        return f"LOOP_RUNS must be cold, warm, both or unset, got {env_str('LOOP_RUNS')!r}"
     if "ab" in modes and not env_str("AB_BENCH"):
         return "AB_BENCH must name the benchmark for mode ab (insert, indexer, ...)"
     return None

@@ -41,10 +41,11 @@ def test_unknown_mode_exits_2_with_one_line():
 @pytest.mark.parametrize("env, modes, needle", [
     ({"SUITE_PART": "half"}, ["suite"], "SUITE_PART"),
     ({"AB_BENCH": ""}, ["ab"], "AB_BENCH"),
+    ({"LOOP_RUNS": "hot"}, ["loop"], "LOOP_RUNS"),
 ])
 def test_bad_settings_exit_2_before_any_work(monkeypatch, capsys, env, modes, needle):
-    """A bad SUITE_PART or a missing AB_BENCH is a one-line error (exit 2) naming the
-    variable, before any stage starts."""
+    """A bad SUITE_PART or LOOP_RUNS, or a missing AB_BENCH, is a one-line error (exit 2)
+    naming the variable, before any stage starts."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     started = []
@@ -67,6 +68,20 @@ def test_suite_both_runs_the_two_parts_then_merges(monkeypatch, capsys):
         in lines[1]
     assert lines[2].endswith("suite-merge /o/suite-diff.json /o/suite-rest.json --out "
                              "/o/suite.json")
+
+
+@pytest.mark.parametrize("runs, expected", [("", "cold warm"), ("warm", "warm")])
+def test_loop_runs_inside_the_stage_limit(monkeypatch, capsys, runs, expected):
+    """The loop stage asks bench_loop for LOOP_RUNS, its caches in out/loopwork (a later
+    call's warm run finds them), both runs bounded a minute inside STAGE_LIMIT_S."""
+    monkeypatch.setenv("LOOP_RUNS", runs)
+    monkeypatch.setenv("STAGE_LIMIT_S", "500")
+    monkeypatch.setenv("OUT", "/o")
+    assert drv.main(["loop", "--dry-run"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("[loop,")
+    assert (f"benchmarks.bench_loop --out /o --work out/loopwork --runs {expected} "
+            "--total 440") in line
 
 
 def test_stage_log_ends_with_its_status_and_times_out_as_124(tmp_path):
