@@ -530,7 +530,7 @@ def _add_impls(sub) -> None:
 def _add_replay(sub) -> None:
     s = sub.add_parser("replay", help="re-run one case by its id")
     s.add_argument("case", help="op:shape_class:dist:platform:kv_cache_dtype:model_dtype:"
-                                "scales:seed")
+                                "scales:seed[:c<shape config>]")
     s.add_argument("--impl", help="only this implementation")
     s.add_argument("--hash", help="the input hash recorded with the failure, to verify")
     s.set_defaults(func=cmd_replay)
