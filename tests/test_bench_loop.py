@@ -34,7 +34,7 @@ def test_cold_then_warm_loop_on_a_tiny_selection(tmp_path):
 def test_a_warm_run_alone_reuses_a_cold_runs_caches(tmp_path, capsys):
     """--runs warm alone is refused on a --work without caches; after a --runs cold call
     it reads what that run left, as the warm half of one call would."""
-    work, sel = str(tmp_path / "work"), SELECTION
+    work = str(tmp_path / "work")
     try:
         bench_loop.main(["--out", str(tmp_path / "o"), "--work", work, "--runs", "warm"])
     except SystemExit as e:
@@ -44,7 +44,7 @@ def test_a_warm_run_alone_reuses_a_cold_runs_caches(tmp_path, capsys):
     for name in ("cold", "warm"):
         out = tmp_path / name
         assert bench_loop.main(["--out", str(out), "--work", work, "--runs", name,
-                                "--pytest-args", sel]) == 0
+                                "--pytest-args", SELECTION]) == 0
         (runs[name],) = json.loads((out / "loop.json").read_text())["runs"].values()
     _assert_cold_then_warm(runs["cold"], runs["warm"])
 

@@ -48,12 +48,12 @@ def _params():
             for gpu, marks in runs:
                 for case in differential_cases(op, gpu=gpu, seed0=SEED0):
                     if impl.supports(case)[0]:
-                        params.append((gpu, case, impl.name, marks, _group(case)))
+                        params.append((gpu, case, impl.name, marks))
     params.sort(key=lambda p: (HEAVY_FIRST_OPS.index(p[1].op),
                                HEAVY_FIRST_CLASSES.index(p[1].shape_class), p[0], p[1].id))
-    return [pytest.param(name, case.id, marks=[*marks, pytest.mark.xdist_group(group)],
+    return [pytest.param(name, case.id, marks=[*marks, pytest.mark.xdist_group(_group(case))],
                          id=f"{'cuda' if gpu else 'cpu'}|{name}|{case.id}")
-            for gpu, case, name, marks, group in params]
+            for gpu, case, name, marks in params]
 
 
 def _group(case: Case) -> str:

@@ -1,5 +1,5 @@
-"""Caches of more than 2^31 elements: every offset into them is 64-bit. Each
-test runs a Triton kernel (its registered implementation) on a case, then on the same case with its
+"""Caches of more than 2^31 elements: every offset into them is 64-bit. Each test runs a
+Triton kernel (its registered implementation) on a case, then on the same case with its
 caches moved to the end of caches ``extra`` pages larger (block tables and slots shifted,
 per-slot scales padded): the outputs must be identical bit for bit, the moved content
 identical, and nothing written into the pages in front (zeros: a wrapped 32-bit offset
