@@ -42,9 +42,22 @@ def ensure_ready(kernel) -> None:
 _RESIDENT: dict = {}
 
 
+def _arg_key(a):
+    """What of one argument can change the compiled kernel: a tensor's dtype and 16-byte
+    alignment, an integer's value (Triton specialises on ``== 1`` and divisibility by 16),
+    a float's type."""
+    if hasattr(a, "data_ptr"):
+        return str(a.dtype), a.data_ptr() % 16 == 0
+    if isinstance(a, int):
+        return type(a).__name__, a
+    return type(a).__name__
+
+
 def _spec_key(kernel, args, kwargs) -> tuple:
-    kinds = tuple(str(a.dtype) if hasattr(a, "dtype") else type(a).__name__ for a in args)
-    return kernel, kinds, tuple(sorted(kwargs.items()))
+    """A key at least as fine as Triton's own compile key: the planners' answers depend on
+    the arguments alone, never on which case a process met first (that would pick kernel
+    variants per worker history and miss the disk cache from run to run)."""
+    return kernel, tuple(_arg_key(a) for a in args), tuple(sorted(kwargs.items()))
 
 
 def resident_programs(kernel, args, kwargs, device) -> int:
@@ -52,9 +65,8 @@ def resident_programs(kernel, args, kwargs, device) -> int:
     the whole GPU holds at once: SMs x the per-SM occupancy from the compiled kernel's
     registers and shared memory (as Triton's fused-softmax tutorial sizes its persistent
     grid). A persistent grid larger than this runs its last programs as a second wave, a
-    long tail. Compiles the kernel on the first call for a key (dtypes and options; the
-    integer arguments' divisibility specialisation is not in the key: close enough for a
-    grid size) and caches the answer."""
+    long tail. Compiles the kernel on the first call for a key (``_spec_key``) and caches
+    the answer."""
     key = _spec_key(kernel, args, kwargs)
     if key not in _RESIDENT:
         regs, smem, props = _resources(kernel, args, kwargs, device)

@@ -311,6 +311,29 @@ def test_patch_is_idempotent_and_pinned(monkeypatch):
         interp.patch_interpreter()
 
 
+def test_planner_answers_do_not_depend_on_the_first_case_a_process_met(monkeypatch):
+    """The launch planners' cache (kernels._triton._spec_key) holds what Triton specialises
+    on: two launches whose integer arguments differ in divisibility by 16 get each its own
+    compiled kernel's answer, in either order; a worker's history never picks the
+    constexprs of a later case (which would compile variants the disk cache lacks)."""
+    from types import SimpleNamespace
+
+    from kernels import _triton as kt
+
+    class Fake:  # an integer divisible by 16 compiles to a kernel with less shared memory
+        def warmup(self, n, grid, num_stages, **kw):
+            shared = 100000 * num_stages if n % 16 == 0 else 150000 * num_stages
+            return SimpleNamespace(metadata=SimpleNamespace(shared=shared))
+
+    monkeypatch.setattr(kt, "_max_shared_mem", lambda device: 232448)
+    dev, kernel = SimpleNamespace(index=0), Fake()
+    answers = []
+    for order in ((32, 33), (33, 32)):
+        monkeypatch.setattr(kt, "_STAGES", {})
+        answers.append({n: kt.fitting_stages(kernel, (n,), {"D": 128}, dev) for n in order})
+    assert answers[0] == answers[1] == {32: 2, 33: 1}
+
+
 def test_fitting_stages_picks_the_deepest_pipeline_that_fits(monkeypatch):
     """kernels._triton.fitting_stages compiles from ``deepest`` down and keeps the first
     depth whose shared memory fits the device (the decode kernel's 4 rows x 16 heads at
