@@ -7,7 +7,9 @@ touch alone recompiles nothing: the warm number is the floor of an edit's loop).
 Each run's wall time, and where its tests' time went, from this module loaded as a pytest
 plugin into every pytest process of the run (controller and xdist workers):
 - ``jit``: Triton's compiles (``kernels._triton.CompileClock``: every in-memory cache miss,
-  disk-cache loads included);
+  disk-cache loads included); ``built`` counts those the compiler built (new entries in
+  the disk cache), by kernel: a warm run that builds any met a specialisation the cold run
+  did not;
 - ``reference``: the differential checks' reference side (``oracle.core.checks._cached``:
   cache lookups and, on a miss, the float64 reference and its bounds), with the reference
   cache's hits, misses and rejected entries;
@@ -15,8 +17,8 @@ plugin into every pytest process of the run (controller and xdist workers):
   torch peers, the kernel tests' own references).
 
 Writes ``loop.json`` and ``loop.md`` under ``--out``, and each run's gate report
-(``last-run-cold.json``, ``last-run-warm.json``: the cold one is the whole suite's, for
-``python -m oracle baseline accept --report``). Runs on the CPU too (the interpreter
+(``last-run-cold.json``, ``last-run-warm.json``: one of a whole suite that passed is
+what ``python -m oracle baseline accept --report`` takes). Runs on the CPU too (the interpreter
 compiles nothing); ``--pytest-args`` narrows the selection, e.g. for a quick CPU check:
 
     python -m benchmarks.bench_loop --out /tmp/loop --pytest-args "-m gpu -k indexer_decode"
@@ -42,6 +44,7 @@ PROBE_ENV = "BENCH_LOOP_PROBE_DIR"
 SCHEMA = "bench-loop/1"
 INTERRUPT_GRACE_S = 30  # for an interrupted pytest to write its reports
 LOG_LINES = 400  # of each run's pytest output kept in loop.json: its failures and summary
+BUILT_TOP = 20  # kernel names listed by how many specialisations a run built
 
 
 # ------------------------------------------------------------ the probe (a pytest plugin)
@@ -110,10 +113,28 @@ def pytest_unconfigure(config):
 # ------------------------------------------------------------------------- the runs
 
 
+def built_kernels(triton_cache: Path) -> set[Path]:
+    """The kernels Triton's disk cache holds: one ``<hash>/__grp__<name>.json`` per compiled
+    specialisation (written when the compiler built it, never when it loaded it)."""
+    return set(triton_cache.glob("*/__grp__*.json")) if triton_cache.is_dir() else set()
+
+
+def by_kernel(paths: set[Path], top: int = BUILT_TOP) -> dict[str, int]:
+    """Counts of ``paths`` (``built_kernels`` entries) by kernel name, the largest first."""
+    names: dict[str, int] = {}
+    for path in paths:
+        name = path.name.removeprefix("__grp__").removesuffix(".json")
+        names[name] = names.get(name, 0) + 1
+    return dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
+
+
 def run_pytest(pytest_args: list[str], env: dict, probes: Path,
                timeout: float | None = None) -> dict:
     """One pytest run in a subprocess with the probe loaded; its wall time, exit code (124:
-    stopped at ``timeout`` seconds, its workers with it) and the probes' sums."""
+    stopped at ``timeout`` seconds, its workers with it), the probes' sums and the kernels
+    the compiler built (not loaded from the disk cache) during the run."""
+    cache = Path(env.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    before = built_kernels(cache)
     probes.mkdir(parents=True, exist_ok=True)
     for f in probes.glob("probe-*.json"):
         f.unlink()
@@ -143,9 +164,11 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
         for k, v in json.loads(f.read_text()).items():
             totals[k] += v
     totals["other_s"] = max(0.0, totals["test_s"] - totals["jit_s"] - totals["reference_s"])
+    built = built_kernels(cache) - before
     lines = output.strip().splitlines()
     return dict(wall_s=wall, exit_code=code, summary=(lines[-1:] or [""])[0],
-                output_tail="\n".join(lines[-LOG_LINES:]), **totals)
+                output_tail="\n".join(lines[-LOG_LINES:]), built=len(built),
+                built_by_kernel=by_kernel(built), **totals)
 
 
 RUNS = ("cold", "warm")
@@ -201,14 +224,19 @@ def markdown(doc: dict) -> str:
     lines = [f"# The `pytest {shlex.join(doc['pytest_args'])}` loop on {doc['device']}", "",
              f"Warm: both caches from the cold run, `{doc['touched']}` touched.", "",
              "| run | wall (s) | tests | test time (s) | JIT | reference | kernels and the "
-             "rest | compiles | reference hits / misses / rejected | exit |",
+             "rest | compiles (built) | reference hits / misses / rejected | exit |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in doc["runs"].items():
         t = r["test_s"]
         lines.append(
             f"| {name} | {r['wall_s']:.1f} | {r['tests']} | {t:.1f} | {_share(r['jit_s'], t)} "
             f"| {_share(r['reference_s'], t)} | {_share(r['other_s'], t)} | {r['jit_count']} "
-            f"| {r['ref_hits']} / {r['ref_misses']} / {r['ref_rejected']} | {r['exit_code']} |")
+            f"({r.get('built', '-')}) | {r['ref_hits']} / {r['ref_misses']} / "
+            f"{r['ref_rejected']} | {r['exit_code']} |")
+    for name, r in doc["runs"].items():
+        if r.get("built_by_kernel"):
+            top = ", ".join(f"{k} {n}" for k, n in r["built_by_kernel"].items())
+            lines += ["", f"Built in the {name} run, by kernel: {top}."]
     return "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,7 @@ written."""
 from __future__ import annotations
 
 import json
+import os
 
 from benchmarks import bench_loop
 
@@ -55,7 +56,7 @@ def _assert_cold_then_warm(cold, warm):
     assert warm["ref_misses"] == 0 and warm["ref_hits"] == cold["ref_misses"] + cold["ref_hits"]
     for r in (cold, warm):
         assert 0 < r["reference_s"] <= r["test_s"] <= r["wall_s"]
-        assert r["jit_count"] == 0 and r["exit_code"] == 0
+        assert r["jit_count"] == 0 and r["built"] == 0 and r["exit_code"] == 0
         assert abs(r["other_s"] - (r["test_s"] - r["reference_s"] - r["jit_s"])) < 1e-9
 
 
@@ -79,3 +80,26 @@ def test_a_run_past_its_timeout_is_stopped_and_marked(tmp_path):
     doc = json.loads((out / "loop.json").read_text())
     assert rc == 124 and [r["exit_code"] for r in doc["runs"].values()] == [124, 124]
     assert all(r["wall_s"] < 60 for r in doc["runs"].values())
+
+
+def test_a_run_counts_the_kernels_it_built_by_name(tmp_path):
+    """``built`` counts the disk-cache entries (``<hash>/__grp__<name>.json``) a run wrote,
+    not those it found there, and ``built_by_kernel`` names them, the most built first."""
+    cache = tmp_path / "triton"
+    (cache / "old").mkdir(parents=True)
+    (cache / "old" / "__grp__k.json").write_text("{}")
+    test = tmp_path / "test_builds.py"
+    test.write_text(
+        "import os, pathlib\n"
+        "def test_builds():\n"
+        "    root = pathlib.Path(os.environ['TRITON_CACHE_DIR'])\n"
+        "    for h, name in (('a', 'k'), ('b', 'k'), ('c', 'j')):\n"
+        "        (root / h).mkdir()\n"
+        "        (root / h / f'__grp__{name}.json').write_text('{}')\n"
+        "        (root / h / f'{name}.json').write_text('{}')\n")
+    run = bench_loop.run_pytest([str(test)], {**os.environ, "TRITON_CACHE_DIR": str(cache)},
+                                tmp_path / "probes")
+    assert run["exit_code"] == 0
+    assert run["built"] == 3 and run["built_by_kernel"] == {"k": 2, "j": 1}
+    assert "k 2, j 1" in bench_loop.markdown(dict(pytest_args=["-m", "gpu"], device="d",
+                                                  touched="f", runs={"warm": run}))
