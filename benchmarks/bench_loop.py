@@ -9,7 +9,8 @@ plugin into every pytest process of the run (controller and xdist workers):
 - ``jit``: Triton's compiles (``kernels._triton.CompileClock``: every in-memory cache miss,
   disk-cache loads included); ``built`` counts those the compiler built (new entries in
   the disk cache), by kernel: a warm run that builds any met a specialisation the cold run
-  did not;
+  did not, and ``new_specs`` says which (``Probe.on_compile`` notes every compile's
+  specialisation; ``specs-<run>.json`` beside the caches);
 - ``reference``: the differential checks' reference side (``oracle.core.checks._cached``:
   cache lookups and, on a miss, the float64 reference and its bounds), with the reference
   cache's hits, misses and rejected entries;
@@ -27,6 +28,7 @@ compiles nothing); ``--pytest-args`` narrows the selection, e.g. for a quick CPU
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -45,6 +47,7 @@ SCHEMA = "bench-loop/1"
 INTERRUPT_GRACE_S = 30  # for an interrupted pytest to write its reports
 LOG_LINES = 400  # of each run's pytest output kept in loop.json: its failures and summary
 BUILT_TOP = 20  # kernel names listed by how many specialisations a run built
+NEW_TOP = 8  # a warm run's new specialisations explained, field by field
 
 
 # ------------------------------------------------------------ the probe (a pytest plugin)
@@ -54,12 +57,24 @@ class Probe:
     """Seconds of one pytest process: its tests, Triton's compiles, the reference side."""
 
     def __init__(self):
-        from kernels._triton import CompileClock
+        from kernels._triton import CompileClock, triton
 
         self.clock = CompileClock().install()
+        triton.knobs.runtime.jit_cache_hook = self.on_compile
         self.tests = 0
         self.test_s = 0.0
         self.reference_s = 0.0
+
+    def on_compile(self, **kw) -> bool:
+        """Triton's in-memory cache missed: note what it compiles (the kernel's source hash
+        and its specialisation data: signature, constexprs, alignment, options), then time
+        it."""
+        fn, spec = kw["fn"], kw["compile"]["specialization_data"]
+        line = json.dumps(dict(kernel=f"{fn.module}.{fn.name}",
+                               source=fn.jit_function.cache_key, spec=spec))
+        with open(Path(os.environ[PROBE_ENV]) / f"specs-{os.getpid()}.jsonl", "a") as f:
+            f.write(line + "\n")
+        return self.clock.started(**kw)
 
     def timed_reference(self, cached):
         def timed(*args, **kwargs):
@@ -136,7 +151,7 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
     cache = Path(env.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
     before = built_kernels(cache)
     probes.mkdir(parents=True, exist_ok=True)
-    for f in probes.glob("probe-*.json"):
+    for f in [*probes.glob("probe-*.json"), *probes.glob("specs-*.jsonl")]:
         f.unlink()
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
            "benchmarks.bench_loop", "-q", *pytest_args]
@@ -168,7 +183,52 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
     lines = output.strip().splitlines()
     return dict(wall_s=wall, exit_code=code, summary=(lines[-1:] or [""])[0],
                 output_tail="\n".join(lines[-LOG_LINES:]), built=len(built),
-                built_by_kernel=by_kernel(built), **totals)
+                built_by_kernel=by_kernel(built), specs=compiled_specs(probes), **totals)
+
+
+def compiled_specs(probes: Path) -> dict[str, dict]:
+    """What the run's processes compiled (``Probe.on_compile``), one entry per distinct
+    (kernel source, specialisation), keyed by its digest."""
+    specs = {}
+    for f in probes.glob("specs-*.jsonl"):
+        for line in f.read_text().splitlines():
+            entry = json.loads(line)
+            digest = hashlib.sha256((entry["source"] + entry["spec"]).encode()).hexdigest()
+            specs[digest[:16]] = entry
+    return specs
+
+
+def _fields(entry: dict) -> dict:
+    """A compile's specialisation as flat fields: each constexpr, attribute and option by
+    name, the signature, the source hash."""
+    spec = json.loads(entry["spec"])
+    out = {"source": entry["source"], "signature": json.dumps(spec["signature"])}
+    for prefix, keys, vals in (("constexpr", "constant_keys", "constant_vals"),
+                               ("attrs", "attrs_keys", "attrs_vals")):
+        for k, v in zip(spec[keys], spec[vals]):
+            out[f"{prefix} {k}"] = json.dumps(v)
+    out.update({f"option {k}": json.dumps(v) for k, v in spec["options"].items()})
+    return out
+
+
+def new_specs(before: dict[str, dict], now: dict[str, dict], top: int = NEW_TOP) -> dict:
+    """The compiles of ``now`` that ``before`` lacks (a warm run's specialisations the cold
+    run never met): how many, and for up to ``top`` of them the fields in which they differ
+    from the closest compile of the same kernel in ``before`` (none: the kernel was not
+    compiled there)."""
+    fresh = sorted(set(now) - set(before))
+    old_by_kernel: dict[str, list[dict]] = {}
+    for entry in before.values():
+        old_by_kernel.setdefault(entry["kernel"], []).append(_fields(entry))
+    examples = []
+    for digest in fresh[:top]:
+        entry, fields = now[digest], _fields(now[digest])
+        diffs = [sorted(k for k in fields.keys() | old.keys() if fields.get(k) != old.get(k))
+                 for old in old_by_kernel.get(entry["kernel"], [])]
+        closest = min(diffs, key=len) if diffs else None
+        examples.append(dict(kernel=entry["kernel"], differs_in=closest, fields={
+            k: fields.get(k) for k in (closest or [])}))
+    return dict(count=len(fresh), examples=examples)
 
 
 RUNS = ("cold", "warm")
@@ -193,15 +253,29 @@ def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | No
 
     done = {}
     if "cold" in runs:
-        done["cold"] = run_pytest(args("cold"), env, work / "probes", timeout)
+        done["cold"] = _kept_specs(run_pytest(args("cold"), env, work / "probes", timeout),
+                                   work / "specs-cold.json")
     if "warm" in runs:
         os.utime(touch)
         spent = sum(r["wall_s"] for r in done.values())
         left = None if total is None else max(1.0, total - spent)
         warm_timeout = left if timeout is None else min(timeout, left or timeout)
-        done["warm"] = run_pytest(args("warm"), env, work / "probes", warm_timeout)
+        warm = run_pytest(args("warm"), env, work / "probes", warm_timeout)
+        cold = work / "specs-cold.json"
+        if cold.is_file():
+            warm["new_specs"] = new_specs(json.loads(cold.read_text()), warm["specs"])
+        done["warm"] = _kept_specs(warm, work / "specs-warm.json")
     return dict(schema=SCHEMA, pytest_args=pytest_args, touched=str(touch.relative_to(ROOT)),
                 device=_device(), runs=done)
+
+
+def _kept_specs(run: dict, path: Path) -> dict:
+    """The run's compiles go to ``path`` (beside the caches, for a warm run in a later
+    call); the run's record keeps their number."""
+    specs = run.pop("specs")
+    path.write_text(json.dumps(specs))
+    run["distinct_compiles"] = len(specs)
+    return run
 
 
 def _device() -> str:
@@ -237,6 +311,15 @@ def markdown(doc: dict) -> str:
         if r.get("built_by_kernel"):
             top = ", ".join(f"{k} {n}" for k, n in r["built_by_kernel"].items())
             lines += ["", f"Built in the {name} run, by kernel: {top}."]
+    fresh = doc["runs"].get("warm", {}).get("new_specs")
+    if fresh:
+        lines += ["", f"The warm run compiled {fresh['count']} specialisations the cold run "
+                      "did not; how some differ from the closest cold one of their kernel:",
+                  ""]
+        for e in fresh["examples"]:
+            what = ("no cold compile of this kernel" if e["differs_in"] is None else
+                    "; ".join(f"{k} = {v}" for k, v in e["fields"].items()) or "nothing")
+            lines.append(f"- `{e['kernel']}`: {what}")
     return "\n".join(lines) + "\n"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 from benchmarks import bench_loop
 
@@ -56,8 +57,10 @@ def _assert_cold_then_warm(cold, warm):
     assert warm["ref_misses"] == 0 and warm["ref_hits"] == cold["ref_misses"] + cold["ref_hits"]
     for r in (cold, warm):
         assert 0 < r["reference_s"] <= r["test_s"] <= r["wall_s"]
-        assert r["jit_count"] == 0 and r["built"] == 0 and r["exit_code"] == 0
+        assert r["jit_count"] == r["built"] == r["distinct_compiles"] == 0
+        assert r["exit_code"] == 0
         assert abs(r["other_s"] - (r["test_s"] - r["reference_s"] - r["jit_s"])) < 1e-9
+    assert warm["new_specs"] == {"count": 0, "examples": []}
 
 
 def test_the_cold_run_refuses_a_filled_cache_directory(tmp_path, capsys):
@@ -103,3 +106,47 @@ def test_a_run_counts_the_kernels_it_built_by_name(tmp_path):
     assert run["built"] == 3 and run["built_by_kernel"] == {"k": 2, "j": 1}
     assert "k 2, j 1" in bench_loop.markdown(dict(pytest_args=["-m", "gpu"], device="d",
                                                   touched="f", runs={"warm": run}))
+
+
+def _compile(probe, kernel: str, block: int, source: str = "src1") -> None:
+    """One in-memory cache miss as Triton reports it to ``jit_cache_hook``."""
+    spec = json.dumps(dict(name=kernel, signature={"x": "*fp32", "BLOCK": "constexpr"},
+                           constant_keys=[[1]], constant_vals=[block], attrs_keys=[[0]],
+                           attrs_vals=[[["tt.divisibility", 16]]],
+                           options={"num_warps": 4}, key="k"))
+    fn = SimpleNamespace(module="kernels.m", name=kernel,
+                         jit_function=SimpleNamespace(cache_key=source))
+    assert bench_loop.Probe.on_compile(probe, fn=fn, compile={"specialization_data": spec}) \
+        is False  # Triton goes on compiling
+
+
+def test_a_warm_runs_new_specialisations_are_named_with_what_differs(tmp_path, monkeypatch):
+    """The probe notes every compile's specialisation; ``new_specs`` counts the warm run's
+    compiles the cold run lacks and names, for each, the fields in which it differs from
+    the closest cold compile of its kernel: a constexpr, the source hash, or no cold
+    compile of that kernel at all."""
+    from kernels._triton import CompileClock
+
+    monkeypatch.setenv(bench_loop.PROBE_ENV, str(tmp_path))
+    probe = SimpleNamespace(clock=CompileClock())
+    for kernel, block in (("k", 64), ("k", 128), ("j", 64)):
+        _compile(probe, kernel, block)
+    cold = bench_loop.compiled_specs(tmp_path)
+    for f in tmp_path.glob("specs-*.jsonl"):
+        f.unlink()
+    _compile(probe, "k", 64)  # met cold: not new
+    _compile(probe, "k", 32)
+    _compile(probe, "j", 64, source="src2")
+    _compile(probe, "z", 64)
+    fresh = bench_loop.new_specs(cold, bench_loop.compiled_specs(tmp_path))
+    assert len(cold) == 3 and fresh["count"] == 3
+    got = {e["kernel"]: (e["differs_in"], e["fields"]) for e in fresh["examples"]}
+    assert got == {"kernels.m.k": (["constexpr [1]"], {"constexpr [1]": "32"}),
+                   "kernels.m.j": (["source"], {"source": "src2"}),
+                   "kernels.m.z": (None, {})}
+    md = bench_loop.markdown(dict(pytest_args=["-m", "gpu"], device="d", touched="f", runs={
+        "warm": dict(wall_s=1, tests=1, test_s=1, jit_s=0, reference_s=0, other_s=1,
+                     jit_count=4, ref_hits=0, ref_misses=0, ref_rejected=0, exit_code=0,
+                     new_specs=fresh)}))
+    assert "compiled 3 specialisations the cold run did not" in md
+    assert "`kernels.m.k`: constexpr [1] = 32" in md and "`kernels.m.z`: no cold compile" in md
