@@ -188,13 +188,14 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
 
 def compiled_specs(probes: Path) -> dict[str, dict]:
     """What the run's processes compiled (``Probe.on_compile``), one entry per distinct
-    (kernel source, specialisation), keyed by its digest."""
+    (kernel source, specialisation), keyed by the digest of its fields (``_fields``: what the
+    compiled code depends on, leaving out whatever else Triton's in-memory key holds)."""
     specs = {}
     for f in probes.glob("specs-*.jsonl"):
         for line in f.read_text().splitlines():
             entry = json.loads(line)
-            digest = hashlib.sha256((entry["source"] + entry["spec"]).encode()).hexdigest()
-            specs[digest[:16]] = entry
+            fields = json.dumps([entry["kernel"], sorted(_fields(entry).items())])
+            specs[hashlib.sha256(fields.encode()).hexdigest()[:16]] = entry
     return specs
 
 
