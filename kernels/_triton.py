@@ -43,13 +43,16 @@ _RESIDENT: dict = {}
 
 
 def _arg_key(a):
-    """What of one argument can change the compiled kernel: a tensor's dtype and 16-byte
-    alignment, an integer's value (Triton specialises on ``== 1`` and divisibility by 16),
-    a float's type."""
+    """What of one argument Triton specialises a compile on: a tensor's dtype and 16-byte
+    alignment; an integer's width, ``== 1`` and divisibility by 16 (a few states, so the
+    planners' caches stay small however many shapes a server meets); a bool's value."""
     if hasattr(a, "data_ptr"):
         return str(a.dtype), a.data_ptr() % 16 == 0
+    if isinstance(a, bool):
+        return "bool", a
     if isinstance(a, int):
-        return type(a).__name__, a
+        width = "i32" if -2**31 <= a < 2**31 else "i64" if a < 2**63 else "u64"
+        return width, a == 1, a % 16 == 0
     return type(a).__name__
 
 

@@ -315,7 +315,9 @@ def test_planner_answers_do_not_depend_on_the_first_case_a_process_met(monkeypat
     """The launch planners' cache (kernels._triton._spec_key) holds what Triton specialises
     on: two launches whose integer arguments differ in divisibility by 16 get each its own
     compiled kernel's answer, in either order; a worker's history never picks the
-    constexprs of a later case (which would compile variants the disk cache lacks)."""
+    constexprs of a later case (which would compile variants the disk cache lacks).
+    Integers Triton compiles alike (48 and 64) share a key; 1, and 32-bit against 64-bit
+    values, do not."""
     from types import SimpleNamespace
 
     from kernels import _triton as kt
@@ -332,6 +334,10 @@ def test_planner_answers_do_not_depend_on_the_first_case_a_process_met(monkeypat
         monkeypatch.setattr(kt, "_STAGES", {})
         answers.append({n: kt.fitting_stages(kernel, (n,), {"D": 128}, dev) for n in order})
     assert answers[0] == answers[1] == {32: 2, 33: 1}
+    # Integers alike to Triton's specialisation share an answer: the caches stay small.
+    assert kt._spec_key(kernel, (48,), {}) == kt._spec_key(kernel, (64,), {})
+    assert kt._spec_key(kernel, (1,), {}) != kt._spec_key(kernel, (2,), {})
+    assert kt._spec_key(kernel, (2**31,), {}) != kt._spec_key(kernel, (2**31 - 16,), {})
 
 
 def test_fitting_stages_picks_the_deepest_pipeline_that_fits(monkeypatch):
