@@ -183,19 +183,21 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
     lines = output.strip().splitlines()
     return dict(wall_s=wall, exit_code=code, summary=(lines[-1:] or [""])[0],
                 output_tail="\n".join(lines[-LOG_LINES:]), built=len(built),
-                built_by_kernel=by_kernel(built), specs=compiled_specs(probes), **totals)
+                built_by_kernel=by_kernel(built), **totals)
 
 
 def compiled_specs(probes: Path) -> dict[str, dict]:
-    """What the run's processes compiled (``Probe.on_compile``), one entry per distinct
-    (kernel source, specialisation), keyed by the digest of its fields (``_fields``: what the
-    compiled code depends on, leaving out whatever else Triton's in-memory key holds)."""
+    """What the run's processes compiled (``Probe.on_compile``), one ``{kernel, fields}``
+    per distinct (kernel, specialisation), keyed by the digest of both (``_fields``: what
+    the compiled code depends on, leaving out whatever else Triton's in-memory key
+    holds)."""
     specs = {}
     for f in probes.glob("specs-*.jsonl"):
         for line in f.read_text().splitlines():
             entry = json.loads(line)
-            fields = json.dumps([entry["kernel"], sorted(_fields(entry).items())])
-            specs[hashlib.sha256(fields.encode()).hexdigest()[:16]] = entry
+            spec = dict(kernel=entry["kernel"], fields=_fields(entry))
+            text = json.dumps([spec["kernel"], sorted(spec["fields"].items())])
+            specs[hashlib.sha256(text.encode()).hexdigest()[:16]] = spec
     return specs
 
 
@@ -219,15 +221,15 @@ def new_specs(before: dict[str, dict], now: dict[str, dict], top: int = NEW_TOP)
     compiled there)."""
     fresh = sorted(set(now) - set(before))
     old_by_kernel: dict[str, list[dict]] = {}
-    for entry in before.values():
-        old_by_kernel.setdefault(entry["kernel"], []).append(_fields(entry))
+    for spec in before.values():
+        old_by_kernel.setdefault(spec["kernel"], []).append(spec["fields"])
     examples = []
     for digest in fresh[:top]:
-        entry, fields = now[digest], _fields(now[digest])
+        kernel, fields = now[digest]["kernel"], now[digest]["fields"]
         diffs = [sorted(k for k in fields.keys() | old.keys() if fields.get(k) != old.get(k))
-                 for old in old_by_kernel.get(entry["kernel"], [])]
+                 for old in old_by_kernel.get(kernel, [])]
         closest = min(diffs, key=len) if diffs else None
-        examples.append(dict(kernel=entry["kernel"], differs_in=closest, fields={
+        examples.append(dict(kernel=kernel, differs_in=closest, fields={
             k: fields.get(k) for k in (closest or [])}))
     return dict(count=len(fresh), examples=examples)
 
@@ -252,31 +254,29 @@ def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | No
             return pytest_args
         return [*pytest_args, "--last-run", str(reports / f"last-run-{name}.json")]
 
+    def run(name: str, seconds: float | None) -> tuple[dict, dict]:
+        """One run, its compiles kept beside the caches (for a warm run in a later call)."""
+        record = run_pytest(args(name), env, work / "probes", seconds)
+        specs = compiled_specs(work / "probes")
+        (work / f"specs-{name}.json").write_text(json.dumps(specs))
+        record["distinct_compiles"] = len(specs)
+        return record, specs
+
     done = {}
     if "cold" in runs:
-        done["cold"] = _kept_specs(run_pytest(args("cold"), env, work / "probes", timeout),
-                                   work / "specs-cold.json")
+        done["cold"], _ = run("cold", timeout)
     if "warm" in runs:
         os.utime(touch)
         spent = sum(r["wall_s"] for r in done.values())
         left = None if total is None else max(1.0, total - spent)
         warm_timeout = left if timeout is None else min(timeout, left or timeout)
-        warm = run_pytest(args("warm"), env, work / "probes", warm_timeout)
         cold = work / "specs-cold.json"
-        if cold.is_file():
-            warm["new_specs"] = new_specs(json.loads(cold.read_text()), warm["specs"])
-        done["warm"] = _kept_specs(warm, work / "specs-warm.json")
+        cold_specs = json.loads(cold.read_text()) if cold.is_file() else None
+        done["warm"], specs = run("warm", warm_timeout)
+        if cold_specs is not None:
+            done["warm"]["new_specs"] = new_specs(cold_specs, specs)
     return dict(schema=SCHEMA, pytest_args=pytest_args, touched=str(touch.relative_to(ROOT)),
                 device=_device(), runs=done)
-
-
-def _kept_specs(run: dict, path: Path) -> dict:
-    """The run's compiles go to ``path`` (beside the caches, for a warm run in a later
-    call); the run's record keeps their number."""
-    specs = run.pop("specs")
-    path.write_text(json.dumps(specs))
-    run["distinct_compiles"] = len(specs)
-    return run
 
 
 def _device() -> str:
