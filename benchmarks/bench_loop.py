@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import pytest
+from triton._C.libtriton import get_cache_invalidating_env_vars
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE_ENV = "BENCH_LOOP_PROBE_DIR"
@@ -66,12 +67,13 @@ class Probe:
         self.reference_s = 0.0
 
     def on_compile(self, **kw) -> bool:
-        """Triton's in-memory cache missed: note what it compiles (the kernel's source hash
-        and its specialisation data: signature, constexprs, alignment, options), then time
-        it."""
+        """Triton's in-memory cache missed: note what it compiles (the kernel's source hash,
+        its specialisation data: signature, constexprs, alignment, options, and the
+        environment variables Triton's disk-cache key holds), then time it."""
         fn, spec = kw["fn"], kw["compile"]["specialization_data"]
         line = json.dumps(dict(kernel=f"{fn.module}.{fn.name}",
-                               source=fn.jit_function.cache_key, spec=spec))
+                               source=fn.jit_function.cache_key, spec=spec,
+                               env=sorted(get_cache_invalidating_env_vars().items())))
         with open(Path(os.environ[PROBE_ENV]) / f"specs-{os.getpid()}.jsonl", "a") as f:
             f.write(line + "\n")
         return self.clock.started(**kw)
@@ -203,9 +205,10 @@ def compiled_specs(probes: Path) -> dict[str, dict]:
 
 def _fields(entry: dict) -> dict:
     """A compile's specialisation as flat fields: each constexpr, attribute and option by
-    name, the signature, the source hash."""
+    name, the signature, the source hash, the cache-invalidating environment."""
     spec = json.loads(entry["spec"])
-    out = {"source": entry["source"], "signature": json.dumps(spec["signature"])}
+    out = {"source": entry["source"], "signature": json.dumps(spec["signature"]),
+           "env": json.dumps(entry.get("env", []))}
     for prefix, keys, vals in (("constexpr", "constant_keys", "constant_vals"),
                                ("attrs", "attrs_keys", "attrs_vals")):
         for k, v in zip(spec[keys], spec[vals]):

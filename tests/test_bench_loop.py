@@ -123,8 +123,9 @@ def _compile(probe, kernel: str, block: int, source: str = "src1") -> None:
 def test_a_warm_runs_new_specialisations_are_named_with_what_differs(tmp_path, monkeypatch):
     """The probe notes every compile's specialisation; ``new_specs`` counts the warm run's
     compiles the cold run lacks and names, for each, the fields in which it differs from
-    the closest cold compile of its kernel: a constexpr, the source hash, or no cold
-    compile of that kernel at all."""
+    the closest cold compile of its kernel: a constexpr, the source hash, a variable of
+    the environment that Triton's disk-cache key holds, or no cold compile of that kernel
+    at all."""
     from kernels._triton import CompileClock
 
     monkeypatch.setenv(bench_loop.PROBE_ENV, str(tmp_path))
@@ -138,15 +139,18 @@ def test_a_warm_runs_new_specialisations_are_named_with_what_differs(tmp_path, m
     _compile(probe, "k", 32)
     _compile(probe, "j", 64, source="src2")
     _compile(probe, "z", 64)
+    monkeypatch.setenv("LLVM_IR_ENABLE_DUMP", "1")  # a variable Triton's disk key holds
+    _compile(probe, "k", 128)
     fresh = bench_loop.new_specs(cold, bench_loop.compiled_specs(tmp_path))
-    assert len(cold) == 3 and fresh["count"] == 3
-    got = {e["kernel"]: (e["differs_in"], e["fields"]) for e in fresh["examples"]}
-    assert got == {"kernels.m.k": (["constexpr [1]"], {"constexpr [1]": "32"}),
-                   "kernels.m.j": (["source"], {"source": "src2"}),
-                   "kernels.m.z": (None, {})}
+    assert len(cold) == 3 and fresh["count"] == 4
+    got = sorted((e["kernel"], e["differs_in"], e["fields"]) for e in fresh["examples"])
+    assert got == [("kernels.m.j", ["source"], {"source": "src2"}),
+                   ("kernels.m.k", ["constexpr [1]"], {"constexpr [1]": "32"}),
+                   ("kernels.m.k", ["env"], {"env": '[["LLVM_IR_ENABLE_DUMP", "true"]]'}),
+                   ("kernels.m.z", None, {})]
     md = bench_loop.markdown(dict(pytest_args=["-m", "gpu"], device="d", touched="f", runs={
         "warm": dict(wall_s=1, tests=1, test_s=1, jit_s=0, reference_s=0, other_s=1,
-                     jit_count=4, ref_hits=0, ref_misses=0, ref_rejected=0, exit_code=0,
+                     jit_count=5, ref_hits=0, ref_misses=0, ref_rejected=0, exit_code=0,
                      new_specs=fresh)}))
-    assert "compiled 3 specialisations the cold run did not" in md
+    assert "compiled 4 specialisations the cold run did not" in md
     assert "`kernels.m.k`: constexpr [1] = 32" in md and "`kernels.m.z`: no cold compile" in md
