@@ -25,6 +25,31 @@ if INTERPRET:
     patch_interpreter()
 
 
+def hash_callees_first() -> None:
+    """Make a kernel's JIT cache key (its source hash, part of every compile's disk-cache
+    key) the same in every process. Triton 3.6 merges a callee's constexpr globals into the
+    caller's key before it has hashed the callee, so a helper first hashed through one
+    kernel leaves another kernel's key short of them: each xdist worker keyed a kernel by
+    whichever kernel it launched first, and a warm run rebuilt what another worker had
+    cached. Hashing the callee first gives every kernel its full key (as upstream Triton
+    does since PR 10494). Idempotent."""
+    from triton.runtime.jit import DependenciesFinder
+
+    merge = DependenciesFinder._update_hash
+    if getattr(merge, "_callees_first", False):
+        return
+
+    def update_hash(self, func):
+        func.cache_key  # computes the callee's globals before the caller merges them
+        return merge(self, func)
+
+    update_hash._callees_first = True
+    DependenciesFinder._update_hash = update_hash
+
+
+hash_callees_first()
+
+
 def is_interpreted(kernel) -> bool:
     """True when ``kernel`` (a decorated function) runs in the CPU interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
