@@ -25,6 +25,8 @@ from oracle.tools.large import LARGE_CACHE_ELEMENTS, moved_op_inputs
 ELEMENTS = int(os.environ.get("LARGE_CACHE_ELEMENTS", LARGE_CACHE_ELEMENTS))
 # GPU-sized by default; with the size lowered they are interpreter tests of the logic.
 SIZED = pytest.mark.interp if "LARGE_CACHE_ELEMENTS" in os.environ else pytest.mark.gpu
+# The GPU-sized tests take several GB each: one worker runs them one after another.
+pytestmark = pytest.mark.xdist_group("large-caches")
 # One insert case at an interpreter size in the default CPU run, so that the GPU-sized
 # tests' own code (adapters, moved inputs) is exercised where CI runs.
 INTERP_ELEMENTS = 100_000

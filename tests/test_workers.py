@@ -43,6 +43,35 @@ def test_worker_count_rejects_nonsense():
         pw.worker_count(4, -1, [GIB])
 
 
+class _Allocator:
+    """What ``release_cached_gpu_memory`` reads of ``torch.cuda``: an allocator holding
+    ``reserved`` bytes, which ``empty_cache`` returns to the device."""
+
+    def __init__(self, initialized: bool, reserved: int):
+        self.initialized, self.reserved = initialized, reserved
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def memory_reserved(self) -> int:
+        return self.reserved
+
+    def empty_cache(self) -> None:
+        self.reserved = 0
+
+
+@pytest.mark.parametrize("initialized, reserved, released", [
+    (True, 9 * GIB, True), (True, pw.KEPT_RESERVED_BYTES + 1, True),
+    (True, pw.KEPT_RESERVED_BYTES, False), (False, 9 * GIB, False)])
+def test_a_worker_returns_cached_gpu_memory_beyond_its_share(initialized, reserved, released):
+    """After a test, a worker whose allocator caches more than half its share of the GPU
+    returns the cache (so a neighbour's multi-GB test finds room); one within it, or one
+    that never initialised CUDA, keeps it (no CUDA context made for nothing)."""
+    cuda = _Allocator(initialized, reserved)
+    assert pw.release_cached_gpu_memory(cuda) is released
+    assert cuda.reserved == (0 if released else reserved)
+
+
 @pytest.mark.parametrize("expr, want", [
     ("gpu", True), ("gpu and not slow", True), ("gpu or interp", True),
     ("not gpu and not fuzz", False), ("interp", False), ("", False), ("not gpu", False),

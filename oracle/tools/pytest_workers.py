@@ -6,7 +6,8 @@ GPUs' memory allow, ``--dist loadgroup`` (the cases of one shape config share a 
 and with several GPUs one GPU per worker (``ORACLE_GPUS``, read by ``pin_worker_gpu`` in
 each worker). A ``-n``/``--tx``/``--dist`` the user gives wins, ``-n 0`` and
 ``-p no:xdist`` included. Without pytest-xdist the run stays in one process and its header
-says once how to go faster. The CPU run (``-m "not gpu ..."``) is never touched.
+says once how to go faster. The CPU run (``-m "not gpu ..."``) is never touched. After
+each test a worker returns what its CUDA allocator caches beyond half its share of the GPU.
 
 The root conftest.py registers this module as a plugin; its ``pytest_configure`` runs
 before xdist's (which is ``trylast`` and creates the distributed session from
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 from _pytest.mark.expression import Expression
@@ -29,6 +31,9 @@ GIB = 1 << 30
 HOST_BYTES_PER_WORKER = 4 * GIB
 # A CUDA context plus the largest test's tensors and Triton's workspace.
 GPU_BYTES_PER_WORKER = 4 * GIB
+# What a worker's caching allocator may keep reserved between tests: half its share, so
+# sixteen idle workers leave room for the one test that needs several GB (large caches).
+KEPT_RESERVED_BYTES = GPU_BYTES_PER_WORKER // 2
 
 FASTER = ("sparse-attn-oracle: `pytest -m gpu` runs in one process; install pytest-xdist "
           "to spread it over every core and GPU")
@@ -112,6 +117,22 @@ def pytest_configure(config):
     workers = worker_count(usable_cores(), host_memory(), gpu_bytes)
     if workers:
         distribute(option, workers, len(gpu_bytes))
+
+
+def release_cached_gpu_memory(cuda, kept: int = KEPT_RESERVED_BYTES) -> bool:
+    """Return the blocks ``cuda`` (``torch.cuda``) holds cached beyond ``kept`` bytes to
+    the device; whether it did. A worker's allocator otherwise keeps the peak of every test
+    it ran (9.5 GiB seen), and a neighbour's large test then runs out of memory."""
+    if not cuda.is_initialized() or cuda.memory_reserved() <= kept:
+        return False
+    cuda.empty_cache()
+    return True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    if hasattr(item.config, "workerinput") and "torch" in sys.modules:
+        release_cached_gpu_memory(sys.modules["torch"].cuda)
 
 
 def pytest_report_header(config):
