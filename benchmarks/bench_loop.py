@@ -316,7 +316,9 @@ def markdown(doc: dict) -> str:
             top = ", ".join(f"{k} {n}" for k, n in r["built_by_kernel"].items())
             lines += ["", f"Built in the {name} run, by kernel: {top}."]
     fresh = doc["runs"].get("warm", {}).get("new_specs")
-    if fresh:
+    if fresh and not fresh["count"]:
+        lines += ["", "The warm run compiled no specialisation the cold run did not."]
+    elif fresh:
         lines += ["", f"The warm run compiled {fresh['count']} specialisations the cold run "
                       "did not; how some differ from the closest cold one of their kernel:",
                   ""]

@@ -61,6 +61,8 @@ def _assert_cold_then_warm(cold, warm):
         assert r["exit_code"] == 0
         assert abs(r["other_s"] - (r["test_s"] - r["reference_s"] - r["jit_s"])) < 1e-9
     assert warm["new_specs"] == {"count": 0, "examples": []}
+    assert "compiled no specialisation the cold run did not" in bench_loop.markdown(
+        dict(pytest_args=["-m", "gpu"], device="d", touched="f", runs={"warm": warm}))
 
 
 def test_the_cold_run_refuses_a_filled_cache_directory(tmp_path, capsys):
