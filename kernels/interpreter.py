@@ -57,6 +57,11 @@ instances, including the module-level ``interpreter_builder``, see them through 
     The launch runs under ``np.errstate(all="ignore")``: the interpreter computes masked-off
     lanes too (an integer division by a zero that the mask discards) and IEEE Inf/NaN
     results, which the GPU never reports; NumPy's RuntimeWarnings there are noise to a user.
+``InterpretedFunction.__call__``
+    A ``@triton.jit`` helper called from a kernel: 3.6 re-patches the language modules on
+    every such call (``_patch_lang``: ``inspect.getmembers`` of four modules), a third of an
+    interpreted decode launch's time; the replacement skips it when the launch has patched
+    them already, and otherwise is the original.
 ``ReduceOps.apply_impl``
     bf16 inputs (in practice ``tl.sum``: max/min promote to fp32) take the interpreter's own
     generic combine-function path, whose adds go through the patched ``binary_op``, instead
@@ -267,8 +272,30 @@ def _grid_call(self, *args, **kwargs):
         return ORIGINALS["GridExecutor", "__call__"](self, *args, **kwargs)
 
 
+def _device_call(self, *args, **kwargs):
+    from triton.runtime import interpreter
+
+    if not _language_patched(self.fn):
+        interpreter._patch_lang(self.fn)
+    fn = self.rewrite()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        raise interpreter.InterpreterError(repr(e)) from e
+
+
+def _language_patched(fn) -> bool:
+    """Whether every Triton language module ``fn`` sees is already patched for the
+    interpreter (inside a launch: ``tl.load`` is no longer the compiler's builtin)."""
+    import triton.language as tl
+
+    return all(not tl.core.is_builtin(v.load) for v in fn.__globals__.values()
+               if v is tl or v is tl.core)
+
+
 _REPLACEMENTS = {
     ("GridExecutor", "__call__"): _grid_call,
+    ("InterpretedFunction", "__call__"): _device_call,
     ("InterpreterBuilder", "cast_impl"): _cast_impl,
     ("InterpreterBuilder", "create_fp_to_fp"): _create_fp_to_fp,
     ("InterpreterBuilder", "binary_op"): _binary_op,

@@ -10,7 +10,8 @@ from oracle.core import diff, report
 from oracle.core.bounds import norm_rope_bound
 from oracle.core.cases import OPS, Case, input_hash, make_inputs
 from oracle.core.checks import run_check
-from oracle.core.intervals import admissible_range, classify, joint_value_exists, round_codes
+from oracle.core.intervals import (admissible_range, classify, joint_value_exists, ordinal,
+                                   preimage, round_codes)
 from oracle.core.reference_run import attention_call
 from oracle.core.registry import Implementation, implementations
 from oracle.tools.soundness import (
@@ -20,6 +21,7 @@ from oracle.tools.soundness import (
     norm_rope_soundness,
 )
 from reference.codec import decode, encode
+from reference.formats import FORMATS
 
 
 @pytest.mark.slow
@@ -66,6 +68,31 @@ def test_admissible_range_is_the_rounding_of_the_interval():
     assert classify(one_up, np.array([1.0]), 1.01 * 2**-8, "bfloat16")["ok"][0]
     nan = encode(np.array([np.nan]), "bfloat16", "nonsaturating")
     assert not classify(nan, np.array([1.0]), 1e9, "bfloat16")["ok"][0]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_preimage_is_what_rounds_to_each_code(fmt):
+    """For every finite code of the format, as a code array and as int64: the values just
+    inside its preimage [lo, hi] (one float64 step in from each end) round (the reference's
+    RNE, satfinite for fp8) to a code of the same ordinal, the values just outside to
+    another; the ordinal grows with the value (+0 and -0 one ordinal)."""
+    f = FORMATS[fmt]
+    codes = np.arange(1 << f.bits).astype(f.code_dtype)
+    value = decode(codes, fmt)
+    codes, value = codes[np.isfinite(value)], value[np.isfinite(value)]
+    for given in (codes, codes.astype(np.int64)):
+        lo, hi = preimage(given, fmt)
+        own = ordinal(given, fmt)
+        assert np.array_equal(own, ordinal(codes, fmt))
+        assert (lo <= value).all() and (value <= hi).all()
+        for ends, step, same in ((lo, np.inf, True), (hi, -np.inf, True),
+                                 (lo, -np.inf, False), (hi, np.inf, False)):
+            x = np.nextafter(ends, step)
+            at = np.isfinite(x)
+            assert np.array_equal(ordinal(round_codes(x[at], fmt), fmt) == own[at],
+                                  np.full(at.sum(), same)), (fmt, same)
+    by_value = np.argsort(value, kind="stable")
+    assert (np.diff(ordinal(codes, fmt)[by_value]) >= 0).all()
 
 
 def test_joint_check_requires_one_value_for_bf16_and_fp8():

@@ -21,9 +21,31 @@ from reference.codec import decode, encode, get_format
 def ordinal(codes, fmt) -> np.ndarray:
     """Signed integer growing with the value of each code; +0 and -0 both map to 0."""
     f = get_format(fmt)
-    c = np.asarray(codes).astype(np.int64)
+    return _tables(f)[0][_index(codes, f)]
+
+
+def _code_ordinals(c: np.ndarray, f) -> np.ndarray:
     magnitude = c & (f.sign_bit - 1)
     return np.where(c & f.sign_bit, -magnitude, magnitude)
+
+
+# Per format: (ordinal, preimage lo, preimage hi) of every code, so that a check looks codes
+# up (two gathers) instead of computing a dozen temporaries per element.
+_TABLES: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _tables(f) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if f.name not in _TABLES:
+        every = np.arange(1 << f.bits, dtype=np.int64)
+        _TABLES[f.name] = (_code_ordinals(every, f), *_code_preimages(every, f))
+    return _TABLES[f.name]
+
+
+def _index(codes, f) -> np.ndarray:
+    """``codes`` as indices into a format's tables (the low ``bits`` bits, as the sign and
+    magnitude masks read them)."""
+    c = np.asarray(codes)
+    return c if c.dtype == f.code_dtype else c.astype(np.int64) & ((1 << f.bits) - 1)
 
 
 def round_codes(values, fmt, scale=None) -> np.ndarray:
@@ -47,7 +69,14 @@ def preimage(codes, fmt, scale=1.0) -> tuple[np.ndarray, np.ndarray]:
     counted on both sides: a measure-zero over-approximation). Under satfinite the max
     codes extend to +-inf; zero codes cover both signs."""
     f = get_format(fmt)
-    c = np.asarray(codes).astype(np.int64)
+    _, lo, hi = _tables(f)
+    index = _index(codes, f)
+    s = np.asarray(scale, dtype=np.float64)
+    return lo[index] * s, hi[index] * s
+
+
+def _code_preimages(c: np.ndarray, f) -> tuple[np.ndarray, np.ndarray]:
+    """``preimage`` of int64 codes ``c`` at scale 1."""
     grid = f._grid  # magnitudes of codes 0..max_code, then the first value past max
     m = np.minimum(c & (f.sign_bit - 1), f.max_code)  # non-finite codes: no preimage
     below = np.where(m > 0, (grid[m - 1] + grid[m]) / 2, -grid[1] / 2)
@@ -55,10 +84,7 @@ def preimage(codes, fmt, scale=1.0) -> tuple[np.ndarray, np.ndarray]:
     if f.bits == 8:  # satfinite: everything past max rounds to max
         above = np.where(m == f.max_code, np.inf, above)
     negative = (c & f.sign_bit) != 0
-    lo = np.where(negative, -above, below)
-    hi = np.where(negative, -below, above)
-    s = np.asarray(scale, dtype=np.float64)
-    return lo * s, hi * s
+    return np.where(negative, -above, below), np.where(negative, -below, above)
 
 
 def joint_value_exists(exact, bound, out_codes, out_fmt, q_codes, q_fmt, q_scale=1.0,
