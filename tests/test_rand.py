@@ -22,6 +22,20 @@ def test_raw_stream_is_numpys_guaranteed_pcg64_stream():
     assert np.array_equal(rand.raw_u64(bg, (5,)), np.random.PCG64(3).random_raw(5))
 
 
+def test_in_place_transforms_give_the_literal_expressions_bits():
+    """uniform and normal, evaluated in place, equal bit for bit their literal forms on the
+    raw stream: ((raw >> 11) + 0.5) * 2^-53 and sqrt(-2 log u1) * cos(2 pi u2), in shapes
+    of one and several axes (the bits every case's input hash records)."""
+    for shape in [(7,), (3, 5, 4), (100_003,)]:
+        raw = np.random.PCG64(5).random_raw(4 * int(np.prod(shape))).reshape(4, *shape)
+        u = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+        bg = rand.generator(5)
+        assert np.array_equal(rand.uniform(bg, shape).view(np.uint64), u[0].view(np.uint64))
+        assert np.array_equal(rand.uniform(bg, shape).view(np.uint64), u[1].view(np.uint64))
+        literal = np.sqrt(-2.0 * np.log(u[2])) * np.cos(2.0 * np.pi * u[3])
+        assert np.array_equal(rand.normal(bg, shape).view(np.uint64), literal.view(np.uint64))
+
+
 def test_distributions():
     """uniform is U(0,1), normal is N(0,1) (Kolmogorov-Smirnov, fixed seed, p > 1e-3);
     integers stay in [low, high) and hit every value."""
