@@ -57,6 +57,10 @@ instances, including the module-level ``interpreter_builder``, see them through 
     The launch runs under ``np.errstate(all="ignore")``: the interpreter computes masked-off
     lanes too (an integer division by a zero that the mask discards) and IEEE Inf/NaN
     results, which the GPU never reports; NumPy's RuntimeWarnings there are noise to a user.
+``_get_np_dtype`` (a function of the interpreter module)
+    The storage dtype of a Triton type: 3.6 builds a dict of seventeen NumPy dtypes on every
+    call (hundreds of thousands per launch); the replacement looks the scalar type up in a
+    table filled from the original.
 ``InterpretedFunction.__call__``
     A ``@triton.jit`` helper called from a kernel: 3.6 re-patches the language modules on
     every such call (``_patch_lang``: ``inspect.getmembers`` of four modules), a third of an
@@ -293,7 +297,23 @@ def _language_patched(fn) -> bool:
                if v is tl or v is tl.core)
 
 
+def _np_dtype(tt_dtype):
+    import triton.language as tl
+
+    scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+    if isinstance(scalar, tl.pointer_type):
+        return _U64
+    if scalar.name not in _NP_DTYPES:
+        _NP_DTYPES[scalar.name] = ORIGINALS["module", "_get_np_dtype"](scalar)
+    return _NP_DTYPES[scalar.name]
+
+
+_U64 = np.dtype(np.uint64)
+_NP_DTYPES: dict[str, np.dtype] = {}  # scalar type name -> its storage dtype
+
+
 _REPLACEMENTS = {
+    ("module", "_get_np_dtype"): _np_dtype,
     ("GridExecutor", "__call__"): _grid_call,
     ("InterpretedFunction", "__call__"): _device_call,
     ("InterpreterBuilder", "cast_impl"): _cast_impl,
@@ -304,6 +324,12 @@ _REPLACEMENTS = {
     ("InterpreterBuilder", "create_dot"): _create_dot,
     ("ReduceOps", "apply_impl"): _reduce_apply_impl,
 }
+
+
+def _owner(interpreter, name: str):
+    """Where a replacement goes: a class of the interpreter module, or ("module") the
+    module itself (its functions look each other up there at call time)."""
+    return interpreter if name == "module" else getattr(interpreter, name)
 
 
 def is_patched() -> bool:
@@ -328,10 +354,10 @@ def patch_interpreter() -> None:
 
     if is_patched():
         return
-    for (cls_name, attr), fn in _REPLACEMENTS.items():
-        cls = getattr(interpreter, cls_name)
-        ORIGINALS[cls_name, attr] = cls.__dict__.get(attr)
-        setattr(cls, attr, fn)
+    for (owner, attr), fn in _REPLACEMENTS.items():
+        target = _owner(interpreter, owner)
+        ORIGINALS[owner, attr] = target.__dict__.get(attr)
+        setattr(target, attr, fn)
     setattr(interpreter.InterpreterBuilder, _MARK, True)
 
 
@@ -341,11 +367,11 @@ def unpatch_interpreter() -> None:
 
     if not is_patched():
         return
-    for cls_name, attr in _REPLACEMENTS:
-        cls = getattr(interpreter, cls_name)
-        original = ORIGINALS[cls_name, attr]
+    for owner, attr in _REPLACEMENTS:
+        target = _owner(interpreter, owner)
+        original = ORIGINALS[owner, attr]
         if original is None:
-            delattr(cls, attr)
+            delattr(target, attr)
         else:
-            setattr(cls, attr, original)
+            setattr(target, attr, original)
     setattr(interpreter.InterpreterBuilder, _MARK, False)

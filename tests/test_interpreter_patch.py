@@ -323,6 +323,23 @@ def test_helper_calls_inside_a_launch_do_not_repatch_the_language(monkeypatch):
     assert len(calls) == 1
 
 
+def test_storage_dtypes_are_the_originals():
+    """The interpreter's storage dtype of every scalar type, of blocks of them and of
+    pointers (the table-backed replacement of _get_np_dtype) is what 3.6's function
+    gives, asked twice (the second from the table)."""
+    from triton.runtime import interpreter as ti
+
+    original = interp.ORIGINALS["module", "_get_np_dtype"]
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32,
+               tl.int64, tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64,
+               tl.float8e5, tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15]
+    types = [*scalars, *(tl.block_type(t, [4, 2]) for t in scalars),
+             tl.pointer_type(tl.float32), tl.block_type(tl.pointer_type(tl.bfloat16), [8])]
+    assert ti._get_np_dtype is interp._np_dtype
+    for _ in range(2):
+        assert [ti._get_np_dtype(t) for t in types] == [original(t) for t in types]
+
+
 def test_patch_is_idempotent_and_pinned(monkeypatch):
     """patch_interpreter() twice keeps the saved originals the originals, and it refuses a
     Triton version other than the pinned 3.6.0 with a clear error."""
