@@ -46,7 +46,8 @@ def _kernel_keys(modules, tmp_path) -> dict:
 def test_kernel_keys_do_not_depend_on_which_kernel_a_process_hashes_first(tmp_path):
     """Two processes hash the kernel modules in opposite orders (helpers shared across
     modules are then first hashed through different kernels) and get the same key for
-    every kernel; on Triton 3.6 unpatched, the decode indexer's kernels differ."""
+    every kernel; on Triton 3.6 unpatched, the decode attention, prefill attention and
+    decode indexer kernels differ."""
     modules = ("kernels.indexer_decode_flat", *KERNEL_MODULES)
     forward = _kernel_keys(modules, tmp_path)
     backward = _kernel_keys(modules[::-1], tmp_path)
