@@ -87,6 +87,8 @@ interpreter tests separately: ``TRITON_INTERPRET=1 pytest -m interp``.
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -303,13 +305,16 @@ def _np_dtype(tt_dtype):
     scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
     if isinstance(scalar, tl.pointer_type):
         return _U64
-    if scalar.name not in _NP_DTYPES:
-        _NP_DTYPES[scalar.name] = ORIGINALS["module", "_get_np_dtype"](scalar)
-    return _NP_DTYPES[scalar.name]
+    return _scalar_np_dtype(scalar)
 
 
 _U64 = np.dtype(np.uint64)
-_NP_DTYPES: dict[str, np.dtype] = {}  # scalar type name -> its storage dtype
+
+
+@functools.cache
+def _scalar_np_dtype(scalar):
+    """The storage dtype of a scalar Triton type (hashed by name), as 3.6 gives it."""
+    return ORIGINALS["module", "_get_np_dtype"](scalar)
 
 
 _REPLACEMENTS = {

@@ -13,6 +13,8 @@ format, fp8 included.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from reference.codec import decode, encode, get_format
@@ -29,16 +31,12 @@ def _code_ordinals(c: np.ndarray, f) -> np.ndarray:
     return np.where(c & f.sign_bit, -magnitude, magnitude)
 
 
-# Per format: (ordinal, preimage lo, preimage hi) of every code, so that a check looks codes
-# up (two gathers) instead of computing a dozen temporaries per element.
-_TABLES: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-
+@functools.cache
 def _tables(f) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if f.name not in _TABLES:
-        every = np.arange(1 << f.bits, dtype=np.int64)
-        _TABLES[f.name] = (_code_ordinals(every, f), *_code_preimages(every, f))
-    return _TABLES[f.name]
+    """(ordinal, preimage lo, preimage hi) of every code of format ``f``, so that a check
+    looks codes up (two gathers) instead of computing a dozen temporaries per element."""
+    every = np.arange(1 << f.bits, dtype=np.int64)
+    return _code_ordinals(every, f), *_code_preimages(every, f)
 
 
 def _index(codes, f) -> np.ndarray:
