@@ -17,6 +17,10 @@ plugin into every pytest process of the run (controller and xdist workers):
 - ``kernels and the rest``: the tests' remaining time (the launches, input sets, the
   torch peers, the kernel tests' own references).
 
+``--profile`` also profiles every process's tests (cProfile, which slows Python-heavy code)
+and adds to each run their own seconds by area (project package or library) and the
+functions with the most.
+
 Writes ``loop.json`` and ``loop.md`` under ``--out``, and each run's gate report
 (``last-run-cold.json``, ``last-run-warm.json``: one of a whole suite that passed is
 what ``python -m oracle baseline accept --report`` takes). Runs on the CPU too (the interpreter
@@ -28,9 +32,11 @@ compiles nothing); ``--pytest-args`` narrows the selection, e.g. for a quick CPU
 from __future__ import annotations
 
 import argparse
+import cProfile
 import hashlib
 import json
 import os
+import pstats
 import shlex
 import signal
 import subprocess
@@ -44,11 +50,13 @@ from triton._C.libtriton import get_cache_invalidating_env_vars
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE_ENV = "BENCH_LOOP_PROBE_DIR"
+PROFILE_ENV = "BENCH_LOOP_PROFILE"  # set: every process profiles its tests (cProfile)
 SCHEMA = "bench-loop/1"
 INTERRUPT_GRACE_S = 30  # for an interrupted pytest to write its reports
 LOG_LINES = 400  # of each run's pytest output kept in loop.json: its failures and summary
 BUILT_TOP = 20  # kernel names listed by how many specialisations a run built
 NEW_TOP = 8  # a warm run's new specialisations explained, field by field
+PROFILE_TOP = 40  # functions listed by their own time in a profiled run
 
 
 # ------------------------------------------------------------ the probe (a pytest plugin)
@@ -65,6 +73,7 @@ class Probe:
         self.tests = 0
         self.test_s = 0.0
         self.reference_s = 0.0
+        self.profile = cProfile.Profile() if os.environ.get(PROFILE_ENV) else None
 
     def on_compile(self, **kw) -> bool:
         """Triton's in-memory cache missed: note what it compiles (the kernel's source hash,
@@ -91,7 +100,11 @@ class Probe:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
         t0 = time.perf_counter()
+        if self.profile is not None:
+            self.profile.enable()
         yield
+        if self.profile is not None:
+            self.profile.disable()
         self.tests += 1
         self.test_s += time.perf_counter() - t0
         self.save()  # after every test: a run stopped by --timeout still tells its share
@@ -125,6 +138,8 @@ def pytest_unconfigure(config):
     probe = config.pluginmanager.get_plugin("bench_loop_probe")
     if probe is not None:
         probe.save()
+        if probe.profile is not None and probe.tests:  # an xdist controller runs none
+            probe.profile.dump_stats(Path(os.environ[PROBE_ENV]) / f"profile-{os.getpid()}.prof")
 
 
 # ------------------------------------------------------------------------- the runs
@@ -153,7 +168,8 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
     cache = Path(env.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
     before = built_kernels(cache)
     probes.mkdir(parents=True, exist_ok=True)
-    for f in [*probes.glob("probe-*.json"), *probes.glob("specs-*.jsonl")]:
+    for f in [*probes.glob("probe-*.json"), *probes.glob("specs-*.jsonl"),
+              *probes.glob("profile-*.prof")]:
         f.unlink()
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
            "benchmarks.bench_loop", "-q", *pytest_args]
@@ -183,9 +199,44 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
     totals["other_s"] = max(0.0, totals["test_s"] - totals["jit_s"] - totals["reference_s"])
     built = built_kernels(cache) - before
     lines = output.strip().splitlines()
-    return dict(wall_s=wall, exit_code=code, summary=(lines[-1:] or [""])[0],
-                output_tail="\n".join(lines[-LOG_LINES:]), built=len(built),
-                built_by_kernel=by_kernel(built), **totals)
+    record = dict(wall_s=wall, exit_code=code, summary=(lines[-1:] or [""])[0],
+                  output_tail="\n".join(lines[-LOG_LINES:]), built=len(built),
+                  built_by_kernel=by_kernel(built), **totals)
+    profiles = sorted(probes.glob("profile-*.prof"))
+    if profiles:
+        record["profile"] = profile_summary(profiles)
+    return record
+
+
+def _area(file: str, name: str) -> str:
+    """Which part of the stack a profiled function belongs to: the project's top-level
+    packages by path, the libraries by name (their C functions have no file)."""
+    for part in ("reference", "oracle", "kernels", "tests"):
+        if f"{os.sep}{part}{os.sep}" in file and str(ROOT) in file:
+            return part
+    for lib in ("triton", "torch", "numpy", "ml_dtypes", "_pytest", "xdist"):
+        if lib in file or lib in name:
+            return lib.strip("_")
+    return "python"
+
+
+def profile_summary(files: list[Path], top: int = PROFILE_TOP) -> dict:
+    """The profiled processes' tests together: own (not cumulative) seconds by area
+    (``_area``) and the ``top`` functions by own seconds, with their calls and
+    cumulative seconds."""
+    stats = pstats.Stats(*map(str, files))
+    areas: dict[str, float] = {}
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in stats.stats.items():
+        area = _area(file, name)
+        areas[area] = areas.get(area, 0.0) + own
+        where = os.path.relpath(file, ROOT) if file.startswith(str(ROOT)) else file
+        rows.append(dict(function=f"{where}:{line}({name})", area=area, calls=calls,
+                         own_s=round(own, 3), cum_s=round(cum, 3)))
+    rows.sort(key=lambda r: -r["own_s"])
+    return dict(own_s_by_area=dict(sorted(((k, round(v, 1)) for k, v in areas.items()),
+                                          key=lambda kv: -kv[1])),
+                top_own=rows[:top])
 
 
 def compiled_specs(probes: Path) -> dict[str, dict]:
@@ -315,6 +366,10 @@ def markdown(doc: dict) -> str:
         if r.get("built_by_kernel"):
             top = ", ".join(f"{k} {n}" for k, n in r["built_by_kernel"].items())
             lines += ["", f"Built in the {name} run, by kernel: {top}."]
+    for name, r in doc["runs"].items():
+        if r.get("profile"):
+            areas = ", ".join(f"{k} {v:,.0f} s" for k, v in r["profile"]["own_s_by_area"].items())
+            lines += ["", f"Profiled {name} run, own seconds by area: {areas}."]
     fresh = doc["runs"].get("warm", {}).get("new_specs")
     if fresh and not fresh["count"]:
         lines += ["", "The warm run compiled no specialisation the cold run did not."]
@@ -343,6 +398,9 @@ def main(argv=None) -> int:
                     help="seconds for both runs together: the warm run gets what is left")
     ap.add_argument("--work", type=Path,
                     help="where the caches live (default: a fresh temporary directory)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile every process's tests (cProfile, slower): the runs' own "
+                         "seconds by area and their top functions go into loop.json")
     ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
                     help="which runs to make (default: both; warm alone needs --work "
                          "holding a cold run's caches)")
@@ -358,8 +416,9 @@ def main(argv=None) -> int:
         if a.runs == ["warm"] and not any(cached):
             ap.error(f"--runs warm alone needs --work holding a cold run's caches: {work}")
         a.out.mkdir(parents=True, exist_ok=True)
-        doc = measure(shlex.split(a.pytest_args), touch, work, a.timeout, total=a.total,
-                      runs=a.runs, reports=a.out)
+        environ = {**os.environ, PROFILE_ENV: "1"} if a.profile else os.environ
+        doc = measure(shlex.split(a.pytest_args), touch, work, a.timeout, environ=environ,
+                      total=a.total, runs=a.runs, reports=a.out)
     (a.out / "loop.json").write_text(json.dumps(doc, indent=1) + "\n")
     (a.out / "loop.md").write_text(markdown(doc))
     print(markdown(doc))
