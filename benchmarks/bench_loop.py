@@ -1,6 +1,6 @@
 """The kernel-change loop timed: ``pytest -m gpu`` (or ``--pytest-args``) run cold, with an
-empty Triton cache (``TRITON_CACHE_DIR``) and an empty reference cache
-(``ORACLE_REFERENCE_CACHE``), then warm, with both caches as the cold run left them and one
+empty Triton cache (``TRITON_CACHE_DIR``; Inductor's, ``TORCHINDUCTOR_CACHE_DIR``, for the
+compiled flex peer) and an empty reference cache (``ORACLE_REFERENCE_CACHE``), then warm, with both caches as the cold run left them and one
 kernel file's mtime touched (``--touch``; Triton keys its cache by source contents, so a
 touch alone recompiles nothing: the warm number is the floor of an edit's loop).
 
@@ -301,6 +301,7 @@ def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | No
     report goes (``last-run-<run>.json``, e.g. the cold one to accept as a baseline),
     instead of both to ``out/last-run-<kind>.json``."""
     env = dict(environ, TRITON_CACHE_DIR=str(work / "triton"),
+               TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"),
                ORACLE_REFERENCE_CACHE=str(work / "reference"))
 
     def args(name: str) -> list[str]:
