@@ -725,12 +725,14 @@ def _launch_decode(p, knobs, q, kv_cache, kv_fmt, block_table, seq_lens, topk, t
                         counters, trace)
     const = _decode_const(p, knobs, q, kv_cache, kv_fmt, splits)
     if not knobs.stages_given:  # the default, lowered until every pass fits shared memory
-        # (the repair pass can take more than the first: fp8, fp16 q, G 16, 4 rows)
-        const["num_stages"] = min(
-            fitting_stages(_decode_split_kernel, args, {**const, "REPAIR": r}, dev,
-                           deepest=knobs.deepest or (
-                               DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES))
-            for r in ((False, True) if p.rows > 1 else (False,)))
+        # (the repair pass can take more than the first: fp8, fp16 q, G 16, 4 rows); the
+        # repair pass is probed first and the first pass from its depth down, so that the
+        # first pass never compiles at a depth it will not launch with
+        depth = knobs.deepest or (DEFAULT_STAGES_FP8 if p.fp8 else DEFAULT_STAGES)
+        for r in ((True, False) if p.rows > 1 else (False,)):
+            depth = fitting_stages(_decode_split_kernel, args, {**const, "REPAIR": r}, dev,
+                                   deepest=depth)
+        const["num_stages"] = depth
     _decode_split_kernel[grid](*args, REPAIR=False, TRACE=trace is not None, **const,
                                **pdl_kw)
     if p.rows > 1:  # the programs flagged by the first pass, recomputed with the guard

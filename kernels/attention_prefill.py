@@ -851,10 +851,14 @@ def _prefill_pass(p, q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk, grp
     depth = const.pop("num_stages", None)
     deepest = _num_stages(const["BN"], p.d, p.fp8 and not pre) if fit_stages else depth
     if fit_stages:  # the guess, lowered until both passes fit shared memory
-        depth = min(
-            fitting_stages(_prefill_kernel, args(r), {**const, "REPAIR": r, "LISTED": li},
-                           q.device, deepest=deepest)
-            for r, li in passes)
+        # The repair pass (the hungrier) is probed first and the first pass from its depth
+        # down: the same depth as probing both from the guess, without compiling the first
+        # pass at a depth it will not launch with.
+        depth = deepest
+        for r, li in reversed(passes):
+            depth = fitting_stages(_prefill_kernel, args(r), {**const, "REPAIR": r,
+                                                              "LISTED": li},
+                                   q.device, deepest=depth)
     # Two passes (docs/kernels/attention_prefill.md): the tiles whose P @ V met a non-finite V
     # that some of their rows must not see are listed by the first and recomputed by the second.
     for repair, li in passes:
