@@ -124,7 +124,8 @@ def test_replay_reproduces_inputs_and_verdict(op):
 @pytest.mark.parametrize("op", OPS)
 def test_cases_of_one_shape_config_share_shapes_not_values(op):
     """``Case.config``: two cases of one config (and shape class) have arrays of the same
-    shapes and scalar shape parameters, but different values; another config gives other
+    shapes and dtypes (index arrays' widths included) and scalar shape parameters, but
+    different values; another config gives other
     shapes for some op's draw; the id carries the config (``:c7``) and rebuilds the case;
     without a config the id is the eight fields it always was."""
     a = Case(op, "small", "normal", "cuda", "auto", "bfloat16", seed=5, config=7)
@@ -135,7 +136,8 @@ def test_cases_of_one_shape_config_share_shapes_not_values(op):
     xa, xb = make_inputs(a), make_inputs(b)
 
     def shapes(x):
-        return {k: np.shape(v) if isinstance(v, np.ndarray) else v for k, v in x.items()
+        return {k: (np.shape(v), v.dtype) if isinstance(v, np.ndarray) else v
+                for k, v in x.items()
                 if isinstance(v, np.ndarray) or k in ("rows_per_request", "topk",
                                                       "rotary_dim", "cache_layout")}
 

@@ -98,9 +98,9 @@ class Case:
     seed: int = 0
     #: None: every draw from the case's own stream. An integer: the shapes (heads, head
     #: dim, page size, layout, requests and their lengths, rows, top-k width, token count,
-    #: rotary dim) come from a stream named by (op, shape class, config) alone, the values
-    #: and everything else from the case's stream: cases sharing a config share their
-    #: kernels' compiled specialisations (``shape_stream``).
+    #: rotary dim, index arrays' integer widths) come from a stream named by (op, shape
+    #: class, config) alone, the values and everything else from the case's stream: cases
+    #: sharing a config share their kernels' compiled specialisations (``shape_stream``).
     config: int | None = None
 
     def __post_init__(self):
@@ -683,11 +683,13 @@ INDEX_ARRAYS = {
 _TABLE_ARRAYS = ("block_table", "seq_lens", "cu_seqlens_q")
 
 
-def _with_index_dtypes(bg, op: str, out: dict) -> dict:
+def _with_index_dtypes(sg, op: str, out: dict) -> dict:
     """``out`` with each index array (slots, positions, block tables, lengths) in int32 or
-    int64, drawn per array and last, so that the other inputs do not depend on it."""
+    int64, drawn per array and last from the shape stream ``sg``, so that the other inputs
+    do not depend on it and the cases of one config share the widths (a kernel's compiled
+    specialisation holds them) as they share their shapes."""
     for key in INDEX_ARRAYS.get(op, _TABLE_ARRAYS):
-        dtype = pick(bg, (np.int64, np.int32))
+        dtype = pick(sg, (np.int64, np.int32))
         if out.get(key) is not None:
             out[key] = np.asarray(out[key]).astype(dtype)
     return out
@@ -705,4 +707,4 @@ def make_inputs(case: Case) -> dict:
         "attention_prefill": lambda: _attention_inputs(case, bg, sg, decode=False),
         "attention_decode": lambda: _attention_inputs(case, bg, sg, decode=True),
     }
-    return _with_index_dtypes(bg, case.op, makers[case.op]())
+    return _with_index_dtypes(sg, case.op, makers[case.op]())
