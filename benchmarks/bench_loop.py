@@ -13,7 +13,7 @@ plugin into every pytest process of the run (controller and xdist workers):
   specialisation; ``specs-<run>.json`` beside the caches);
 - ``reference``: the differential checks' reference side (``oracle.core.checks._cached``:
   cache lookups and, on a miss, the float64 reference and its bounds), with the reference
-  cache's hits, misses and rejected entries;
+  cache's hits, misses and rejected entries (the cases' input sets' entries included);
 - ``kernels and the rest``: the tests' remaining time (the launches, input sets, the
   torch peers, the kernel tests' own references).
 

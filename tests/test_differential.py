@@ -11,8 +11,9 @@ import os
 
 import pytest
 
-from oracle.core.cases import OPS, Case, make_inputs
+from oracle.core.cases import OPS, Case
 from oracle.core.checks import run_check
+from oracle.core.inputsets import case_inputs
 from oracle.core.registry import implementations
 from oracle.core.report import differential_cases
 from oracle.tools.suite import SuiteRecorder
@@ -65,9 +66,10 @@ def _group(case: Case) -> str:
 
 @functools.lru_cache(maxsize=2)
 def _inputs(case_id: str) -> dict:
-    """A case's input set, made once for all the implementations checked on it (seconds
-    for the long and model cases; run_check fails an implementation that modifies it)."""
-    return make_inputs(Case.from_id(case_id))
+    """A case's input set, made (or read from the cache) once for all the implementations
+    checked on it (seconds for the long and model cases; run_check fails an
+    implementation that modifies it)."""
+    return case_inputs(Case.from_id(case_id))
 
 
 @pytest.mark.parametrize("impl_name, case_id", _params())

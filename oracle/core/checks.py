@@ -25,7 +25,8 @@ from oracle.core import refcache
 from oracle.core import reference_run as ref_impl
 from oracle.core.attention_bound import attention_bound
 from oracle.core.bounds import gamma, norm_rope_bound
-from oracle.core.cases import Case, input_hash, make_inputs
+from oracle.core.cases import Case, input_hash
+from oracle.core.inputsets import case_inputs
 from oracle.core.intervals import classify, joint_value_exists, preimage
 from oracle.core.registry import arith_for, implementations, schedule_for, score_rel_for
 from reference import norm_rope
@@ -494,7 +495,7 @@ CHECKS = {
 def run_check(case: Case, impl, inputs: dict | None = None) -> CheckResult:
     """Run one implementation on one case and judge it."""
     t0 = time.perf_counter()
-    x = make_inputs(case) if inputs is None else inputs
+    x = case_inputs(case) if inputs is None else inputs
     h = input_hash(x)
     failures: list[str] = []
     try:
@@ -519,5 +520,5 @@ def check_claimants(case: Case, impl_names=None, device: str | None = None):
     x = None
     for impl in implementations(case.op, impl_names, device):
         if impl.supports(case)[0]:
-            x = make_inputs(case) if x is None else x
+            x = case_inputs(case) if x is None else x
             yield impl, run_check(case, impl, x)

@@ -39,7 +39,8 @@ def uniform(bg: np.random.PCG64, shape) -> np.ndarray:
     ``((raw >> 11) + 0.5) * 2^-53``."""
     bits = raw_u64(bg, shape)
     bits >>= np.uint64(11)
-    u = bits.astype(np.float64)
+    # Below 2^53 both conversions are exact; NumPy vectorises int64's, not uint64's.
+    u = bits.view(np.int64).astype(np.float64)
     u += 0.5  # in place: the same roundings as the expression, without its temporaries
     u *= 2.0**-53
     return u

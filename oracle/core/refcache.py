@@ -43,6 +43,7 @@ KIND_MODULES = {
     "attention": ("reference.attention",),
     "attention_exact_baseline": ("reference.attention",),
     "attention_bound": ("oracle.core.attention_bound",),
+    "inputs": ("oracle.core.cases", "oracle.core.inputsets"),  # keyed by case id
 }
 #: The code between a check and the reference (the calls, the cache): in every key, their
 #: imports not followed (checks.py imports the whole tolerance model).

@@ -23,6 +23,7 @@ import numpy as np
 
 from oracle.core.cases import OPS, Case
 from oracle.core.checks import ULP_BINS, CheckResult, run_check
+from oracle.core.inputsets import case_inputs
 from oracle.core.registry import implementations
 from reference.platforms import KV_CACHE_DTYPES, PLATFORMS, kv_cache_format
 
@@ -233,9 +234,7 @@ def run_report(cases: list[Case], impl_names=None, device: str | None = None,
                 skipped[f"{impl.name}: {why}"] += 1
                 continue
             if inputs is None:
-                from oracle.core.cases import make_inputs
-
-                inputs = make_inputs(case)
+                inputs = case_inputs(case)
             r = run_check(case, impl, inputs)
             add_result(cells, case, r)
             if not r.passed:
