@@ -457,3 +457,30 @@ def test_rows_are_judged_under_the_schedule_their_implementation_reports():
     for bad in (rows[:1], rows + 1):
         res = run_check(case, impl({"out": codes, "schedule_rows": bad}), x)
         assert not res.passed and "schedule_rows" in res.summary()
+
+
+def test_a_check_hashes_its_inputs_twice_and_fails_an_implementation_that_modifies_them(
+        monkeypatch, tmp_path):
+    """run_check hashes the input set before the implementation runs and once after it:
+    every reference lookup of the check keys by the second hash (no rehash per lookup),
+    and an implementation that writes into its inputs fails, named so."""
+    from oracle.core import checks, refcache
+
+    monkeypatch.setenv(refcache.ENV, str(tmp_path))
+    case = Case("attention_decode", "tiny", "normal", "cuda", "fp8", "bfloat16", "slot", seed=3)
+    x = make_inputs(case)
+    (torch_impl,) = implementations(case.op, ["torch"])
+    hashed = []
+    monkeypatch.setattr(checks, "input_hash", lambda inputs: hashed.append(1) or
+                        input_hash(inputs))
+    assert run_check(case, torch_impl, x).passed
+    assert len(hashed) == 2 and refcache.default_cache().misses >= 2
+
+    def writes_q(inputs):
+        out = torch_impl.run(inputs)
+        inputs["q"].flat[0] += 1.0
+        return out
+
+    sloppy = dataclasses.replace(torch_impl, name="writes_q", run=writes_q)
+    r = run_check(case, sloppy, x)
+    assert not r.passed and "the implementation modified its inputs" in r.failures
