@@ -1,8 +1,9 @@
 """The kernel-change loop timed: ``pytest -m gpu`` (or ``--pytest-args``) run cold, with an
 empty Triton cache (``TRITON_CACHE_DIR``; Inductor's, ``TORCHINDUCTOR_CACHE_DIR``, for the
-compiled flex peer) and an empty reference cache (``ORACLE_REFERENCE_CACHE``), then warm, with both caches as the cold run left them and one
-kernel file's mtime touched (``--touch``; Triton keys its cache by source contents, so a
-touch alone recompiles nothing: the warm number is the floor of an edit's loop).
+compiled flex peer) and an empty reference cache (``ORACLE_REFERENCE_CACHE``), then warm,
+with the caches as the cold run left them and one kernel file's mtime touched (``--touch``;
+Triton keys its cache by source contents, so a touch alone recompiles nothing: the warm
+number is the floor of an edit's loop).
 
 Each run's wall time, and where its tests' time went, from this module loaded as a pytest
 plugin into every pytest process of the run (controller and xdist workers):
