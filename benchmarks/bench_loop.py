@@ -57,6 +57,7 @@ INTERRUPT_GRACE_S = 30  # for an interrupted pytest to write its reports
 LOG_LINES = 400  # of each run's pytest output kept in loop.json: its failures and summary
 BUILT_TOP = 20  # kernel names listed by how many specialisations a run built
 NEW_TOP = 8  # a warm run's new specialisations explained, field by field
+SLOW_TOP = 25  # tests listed by their seconds, the slowest first
 PROFILE_TOP = 40  # functions listed by their own time in a profiled run
 
 
@@ -74,6 +75,8 @@ class Probe:
         self.tests = 0
         self.test_s = 0.0
         self.reference_s = 0.0
+        self.current = ""  # the running test's node id, noted with each compile
+        self.per_test: list[tuple[str, float, float, int]] = []  # id, s, JIT s, compiles
         self.profile = cProfile.Profile() if os.environ.get(PROFILE_ENV) else None
 
     def on_compile(self, **kw) -> bool:
@@ -81,7 +84,7 @@ class Probe:
         its specialisation data: signature, constexprs, alignment, options, and the
         environment variables Triton's disk-cache key holds), then time it."""
         fn, spec = kw["fn"], kw["compile"]["specialization_data"]
-        line = json.dumps(dict(kernel=f"{fn.module}.{fn.name}",
+        line = json.dumps(dict(kernel=f"{fn.module}.{fn.name}", test=self.current,
                                source=fn.jit_function.cache_key, spec=spec,
                                env=sorted(get_cache_invalidating_env_vars().items())))
         with open(Path(os.environ[PROBE_ENV]) / f"specs-{os.getpid()}.jsonl", "a") as f:
@@ -100,14 +103,18 @@ class Probe:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
-        t0 = time.perf_counter()
+        t0, jit0, count0 = time.perf_counter(), self.clock.seconds, self.clock.count
+        self.current = item.nodeid
         if self.profile is not None:
             self.profile.enable()
         yield
         if self.profile is not None:
             self.profile.disable()
+        seconds = time.perf_counter() - t0
         self.tests += 1
-        self.test_s += time.perf_counter() - t0
+        self.test_s += seconds
+        self.per_test.append((item.nodeid, seconds, self.clock.seconds - jit0,
+                              self.clock.count - count0))
         self.save()  # after every test: a run stopped by --timeout still tells its share
 
     def save(self) -> None:
@@ -115,6 +122,9 @@ class Probe:
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.record()))
         os.replace(tmp, out)
+        tests = out.with_name(f"tests-{os.getpid()}.json")
+        tests.with_suffix(".tmp").write_text(json.dumps(self.per_test))
+        os.replace(tests.with_suffix(".tmp"), tests)
 
     def record(self) -> dict:
         from oracle.core import refcache
@@ -170,7 +180,7 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
     before = built_kernels(cache)
     probes.mkdir(parents=True, exist_ok=True)
     for f in [*probes.glob("probe-*.json"), *probes.glob("specs-*.jsonl"),
-              *probes.glob("profile-*.prof")]:
+              *probes.glob("tests-*.json"), *probes.glob("profile-*.prof")]:
         f.unlink()
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
            "benchmarks.bench_loop", "-q", *pytest_args]
@@ -202,11 +212,52 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
     lines = output.strip().splitlines()
     record = dict(wall_s=wall, exit_code=code, summary=(lines[-1:] or [""])[0],
                   output_tail="\n".join(lines[-LOG_LINES:]), built=len(built),
-                  built_by_kernel=by_kernel(built), **totals)
+                  built_by_kernel=by_kernel(built), **totals, **where_time_went(probes))
     profiles = sorted(probes.glob("profile-*.prof"))
     if profiles:
         record["profile"] = profile_summary(profiles)
     return record
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def where_time_went(probes: Path, top: int = SLOW_TOP) -> dict:
+    """The run's tests by the processes that ran them (``busy_s``: each process's summed
+    test seconds, the busiest first: the wall time is at least the busiest's), by file
+    (tests, seconds, JIT seconds, compiles, and ``specs_alone``: distinct specialisations
+    no other file's tests compiled, the builds a file costs a cold run on its own) and the
+    ``top`` slowest tests."""
+    busy, rows = [], []
+    for f in probes.glob("tests-*.json"):
+        tests = json.loads(f.read_text())
+        if tests:
+            busy.append(round(sum(t[1] for t in tests), 1))
+            rows += tests
+    files: dict[str, dict] = {}
+    for nodeid, seconds, jit, compiles in rows:
+        entry = files.setdefault(_file(nodeid), dict(tests=0, s=0.0, jit_s=0.0, compiles=0))
+        entry["tests"] += 1
+        entry["s"] += seconds
+        entry["jit_s"] += jit
+        entry["compiles"] += compiles
+    owners: dict[str, set[str]] = {}
+    for f in probes.glob("specs-*.jsonl"):
+        for line in f.read_text().splitlines():
+            entry = json.loads(line)
+            spec = json.dumps([entry["kernel"], sorted(_fields(entry).items())])
+            owners.setdefault(spec, set()).add(_file(entry.get("test", "")))
+    for (owner,) in (o for o in owners.values() if len(o) == 1):
+        if owner in files:
+            files[owner]["specs_alone"] = files[owner].get("specs_alone", 0) + 1
+    for entry in files.values():
+        entry["s"], entry["jit_s"] = round(entry["s"], 1), round(entry["jit_s"], 1)
+    slowest = sorted(rows, key=lambda t: -t[1])[:top]
+    return dict(busy_s=sorted(busy, reverse=True),
+                by_file=dict(sorted(files.items(), key=lambda kv: -kv[1]["s"])),
+                slowest=[dict(test=t[0], s=round(t[1], 1), jit_s=round(t[2], 1))
+                         for t in slowest])
 
 
 def _area(file: str, name: str) -> str:
@@ -368,6 +419,14 @@ def markdown(doc: dict) -> str:
         if r.get("built_by_kernel"):
             top = ", ".join(f"{k} {n}" for k, n in r["built_by_kernel"].items())
             lines += ["", f"Built in the {name} run, by kernel: {top}."]
+    for name, r in doc["runs"].items():
+        if r.get("busy_s"):
+            busy = r["busy_s"]
+            files = ", ".join(f"{k} {v['s']:,.0f} s" for k, v in
+                              list(r["by_file"].items())[:5])
+            lines += ["", f"The {name} run's {len(busy)} processes: the busiest ran its "
+                          f"tests for {busy[0]:,.0f} s, the idlest {busy[-1]:,.0f} s; the "
+                          f"files with the most seconds: {files}."]
     for name, r in doc["runs"].items():
         if r.get("profile"):
             areas = ", ".join(f"{k} {v:,.0f} s" for k, v in r["profile"]["own_s_by_area"].items())

@@ -93,6 +93,9 @@ def test_a_run_counts_the_kernels_it_built_by_name(tmp_path):
                                 tmp_path / "probes")
     assert run["exit_code"] == 0
     assert run["built"] == 3 and run["built_by_kernel"] == {"k": 2, "j": 1}
+    (file,) = run["by_file"].values()  # one process, one file, one test
+    assert run["busy_s"] == [file["s"]] and file["tests"] == 1
+    assert run["slowest"][0]["test"].endswith("test_builds.py::test_builds")
     assert "profile" not in run  # only with the profile on
     assert "k 2, j 1" in bench_loop.markdown(dict(pytest_args=["-m", "gpu"], device="d",
                                                   touched="f", runs={"warm": run}))
@@ -119,7 +122,7 @@ def test_a_warm_runs_new_specialisations_are_named_with_what_differs(tmp_path, m
     from kernels._triton import CompileClock
 
     monkeypatch.setenv(bench_loop.PROBE_ENV, str(tmp_path))
-    probe = SimpleNamespace(clock=CompileClock())
+    probe = SimpleNamespace(clock=CompileClock(), current="tests/t.py::a")
     for kernel, block in (("k", 64), ("k", 128), ("j", 64)):
         _compile(probe, kernel, block)
     cold = bench_loop.compiled_specs(tmp_path)
@@ -171,3 +174,28 @@ def test_a_profiled_run_names_the_function_its_tests_spend_their_time_in(tmp_pat
     assert 0 < sum(areas.values()) <= run["test_s"] * 1.05 + 0.05 * len(areas)
     assert "own seconds by area" in bench_loop.markdown(
         dict(pytest_args=["-m", "gpu"], device="d", touched="f", runs={"warm": run}))
+
+
+def test_a_run_splits_its_time_by_file_and_names_the_specialisations_a_file_alone_builds(
+        tmp_path, monkeypatch):
+    """``where_time_went`` sums each process's tests (the busiest first), each file's
+    seconds, JIT seconds and compiles, lists the slowest tests, and counts for each file
+    the specialisations no other file's tests compiled (a spec two files compile is
+    neither's alone)."""
+    from kernels._triton import CompileClock
+
+    monkeypatch.setenv(bench_loop.PROBE_ENV, str(tmp_path))
+    probe = SimpleNamespace(clock=CompileClock(), current="")
+    for test, block in (("tests/a.py::x", 64), ("tests/a.py::y", 128), ("tests/b.py::z", 128),
+                        ("tests/b.py::z", 32), ("tests/b.py::z", 16)):
+        probe.current = test
+        _compile(probe, "k", block)
+    (tmp_path / "tests-1.json").write_text(json.dumps([["tests/a.py::x", 2.0, 1.5, 1],
+                                                       ["tests/b.py::z", 5.0, 4.0, 3]]))
+    (tmp_path / "tests-2.json").write_text(json.dumps([["tests/a.py::y", 1.0, 0.5, 1]]))
+    got = bench_loop.where_time_went(tmp_path, top=2)
+    assert got["busy_s"] == [7.0, 1.0]
+    assert got["by_file"] == {
+        "tests/b.py": dict(tests=1, s=5.0, jit_s=4.0, compiles=3, specs_alone=2),
+        "tests/a.py": dict(tests=2, s=3.0, jit_s=2.0, compiles=2, specs_alone=1)}
+    assert [t["test"] for t in got["slowest"]] == ["tests/b.py::z", "tests/a.py::x"]
