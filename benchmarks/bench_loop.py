@@ -58,6 +58,7 @@ LOG_LINES = 400  # of each run's pytest output kept in loop.json: its failures a
 BUILT_TOP = 20  # kernel names listed by how many specialisations a run built
 NEW_TOP = 8  # a warm run's new specialisations explained, field by field
 SLOW_TOP = 25  # tests listed by their seconds, the slowest first
+DRIVER_KERNELS, DRIVER_FIELDS = 6, 8  # kernels with the most specialisations, fields each
 PROFILE_TOP = 40  # functions listed by their own time in a profiled run
 
 
@@ -320,6 +321,43 @@ def _fields(entry: dict) -> dict:
     return out
 
 
+def _named(field: str, names: list[str]) -> str:
+    """``attrs [3]`` / ``constexpr [3]`` (an argument's path) as ``attrs q_s0``: the
+    argument's name; other fields as they are."""
+    prefix, _, path = field.partition(" ")
+    try:
+        index = json.loads(path)
+        while isinstance(index, list):
+            index = index[0]
+        return f"{prefix} {names[index]}"
+    except (ValueError, IndexError, TypeError):
+        return field
+
+
+def spec_drivers(specs: dict[str, dict], kernels: int = DRIVER_KERNELS,
+                 top: int = DRIVER_FIELDS) -> dict:
+    """What multiplies the specialisations of the ``kernels`` kernels with the most: for
+    each field (a constexpr, an argument's alignment or ==1 attribute, the signature's
+    dtypes, an option) how many specialisations would stay distinct without it, the
+    ``top`` fields that merge the most, and the same with every argument's attributes
+    dropped at once (``attrs *``: what specialising on alignment costs)."""
+    by_kernel: dict[str, list[dict]] = {}
+    for spec in specs.values():
+        by_kernel.setdefault(spec["kernel"], []).append(spec["fields"])
+    out = {}
+    for kernel, rows in sorted(by_kernel.items(), key=lambda kv: -len(kv[1]))[:kernels]:
+        def distinct(keep) -> int:
+            return len({tuple(sorted((k, v) for k, v in r.items() if keep(k))) for r in rows})
+        names = list(json.loads(rows[0]["signature"]))
+        varying = sorted({k for r in rows for k in r
+                          if len({r2.get(k) for r2 in rows}) > 1})
+        without = {_named(f, names): distinct(lambda k, f=f: k != f) for f in varying}
+        without["attrs *"] = distinct(lambda k: not k.startswith("attrs "))
+        ranked = sorted(without.items(), key=lambda kv: kv[1])[:top]
+        out[kernel.rsplit(".", 1)[-1]] = dict(specs=len(rows), without=dict(ranked))
+    return out
+
+
 def new_specs(before: dict[str, dict], now: dict[str, dict], top: int = NEW_TOP) -> dict:
     """The compiles of ``now`` that ``before`` lacks (a warm run's specialisations the cold
     run never met): how many, and for up to ``top`` of them the fields in which they differ
@@ -367,6 +405,7 @@ def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | No
         specs = compiled_specs(work / "probes")
         (work / f"specs-{name}.json").write_text(json.dumps(specs))
         record["distinct_compiles"] = len(specs)
+        record["spec_drivers"] = spec_drivers(specs)
         return record, specs
 
     done = {}
@@ -419,6 +458,11 @@ def markdown(doc: dict) -> str:
         if r.get("built_by_kernel"):
             top = ", ".join(f"{k} {n}" for k, n in r["built_by_kernel"].items())
             lines += ["", f"Built in the {name} run, by kernel: {top}."]
+    for name, r in doc["runs"].items():
+        for kernel, d in (r.get("spec_drivers") or {}).items():
+            merged = ", ".join(f"{k} {n}" for k, n in d["without"].items())
+            lines += ["", f"{name}: `{kernel}` compiled {d['specs']} specialisations; "
+                          f"distinct without one field: {merged}."]
     for name, r in doc["runs"].items():
         if r.get("busy_s"):
             busy = r["busy_s"]

@@ -11,6 +11,8 @@ or set it in the environment of the process).
 
 from __future__ import annotations
 
+import functools
+
 import time
 
 import triton
@@ -119,8 +121,7 @@ def _resources(kernel, args, kwargs, device) -> tuple[int, int, dict]:
     kernel compiled for these arguments (compiles it on the first call for a key)."""
     compiled = kernel.warmup(*args, grid=(1,), **kwargs)
     compiled._init_handles()
-    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
-    return compiled.n_regs, compiled.metadata.shared, props
+    return compiled.n_regs, compiled.metadata.shared, device_properties(device.index or 0)
 
 
 _CAPS: dict = {}
@@ -147,10 +148,16 @@ def register_cap(kernel, args, kwargs, device, most_per_sm: int) -> int | None:
 _STAGES: dict = {}
 
 
+@functools.cache
+def device_properties(index: int) -> dict:
+    """The driver's properties of GPU ``index`` (SMs, registers, shared memory), asked once
+    per process: the query costs about 10 ms and the planners ask on every new key."""
+    return triton.runtime.driver.active.utils.get_device_properties(index)
+
+
 def _max_shared_mem(device) -> int:
     """Shared memory one block may use on ``device`` (bytes; 227 KiB on sm_90)."""
-    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
-    return props["max_shared_mem"]
+    return device_properties(device.index or 0)["max_shared_mem"]
 
 
 def fitting_stages(kernel, args, kwargs, device, deepest: int = 3) -> int:

@@ -199,3 +199,22 @@ def test_a_run_splits_its_time_by_file_and_names_the_specialisations_a_file_alon
         "tests/b.py": dict(tests=1, s=5.0, jit_s=4.0, compiles=3, specs_alone=2),
         "tests/a.py": dict(tests=2, s=3.0, jit_s=2.0, compiles=2, specs_alone=1)}
     assert [t["test"] for t in got["slowest"]] == ["tests/b.py::z", "tests/a.py::x"]
+
+
+def test_the_fields_that_multiply_a_kernels_specialisations_are_ranked(tmp_path, monkeypatch):
+    """``spec_drivers`` counts, per kernel, the specialisations left distinct without each
+    varying field (named by its argument) and without every alignment attribute at once:
+    four specs from two BLOCK values times two alignments of ``x`` merge to two without
+    either field, and a field that never varies is not listed."""
+    from kernels._triton import CompileClock
+
+    monkeypatch.setenv(bench_loop.PROBE_ENV, str(tmp_path))
+    probe = SimpleNamespace(clock=CompileClock(), current="tests/a.py::x")
+    for block in (64, 128):
+        _compile(probe, "k", block)
+    for f in tmp_path.glob("specs-*.jsonl"):  # the same two, x not 16-aligned
+        f.write_text(f.read_text() + f.read_text().replace('"tt.divisibility\\", 16', '"tt.divisibility\\", 8'))
+    specs = bench_loop.compiled_specs(tmp_path)
+    assert len(specs) == 4
+    got = bench_loop.spec_drivers(specs)
+    assert got == {"k": dict(specs=4, without={"attrs x": 2, "attrs *": 2, "constexpr BLOCK": 2})}
