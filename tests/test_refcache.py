@@ -28,11 +28,12 @@ def _result(case, impl_name, x):
     return d
 
 
-@pytest.mark.parametrize("op", ["indexer_decode", "attention_decode"])
+@pytest.mark.parametrize("op", ["indexer_decode", "attention_decode", "norm_rope_insert"])
 def test_a_hit_judges_bit_identically_to_a_miss(op, tmp_path, monkeypatch):
     """The check of an implementation on a case has the same result, every statistic
     included, from an empty cache (misses, entries written) as from the entries (hits,
-    nothing computed), and as with the cache off."""
+    nothing computed: not even the admissible codes' ordinals), and as with the cache
+    off."""
     case = Case(op, "tiny", "normal", "cuda", "fp8", "bfloat16", "none", seed=5)
     x = make_inputs(case)
     monkeypatch.setenv(refcache.ENV, "off")
@@ -41,6 +42,11 @@ def test_a_hit_judges_bit_identically_to_a_miss(op, tmp_path, monkeypatch):
     cold = _result(case, "torch", x)
     cache = refcache.default_cache()
     assert cache.misses > 0 and cache.hits == 0 and list(tmp_path.rglob("*.npz"))
+    from oracle.core import checks
+
+    def computed(*_):
+        raise AssertionError("admissible ordinals computed on a warm cache")
+    monkeypatch.setattr(checks, "reference_ordinals", computed)
     warm = _result(case, "torch", x)
     assert cache.hits == cache.misses and cache.rejected == 0
     assert off == cold == warm
@@ -118,6 +124,8 @@ def test_a_source_change_misses_and_the_key_has_no_kernel_in_it(tmp_path):
     ("indexer_decode", "reference/indexer.py", "reference/attention.py"),
     ("attention", "reference/attention.py", "oracle/core/bounds.py"),
     ("attention_bound", "oracle/core/bounds.py", "reference/indexer.py"),
+    ("attention_ordinals", "oracle/core/intervals.py", "reference/indexer.py"),
+    ("norm_rope", "reference/norm_rope.py", "reference/attention.py"),
 ])
 def test_a_reference_change_invalidates_the_kinds_that_use_it(kind, uses, not_uses):
     """A kind's entries follow the modules that compute them, transitively (attention's

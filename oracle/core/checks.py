@@ -27,7 +27,7 @@ from oracle.core.attention_bound import attention_bound
 from oracle.core.bounds import gamma, norm_rope_bound
 from oracle.core.cases import Case, input_hash
 from oracle.core.inputsets import case_inputs
-from oracle.core.intervals import classify, joint_value_exists, preimage
+from oracle.core.intervals import classify, joint_value_exists, preimage, reference_ordinals
 from oracle.core.registry import arith_for, implementations, schedule_for, score_rel_for
 from reference import norm_rope
 from reference.codec import decode, encode, get_format
@@ -57,8 +57,9 @@ class Tally:
     sum_sq_err: float = 0.0
     worst: dict | None = None
 
-    def add(self, name, got_codes, exact, bound, fmt, scale=None):
-        c = classify(got_codes, exact, bound, fmt, scale)
+    def add(self, name, got_codes, exact, bound, fmt, scale=None, ordinals=None):
+        """``ordinals``: ``intervals.reference_ordinals`` of (exact, bound), from the cache."""
+        c = classify(got_codes, exact, bound, fmt, scale, ordinals)
         ok, ulps, width = c["ok"].ravel(), c["ulps"].ravel(), c["width"].ravel()
         got = decode(got_codes, fmt).ravel()
         e = np.asarray(exact, dtype=np.float64).ravel()
@@ -183,33 +184,55 @@ def _scale_columns(scale, head, slots):
 # ------------------------------------------------------------------------------ ops
 
 
-def check_norm_rope_insert(x, out, impl) -> tuple[Tally, list, dict]:
+def norm_rope_reference(x, arith) -> dict[str, np.ndarray]:
+    """Per output kind of the fused insert: the exact normed and rotated rows
+    (``<kind>.exact``), their bound under ``arith`` (``<kind>.bound``) and the admissible
+    codes' ordinals in the kind's output format (``<kind>.nearest``, ``.lo``, ``.hi``)."""
     layout = ref_impl.layout_of(x)
     weights = ref_impl.weights_of(x)
     md, r, eps = x["model_dtype"], x["rotary_dim"], x["eps"]
     parts = layout.split(x["rows"])
     cos_sin = x["rope_table"][np.asarray(x["positions"])]
-    t, failures = Tally(), []
-    exact, bounds = {}, {}
+    got = {}
     for kind in norm_rope.KINDS:
         if kind not in parts:
             continue
         cs = cos_sin if kind == "index_k" else cos_sin[:, None, :]
         w = weights[kind]
-        exact[kind] = norm_rope.apply_rope_neox(
+        exact = norm_rope.apply_rope_neox(
             norm_rope.rms_norm_gemma(parts[kind], w, eps), x["positions"],
             x["rope_table"], r)
-        bounds[kind] = norm_rope_bound(parts[kind], w, eps, cs, r, arith_for(impl, x))
-        fmt = md
-        if kind == "index_q" and x["index_fmt"] is not None and is_fp8(x["index_fmt"]):
-            fmt = x["index_fmt"]
+        bound = norm_rope_bound(parts[kind], w, eps, cs, r, arith)
+        got[f"{kind}.exact"], got[f"{kind}.bound"] = exact, bound
+        for k, v in reference_ordinals(exact, bound, _norm_rope_format(x, kind)).items():
+            got[f"{kind}.{k}"] = v
+    return got
+
+
+def _norm_rope_format(x, kind) -> str:
+    """The format an output kind is rounded to: the model dtype, or index_q's fp8."""
+    if kind == "index_q" and x["index_fmt"] is not None and is_fp8(x["index_fmt"]):
+        return x["index_fmt"]
+    return x["model_dtype"]
+
+
+def check_norm_rope_insert(x, out, impl) -> tuple[Tally, list, dict]:
+    arith = arith_for(impl, x)
+    ref = _cached("norm_rope", x, arith, lambda: norm_rope_reference(x, arith))
+    kinds = [k for k in norm_rope.KINDS if f"{k}.exact" in ref]
+    exact = {k: ref[f"{k}.exact"] for k in kinds}
+    bounds = {k: ref[f"{k}.bound"] for k in kinds}
+    t, failures = Tally(), []
+    for kind in kinds:
         if kind not in out:
             failures.append(f"output {kind} missing")
             continue
-        t.add(kind, out[kind], exact[kind], bounds[kind], fmt)
+        t.add(kind, out[kind], exact[kind], bounds[kind], _norm_rope_format(x, kind),
+              ordinals={k: ref[f"{kind}.{k}"] for k in ("nearest", "lo", "hi")})
     slots = written_slots(x["slot_mapping"])
     page = x["kv_cache"].shape[2]
     failures += untouched_failures("kv_cache", x["kv_cache"], out["kv_cache"], slots, page)
+    parts = ref_impl.layout_of(x).split(x["rows"])
     failures += _check_kv_writes(x, out, exact["k"], bounds["k"], parts["v"], impl)
     if x.get("index_cache") is not None and "index_k" in exact:
         failures += untouched_failures("index_cache", x["index_cache"], out["index_cache"],
@@ -359,22 +382,23 @@ def indexer_reference(x) -> IndexerResult:
 def check_attention(x, out, impl) -> tuple[Tally, list, dict]:
     md = x["model_dtype"]
     try:
-        unrounded, bound = scheduled_reference(x, impl, out)
+        unrounded, bound, ordinals = scheduled_reference(x, impl, out)
     except ValueError as e:
         return Tally(), [str(e)], {}
     got, nan_for_inf = _nan_admitted_for_inf(out["out"], unrounded, md)
     t = Tally()
-    t.add("out", got, unrounded, bound, md)
+    t.add("out", got, unrounded, bound, md, ordinals=ordinals)
     stats = reported_attention_stats(x, decode(out["out"], md))
     if nan_for_inf:
         stats["nan_for_inf"] = nan_for_inf
     return t, [], stats
 
 
-def scheduled_reference(x, impl, out) -> tuple[np.ndarray, np.ndarray]:
+def scheduled_reference(x, impl, out) -> tuple[np.ndarray, np.ndarray, dict]:
     """The reference's unrounded output ``[T, Hq, D]`` under the implementation's declared
-    schedule, and the bound on the implementation's distance from it
-    (``oracle.core.attention_bound``). An implementation declaring a tuple of schedules (one per
+    schedule, the bound on the implementation's distance from it
+    (``oracle.core.attention_bound``) and the admissible codes' ordinals
+    (``intervals.reference_ordinals``). An implementation declaring a tuple of schedules (one per
     kind of row its kernels compute differently; ``oracle.core.registry``) reports in
     ``out["schedule_rows"]`` (int ``[T, Hq]``, default all 0) which one each (token, head)
     row followed: each row is judged against its own, the reference run once per distinct
@@ -392,25 +416,27 @@ def scheduled_reference(x, impl, out) -> tuple[np.ndarray, np.ndarray]:
     used: dict = {}  # each distinct schedule in use -> the indices naming it
     for i in np.unique(rows) if rows.size else (0,):
         used.setdefault(scheds[i], []).append(i)
-    unrounded = bound = None
+    merged = None
     for sched, indices in used.items():
-        ref, b = _scheduled_run(x, sched, arith_for(impl, x), score_rel_for(impl, x))
-        if unrounded is None:
-            unrounded, bound = ref, b
+        run = _scheduled_run(x, sched, arith_for(impl, x), score_rel_for(impl, x))
+        if merged is None:
+            merged = run
         else:
             mine = np.isin(rows, indices)[..., None]
-            unrounded, bound = np.where(mine, ref, unrounded), np.where(mine, b, bound)
-    return unrounded, bound
+            merged = {k: np.where(mine, run[k], merged[k]) for k in merged}
+    return merged.pop("unrounded"), merged.pop("bound"), merged
 
 
-def _scheduled_run(x, sched, arith, dot_rel) -> tuple[np.ndarray, np.ndarray]:
-    """The reference's unrounded output under one schedule and the bound around it
-    (cached)."""
+def _scheduled_run(x, sched, arith, dot_rel) -> dict[str, np.ndarray]:
+    """The reference's unrounded output under one schedule, the bound around it and the
+    admissible codes' ordinals in the model dtype (each cached)."""
     ref = _cached("attention", x, sched, lambda: {"unrounded": ref_impl.attention_call(
         x, schedule=sched, return_details=True).unrounded})
     bound = _cached("attention_bound", x, (sched, arith, dot_rel), lambda: {
         "bound": attention_bound(x, sched, arith, dot_rel=dot_rel)})
-    return ref["unrounded"], bound["bound"]
+    ordinals = _cached("attention_ordinals", x, (sched, arith, dot_rel), lambda: (
+        reference_ordinals(ref["unrounded"], bound["bound"], x["model_dtype"])))
+    return {"unrounded": ref["unrounded"], "bound": bound["bound"], **ordinals}
 
 
 def _nan_admitted_for_inf(codes, exact, md) -> tuple[np.ndarray, int]:

@@ -102,18 +102,31 @@ def joint_value_exists(exact, bound, out_codes, out_fmt, q_codes, q_fmt, q_scale
     return lo <= hi
 
 
-def classify(out_codes, exact, bound, fmt, scale=None) -> dict:
+def reference_ordinals(exact, bound, fmt, scale=None) -> dict[str, np.ndarray]:
+    """What ``classify`` needs of the reference alone: the ordinals of e's nearest rounding
+    (``nearest``) and of the admissible range's ends (``lo``, ``hi``), as int32. They depend
+    on (exact, bound) and not on the outputs, so a check caches them with the reference's
+    arrays instead of rounding e, e - d and e + d on every run."""
+    e = np.asarray(exact, dtype=np.float64)
+    nearest = ordinal(round_codes(e, fmt, scale), fmt)
+    with np.errstate(invalid="ignore"):
+        lo, hi = admissible_range(np.where(np.isfinite(e), e, 0.0), bound, fmt, scale)
+    return {k: v.astype(np.int32) for k, v in (("nearest", nearest), ("lo", lo), ("hi", hi))}
+
+
+def classify(out_codes, exact, bound, fmt, scale=None, ordinals=None) -> dict:
     """Per-element verdict of rounded outputs against (exact, bound).
 
     Returns arrays: ``ok`` (inside the admissible range), ``ulps`` (signed ordinal distance
     from the nearest rounding of e), ``width`` (number of admissible codes), plus
-    ``nearest`` ordinals. NaN outputs are violations unless e itself is NaN."""
+    ``nearest`` ordinals. NaN outputs are violations unless e itself is NaN. ``ordinals``:
+    ``reference_ordinals`` of the same (exact, bound, fmt, scale), computed earlier."""
     e = np.asarray(exact, dtype=np.float64)
     got = ordinal(out_codes, fmt)
-    nearest = ordinal(round_codes(e, fmt, scale), fmt)
+    if ordinals is None:
+        ordinals = reference_ordinals(e, bound, fmt, scale)
+    nearest, lo, hi = (np.asarray(ordinals[k], np.int64) for k in ("nearest", "lo", "hi"))
     finite = np.isfinite(e)
-    with np.errstate(invalid="ignore"):
-        lo, hi = admissible_range(np.where(finite, e, 0.0), bound, fmt, scale)
     got_value = decode(out_codes, fmt)
     got_nan = np.isnan(got_value)
     # A non-finite exact value (Inf from overflow in a 16-bit dtype, NaN from NaN content a

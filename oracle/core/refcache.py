@@ -43,6 +43,10 @@ KIND_MODULES = {
     "attention": ("reference.attention",),
     "attention_exact_baseline": ("reference.attention",),
     "attention_bound": ("oracle.core.attention_bound",),
+    # the admissible codes' ordinals of the scheduled output, from the two entries above
+    "attention_ordinals": ("reference.attention", "oracle.core.attention_bound",
+                           "oracle.core.intervals"),
+    "norm_rope": ("reference.norm_rope", "oracle.core.bounds", "oracle.core.intervals"),
     "inputs": ("oracle.core.cases", "oracle.core.inputsets"),  # keyed by case id
 }
 #: The code between a check and the reference (the calls, the cache): in every key, their
