@@ -346,7 +346,7 @@ def spec_drivers(specs: dict[str, dict], kernels: int = DRIVER_KERNELS,
         by_kernel.setdefault(spec["kernel"], []).append(spec["fields"])
     out = {}
     for kernel, rows in sorted(by_kernel.items(), key=lambda kv: -len(kv[1]))[:kernels]:
-        def distinct(keep) -> int:
+        def distinct(keep, rows=rows) -> int:
             return len({tuple(sorted((k, v) for k, v in r.items() if keep(k))) for r in rows})
         names = list(json.loads(rows[0]["signature"]))
         varying = sorted({k for r in rows for k in r

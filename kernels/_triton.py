@@ -12,7 +12,6 @@ or set it in the environment of the process).
 from __future__ import annotations
 
 import functools
-
 import time
 
 import triton
@@ -42,7 +41,7 @@ def hash_callees_first() -> None:
         return
 
     def update_hash(self, func):
-        func.cache_key  # computes the callee's globals before the caller merges them
+        _ = func.cache_key  # computes the callee's globals before the caller merges them
         return merge(self, func)
 
     update_hash._callees_first = True

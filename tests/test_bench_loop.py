@@ -213,8 +213,10 @@ def test_the_fields_that_multiply_a_kernels_specialisations_are_ranked(tmp_path,
     for block in (64, 128):
         _compile(probe, "k", block)
     for f in tmp_path.glob("specs-*.jsonl"):  # the same two, x not 16-aligned
-        f.write_text(f.read_text() + f.read_text().replace('"tt.divisibility\\", 16', '"tt.divisibility\\", 8'))
+        text = f.read_text()
+        f.write_text(text + text.replace('"tt.divisibility\\", 16', '"tt.divisibility\\", 8'))
     specs = bench_loop.compiled_specs(tmp_path)
     assert len(specs) == 4
     got = bench_loop.spec_drivers(specs)
-    assert got == {"k": dict(specs=4, without={"attrs x": 2, "attrs *": 2, "constexpr BLOCK": 2})}
+    assert got == {"k": dict(specs=4, without={"attrs x": 2, "attrs *": 2,
+                                               "constexpr BLOCK": 2})}

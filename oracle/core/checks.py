@@ -190,7 +190,7 @@ def norm_rope_reference(x, arith) -> dict[str, np.ndarray]:
     codes' ordinals in the kind's output format (``<kind>.nearest``, ``.lo``, ``.hi``)."""
     layout = ref_impl.layout_of(x)
     weights = ref_impl.weights_of(x)
-    md, r, eps = x["model_dtype"], x["rotary_dim"], x["eps"]
+    r, eps = x["rotary_dim"], x["eps"]
     parts = layout.split(x["rows"])
     cos_sin = x["rope_table"][np.asarray(x["positions"])]
     got = {}
