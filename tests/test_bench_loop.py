@@ -9,7 +9,16 @@ import json
 import os
 from types import SimpleNamespace
 
+import pytest
+
 from benchmarks import bench_loop
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    """The nested runs in one process: CI's ``PYTEST_ADDOPTS`` (``-n <cores>``) would give
+    each its own xdist workers to start and, on an interrupted run, to stop."""
+    monkeypatch.setenv("PYTEST_ADDOPTS", "")
+
 
 SELECTION = ("tests/test_differential.py::test_implementation_matches_reference"
              "[cpu|torch|indexer_decode:tiny:normal:cuda:auto:bfloat16:none:1:c0]")
