@@ -1,7 +1,8 @@
 """The kernel-change loop timed: ``pytest -m gpu`` (or ``--pytest-args``) run cold, with an
 empty Triton cache (``TRITON_CACHE_DIR``; Inductor's, ``TORCHINDUCTOR_CACHE_DIR``, for the
 compiled flex peer) and an empty reference cache (``ORACLE_REFERENCE_CACHE``), then warm,
-with the caches as the cold run left them and one kernel file's mtime touched (``--touch``;
+with the caches as the cold run left them (the tests' seconds too, ``ORACLE_TEST_SECONDS``:
+the warm run sends its slowest tests first) and one kernel file's mtime touched (``--touch``;
 Triton keys its cache by source contents, so a touch alone recompiles nothing: the warm
 number is the floor of an edit's loop).
 
@@ -392,7 +393,8 @@ def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | No
     instead of both to ``out/last-run-<kind>.json``."""
     env = dict(environ, TRITON_CACHE_DIR=str(work / "triton"),
                TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"),
-               ORACLE_REFERENCE_CACHE=str(work / "reference"))
+               ORACLE_REFERENCE_CACHE=str(work / "reference"),
+               ORACLE_TEST_SECONDS=str(work / "test-seconds.json"))
 
     def args(name: str) -> list[str]:
         if reports is None:

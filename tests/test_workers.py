@@ -5,6 +5,7 @@ CUDA machine that spawns its xdist workers, one GPU each."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -107,14 +108,17 @@ _TEST = textwrap.dedent("""
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("i", range(4))
-    def test_where(i):
+    def test_where(i, request):
         env = os.environ
         pathlib.Path(env["WHERE"], str(i)).write_text(
             f"{env.get('PYTEST_XDIST_WORKER', '-')} {env.get('ORACLE_GPUS', '-')}")
+        if "ORDER" in env:  # the order this process collected the tests in
+            pathlib.Path(env["ORDER"]).write_text(
+                " ".join(item.name for item in request.session.items))
 """)
 
 
-def _run(tmp_path, *args, rc=0):
+def _run(tmp_path, *args, rc=0, **extra_env):
     """Run pytest on the tiny gpu test in tmp_path; returns (stdout, where each test ran)."""
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\nmarkers =\n    gpu: needs CUDA\n"
@@ -131,7 +135,8 @@ def _run(tmp_path, *args, rc=0):
     env = {k: v for k, v in os.environ.items()
            if k not in ("ORACLE_GPUS", "CUDA_VISIBLE_DEVICES", "PYTEST_ADDOPTS",
                         "PYTEST_XDIST_WORKER")}
-    env.update(WHERE=str(where), PYTHONPATH=f"{ROOT}:{tmp_path}")
+    env.update(WHERE=str(where), PYTHONPATH=f"{ROOT}:{tmp_path}",
+               ORACLE_TEST_SECONDS=str(tmp_path / "seconds.json"), **extra_env)
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
                        cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == rc, r.stdout[-2000:] + r.stderr[-2000:]
@@ -146,6 +151,51 @@ def test_plain_gpu_run_spawns_one_worker_per_core_each_on_its_gpu(tmp_path):
     assert "2 workers [4 items]" in out, out
     assert len(where) == 4 and all(w.startswith("gw") and w.endswith(" 2") for w in where)
     assert {w.split()[0] for w in where} <= {"gw0", "gw1"}
+
+
+def test_a_plain_run_keeps_the_tests_seconds_and_the_next_sends_the_slowest_first(tmp_path):
+    """The faked CUDA run writes every test's seconds (ORACLE_TEST_SECONDS); the next run's
+    workers collect the tests slowest first by them (a test never timed first of all),
+    while a run without the file keeps the collection order."""
+    order = tmp_path / "order"
+    _run(tmp_path, "-p", "fakecuda", "-m", "gpu", ORDER=str(order))
+    assert order.read_text() == "test_where[0] test_where[1] test_where[2] test_where[3]"
+    seconds = json.loads((tmp_path / "seconds.json").read_text())
+    assert sorted(seconds) == [f"test_tiny.py::test_where[{i}]" for i in range(4)]
+    assert all(v >= 0 for v in seconds.values())
+    timed = {"test_tiny.py::test_where[0]": 0.1, "test_tiny.py::test_where[1]": 3.0,
+             "test_tiny.py::test_where[3]": 2.0}
+    (tmp_path / "seconds.json").write_text(json.dumps(timed))
+    _run(tmp_path, "-p", "fakecuda", "-m", "gpu", ORDER=str(order))
+    assert order.read_text() == "test_where[2] test_where[1] test_where[3] test_where[0]"
+    assert len(json.loads((tmp_path / "seconds.json").read_text())) == 4
+
+
+def test_slowest_first_keeps_groups_together_and_breaks_ties_by_collection_order():
+    """Groups go by their summed seconds (two 2 s tests of one group before a 3 s test),
+    a group's tests stay together in collection order, equal totals keep collection order,
+    and without any seconds the order is the collection's."""
+    ids = ["a", "b", "c", "d", "e"]
+    groups = [None, "g", None, "g", None]
+    secs = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 2.0, "e": 1.0}
+    assert pw.slowest_first(ids, groups, secs) == [1, 3, 2, 0, 4]
+    assert pw.slowest_first(ids, groups, {}) == [0, 1, 3, 2, 4]
+
+
+def test_the_seconds_file_merges_and_a_bad_one_is_ignored(tmp_path):
+    """Writing merges with what the file held (tests not run keep their seconds); an
+    unreadable or malformed file reads as empty; ``off`` disables it."""
+    path = tmp_path / "s.json"
+    pw.write_seconds(path, {"a": 1.0, "b": 2.0})
+    pw.write_seconds(path, {"b": 5.0})
+    assert pw.read_seconds(path) == {"a": 1.0, "b": 5.0}
+    path.write_text("[not a dict")
+    assert pw.read_seconds(path) == {}
+    path.write_text('["a list"]')
+    assert pw.read_seconds(path) == {}
+    assert pw.seconds_path({pw.SECONDS_ENV: "off"}) is None
+    assert pw.seconds_path({"XDG_CACHE_HOME": "/x"}) == Path(
+        "/x/sparse-attn-oracle/test-seconds.json")
 
 
 @pytest.mark.parametrize("args", [("-n", "0"), ("-p", "no:xdist"), ("--pdb",)])

@@ -9,6 +9,11 @@ each worker). A ``-n``/``--tx``/``--dist`` the user gives wins, ``-n 0`` and
 says once how to go faster. The CPU run (``-m "not gpu ..."``) is never touched. After
 each test a worker returns what its CUDA allocator caches beyond half its share of the GPU.
 
+Such a run also sends its slowest work first: the controller keeps every test's seconds
+(``ORACLE_TEST_SECONDS``, default ``test-seconds.json`` in the user's cache directory;
+``off`` disables it), and the next run orders its groups by them, the slowest first, so
+that the workers finish together instead of one running a long test alone at the end.
+
 The root conftest.py registers this module as a plugin; its ``pytest_configure`` runs
 before xdist's (which is ``trylast`` and creates the distributed session from
 ``config.option.dist`` and ``config.option.tx``).
@@ -17,8 +22,11 @@ before xdist's (which is ``trylast`` and creates the distributed session from
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from _pytest.mark.expression import Expression
@@ -34,6 +42,9 @@ GPU_BYTES_PER_WORKER = 4 * GIB
 # What a worker's caching allocator may keep reserved between tests: half its share, so
 # sixteen idle workers leave room for the one test that needs several GB (large caches).
 KEPT_RESERVED_BYTES = GPU_BYTES_PER_WORKER // 2
+
+SECONDS_ENV = "ORACLE_TEST_SECONDS"  # where the tests' last seconds live (a path, or off)
+_ORDER_ENV = "ORACLE_SLOWEST_FIRST"  # set by the controller: workers order by that file
 
 FASTER = ("sparse-attn-oracle: `pytest -m gpu` runs in one process; install pytest-xdist "
           "to spread it over every core and GPU")
@@ -93,12 +104,104 @@ def usable_cores() -> int:
 
 def distribute(option, workers: int, gpus: int, environ=os.environ) -> None:
     """Set xdist's options as ``-n workers --dist loadgroup`` would, and with several GPUs
-    put each worker on its own (``ORACLE_GPUS``, inherited by the workers)."""
+    put each worker on its own (``ORACLE_GPUS``, inherited by the workers). With the
+    tests' seconds of an earlier run at hand, the workers (inheriting ``_ORDER_ENV``) order
+    the groups by them and xdist keeps that order instead of its own by group size."""
     option.numprocesses = workers
     option.dist = "loadgroup"
     option.tx = ["popen"] * workers
     if gpus > 1 and "CUDA_VISIBLE_DEVICES" not in environ:
         environ.setdefault("ORACLE_GPUS", str(gpus))
+    path = seconds_path(environ)
+    if path is not None and read_seconds(path):
+        option.loadscopereorder = False
+        environ[_ORDER_ENV] = str(path)
+
+
+def seconds_path(environ=os.environ) -> Path | None:
+    """The file of the tests' last seconds the environment asks for (None: off)."""
+    where = environ.get(SECONDS_ENV, "")
+    if where.lower() == "off":
+        return None
+    if where:
+        return Path(where)
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sparse-attn-oracle" / "test-seconds.json"
+
+
+def read_seconds(path: Path) -> dict[str, float]:
+    """{node id: seconds} from ``path``; empty when absent or unreadable (an order hint,
+    never worth failing a run for)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
+
+
+def write_seconds(path: Path, seconds: dict[str, float]) -> None:
+    """Merge ``seconds`` into the file (tests not run this time keep their entries),
+    atomically: a temporary file beside it, renamed over it."""
+    merged = {**read_seconds(path), **{k: round(v, 3) for k, v in seconds.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(merged, f, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:  # a read-only or full disk costs the order, not the run
+        pass
+
+
+def slowest_first(nodeids: list[str], groups: list[str | None],
+                  seconds: dict[str, float]) -> list[int]:
+    """The order (indices into ``nodeids``) that sends the slowest work first: a group's
+    tests (``groups[i]``: its xdist_group, None: the test is its own) stay together,
+    groups go by their summed seconds, the most first; a group with a test never timed
+    goes before every timed one (a new test may compile kernels); ties keep the
+    collection order."""
+    scope = [g if g is not None else f"\0{n}" for n, g in zip(nodeids, groups)]
+    total: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for i, (n, sc) in enumerate(zip(nodeids, scope)):
+        total[sc] = total.get(sc, 0.0) + seconds.get(n, float("inf"))
+        first.setdefault(sc, i)
+    return sorted(range(len(nodeids)), key=lambda i: (-total[scope[i]], first[scope[i]], i))
+
+
+def _group(item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return None
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    path = os.environ.get(_ORDER_ENV)
+    if not path or not hasattr(config, "workerinput"):
+        return
+    order = slowest_first([i.nodeid for i in items], [_group(i) for i in items],
+                          read_seconds(Path(path)))
+    items[:] = [items[i] for i in order]
+
+
+class SecondsRecorder:
+    """On the controller of a distributed run: every test's seconds (setup, call and
+    teardown), written at the end for the next run's order."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session):
+        if self.seconds:
+            write_seconds(self.path, self.seconds)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -117,6 +220,9 @@ def pytest_configure(config):
     workers = worker_count(usable_cores(), host_memory(), gpu_bytes)
     if workers:
         distribute(option, workers, len(gpu_bytes))
+        path = seconds_path()
+        if path is not None:
+            config.pluginmanager.register(SecondsRecorder(path), "test_seconds")
 
 
 def release_cached_gpu_memory(cuda, kept: int = KEPT_RESERVED_BYTES) -> bool:
