@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks import bench_loop
 
+
 @pytest.fixture(autouse=True)
 def _one_process(monkeypatch):
     """The nested runs in one process: CI's ``PYTEST_ADDOPTS`` (``-n <cores>``) would give

@@ -119,15 +119,22 @@ def payload_digest(arrays: dict) -> str:
     return h.hexdigest()
 
 
-def default_dir(environ=os.environ) -> Path | None:
-    """The cache directory the environment asks for (None: disabled)."""
-    where = environ.get(ENV, "")
+def user_cache_path(variable: str, name: str, environ=os.environ) -> Path | None:
+    """Where the environment variable ``variable`` puts a cached thing: its path, None
+    for ``off``, unset ``name`` in the user's cache directory
+    (``$XDG_CACHE_HOME/sparse-attn-oracle``, else ``~/.cache/sparse-attn-oracle``)."""
+    where = environ.get(variable, "")
     if where.lower() == "off":
         return None
     if where:
         return Path(where)
     base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sparse-attn-oracle" / "reference"
+    return Path(base) / "sparse-attn-oracle" / name
+
+
+def default_dir(environ=os.environ) -> Path | None:
+    """The cache directory the environment asks for (None: disabled)."""
+    return user_cache_path(ENV, "reference", environ)
 
 
 class RefCache:

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 from _pytest.mark.expression import Expression
 
+from oracle.core.refcache import user_cache_path
 from oracle.tools.gpus import gpu_memories
 
 GIB = 1 << 30
@@ -120,13 +121,7 @@ def distribute(option, workers: int, gpus: int, environ=os.environ) -> None:
 
 def seconds_path(environ=os.environ) -> Path | None:
     """The file of the tests' last seconds the environment asks for (None: off)."""
-    where = environ.get(SECONDS_ENV, "")
-    if where.lower() == "off":
-        return None
-    if where:
-        return Path(where)
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sparse-attn-oracle" / "test-seconds.json"
+    return user_cache_path(SECONDS_ENV, "test-seconds.json", environ)
 
 
 def read_seconds(path: Path) -> dict[str, float]:
