@@ -245,11 +245,8 @@ def where_time_went(probes: Path, top: int = SLOW_TOP) -> dict:
         entry["jit_s"] += jit
         entry["compiles"] += compiles
     owners: dict[str, set[str]] = {}
-    for f in probes.glob("specs-*.jsonl"):
-        for line in f.read_text().splitlines():
-            entry = json.loads(line)
-            spec = json.dumps([entry["kernel"], sorted(_fields(entry).items())])
-            owners.setdefault(spec, set()).add(_file(entry.get("test", "")))
+    for digest, _, _, test in _compiles(probes):
+        owners.setdefault(digest, set()).add(_file(test))
     for (owner,) in (o for o in owners.values() if len(o) == 1):
         if owner in files:
             files[owner]["specs_alone"] = files[owner].get("specs_alone", 0) + 1
@@ -298,14 +295,20 @@ def compiled_specs(probes: Path) -> dict[str, dict]:
     per distinct (kernel, specialisation), keyed by the digest of both (``_fields``: what
     the compiled code depends on, leaving out whatever else Triton's in-memory key
     holds)."""
-    specs = {}
+    return {digest: dict(kernel=kernel, fields=fields)
+            for digest, kernel, fields, _ in _compiles(probes)}
+
+
+def _compiles(probes: Path):
+    """Every compile the run's processes noted: (digest of the kernel and its ``_fields``,
+    kernel, fields, the test that compiled it)."""
     for f in probes.glob("specs-*.jsonl"):
         for line in f.read_text().splitlines():
             entry = json.loads(line)
-            spec = dict(kernel=entry["kernel"], fields=_fields(entry))
-            text = json.dumps([spec["kernel"], sorted(spec["fields"].items())])
-            specs[hashlib.sha256(text.encode()).hexdigest()[:16]] = spec
-    return specs
+            fields = _fields(entry)
+            text = json.dumps([entry["kernel"], sorted(fields.items())])
+            yield (hashlib.sha256(text.encode()).hexdigest()[:16], entry["kernel"], fields,
+                   entry.get("test", ""))
 
 
 def _fields(entry: dict) -> dict:

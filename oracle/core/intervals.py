@@ -125,7 +125,7 @@ def classify(out_codes, exact, bound, fmt, scale=None, ordinals=None) -> dict:
     got = ordinal(out_codes, fmt)
     if ordinals is None:
         ordinals = reference_ordinals(e, bound, fmt, scale)
-    nearest, lo, hi = (np.asarray(ordinals[k], np.int64) for k in ("nearest", "lo", "hi"))
+    nearest, lo, hi = (ordinals[k] for k in ("nearest", "lo", "hi"))
     finite = np.isfinite(e)
     got_value = decode(out_codes, fmt)
     got_nan = np.isnan(got_value)
