@@ -4,7 +4,10 @@ compiled flex peer) and an empty reference cache (``ORACLE_REFERENCE_CACHE``), t
 with the caches as the cold run left them (the tests' seconds too, ``ORACLE_TEST_SECONDS``:
 the warm run sends its slowest tests first) and one kernel file's mtime touched (``--touch``;
 Triton keys its cache by source contents, so a touch alone recompiles nothing: the warm
-number is the floor of an edit's loop).
+number is the floor of an edit's loop). ``--runs edited`` is an edit's loop itself: the
+caches as the cold run left them and one kernel's source changed (``--edit``: a comment
+put into the body of that ``@triton.jit`` function of the ``--touch`` file, taken out
+after the run), so every compile of that kernel, and of no other, is redone.
 
 Each run's wall time, and where its tests' time went, from this module loaded as a pytest
 plugin into every pytest process of the run (controller and xdist workers):
@@ -34,6 +37,8 @@ compiles nothing); ``--pytest-args`` narrows the selection, e.g. for a quick CPU
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import cProfile
 import hashlib
 import json
@@ -383,17 +388,43 @@ def new_specs(before: dict[str, dict], now: dict[str, dict], top: int = NEW_TOP)
 
 
 RUNS = ("cold", "warm")
+EDITED = "edited"  # not a default run: one kernel's compiles redone on the warm caches
+EDIT_COMMENT = "# bench_loop: this kernel's source changed"
+
+
+@contextlib.contextmanager
+def kernel_edited(path: Path, function: str):
+    """``path`` with a comment put at the end of the first statement of its function
+    ``function``: that function's JIT cache key changes (Triton hashes its source text),
+    and no line moves (the key holds the function's first line: an added line would change
+    every function below it too); restored byte for byte, mtime included, on the way out."""
+    text, stat = path.read_bytes(), path.stat()
+    defs = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)
+            and n.name == function]
+    if not defs:
+        raise ValueError(f"--edit: no function {function!r} in {path}")
+    lines = text.decode().splitlines(keepends=True)
+    end = defs[0].body[0].end_lineno - 1
+    body = lines[end].rstrip("\r\n")
+    lines[end] = f"{body}  {EDIT_COMMENT}{lines[end][len(body):]}"
+    path.write_text("".join(lines))
+    try:
+        yield
+    finally:
+        path.write_bytes(text)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
 def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | None = None,
             environ=os.environ, total: float | None = None, runs=RUNS,
-            reports: Path | None = None) -> dict:
+            reports: Path | None = None, edit: str | None = None) -> dict:
     """The cold run (empty caches under ``work``), then the warm one (``touch`` touched).
     ``total``: seconds for both together; the warm run gets what the cold one left.
     ``runs``: the runs to make (a warm run alone reuses the caches a cold one left in
     ``work``, e.g. where one call cannot hold both). ``reports``: where each run's gate
     report goes (``last-run-<run>.json``, e.g. the cold one to accept as a baseline),
-    instead of both to ``out/last-run-<kind>.json``."""
+    instead of both to ``out/last-run-<kind>.json``. ``edit``: the function of ``touch``
+    the edited run changes."""
     env = dict(environ, TRITON_CACHE_DIR=str(work / "triton"),
                TORCHINDUCTOR_CACHE_DIR=str(work / "inductor"),
                ORACLE_REFERENCE_CACHE=str(work / "reference"),
@@ -426,8 +457,21 @@ def measure(pytest_args: list[str], touch: Path, work: Path, timeout: float | No
         done["warm"], specs = run("warm", warm_timeout)
         if cold_specs is not None:
             done["warm"]["new_specs"] = new_specs(cold_specs, specs)
-    return dict(schema=SCHEMA, pytest_args=pytest_args, touched=str(touch.relative_to(ROOT)),
-                device=_device(), runs=done)
+    if EDITED in runs:
+        with kernel_edited(touch, edit):
+            done[EDITED], _ = run(EDITED, timeout)
+    return dict(schema=SCHEMA, pytest_args=pytest_args, touched=_shown(touch),
+                edited=edit if EDITED in runs else None, device=_device(), runs=done)
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the report names it: from the repository's root when inside it."""
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def _functions(path: Path) -> set[str]:
+    return {n.name for n in ast.walk(ast.parse(path.read_bytes()))
+            if isinstance(n, ast.FunctionDef)}
 
 
 def _device() -> str:
@@ -448,7 +492,9 @@ def _share(part: float, whole: float) -> str:
 def markdown(doc: dict) -> str:
     """The report as a Markdown table (shares of the tests' summed seconds)."""
     lines = [f"# The `pytest {shlex.join(doc['pytest_args'])}` loop on {doc['device']}", "",
-             f"Warm: both caches from the cold run, `{doc['touched']}` touched.", "",
+             f"Warm: both caches from the cold run, `{doc['touched']}` touched."
+             + (f" Edited: the same caches, `{doc['edited']}` in it changed (its compiles "
+                f"redone)." if doc.get("edited") else ""), "",
              "| run | wall (s) | tests | test time (s) | JIT | reference | kernels and the "
              "rest | compiles (built) | reference hits / misses / rejected | exit |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -511,24 +557,29 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="profile every process's tests (cProfile, slower): the runs' own "
                          "seconds by area and their top functions go into loop.json")
-    ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
-                    help="which runs to make (default: both; warm alone needs --work "
-                         "holding a cold run's caches)")
+    ap.add_argument("--edit", default="_indexer_decode_kernel",
+                    help="the @triton.jit function of the --touch file the edited run changes")
+    ap.add_argument("--runs", nargs="+", choices=(*RUNS, EDITED), default=list(RUNS),
+                    help="which runs to make (default: cold and warm; warm or edited "
+                         "without cold needs --work holding a cold run's caches)")
     a = ap.parse_args(argv)
     touch = ROOT / a.touch
     if not touch.is_file():
         ap.error(f"--touch must name a file of the repository, got {a.touch!r}")
+    if EDITED in a.runs and a.edit not in _functions(touch):
+        ap.error(f"--edit must name a function of {a.touch}, got {a.edit!r}")
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         work = a.work or Path(tmp)
         cached = [p.exists() for p in (work / "triton", work / "reference")]
         if "cold" in a.runs and any(cached):
             ap.error(f"--work must not hold a cache yet (the cold run needs empty ones): {work}")
-        if a.runs == ["warm"] and not any(cached):
-            ap.error(f"--runs warm alone needs --work holding a cold run's caches: {work}")
+        if "cold" not in a.runs and not any(cached):
+            ap.error(f"--runs {' '.join(a.runs)} without cold needs --work holding a cold "
+                     f"run's caches: {work}")
         a.out.mkdir(parents=True, exist_ok=True)
         environ = {**os.environ, PROFILE_ENV: "1"} if a.profile else os.environ
         doc = measure(shlex.split(a.pytest_args), touch, work, a.timeout, environ=environ,
-                      total=a.total, runs=a.runs, reports=a.out)
+                      total=a.total, runs=a.runs, reports=a.out, edit=a.edit)
     (a.out / "loop.json").write_text(json.dumps(doc, indent=1) + "\n")
     (a.out / "loop.md").write_text(markdown(doc))
     print(markdown(doc))

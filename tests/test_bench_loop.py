@@ -233,3 +233,71 @@ def test_the_fields_that_multiply_a_kernels_specialisations_are_ranked(tmp_path,
     got = bench_loop.spec_drivers(specs)
     assert got == {"k": dict(specs=4, without={"attrs x": 2, "attrs *": 2,
                                                "constexpr BLOCK": 2})}
+
+
+_KERNELS = '''\
+import triton.language as tl
+
+
+def first(x_ptr):
+    """One store."""
+    tl.store(x_ptr, 1)
+
+
+def second(x_ptr):
+    tl.store(x_ptr, 2)
+'''
+
+
+def _jit_keys(path, tag: str) -> dict:
+    """Triton's JIT cache keys of the functions of the module at ``path`` (imported afresh
+    under its own name; the keys need no GPU)."""
+    import importlib.util
+
+    from triton.runtime.jit import JITFunction
+
+    spec = importlib.util.spec_from_file_location(f"bench_loop_edit_{tag}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {name: JITFunction(getattr(module, name)).cache_key for name in ("first", "second")}
+
+
+def test_the_edited_run_changes_one_kernels_key_and_restores_the_file(tmp_path, capsys):
+    """``kernel_edited`` changes one line, in the named function's body, and no line
+    moves: that function's JIT cache key changes and the next function's does not (its
+    key holds its first line); on the way out the file is the same bytes with the same
+    mtime. A function the file lacks is refused, by the command line before any run."""
+    path = tmp_path / "kernels.py"
+    path.write_text(_KERNELS)
+    os.utime(path, ns=(1_000_000_000, 2_000_000_000))
+    before = _jit_keys(path, "before")
+    with bench_loop.kernel_edited(path, "first"):
+        edited = path.read_text().splitlines()
+        changed = [i for i, (a, b) in enumerate(zip(_KERNELS.splitlines(), edited)) if a != b]
+        assert len(edited) == len(_KERNELS.splitlines()) and changed == [4]
+        assert edited[4].endswith(bench_loop.EDIT_COMMENT)
+        during = _jit_keys(path, "during")
+    assert during["first"] != before["first"] and during["second"] == before["second"]
+    assert path.read_text() == _KERNELS and path.stat().st_mtime_ns == 2_000_000_000
+    with pytest.raises(ValueError, match="no function 'third'"):
+        with bench_loop.kernel_edited(path, "third"):
+            pass
+    with pytest.raises(SystemExit):
+        bench_loop.main(["--out", str(tmp_path / "o"), "--runs", "cold", "edited",
+                         "--edit", "third"])
+    assert "--edit must name a function of kernels/indexer_decode.py" in capsys.readouterr().err
+
+
+def test_the_edited_run_runs_its_tests_on_the_changed_source(tmp_path):
+    """``measure(runs=("edited",))``: the run's tests see the named function changed, the
+    report names it, and the file is as before once the run is over."""
+    kernels = tmp_path / "kernels.py"
+    kernels.write_text(_KERNELS)
+    test = tmp_path / "test_sees_edit.py"
+    test.write_text(f"def test_sees_edit():\n"
+                    f"    assert {bench_loop.EDIT_COMMENT!r} in open({str(kernels)!r}).read()\n")
+    doc = bench_loop.measure([str(test)], kernels, tmp_path / "work", runs=("edited",),
+                             edit="first")
+    assert doc["runs"]["edited"]["exit_code"] == 0 and doc["edited"] == "first"
+    assert "`first` in it changed" in bench_loop.markdown(doc)
+    assert kernels.read_text() == _KERNELS
