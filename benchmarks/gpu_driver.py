@@ -81,8 +81,9 @@ MODES = {  # in the order they run
     "ab": "benchmarks.ab run: AB_BENCH with AB_ARGS on the base tree (.ab-base/, from "
           "`python -m benchmarks.ab prepare REV`, carried in) and on the working tree, "
           "AB_ROUNDS times (1); AB_ALSO='NAME=.ab-NAME ...' adds candidates; to ab.json",
-    "loop": "benchmarks.bench_loop, to loop.json: LOOP_RUNS cold, warm or both (default; "
-            "warm alone in a later call on the same machine reuses the cold call's caches)",
+    "loop": "benchmarks.bench_loop, to loop.json: LOOP_RUNS cold, warm, both (default) or "
+            "edited (one kernel's source changed); warm or edited in a later call on the "
+            "same machine reuses the cold call's caches",
     "timeline": "per-program timelines of TIMELINE_CALLS (3) traced model-shape launches per "
                 "TIMELINE_SPECS entry ('bench cache knobs;...'), to timeline.log",
     "profile": "Nsight Compute on one model-shape launch per PROFILE_SPECS entry "
@@ -336,7 +337,7 @@ def run_bench(r: Runner) -> None:
 
 
 LOOP_RUNS = {"": ["cold", "warm"], "both": ["cold", "warm"], "cold": ["cold"],
-             "warm": ["warm"]}
+             "warm": ["warm"], "edited": ["edited"]}
 LOOP_WORK = "out/loopwork"  # the caches a warm loop run in a later call reuses
 LOOP_MARGIN_S = 60  # for bench_loop to stop its run and write loop.json inside the stage
 
@@ -528,7 +529,7 @@ def check_args(modes: list[str]) -> str | None:
     if "suite" in modes and env_str("SUITE_PART") not in SUITE_PARTS:
         return f"SUITE_PART must be diff, rest, both or unset, got {env_str('SUITE_PART')!r}"
     if "loop" in modes and env_str("LOOP_RUNS") not in LOOP_RUNS:
-        return f"LOOP_RUNS must be cold, warm, both or unset, got {env_str('LOOP_RUNS')!r}"
+        return f"LOOP_RUNS must be cold, warm, both, edited or unset, got {env_str('LOOP_RUNS')!r}"
     if "ab" in modes and not env_str("AB_BENCH"):
         return "AB_BENCH must name the benchmark for mode ab (insert, indexer, ...)"
     return None
