@@ -509,7 +509,11 @@ def markdown(doc: dict) -> str:
         if r.get("built_by_kernel"):
             top = ", ".join(f"{k} {n}" for k, n in r["built_by_kernel"].items())
             lines += ["", f"Built in the {name} run, by kernel: {top}."]
+    shown = []  # a later run whose compiles are those of an earlier one repeats nothing
     for name, r in doc["runs"].items():
+        if r.get("spec_drivers") in shown:
+            continue
+        shown.append(r.get("spec_drivers"))
         for kernel, d in (r.get("spec_drivers") or {}).items():
             merged = ", ".join(f"{k} {n}" for k, n in d["without"].items())
             lines += ["", f"{name}: `{kernel}` compiled {d['specs']} specialisations; "

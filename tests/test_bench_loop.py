@@ -218,7 +218,8 @@ def test_the_fields_that_multiply_a_kernels_specialisations_are_ranked(tmp_path,
     """``spec_drivers`` counts, per kernel, the specialisations left distinct without each
     varying field (named by its argument) and without every alignment attribute at once:
     four specs from two BLOCK values times two alignments of ``x`` merge to two without
-    either field, and a field that never varies is not listed."""
+    either field, and a field that never varies is not listed; the Markdown names them
+    once for runs with the same compiles."""
     from kernels._triton import CompileClock
 
     monkeypatch.setenv(bench_loop.PROBE_ENV, str(tmp_path))
@@ -233,6 +234,13 @@ def test_the_fields_that_multiply_a_kernels_specialisations_are_ranked(tmp_path,
     got = bench_loop.spec_drivers(specs)
     assert got == {"k": dict(specs=4, without={"attrs x": 2, "attrs *": 2,
                                                "constexpr BLOCK": 2})}
+    # A later run with the same compiles (a warm run's loads) does not repeat them.
+    run = dict(wall_s=1.0, tests=1, test_s=1.0, jit_s=0.0, reference_s=0.0, other_s=1.0,
+               jit_count=4, ref_hits=0, ref_misses=0, ref_rejected=0, exit_code=0,
+               spec_drivers=got)
+    md = bench_loop.markdown(dict(pytest_args=["-m", "gpu"], device="d", touched="f",
+                                  runs={"cold": run, "warm": run}))
+    assert md.count("`k` compiled 4 specialisations") == 1 and "cold: `k`" in md
 
 
 _KERNELS = '''\
