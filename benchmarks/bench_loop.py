@@ -83,7 +83,9 @@ class Probe:
         self.test_s = 0.0
         self.reference_s = 0.0
         self.current = ""  # the running test's node id, noted with each compile
-        self.per_test: list[tuple[str, float, float, int]] = []  # id, s, JIT s, compiles
+        # id, seconds, JIT seconds, compiles, start (epoch seconds: one clock for all
+        # the run's processes, so that the run's start and end can be told apart)
+        self.per_test: list[tuple[str, float, float, int, float]] = []
         self.profile = cProfile.Profile() if os.environ.get(PROFILE_ENV) else None
 
     def on_compile(self, **kw) -> bool:
@@ -111,6 +113,7 @@ class Probe:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
         t0, jit0, count0 = time.perf_counter(), self.clock.seconds, self.clock.count
+        started = time.time()
         self.current = item.nodeid
         if self.profile is not None:
             self.profile.enable()
@@ -121,7 +124,7 @@ class Probe:
         self.tests += 1
         self.test_s += seconds
         self.per_test.append((item.nodeid, seconds, self.clock.seconds - jit0,
-                              self.clock.count - count0))
+                              self.clock.count - count0, started))
         self.save()  # after every test: a run stopped by --timeout still tells its share
 
     def save(self) -> None:
@@ -191,7 +194,7 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
         f.unlink()
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
            "benchmarks.bench_loop", "-q", *pytest_args]
-    t0 = time.perf_counter()
+    t0, launched = time.perf_counter(), time.time()
     p = subprocess.Popen(cmd, cwd=ROOT, env={**env, PROBE_ENV: str(probes)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
@@ -209,6 +212,7 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
             output, _ = p.communicate()
         code = 124
     wall = time.perf_counter() - t0
+    ended = launched + wall
     totals = dict(tests=0, test_s=0.0, jit_s=0.0, jit_count=0, reference_s=0.0, ref_hits=0,
                   ref_misses=0, ref_rejected=0)
     for f in probes.glob("probe-*.json"):
@@ -219,7 +223,8 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
     lines = output.strip().splitlines()
     record = dict(wall_s=wall, exit_code=code, summary=(lines[-1:] or [""])[0],
                   output_tail="\n".join(lines[-LOG_LINES:]), built=len(built),
-                  built_by_kernel=by_kernel(built), **totals, **where_time_went(probes))
+                  built_by_kernel=by_kernel(built), **totals, **where_time_went(probes),
+                  **start_and_end(probes, launched, ended))
     profiles = sorted(probes.glob("profile-*.prof"))
     if profiles:
         record["profile"] = profile_summary(profiles)
@@ -243,7 +248,7 @@ def where_time_went(probes: Path, top: int = SLOW_TOP) -> dict:
             busy.append(round(sum(t[1] for t in tests), 1))
             rows += tests
     files: dict[str, dict] = {}
-    for nodeid, seconds, jit, compiles in rows:
+    for nodeid, seconds, jit, compiles, _ in rows:
         entry = files.setdefault(_file(nodeid), dict(tests=0, s=0.0, jit_s=0.0, compiles=0))
         entry["tests"] += 1
         entry["s"] += seconds
@@ -262,6 +267,25 @@ def where_time_went(probes: Path, top: int = SLOW_TOP) -> dict:
                 by_file=dict(sorted(files.items(), key=lambda kv: -kv[1]["s"])),
                 slowest=[dict(test=t[0], s=round(t[1], 1), jit_s=round(t[2], 1))
                          for t in slowest])
+
+
+def start_and_end(probes: Path, launched: float, ended: float) -> dict:
+    """Where a run's wall time is not its tests' (epoch seconds ``launched`` to ``ended``):
+    ``start_s``, from the launch to the first test of any process (imports, collection,
+    the workers' start), ``last_start_s`` to the first test of the last process to begin,
+    and ``end_s``, from the end of the last test to the run's end (the reports, the gate,
+    the workers' exit). Empty when no test ran."""
+    spans = []
+    for f in probes.glob("tests-*.json"):
+        tests = json.loads(f.read_text())
+        if tests:
+            spans.append((min(t[4] for t in tests), max(t[4] + t[1] for t in tests)))
+    if not spans:
+        return {}
+    firsts, lasts = zip(*spans)
+    return dict(start_s=round(min(firsts) - launched, 1),
+                last_start_s=round(max(firsts) - launched, 1),
+                end_s=round(ended - max(lasts), 1))
 
 
 def _area(file: str, name: str) -> str:
@@ -526,6 +550,10 @@ def markdown(doc: dict) -> str:
             lines += ["", f"The {name} run's {len(busy)} processes: the busiest ran its "
                           f"tests for {busy[0]:,.0f} s, the idlest {busy[-1]:,.0f} s; the "
                           f"files with the most seconds: {files}."]
+            if "start_s" in r:
+                lines[-1] += (f" Its first test started {r['start_s']:.1f} s after the "
+                              f"launch (the last process's first {r['last_start_s']:.1f} s), "
+                              f"and the run ended {r['end_s']:.1f} s after its last test.")
     for name, r in doc["runs"].items():
         if r.get("profile"):
             areas = ", ".join(f"{k} {v:,.0f} s" for k, v in r["profile"]["own_s_by_area"].items())

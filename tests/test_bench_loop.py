@@ -108,6 +108,9 @@ def test_a_run_counts_the_kernels_it_built_by_name(tmp_path):
     assert run["built"] == 3 and run["built_by_kernel"] == {"k": 2, "j": 1}
     (file,) = run["by_file"].values()  # one process, one file, one test
     assert run["busy_s"] == [file["s"]] and file["tests"] == 1
+    # One process: its start, its test and its end fit in the wall time, in that order.
+    assert 0 < run["start_s"] == run["last_start_s"] and run["end_s"] >= 0
+    assert run["start_s"] + file["s"] + run["end_s"] <= run["wall_s"] + 0.2
     assert run["slowest"][0]["test"].endswith("test_builds.py::test_builds")
     assert "profile" not in run  # only with the profile on
     assert "k 2, j 1" in bench_loop.markdown(dict(pytest_args=["-m", "gpu"], device="d",
@@ -194,7 +197,8 @@ def test_a_run_splits_its_time_by_file_and_names_the_specialisations_a_file_alon
     """``where_time_went`` sums each process's tests (the busiest first), each file's
     seconds, JIT seconds and compiles, lists the slowest tests, and counts for each file
     the specialisations no other file's tests compiled (a spec two files compile is
-    neither's alone)."""
+    neither's alone); ``start_and_end`` times the run's start up to the first test of any
+    process and of the last process to begin, and its end after the last test."""
     from kernels._triton import CompileClock
 
     monkeypatch.setenv(bench_loop.PROBE_ENV, str(tmp_path))
@@ -203,10 +207,15 @@ def test_a_run_splits_its_time_by_file_and_names_the_specialisations_a_file_alon
                         ("tests/b.py::z", 32), ("tests/b.py::z", 16)):
         probe.current = test
         _compile(probe, "k", block)
-    (tmp_path / "tests-1.json").write_text(json.dumps([["tests/a.py::x", 2.0, 1.5, 1],
-                                                       ["tests/b.py::z", 5.0, 4.0, 3]]))
-    (tmp_path / "tests-2.json").write_text(json.dumps([["tests/a.py::y", 1.0, 0.5, 1]]))
+    (tmp_path / "tests-1.json").write_text(json.dumps([["tests/a.py::x", 2.0, 1.5, 1, 103.0],
+                                                       ["tests/b.py::z", 5.0, 4.0, 3, 105.0]]))
+    (tmp_path / "tests-2.json").write_text(json.dumps([["tests/a.py::y", 1.0, 0.5, 1, 108.0]]))
     got = bench_loop.where_time_went(tmp_path, top=2)
+    # Launched at 100, ended at 112: the first test at 3 s, the second process's first at
+    # 8 s; the last test to end (z, 105 + 5) ends 2 s before the run.
+    assert bench_loop.start_and_end(tmp_path, 100.0, 112.0) == dict(
+        start_s=3.0, last_start_s=8.0, end_s=2.0)
+    assert bench_loop.start_and_end(tmp_path / "none", 100.0, 112.0) == {}
     assert got["busy_s"] == [7.0, 1.0]
     assert got["by_file"] == {
         "tests/b.py": dict(tests=1, s=5.0, jit_s=4.0, compiles=3, specs_alone=2),
