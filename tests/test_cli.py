@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,34 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(*args):
     """The CLI in a fresh process WITHOUT the TRITON_INTERPRET that conftest.py set: as a
     user runs it, so the CLI itself must pick the interpreter on a machine without CUDA."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run([sys.executable, "-m", "oracle", *args], capture_output=True,
-                          text=True, env=env)
+                          text=True, env=_user_env())
+
+
+def _user_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+# Runs each argument list of stdin's JSON through the CLI's main, as `python -m oracle`
+# does, and prints one [exit code, stdout, stderr] per list (an uncaught exception: its
+# traceback on stderr, exit 1, as Python itself would).
+_BATCH = textwrap.dedent("""
+    import contextlib, io, json, sys, traceback
+    from oracle.tools.cli import main
+    results = []
+    for argv in json.loads(sys.stdin.read()):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+        results.append([code, out.getvalue(), err.getvalue()])
+    print(json.dumps(results))
+""")
 
 
 @pytest.mark.slow
@@ -88,19 +114,19 @@ def test_report_writes_no_tracked_file_and_baseline_verbs_round_trip(tmp_path):
     assert r.returncode == 2 and "no differential cells" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize(
-    "args, needle",
-    [
-        (("frobnicate",), "invalid choice"),
-        (("report", "--ops", "attention_sideways"), "ops must be among"),
-        (("report", "--platforms", "rocm"), "platforms must be among"),
-        (("replay", "attention_decode:tiny:normal"), "case id must read"),
-        (("replay", "attention_decode:tiny:normal:mars:auto:bfloat16:none:1"), "platform"),
-    ],
-)
-def test_bad_input_exits_non_zero_without_traceback(args, needle):
+BAD_INPUT = [
+    (("frobnicate",), "invalid choice"),
+    (("report", "--ops", "attention_sideways"), "ops must be among"),
+    (("report", "--platforms", "rocm"), "platforms must be among"),
+    (("replay", "attention_decode:tiny:normal"), "case id must read"),
+    (("replay", "attention_decode:tiny:normal:mars:auto:bfloat16:none:1"), "platform"),
+]
+
+
+@pytest.mark.parametrize("args, needle", BAD_INPUT)
+def test_bad_input_exits_non_zero_without_traceback(args, needle, cli):
     """Unknown verbs, ops, platforms and malformed case ids give one clear line, exit != 0."""
-    r = _run(*args)
+    r = cli[args]
     assert r.returncode != 0 and "Traceback" not in r.stderr and needle in r.stderr
 
 
@@ -168,14 +194,17 @@ def test_no_verb_shows_the_help_and_runs_nothing():
         assert listed.count(verb) == 1, verb
 
 
-@pytest.mark.parametrize("verb", ["report", "fuzz", "falsealarm", "replay", "e2e"])
-def test_verb_help_lists_the_valid_names(verb):
+HELP_VERBS = ["report", "fuzz", "falsealarm", "replay", "e2e"]
+
+
+@pytest.mark.parametrize("verb", HELP_VERBS)
+def test_verb_help_lists_the_valid_names(verb, cli):
     """`oracle VERB --help` names every op, every registered implementation and platform."""
     from oracle.core.cases import OPS
     from oracle.core.registry import known_names
     from reference.platforms import PLATFORMS
 
-    r = _run(verb, "--help")
+    r = cli[(verb, "--help")]
     assert r.returncode == 0
     tail = r.stdout.split("\nops: ", 1)[1]
     for name in (*OPS, *known_names(), *PLATFORMS):
@@ -203,7 +232,7 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("args, needle", [
+OUT_OF_RANGE = [
     (("report", "--ops", ","), "--ops must name at least one entry, got ','"),
     (("report", "--impls", " ,"), "--impls must name at least one entry"),
     (("fuzz", "--seconds", "-5"), "--seconds must be > 0, got -5"),
@@ -220,25 +249,31 @@ def _cuda() -> bool:
     (("mutants", "--fuzz-seconds", "-1"), "--fuzz-seconds must be >= 0, got -1"),
     (("e2e", "--seed", "-3"), "--seed must be >= 0, got -3"),
     (("e2e", "--workers", "0"), "--workers must be >= 1, got 0"),
-])
-def test_out_of_range_numbers_name_the_option(args, needle):
+]
+
+
+@pytest.mark.parametrize("args, needle", OUT_OF_RANGE)
+def test_out_of_range_numbers_name_the_option(args, needle, cli):
     """Every numeric option out of its range: one line naming the option, its range and the
     value given, exit 2, before any work."""
-    r = _run(*args)
+    r = cli[args]
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("args", [
+UNWRITABLE = [
     ("report", "--ops", "reshape_and_cache", "--shape-classes", "tiny", "--out", "/proc/x"),
     ("fuzz", "--seconds", "1", "--report", "/proc/x.json"),
     ("falsealarm", "--cases", "1", "--out", "/proc/x.json"),
     ("conformance", "--out", "/proc/x"),
-])
-def test_unwritable_out_fails_before_the_run(args):
+]
+
+
+@pytest.mark.parametrize("args", UNWRITABLE)
+def test_unwritable_out_fails_before_the_run(args, cli):
     """An output path that cannot be written is a one-line error naming the option, exit 2,
     before any case runs."""
-    r = _run(*args)
+    r = cli[args]
     assert r.returncode == 2 and "is not writable" in r.stderr, r.stdout + r.stderr
     assert "Traceback" not in r.stderr and "cases on" not in r.stdout
 
@@ -343,3 +378,28 @@ def test_impls_lists_every_implementation_and_why_it_cannot_run_here():
     for module, reason in UNAVAILABLE.items():
         assert listed.pop((module, "-"))[7] == f"not loaded: {reason}"
     assert not listed, listed
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """The results of every argument list of BAD_INPUT, HELP_VERBS, OUT_OF_RANGE and
+    UNWRITABLE, run through the CLI's main in ONE fresh process with the user's
+    environment (``_BATCH``; a process each costs seconds of imports): {args: the run}."""
+    argvs = [*(a for a, _ in BAD_INPUT), *((v, "--help") for v in HELP_VERBS),
+             *(a for a, _ in OUT_OF_RANGE), *UNWRITABLE]
+    r = subprocess.run([sys.executable, "-c", _BATCH], input=json.dumps(argvs), cwd=ROOT,
+                       capture_output=True, text=True, env=_user_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(r.stdout.splitlines()[-1])
+    return {tuple(a): subprocess.CompletedProcess(a, code, out, err)
+            for a, (code, out, err) in zip(argvs, results)}
+
+
+def test_the_batch_runs_each_argument_list_as_its_own_process_would(cli):
+    """The batch's results are those of a process per argument list: the same exit code,
+    output and error output (a sample: an argparse error, a help text, a range error)."""
+    for args in (BAD_INPUT[0][0], ("fuzz", "--help"), OUT_OF_RANGE[2][0]):
+        alone = _run(*args)
+        got = cli[tuple(args)]
+        assert (got.returncode, got.stdout, got.stderr) == (
+            alone.returncode, alone.stdout, alone.stderr), args
