@@ -242,11 +242,9 @@ def where_time_went(probes: Path, top: int = SLOW_TOP) -> dict:
     no other file's tests compiled, the builds a file costs a cold run on its own) and the
     ``top`` slowest tests."""
     busy, rows = [], []
-    for f in probes.glob("tests-*.json"):
-        tests = json.loads(f.read_text())
-        if tests:
-            busy.append(round(sum(t[1] for t in tests), 1))
-            rows += tests
+    for tests in _process_tests(probes):
+        busy.append(round(sum(t[1] for t in tests), 1))
+        rows += tests
     files: dict[str, dict] = {}
     for nodeid, seconds, jit, compiles, _ in rows:
         entry = files.setdefault(_file(nodeid), dict(tests=0, s=0.0, jit_s=0.0, compiles=0))
@@ -269,17 +267,23 @@ def where_time_went(probes: Path, top: int = SLOW_TOP) -> dict:
                          for t in slowest])
 
 
+def _process_tests(probes: Path):
+    """Each process's tests as its probe noted them (``Probe.per_test``), those that ran
+    any."""
+    for f in probes.glob("tests-*.json"):
+        tests = json.loads(f.read_text())
+        if tests:
+            yield tests
+
+
 def start_and_end(probes: Path, launched: float, ended: float) -> dict:
     """Where a run's wall time is not its tests' (epoch seconds ``launched`` to ``ended``):
     ``start_s``, from the launch to the first test of any process (imports, collection,
     the workers' start), ``last_start_s`` to the first test of the last process to begin,
     and ``end_s``, from the end of the last test to the run's end (the reports, the gate,
     the workers' exit). Empty when no test ran."""
-    spans = []
-    for f in probes.glob("tests-*.json"):
-        tests = json.loads(f.read_text())
-        if tests:
-            spans.append((min(t[4] for t in tests), max(t[4] + t[1] for t in tests)))
+    spans = [(min(t[4] for t in tests), max(t[4] + t[1] for t in tests))
+             for tests in _process_tests(probes)]
     if not spans:
         return {}
     firsts, lasts = zip(*spans)
@@ -423,12 +427,11 @@ def kernel_edited(path: Path, function: str):
     and no line moves (the key holds the function's first line: an added line would change
     every function below it too); restored byte for byte, mtime included, on the way out."""
     text, stat = path.read_bytes(), path.stat()
-    defs = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)
-            and n.name == function]
-    if not defs:
+    defs = _functions(text)
+    if function not in defs:
         raise ValueError(f"--edit: no function {function!r} in {path}")
     lines = text.decode().splitlines(keepends=True)
-    end = defs[0].body[0].end_lineno - 1
+    end = defs[function].body[0].end_lineno - 1
     body = lines[end].rstrip("\r\n")
     lines[end] = f"{body}  {EDIT_COMMENT}{lines[end][len(body):]}"
     path.write_text("".join(lines))
@@ -493,9 +496,13 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
-def _functions(path: Path) -> set[str]:
-    return {n.name for n in ast.walk(ast.parse(path.read_bytes()))
-            if isinstance(n, ast.FunctionDef)}
+def _functions(source: bytes) -> dict[str, ast.FunctionDef]:
+    """The functions a module's source defines, by name (the first of a name)."""
+    found: dict[str, ast.FunctionDef] = {}
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.FunctionDef):
+            found.setdefault(n.name, n)
+    return found
 
 
 def _device() -> str:
@@ -598,7 +605,7 @@ def main(argv=None) -> int:
     touch = ROOT / a.touch
     if not touch.is_file():
         ap.error(f"--touch must name a file of the repository, got {a.touch!r}")
-    if EDITED in a.runs and a.edit not in _functions(touch):
+    if EDITED in a.runs and a.edit not in _functions(touch.read_bytes()):
         ap.error(f"--edit must name a function of {a.touch}, got {a.edit!r}")
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         work = a.work or Path(tmp)

@@ -103,11 +103,12 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-def distribute(option, workers: int, gpus: int, environ=os.environ) -> None:
+def distribute(option, workers: int, gpus: int, environ=os.environ) -> Path | None:
     """Set xdist's options as ``-n workers --dist loadgroup`` would, and with several GPUs
     put each worker on its own (``ORACLE_GPUS``, inherited by the workers). With the
     tests' seconds of an earlier run at hand, the workers (inheriting ``_ORDER_ENV``) order
-    the groups by them and xdist keeps that order instead of its own by group size."""
+    the groups by them and xdist keeps that order instead of its own by group size.
+    Returns the seconds file this run keeps (None: off)."""
     option.numprocesses = workers
     option.dist = "loadgroup"
     option.tx = ["popen"] * workers
@@ -117,6 +118,7 @@ def distribute(option, workers: int, gpus: int, environ=os.environ) -> None:
     if path is not None and read_seconds(path):
         option.loadscopereorder = False
         environ[_ORDER_ENV] = str(path)
+    return path
 
 
 def seconds_path(environ=os.environ) -> Path | None:
@@ -214,8 +216,7 @@ def pytest_configure(config):
         return
     workers = worker_count(usable_cores(), host_memory(), gpu_bytes)
     if workers:
-        distribute(option, workers, len(gpu_bytes))
-        path = seconds_path()
+        path = distribute(option, workers, len(gpu_bytes))
         if path is not None:
             config.pluginmanager.register(SecondsRecorder(path), "test_seconds")
 
