@@ -66,6 +66,10 @@ instances, including the module-level ``interpreter_builder``, see them through 
     every such call (``_patch_lang``: ``inspect.getmembers`` of four modules), a third of an
     interpreted decode launch's time; the replacement skips it when the launch has patched
     them already, and otherwise is the original.
+``tuple_type.name``, ``block_type.name``, ``tuple.type`` (``triton.language.core``)
+    Built on first read instead of at construction (every interpreted op builds type
+    objects and 3.6 formats their names eagerly: a quarter of an interpreted decode
+    launch); the same values. ``unpatch_interpreter`` leaves them.
 ``ReduceOps.apply_impl``
     bf16 inputs (in practice ``tl.sum``: max/min promote to fp32) take the interpreter's own
     generic combine-function path, whose adds go through the patched ``binary_op``, instead
@@ -334,6 +338,59 @@ _REPLACEMENTS = {
 }
 
 
+def _build_type_fields_lazily() -> None:
+    """Every interpreted op builds Triton type objects, and 3.6 formats each one's name (and
+    each shape tuple's type) at construction, which nothing on the interpreter's path reads:
+    a quarter of an interpreted decode launch. ``tuple_type.name``, ``block_type.name`` and
+    ``tuple.type`` become the same values built on first read. No value changes, and objects
+    made meanwhile need them, so ``unpatch_interpreter`` leaves them (idempotent)."""
+    from triton.language import core
+
+    if getattr(core.tuple_type, _MARK, False):
+        return
+
+    def tuple_type_init(self, types, fields=None):
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def tuple_type_name(self):
+        return "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + "]"
+
+    def tuple_init(self, args, type=None):
+        self.values = [i for i in args]
+        if type is not None and not isinstance(type, core.tuple_type):
+            type = core.tuple_type(type)  # a list or tuple of types, as 3.6 accepts
+        self._type = type
+
+    def tuple_type_get(self):
+        t = self.__dict__["_type"]
+        if t is None:
+            t = self._type = core._type_for_tuple_values(self.values)
+        return t
+
+    def tuple_type_set(self, t):
+        self._type = t
+
+    def block_type_init(self, element_ty, shape):
+        self.element_ty = element_ty
+        assert isinstance(shape, (list, core.tuple))
+        self.shape = core.tuple(core._unwrap_shape(shape))
+        if not self.shape:
+            raise TypeError("0d block_type is forbidden")
+        self.numel = core.validate_block_shape(self.shape)
+
+    def block_type_name(self):
+        return f"<{self.shape}, {self.element_ty}>"
+
+    core.tuple_type.__init__ = tuple_type_init
+    core.tuple_type.name = property(tuple_type_name)
+    core.tuple.__init__ = tuple_init
+    core.tuple.type = property(tuple_type_get, tuple_type_set)
+    core.block_type.__init__ = block_type_init
+    core.block_type.name = property(block_type_name)
+    setattr(core.tuple_type, _MARK, True)
+
+
 def _owner(interpreter, name: str):
     """Where a replacement goes: a class of the interpreter module, or ("module") the
     module itself (its functions look each other up there at call time)."""
@@ -366,6 +423,7 @@ def patch_interpreter() -> None:
         target = _owner(interpreter, owner)
         ORIGINALS[owner, attr] = target.__dict__.get(attr)
         setattr(target, attr, fn)
+    _build_type_fields_lazily()
     setattr(interpreter.InterpreterBuilder, _MARK, True)
 
 

@@ -8,6 +8,11 @@ device) or the environment; the module skips itself when kernels were built for 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,7 +23,7 @@ from kernels import interpreter as interp
 from kernels._triton import tl, triton
 from oracle.tools import conformance
 from reference.codec import decode, encode
-from tests.helpers import same_float
+from tests.helpers import compile_env, same_float
 
 TL_FP8 = {"e4m3fn": tl.float8e4nv, "e5m2": tl.float8e5}
 TL_FNUZ = {"e4m3fnuz": tl.float8e4b8, "e5m2fnuz": tl.float8e5b16}
@@ -413,3 +418,35 @@ def test_fitting_stages_picks_the_deepest_pipeline_that_fits(monkeypatch):
     monkeypatch.setattr(kt, "_max_shared_mem", lambda device: 100000)
     assert kt.fitting_stages(fake, (1,), {"D": 64}, dev) == 1  # nothing fits: 1 stage
     assert kt.fitting_stages(fake, (1,), {"D": 256}, dev, deepest=2) == 1
+
+
+_TYPE_FIELDS = textwrap.dedent("""
+    import triton.language as tl
+
+    def type_fields():
+        named = tl.tuple([tl.constexpr(3), tl.constexpr(5)],
+                         tl.tuple_type([tl.constexpr_type(3), tl.constexpr_type(5)], ["x", "y"]))
+        grown = tl.tuple([tl.constexpr(1), tl.constexpr(2)])
+        grown._setitem(1, tl.constexpr(7))
+        blocks = [tl.block_type(tl.float32, [4, 2]), tl.block_type(tl.bfloat16, [16]),
+                  tl.block_type(tl.pointer_type(tl.float16), [8, 1, 2])]
+        return ([(b.name, str(b), str(b.shape), b.numel, b == b.with_element_ty(tl.float32))
+                 for b in blocks]
+                + [(str(t.type), t.type.name, t.type.fields, str(t)) for t in (named, grown)]
+                + [named.y.value, str(tl.tuple_type([tl.int32, tl.float16]))])
+""")
+
+
+def test_type_objects_read_the_fields_unpatched_triton_builds(tmp_path):
+    """The type fields the patch builds on first read (``tuple_type.name``,
+    ``block_type.name``, ``tuple.type``) equal what Triton 3.6 builds at construction: the
+    same objects described here and in a process that never patched the interpreter."""
+    here: dict = {}
+    exec(_TYPE_FIELDS, here)
+    assert interp.is_patched()
+    script = _TYPE_FIELDS + "\nimport kernels.interpreter as i\nassert not i.is_patched()\n" \
+                            "print(repr(type_fields()))"
+    r = subprocess.run([sys.executable, "-c", script], env=compile_env(tmp_path),
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert repr(here["type_fields"]()) == r.stdout.strip()
