@@ -245,3 +245,14 @@ def test_the_sm90_compile_checks_are_not_gpu_tests():
 
     assert collected("-m", "gpu or interp") == []
     assert len(collected()) >= 10
+
+
+def test_the_environment_script_keeps_bytecode_where_the_user_turned_it_off():
+    """`.ci/env` runs Python with bytecode written (the test run's hundred processes then
+    compile the project once) even under PYTHONDONTWRITEBYTECODE=1."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run([str(ROOT / ".ci" / "env"), "python", "-c",
+                        "import sys; print(sys.dont_write_bytecode)"],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False"]
