@@ -1,6 +1,7 @@
 """The reference cache (oracle/core/refcache.py): a hit judges exactly as a miss, an entry
-that cannot be trusted is recomputed and reported, the key follows the reference's sources
-and not the kernels', and concurrent writers leave a valid entry."""
+that cannot be trusted is recomputed and reported, a process serves the entries it holds
+from memory as copies, the key follows the reference's sources and not the kernels', and
+concurrent writers leave a valid entry."""
 
 from __future__ import annotations
 
@@ -87,22 +88,54 @@ def test_an_entry_that_cannot_be_trusted_is_recomputed_and_reported(tmp_path, da
         path.write_bytes(other.path(other.key("k", "g" * 16, ("arg", 1))).read_bytes())
     else:
         np.savez(path, **want)
-    got, calls, reported = _again(cache, want)
-    assert calls == [1] and cache.rejected == 1 and len(reported) == 1
+    reader = RefCache(tmp_path, source="s")  # a process that holds no entry in memory
+    got, calls, reported = _again(reader, want)
+    assert calls == [1] and reader.rejected == 1 and len(reported) == 1
     assert all(np.array_equal(got[k], want[k]) for k in want)
-    got, calls, reported = _again(cache, want)
-    assert calls == [] and not reported and cache.rejected == 1
+    after = RefCache(tmp_path, source="s")
+    got, calls, reported = _again(after, want)
+    assert calls == [] and not reported and after.rejected == 0 and after.memory_hits == 0
 
 
-def test_a_hit_returns_the_stored_bits(tmp_path):
-    """A second lookup computes nothing and returns arrays equal bit for bit, dtypes and
-    shapes included."""
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_a_hit_returns_the_stored_bits(tmp_path, where):
+    """A second lookup, from the file (another process) or from the process's memory,
+    computes nothing and returns arrays equal bit for bit, dtypes and shapes included."""
     cache, want, first, _ = _entry(tmp_path)
+    if where == "file":
+        cache = RefCache(tmp_path, source="s")
     got, calls, _ = _again(cache, want)
-    assert calls == [] and cache.hits == 1
+    assert calls == [] and cache.hits == 1 and cache.memory_hits == (where == "memory")
     for k in want:
         assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
         assert got[k].tobytes() == want[k].tobytes() == first[k].tobytes()
+
+
+def test_memory_hands_out_copies_and_keeps_the_recent_entries_within_its_bytes(tmp_path,
+                                                                             monkeypatch):
+    """An entry the process read or wrote is served again without a file read, as arrays
+    the caller may change without changing the next lookup's; past ``memory_bytes`` the
+    least recently used entry leaves memory (its next lookup reads the file) and an entry
+    larger than the budget is never kept."""
+    cache = RefCache(tmp_path, source="s", memory_bytes=2 * 8000)
+    arrays = {n: {"a": np.full(1000, n, np.float64)} for n in range(3)}  # 8000 B each
+    for n in (0, 1):
+        cache.get("k", f"{n:016}", (), lambda n=n: arrays[n])
+    reads = []
+    read = RefCache._read
+    monkeypatch.setattr(RefCache, "_read", lambda self, p, k: reads.append(k) or read(self, p, k))
+    got = cache.get("k", f"{0:016}", (), lambda: pytest.fail("computed"))
+    got["a"][:] = -1
+    assert reads == [] and np.all(cache.get("k", f"{0:016}", (), list)["a"] == 0)
+    cache.get("k", f"{2:016}", (), lambda: arrays[2])  # 1 is now the least recently used
+    assert len(reads) == 1
+    cache.get("k", f"{0:016}", (), list)
+    assert len(reads) == 1
+    assert np.all(cache.get("k", f"{1:016}", (), list)["a"] == 1) and len(reads) == 2
+    small = RefCache(tmp_path, source="s", memory_bytes=4000)
+    small.get("k", f"{0:016}", (), list)
+    small.get("k", f"{0:016}", (), list)
+    assert len(reads) == 4 and small.memory_hits == 0
 
 
 def test_a_source_change_misses_and_the_key_has_no_kernel_in_it(tmp_path):
