@@ -4,6 +4,10 @@ rows, its strides and offset), and a hit returns it without drawing it again."""
 
 from __future__ import annotations
 
+import gzip
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -86,3 +90,16 @@ def test_pack_refuses_what_it_cannot_keep(value, what):
     """A value pack cannot restore exactly is refused with its key named."""
     with pytest.raises(ValueError, match=rf"inputs\['v'\].*{what}"):
         inputsets.pack({"v": value})
+
+
+def test_the_cases_input_hashes_are_the_ones_the_cpu_baseline_holds():
+    """A sample of the committed CPU baseline's cases (every op, tiny and small) draws inputs
+    whose hash is the one the baseline recorded: a change to the case generator or to
+    ``input_hash`` would leave every baseline cell "changed inputs", compared on nothing."""
+    path = Path(__file__).resolve().parents[1] / "reports" / "baseline" / "cpu.json.gz"
+    recorded = {c["case"]: c["hash"] for cell in json.loads(gzip.open(path).read())["cells"]
+                for c in cell["per_case"]}
+    sample = sorted(recorded)[::12]
+    assert {Case.from_id(c).op for c in sample} == set(OPS) and len(sample) >= 30
+    assert {c: input_hash(make_inputs(Case.from_id(c))) for c in sample} == \
+        {c: recorded[c] for c in sample}

@@ -180,7 +180,7 @@ def input_hash(inputs: dict) -> str:
         if isinstance(value, np.ndarray):
             a = np.ascontiguousarray(value)
             h.update(str((a.dtype.str, a.shape)).encode())
-            h.update(a.tobytes())
+            h.update(a.reshape(-1).view(np.uint8))  # its bytes, without tobytes()'s copy
         else:
             h.update(repr(value).encode())
     return h.hexdigest()[:16]
