@@ -363,9 +363,11 @@ def _build_type_fields_lazily() -> None:
         self._type = type
 
     def tuple_type_get(self):
-        t = self.__dict__["_type"]
-        if t is None:
-            t = self._type = core._type_for_tuple_values(self.values)
+        d = self.__dict__
+        t = d.get("_type")
+        if t is None:  # not built yet, or built eagerly before the patch (as "type")
+            t = d.get("type") or core._type_for_tuple_values(self.values)
+            d["_type"] = t
         return t
 
     def tuple_type_set(self, t):

@@ -450,3 +450,12 @@ def test_type_objects_read_the_fields_unpatched_triton_builds(tmp_path):
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr[-2000:]
     assert repr(here["type_fields"]()) == r.stdout.strip()
+
+
+def test_a_tuple_built_before_the_patch_keeps_its_type():
+    """A ``tl.tuple`` whose type 3.6 built eagerly (an object made before the patch, its
+    type in the instance's ``type``) reads that type, not a rebuilt one."""
+    eager = tl.tuple_type([tl.constexpr_type(3)], ["x"])
+    t = object.__new__(tl.tuple)
+    t.__dict__.update(values=[tl.constexpr(3)], type=eager)
+    assert t.type is eager and t.x.value == 3
