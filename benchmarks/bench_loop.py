@@ -142,7 +142,8 @@ class Probe:
         cache = refcache.default_cache()
         return dict(tests=self.tests, test_s=self.test_s, jit_s=self.clock.seconds,
                     jit_count=self.clock.count, reference_s=self.reference_s,
-                    ref_hits=cache.hits, ref_misses=cache.misses, ref_rejected=cache.rejected)
+                    ref_hits=cache.hits, ref_memory_hits=cache.memory_hits,
+                    ref_misses=cache.misses, ref_rejected=cache.rejected)
 
 
 def pytest_configure(config):
@@ -214,7 +215,7 @@ def run_pytest(pytest_args: list[str], env: dict, probes: Path,
     wall = time.perf_counter() - t0
     ended = launched + wall
     totals = dict(tests=0, test_s=0.0, jit_s=0.0, jit_count=0, reference_s=0.0, ref_hits=0,
-                  ref_misses=0, ref_rejected=0)
+                  ref_memory_hits=0, ref_misses=0, ref_rejected=0)
     for f in probes.glob("probe-*.json"):
         for k, v in json.loads(f.read_text()).items():
             totals[k] += v
@@ -527,14 +528,16 @@ def markdown(doc: dict) -> str:
              + (f" Edited: the same caches, `{doc['edited']}` in it changed (its compiles "
                 f"redone)." if doc.get("edited") else ""), "",
              "| run | wall (s) | tests | test time (s) | JIT | reference | kernels and the "
-             "rest | compiles (built) | reference hits / misses / rejected | exit |",
+             "rest | compiles (built) | reference hits (from memory) / misses / rejected | "
+             "exit |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in doc["runs"].items():
         t = r["test_s"]
         lines.append(
             f"| {name} | {r['wall_s']:.1f} | {r['tests']} | {t:.1f} | {_share(r['jit_s'], t)} "
             f"| {_share(r['reference_s'], t)} | {_share(r['other_s'], t)} | {r['jit_count']} "
-            f"({r.get('built', '-')}) | {r['ref_hits']} / {r['ref_misses']} / "
+            f"({r.get('built', '-')}) | {r['ref_hits']} ({r.get('ref_memory_hits', '-')}) / "
+            f"{r['ref_misses']} / "
             f"{r['ref_rejected']} | {r['exit_code']} |")
     for name, r in doc["runs"].items():
         if r.get("built_by_kernel"):

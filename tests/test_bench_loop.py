@@ -52,6 +52,7 @@ def test_a_warm_run_alone_reuses_a_cold_runs_caches(tmp_path, capsys):
     assert cold["ref_misses"] > 0
     assert warm["ref_misses"] == 0 and warm["ref_hits"] == cold["ref_misses"] + cold["ref_hits"]
     for r in (cold, warm):
+        assert 0 <= r["ref_memory_hits"] <= r["ref_hits"]
         assert 0 < r["reference_s"] <= r["test_s"] <= r["wall_s"]
         assert r["jit_count"] == r["built"] == r["distinct_compiles"] == 0
         assert r["exit_code"] == 0
