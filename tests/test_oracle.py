@@ -10,8 +10,14 @@ from oracle.core import diff, report
 from oracle.core.bounds import norm_rope_bound
 from oracle.core.cases import OPS, Case, input_hash, make_inputs
 from oracle.core.checks import run_check
-from oracle.core.intervals import (admissible_range, classify, joint_value_exists, ordinal,
-                                   preimage, round_codes)
+from oracle.core.intervals import (
+    admissible_range,
+    classify,
+    joint_value_exists,
+    ordinal,
+    preimage,
+    round_codes,
+)
 from oracle.core.reference_run import attention_call
 from oracle.core.registry import Implementation, implementations
 from oracle.tools.soundness import (
