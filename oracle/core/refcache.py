@@ -159,6 +159,7 @@ class RefCache:
         self.memory_hits = 0  # the hits served from memory, no file read
         self.memory_bytes = memory_bytes
         self._memory: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._held = 0  # bytes in _memory
 
     def key(self, kind: str, input_hash: str, args) -> str:
         source = sources_hash(kind) if self.source is None else self.source
@@ -198,10 +199,10 @@ class RefCache:
         if size > self.memory_bytes:
             return
         self._memory[key] = {k: v.copy() for k, v in arrays.items()}
-        held = sum(a.nbytes for e in self._memory.values() for a in e.values())
-        while held > self.memory_bytes:
+        self._held += size
+        while self._held > self.memory_bytes:
             _, dropped = self._memory.popitem(last=False)
-            held -= sum(a.nbytes for a in dropped.values())
+            self._held -= sum(a.nbytes for a in dropped.values())
 
     def _read(self, path: Path, key: str) -> dict | None:
         """The entry's arrays, or None (absent, or rejected and reported)."""
