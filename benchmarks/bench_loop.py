@@ -435,7 +435,7 @@ def kernel_edited(path: Path, function: str):
     end = defs[function].body[0].end_lineno - 1
     body = lines[end].rstrip("\r\n")
     lines[end] = f"{body}  {EDIT_COMMENT}{lines[end][len(body):]}"
-    path.write_text("".join(lines))
+    path.write_bytes("".join(lines).encode())
     try:
         yield
     finally:
@@ -537,8 +537,7 @@ def markdown(doc: dict) -> str:
             f"| {name} | {r['wall_s']:.1f} | {r['tests']} | {t:.1f} | {_share(r['jit_s'], t)} "
             f"| {_share(r['reference_s'], t)} | {_share(r['other_s'], t)} | {r['jit_count']} "
             f"({r.get('built', '-')}) | {r['ref_hits']} ({r.get('ref_memory_hits', '-')}) / "
-            f"{r['ref_misses']} / "
-            f"{r['ref_rejected']} | {r['exit_code']} |")
+            f"{r['ref_misses']} / {r['ref_rejected']} | {r['exit_code']} |")
     for name, r in doc["runs"].items():
         if r.get("built_by_kernel"):
             top = ", ".join(f"{k} {n}" for k, n in r["built_by_kernel"].items())

@@ -158,7 +158,8 @@ class RefCache:
         self.hits = self.misses = self.rejected = 0
         self.memory_hits = 0  # the hits served from memory, no file read
         self.memory_bytes = memory_bytes
-        self._memory: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        # key -> (arrays, their bytes), least recently used first
+        self._memory: collections.OrderedDict[str, tuple[dict, int]] = collections.OrderedDict()
         self._held = 0  # bytes in _memory
 
     def key(self, kind: str, input_hash: str, args) -> str:
@@ -180,7 +181,7 @@ class RefCache:
             self._memory.move_to_end(key)
             self.hits += 1
             self.memory_hits += 1
-            return {k: v.copy() for k, v in self._memory[key].items()}
+            return {k: v.copy() for k, v in self._memory[key][0].items()}
         path = self.path(key)
         found = self._read(path, key)
         if found is not None:
@@ -198,11 +199,11 @@ class RefCache:
         size = sum(a.nbytes for a in arrays.values())
         if size > self.memory_bytes:
             return
-        self._memory[key] = {k: v.copy() for k, v in arrays.items()}
+        self._memory[key] = ({k: v.copy() for k, v in arrays.items()}, size)
         self._held += size
         while self._held > self.memory_bytes:
-            _, dropped = self._memory.popitem(last=False)
-            self._held -= sum(a.nbytes for a in dropped.values())
+            _, (_, dropped) = self._memory.popitem(last=False)
+            self._held -= dropped
 
     def _read(self, path: Path, key: str) -> dict | None:
         """The entry's arrays, or None (absent, or rejected and reported)."""
